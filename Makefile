@@ -1,0 +1,32 @@
+# `make demo` and `make test` each set up .venv first (once). The CPU build of torch is pinned
+# here so a fresh machine never downloads CUDA wheels; to keep a torch you already have, run with
+# TORCH= VENV_FLAGS=--system-site-packages (see README).
+PY ?= python3
+VENV ?= .venv
+VENV_FLAGS ?=
+TORCH ?= torch==2.13.0
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PY) -m venv $(VENV_FLAGS) $(VENV)
+	$(if $(TORCH),$(BIN)/python -m pip install -q "$(TORCH)")
+	$(BIN)/python -m pip install -q -e ".[dev,jax]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m zero demo
+
+test: $(STAMP) lint
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check zero tests bench
+
+bench: $(STAMP)
+	$(BIN)/python bench/plan_bench.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,73 @@
+"""Planning time and imbalance: zero's planner vs torch's ZeroRedundancyOptimizer constructor.
+
+Torch's constructor is run with meta parameters and a faked world size (no process group), so it
+does exactly its partition work. Usage: python bench/plan_bench.py [--presets ...] [--worlds ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from tests.torch_reference import torch_zero  # noqa: E402
+from zero import make_plan, partition  # noqa: E402
+from zero.plan import PLAN_STRATEGIES  # noqa: E402
+from zero.presets import preset  # noqa: E402
+
+
+def timed(fn, repeat: int = 1) -> tuple[float, object]:
+    best, out = float("inf"), None
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t0)
+    return best, out
+
+
+def torch_constructor_seconds(metas, world_size: int) -> float:
+    params = [torch.empty(m.shape, device="meta", requires_grad=True) for m in metas]
+    seconds, opt = timed(lambda: torch_zero(params, world_size))
+    if seconds < 1.0:  # cheap enough to take the best of three, as for ours
+        seconds = min(seconds, timed(lambda: torch_zero(params, world_size), repeat=2)[0])
+    # Check torch's partition is ours, so the two timings are of the same work.
+    ours = partition(metas, world_size)
+    index = {id(p): i for i, p in enumerate(params)}
+    got = [[index[id(p)] for g in groups for p in g["params"]] for groups in opt._partition_parameters_cache]
+    assert got == [list(ours.params_of(r)) for r in range(world_size)], "partitions differ"
+    return seconds
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--presets", nargs="+", default=["gpt2", "llama-7b", "moe-100k"])
+    ap.add_argument("--worlds", nargs="+", type=int, default=[2, 8, 64, 256, 1024])
+    args = ap.parse_args()
+    torch_zero([torch.empty(3, device="meta", requires_grad=True)], 2)  # one-time warm-up
+    table = Table(title="planning time (s) and imbalance; torch = its constructor, same partition")
+    for col in ["model", "W", "torch ctor s", "sorted_greedy s", "ratio"] + \
+               [f"{s} imb" for s in PLAN_STRATEGIES] + ["flat s", "make_plan s"]:
+        table.add_column(col, justify="right")
+    for name in args.presets:
+        metas = preset(name)
+        for w in args.worlds:
+            t_torch = torch_constructor_seconds(metas, w)
+            t_ours, _ = timed(lambda m=metas, w=w: partition(m, w), repeat=3)
+            t_plan, _ = timed(lambda m=metas, w=w: make_plan(m, w))
+            t_flat, _ = timed(lambda m=metas, w=w: make_plan(m, w, "flat"))
+            imb = [make_plan(metas, w, s).imbalance for s in PLAN_STRATEGIES]
+            table.add_row(name, str(w), f"{t_torch:.4f}", f"{t_ours:.4f}", f"{t_ours / t_torch:.3f}",
+                          *[f"{x:.4f}" for x in imb], f"{t_flat:.3f}", f"{t_plan:.3f}")
+            Console().print(f"{name} W={w}: torch {t_torch:.3f}s, ours {t_ours:.4f}s", style="dim")
+    Console(width=200).print(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""The `zero` command line, run as users run it."""
+
+import json
+import subprocess
+import sys
+
+from zero import Plan
+
+
+def zero(*args, check=True):
+    return subprocess.run([sys.executable, "-m", "zero", *args], capture_output=True, text=True,
+                          check=check)
+
+
+def test_plan_preset_and_json(tmp_path):
+    out = tmp_path / "plan.json"
+    res = zero("plan", "--preset", "llama-7b", "-w", "64", "--strategy", "greedy", "--json", str(out))
+    assert "greedy on 64 ranks" in res.stdout and "saved" in res.stdout
+    plan = Plan.from_json(out.read_text())
+    assert plan.world_size == 64 and len(plan.metas) == 291
+
+
+def test_plan_compare_lists_every_strategy():
+    res = zero("plan", "--preset", "gpt2", "-w", "8", "--compare")
+    for strategy in ("sorted_greedy", "greedy", "contiguous", "flat"):
+        assert strategy in res.stdout
+
+
+def test_plan_shapes_file_and_torch_model(tmp_path):
+    shapes = tmp_path / "shapes.json"
+    shapes.write_text(json.dumps({"w": [300, 20], "b": [20], "emb": {"shape": [50, 20], "dtype": "bfloat16"}}))
+    assert "3 " in zero("plan", "--shapes", str(shapes), "-w", "2", "--compare").stdout
+    mod = tmp_path / "tiny_model.py"
+    mod.write_text("from torch import nn\ndef build():\n    return nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))\n")
+    res = subprocess.run([sys.executable, "-m", "zero", "plan", "--model", "tiny_model:build", "-w", "3"],
+                         capture_output=True, text=True, check=True, cwd=tmp_path,
+                         env={"PYTHONPATH": str(tmp_path), "PATH": ""})
+    assert "sorted_greedy on 3 ranks" in res.stdout
+
+
+def test_bad_arguments_fail_cleanly(tmp_path):
+    res = zero("plan", "--preset", "gpt2", "-w", "0", check=False)
+    assert res.returncode == 2 and "world_size must be a positive int, got 0" in res.stderr
+    res = zero("plan", "--model", "nocolon", check=False)
+    assert res.returncode == 2 and "module:attr" in res.stderr

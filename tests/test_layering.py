@@ -1,0 +1,22 @@
+"""The layering rule of DESIGN.md, checked in fresh interpreters."""
+
+import subprocess
+import sys
+
+
+def loaded(module: str, names: list[str]) -> list[str]:
+    code = f"import sys, {module}; print(' '.join(n for n in {names!r} if n in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return out.stdout.split()
+
+
+def test_import_zero_loads_neither_torch_nor_jax_nor_rich():
+    assert loaded("zero", ["torch", "jax", "rich", "optree"]) == []
+
+
+def test_plans_compute_without_torch():
+    code = ("import sys, zero; from zero.presets import preset; "
+            "p = zero.make_plan(preset('gpt2'), 8); str(p); "
+            "assert 'torch' not in sys.modules and 'jax' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
+

@@ -1,0 +1,75 @@
+"""param_metas: every input kind, and a clear error for each bad one."""
+
+import re
+
+import pytest
+import torch
+from torch import nn
+
+from zero import ParamMeta, param_metas
+
+
+def test_tensors_and_groups():
+    a, b = torch.zeros(3, 4, requires_grad=True), torch.zeros(5, dtype=torch.bfloat16, requires_grad=True)
+    c = torch.zeros(2)
+    metas = param_metas([{"params": [a, b], "lr": 1.0}, {"params": c}])
+    assert [(m.shape, m.dtype, m.group, m.requires_grad) for m in metas] == [
+        ((3, 4), "float32", 0, True), ((5,), "bfloat16", 0, True), ((2,), "float32", 1, False)]
+    assert metas[0].numel == 12 and metas[0].nbytes == 48 and metas[1].nbytes == 10
+    assert [m.name for m in param_metas(iter([a, b]))] == ["0", "1"]
+
+
+def test_module_names_and_meta_device():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4096, 4096), nn.LayerNorm(4096))
+    metas = param_metas(model)
+    assert [m.name for m in metas] == ["0.weight", "0.bias", "1.weight", "1.bias"]
+    assert metas[0].device == "meta" and metas[0].numel == 4096 * 4096
+    assert param_metas(model, device="cuda:0")[0].device == "cuda:0"
+
+
+def test_mapping_of_shapes():
+    metas = param_metas({"w": (3, 4), "b": 4, "e": {"shape": [10, 2], "dtype": "bfloat16",
+                                                     "requires_grad": False}})
+    assert metas == [ParamMeta("w", (3, 4)), ParamMeta("b", (4,)),
+                     ParamMeta("e", (10, 2), "bfloat16", requires_grad=False)]
+
+
+def test_jax_pytree_of_arrays_and_shape_dtype_structs():
+    jax = pytest.importorskip("jax", reason="JAX is the optional zero[jax] extra")
+    import jax.numpy as jnp
+
+    tree = {"dense": {"kernel": jnp.zeros((3, 4)), "bias": jnp.zeros(4, jnp.bfloat16)},
+            "emb": [jax.ShapeDtypeStruct((10, 2), jnp.float32)]}
+    metas = param_metas(tree)
+    by_name = {m.name: m for m in metas}
+    assert by_name["['dense']['kernel']"].shape == (3, 4)
+    assert by_name["['dense']['bias']"].dtype == "bfloat16"
+    assert by_name["['dense']['bias']"].device == "cpu"
+    assert by_name["['emb'][0]"].device == "meta"
+
+
+@pytest.mark.parametrize("obj, exc, words", [
+    ([], ValueError, "empty"),
+    ({}, ValueError, "empty"),
+    ([torch.zeros(2), "x"], TypeError, "params[1] is a str"),
+    (torch.zeros(3), TypeError, "single tensor"),
+    (42, TypeError, "cannot read parameters from int"),
+    ([{"lr": 1.0}], ValueError, "param group 0 has no 'params'"),
+    ({"w": "big"}, TypeError, "parameter 'w'"),
+    ({"w": (3, -1)}, ValueError, "non-negative"),
+    ({"w": {"shape": [2], "dtype": "float13"}}, ValueError, "float13"),
+])
+def test_bad_inputs_name_the_problem(obj, exc, words):
+    with pytest.raises(exc, match=re.escape(words)):
+        param_metas(obj)
+
+
+def test_duplicate_and_sparse_parameters():
+    a = torch.zeros(3)
+    with pytest.raises(ValueError, match=r"params\[1\] is the same tensor as params\[0\]"):
+        param_metas([a, a])
+    with pytest.raises(ValueError, match=r"params\[2\] is the same tensor as params\[0\]"):
+        param_metas([{"params": [a, torch.zeros(1)]}, {"params": [a]}])
+    with pytest.raises(ValueError, match="sparse"):
+        param_metas([torch.zeros(3, 3).to_sparse()])

@@ -1,0 +1,94 @@
+"""make_plan accounting, the readable table, and errors at the boundary."""
+
+import json
+
+import pytest
+
+from zero import ParamMeta, assign_ddp_buckets, ddp_buckets, flat_layout, make_plan, partition
+from zero.plan import Plan
+from zero.presets import preset
+
+METAS = [ParamMeta("a", (100,)), ParamMeta("b", (60,)), ParamMeta("c", (50,)),
+         ParamMeta("frozen", (1000,), requires_grad=False), ParamMeta("h", (30,), "bfloat16")]
+
+
+def test_accounting_for_a_small_model():
+    plan = make_plan(METAS, 2, "sorted_greedy", "state_bytes", "adam")
+    # state_bytes weighs a=804, b=484, c=404, h=124 (bf16), frozen=0; sorted greedy gives
+    # a->0, b->1, c->1 (484 < 804), h->0 (804 < 888), frozen->1 (888 < 928).
+    assert plan.partition.owner == (0, 1, 1, 1, 0)
+    r0, r1 = plan.ranks
+    assert (r0.state_bytes, r1.state_bytes) == (804 + 124, 484 + 404)
+    assert r0.param_bytes == r1.param_bytes == 4 * 1210 + 2 * 30
+    assert r0.grad_bytes == 4 * 210 + 60
+    # broadcast: rank 0 sends a (400 B) + h (60 B) and receives b + c (440 B).
+    assert r0.broadcast_bytes == (460, 440) and r1.broadcast_bytes == (440, 460)
+    # all_gather per (device, dtype): fp32 blocks of max(400, 440), bf16 blocks of max(60, 0).
+    assert r0.all_gather_bytes == r1.all_gather_bytes == (440 + 60, 440 + 60)
+    assert plan.imbalance == 928 / max(804, 1816 / 2)
+
+
+def test_torch_weighting_counts_frozen_params():
+    plan = make_plan(METAS, 2)
+    assert plan.partition.owner[3] == 0 and plan.partition.loads[0] >= 1000
+
+
+def test_flat_layout_figures():
+    ms = [ParamMeta("a", (5,)), ParamMeta("b", (6,))]
+    layout = flat_layout(ms, 4, alignment=2)
+    (buf,) = layout.buffers
+    assert (buf.numel, buf.padded_numel, buf.shard_numel, buf.padding) == (11, 16, 4, 5)
+    assert [(s.rank, s.start, s.end) for s in layout.segments(1)] == [(1, 0, 3), (2, 3, 6)]
+    plan = make_plan(ms, 4, "flat", alignment=2)
+    assert [r.numel for r in plan.ranks] == [4, 4, 3, 0]
+    assert all(r.state_bytes == 2 * 4 * 4 + 4 and r.padding_bytes == 20 for r in plan.ranks)
+
+
+def test_presets_plan_and_render():
+    for name, count in [("gpt2", 148), ("llama-7b", 291)]:
+        ms = preset(name)
+        assert len(ms) == count
+        text = str(make_plan(ms, 8))
+        assert "imbalance" in text and "rank" in text
+    assert 120e6 < sum(m.numel for m in preset("gpt2")) < 130e6
+    assert 6.5e9 < sum(m.numel for m in preset("llama-7b")) < 6.9e9
+
+
+def test_large_world_table_elides_middle_ranks():
+    text = str(make_plan(preset("gpt2"), 256))
+    assert "..." in text and "255" in text
+
+
+def test_from_json_detects_tampering():
+    text = make_plan(METAS, 3).to_json()
+    data = json.loads(text)
+    data["inputs"]["world_size"] = 4
+    with pytest.raises(ValueError, match="fingerprint"):
+        Plan.from_json(json.dumps(data))
+    with pytest.raises(ValueError, match="format"):
+        Plan.from_json(json.dumps({**data, "format": 99}))
+
+
+@pytest.mark.parametrize("call, words", [
+    (lambda: partition([], 2), "empty"),
+    (lambda: partition(["x"], 2), "metas[0] is a str"),
+    (lambda: partition(METAS, 0), "world_size must be a positive int, got 0"),
+    (lambda: partition(METAS, 2.5), "got 2.5"),
+    (lambda: partition(METAS, 2, "random"), "unknown strategy 'random'"),
+    (lambda: partition(METAS, 2, "flat"), "flat_layout"),
+    (lambda: partition(METAS, 2, weight="flops"), "unknown weight 'flops'"),
+    (lambda: partition(METAS, 2, weight=lambda m: -1), "non-negative"),
+    (lambda: partition(METAS, 2, weight="state_bytes", optimizer="adamx"), "unknown optimizer 'adamx'"),
+    (lambda: partition(METAS, 2).params_of(2), "rank 2 is out of range"),
+    (lambda: flat_layout(METAS, 2, alignment=0), "alignment"),
+    (lambda: make_plan(METAS, 2, weight=len), "weight 'numel' or 'state_bytes'"),
+    (lambda: assign_ddp_buckets([[1], []], 2), "DDP bucket 1 is empty"),
+    (lambda: assign_ddp_buckets([[1, -3]], 2), "bad numel"),
+    (lambda: ddp_buckets(METAS, bucket_cap_mb=0), "bucket_cap_mb"),
+    (lambda: ddp_buckets(METAS, order=[0, 0]), "distinct"),
+    (lambda: ParamMeta("x", (2,), group=-1), "group"),
+])
+def test_bad_inputs(call, words):
+    with pytest.raises((ValueError, TypeError)) as info:
+        call()
+    assert words in str(info.value)

@@ -1,0 +1,66 @@
+"""Rich tables for plans (rich is imported only when something is printed)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = ["plan_table", "compare_table", "render", "mib"]
+
+
+def mib(n: int) -> str:
+    return f"{n / 2**20:,.1f}"
+
+
+def plan_table(plan, max_rows: int = 16):
+    from rich.table import Table
+
+    t = Table(title=f"{plan.strategy} on {plan.world_size} ranks, weight={plan.weight}, "
+                    f"optimizer={plan.optimizer}: imbalance {plan.imbalance:.4f}, "
+                    f"fingerprint {plan.fingerprint}")
+    for col in ("rank", "params", "numel", "load", "state MiB", "total MiB", "padding MiB",
+                "bcast sent/recv MiB", "all_gather sent/recv MiB"):
+        t.add_column(col, justify="right")
+    ranks = plan.ranks
+    shown = ranks if len(ranks) <= max_rows else ranks[: max_rows // 2] + (None,) + ranks[-(max_rows // 2):]
+    for r in shown:
+        if r is None:
+            t.add_row(*["..."] * 9)
+            continue
+        t.add_row(str(r.rank), str(r.params), f"{r.numel:,}", f"{r.load:,}", mib(r.state_bytes),
+                  mib(r.total_bytes), mib(r.padding_bytes),
+                  f"{mib(r.broadcast_bytes[0])} / {mib(r.broadcast_bytes[1])}",
+                  f"{mib(r.all_gather_bytes[0])} / {mib(r.all_gather_bytes[1])}")
+    return t
+
+
+def compare_table(plans: Sequence):
+    """One row per plan: the figures that tell strategies apart."""
+    from rich.table import Table
+
+    first = plans[0]
+    t = Table(title=f"{len(first.metas)} tensors on {first.world_size} ranks, optimizer={first.optimizer}")
+    for col in ("strategy", "weight", "imbalance", "max state MiB", "min state MiB",
+                "max bcast sent MiB", "all_gather sent MiB", "padding MiB", "fingerprint"):
+        t.add_column(col, justify="right")
+    for p in plans:
+        states = [r.state_bytes for r in p.ranks]
+        t.add_row(p.strategy, p.weight, f"{p.imbalance:.4f}", mib(max(states)), mib(min(states)),
+                  mib(max(r.broadcast_bytes[0] for r in p.ranks)), mib(p.ranks[0].all_gather_bytes[0]),
+                  mib(p.ranks[0].padding_bytes), p.fingerprint)
+    return t
+
+
+def render(renderable, width: int = 160) -> str:
+    from rich.console import Console
+
+    console = Console(width=width, record=True, file=_Null())
+    console.print(renderable)
+    return console.export_text()
+
+
+class _Null:
+    def write(self, _s):
+        return 0
+
+    def flush(self):
+        pass

@@ -1,0 +1,111 @@
+"""What parameters cost: optimizer-state bytes, partition weights, and bytes on the wire.
+
+The per-optimizer figures are those of `torch.optim`'s default (non-fused, non-capturable)
+implementations: ``slots`` state tensors shaped like the parameter (in its dtype) plus
+``scalar_bytes`` of per-parameter scalars (Adam's float32 ``step`` tensor). State exists only for
+trainable parameters, because torch creates it lazily on the first gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from zero.meta import ParamMeta
+
+__all__ = ["OptimizerState", "OPTIMIZERS", "optimizer_state", "state_bytes", "weights",
+           "sync_bytes"]
+
+
+@dataclass(frozen=True)
+class OptimizerState:
+    """State an optimizer keeps per parameter: ``slots`` param-shaped tensors + scalars."""
+
+    slots: int
+    scalar_bytes: int = 0
+
+    def bytes_for(self, meta: ParamMeta) -> int:
+        if not meta.requires_grad:
+            return 0
+        return self.slots * meta.nbytes + self.scalar_bytes
+
+
+OPTIMIZERS: dict[str, OptimizerState] = {
+    "sgd": OptimizerState(0),
+    "sgd_momentum": OptimizerState(1),
+    "adam": OptimizerState(2, 4),
+    "adamw": OptimizerState(2, 4),
+    "adam_amsgrad": OptimizerState(3, 4),
+    "nadam": OptimizerState(2, 8),  # step and mu_product
+    "radam": OptimizerState(2, 4),
+    "adamax": OptimizerState(2, 4),
+    "adagrad": OptimizerState(1, 4),
+    "adadelta": OptimizerState(2, 4),
+    "rmsprop": OptimizerState(1, 4),
+    "rprop": OptimizerState(2, 4),
+    "lion": OptimizerState(1),
+    "lamb": OptimizerState(2, 4),
+}
+
+
+def optimizer_state(optimizer: str | OptimizerState) -> OptimizerState:
+    """Look up an optimizer's state shape by name (see ``OPTIMIZERS``)."""
+    if isinstance(optimizer, OptimizerState):
+        return optimizer
+    key = str(optimizer).lower()
+    if key not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {optimizer!r}; known: {', '.join(sorted(OPTIMIZERS))}")
+    return OPTIMIZERS[key]
+
+
+def state_bytes(meta: ParamMeta, optimizer: str | OptimizerState = "adam") -> int:
+    """Bytes of optimizer state ``optimizer`` keeps for ``meta`` (0 for frozen params)."""
+    return optimizer_state(optimizer).bytes_for(meta)
+
+
+Weight = str | Callable[[ParamMeta], int]
+
+
+def weights(metas: Sequence[ParamMeta], weight: Weight = "numel",
+            optimizer: str | OptimizerState = "adam") -> list[int]:
+    """The load each parameter puts on the rank that owns it.
+
+    ``"numel"`` counts every parameter, frozen ones included (torch's rule); ``"state_bytes"``
+    counts the optimizer state it will hold, so frozen parameters weigh nothing. When no
+    parameter has state (plain SGD), ``"state_bytes"`` balances trainable elements instead, since
+    any placement is then equally good for memory and compute is what is left to balance.
+    A callable maps each `ParamMeta` to a non-negative int.
+    """
+    if weight == "numel":
+        return [m.numel for m in metas]
+    if weight == "state_bytes":
+        spec = optimizer_state(optimizer)
+        ws = [spec.bytes_for(m) for m in metas]
+        return ws if any(ws) else [m.numel if m.requires_grad else 0 for m in metas]
+    if callable(weight):
+        ws = [weight(m) for m in metas]
+        bad = [(m.name, w) for m, w in zip(metas, ws)
+               if not isinstance(w, int) or isinstance(w, bool) or w < 0]
+        if bad:
+            raise ValueError(f"weight function returned {bad[0][1]!r} for {bad[0][0]!r}; "
+                             "weights must be non-negative ints")
+        return ws
+    raise ValueError(f"unknown weight {weight!r}; use 'numel', 'state_bytes' or a callable")
+
+
+def sync_bytes(shard_bytes: Sequence[int], collective: str) -> list[tuple[int, int]]:
+    """(sent, received) bytes per rank for one parameter sync after the local step.
+
+    ``"broadcast"``: each rank sends its shard to every peer and receives every other shard
+    (the logical volume, as with torch's per-rank broadcasts). ``"all_gather"``: a ring
+    all-gather of equal blocks, so every shard is padded to the largest one and each rank both
+    sends and receives ``(W - 1)`` blocks.
+    """
+    w = len(shard_bytes)
+    total = sum(shard_bytes)
+    if collective == "broadcast":
+        return [((w - 1) * b, total - b) for b in shard_bytes]
+    if collective == "all_gather":
+        block = max(shard_bytes, default=0)
+        return [((w - 1) * block, (w - 1) * block)] * w
+    raise ValueError(f"unknown collective {collective!r}; use 'broadcast' or 'all_gather'")

@@ -1,0 +1,95 @@
+"""The ``zero`` command line: ``zero plan`` prints, compares and saves plans."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from pathlib import Path
+
+from zero.accounting import OPTIMIZERS
+from zero.meta import param_metas
+from zero.plan import PLAN_STRATEGIES, make_plan
+from zero.presets import PRESETS, preset
+
+__all__ = ["main", "load_metas"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="zero", description="Sharded-optimizer plans and demos.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("plan", help="print the plan for a model's parameters")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--preset", choices=sorted(PRESETS), help="a built-in shape list")
+    src.add_argument("--shapes", type=Path, help="JSON file: {name: shape} or {name: {shape, dtype, ...}}")
+    src.add_argument("--model", help="module:attr naming an nn.Module or a factory (built on meta)")
+    p.add_argument("-w", "--world-size", type=int, default=8)
+    p.add_argument("--strategy", choices=PLAN_STRATEGIES, default="sorted_greedy")
+    p.add_argument("--weight", choices=("numel", "state_bytes"), default="numel")
+    p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adam")
+    p.add_argument("--alignment", type=int, default=1, help="flat shard alignment (elements)")
+    p.add_argument("--compare", action="store_true", help="every strategy side by side")
+    p.add_argument("--rows", type=int, default=16, help="ranks shown in the table")
+    p.add_argument("--json", type=Path, help="save the plan as JSON here")
+    d = sub.add_parser("demo", help="the main demo")
+    d.add_argument("-w", "--world-size", type=int, default=8)
+    return parser
+
+
+def load_metas(args: argparse.Namespace):
+    """Parameter metadata from whichever source the arguments name."""
+    if args.preset:
+        return preset(args.preset)
+    if args.shapes:
+        return param_metas(json.loads(args.shapes.read_text()))
+    module_name, _, attr = args.model.partition(":")
+    if not attr:
+        raise ValueError(f"--model {args.model!r} must look like module:attr")
+    import torch
+
+    obj = getattr(importlib.import_module(module_name), attr)
+    if not isinstance(obj, torch.nn.Module):
+        with torch.device("meta"):  # plan a model of any size without allocating it
+            obj = obj()
+    return param_metas(obj)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from zero._render import compare_table, render
+
+    metas = load_metas(args)
+    if args.compare:
+        plans = [make_plan(metas, args.world_size, s, w, args.optimizer, args.alignment)
+                 for s in PLAN_STRATEGIES for w in ("numel", "state_bytes")
+                 if not (s == "flat" and w == "state_bytes")]
+        print(render(compare_table(plans)))
+        return 0
+    plan = make_plan(metas, args.world_size, args.strategy, args.weight, args.optimizer, args.alignment)
+    print(render(plan.table(args.rows)))
+    if args.json:
+        args.json.write_text(plan.to_json())
+        print(f"saved {args.json}")
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    """Plan GPT-2 and LLaMA-7B with every strategy: what each rank would hold and send."""
+    from zero._render import compare_table, render
+
+    for name in ("gpt2", "llama-7b"):
+        metas = preset(name)
+        plans = [make_plan(metas, args.world_size, s, "state_bytes" if s != "flat" else "numel")
+                 for s in PLAN_STRATEGIES]
+        print(render(compare_table(plans)))
+    print(make_plan(preset("gpt2"), args.world_size))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return {"plan": _plan, "demo": _demo}[args.command](args)
+    except (ValueError, TypeError, OSError) as e:
+        print(f"zero {args.command}: error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,162 @@
+"""How parameters pack into flat buffers: bucket views of a partition, and element-level shards.
+
+Both layouts hold trainable parameters only (frozen ones never change, so never travel) and key
+their buffers by (device, dtype), since one flat tensor has one of each.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from zero.meta import ParamMeta
+from zero.partition import Partition, check_metas, check_rank, check_world_size
+
+__all__ = ["Bucket", "BucketLayout", "bucket_views", "Segment", "FlatBuffer", "FlatLayout",
+           "flat_layout"]
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One rank's flat bucket for one (device, dtype): ``params[k]`` lives at ``offsets[k]``."""
+
+    device: str
+    dtype: str
+    rank: int
+    params: tuple[int, ...]
+    offsets: tuple[int, ...]
+    numel: int
+
+
+@dataclass(frozen=True)
+class BucketLayout:
+    """The buckets that ``parameters_as_bucket_view=True`` allocates: per key, one per rank."""
+
+    world_size: int
+    buckets: tuple[Bucket, ...]
+
+    def of(self, rank: int) -> tuple[Bucket, ...]:
+        check_rank(rank, self.world_size)
+        return tuple(b for b in self.buckets if b.rank == rank)
+
+
+def bucket_views(metas: Sequence[ParamMeta], part: Partition) -> BucketLayout:
+    """Offsets of each trainable parameter inside its owner's bucket, per (device, dtype).
+
+    Parameters appear in the order the owner's local optimizer receives them
+    (``part.params_of(rank)``), as torch lays out its buckets.
+    """
+    metas = check_metas(metas)
+    if len(part.owner) != len(metas):
+        raise ValueError(f"partition covers {len(part.owner)} params but metas has {len(metas)}")
+    keys = list(dict.fromkeys(_key(m) for m in metas if m.requires_grad))
+    buckets = []
+    for device, dtype in keys:
+        for rank in range(part.world_size):
+            idx = [i for i in part.params_of(rank)
+                   if metas[i].requires_grad and _key(metas[i]) == (device, dtype)]
+            offsets = _offsets([metas[i].numel for i in idx])
+            buckets.append(Bucket(device, dtype, rank, tuple(idx), tuple(offsets[:-1]), offsets[-1]))
+    return BucketLayout(part.world_size, tuple(buckets))
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Elements ``start:end`` of a parameter (flattened) belong to ``rank``'s shard."""
+
+    rank: int
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class FlatBuffer:
+    """All trainable params of one (device, dtype), packed and padded into equal shards.
+
+    ``params[k]`` occupies ``offsets[k]:offsets[k] + numel`` of the buffer; rank ``r`` owns
+    ``r * shard_numel:(r + 1) * shard_numel``; ``segments[k]`` says which ranks hold which
+    elements of ``params[k]``.
+    """
+
+    device: str
+    dtype: str
+    params: tuple[int, ...]
+    offsets: tuple[int, ...]
+    numel: int
+    padded_numel: int
+    shard_numel: int
+    segments: tuple[tuple[Segment, ...], ...]
+
+    @property
+    def padding(self) -> int:
+        return self.padded_numel - self.numel
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """Element-level shards (DeepSpeed ZeRO-1/2): every rank owns an equal slice of each buffer."""
+
+    world_size: int
+    alignment: int
+    buffers: tuple[FlatBuffer, ...]
+
+    def segments(self, index: int) -> tuple[Segment, ...]:
+        """Where parameter ``metas[index]`` lives; empty for frozen or empty parameters."""
+        for buf in self.buffers:
+            if index in buf.params:
+                return buf.segments[buf.params.index(index)]
+        return ()
+
+    @property
+    def shard_numel(self) -> int:
+        """Elements each rank owns, summed over buffers (equal on every rank)."""
+        return sum(b.shard_numel for b in self.buffers)
+
+
+def flat_layout(metas: Sequence[ParamMeta], world_size: int, alignment: int = 1) -> FlatLayout:
+    """Pack trainable params per (device, dtype) into buffers padded to ``world_size * alignment``.
+
+    ``alignment`` (elements) makes every shard boundary a multiple of it, e.g. 128 bytes / itemsize
+    for aligned NCCL transfers.
+    """
+    metas = check_metas(metas)
+    check_world_size(world_size)
+    if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment < 1:
+        raise ValueError(f"alignment must be a positive int, got {alignment!r}")
+    by_key: dict[tuple[str, str], list[int]] = {}
+    for i, m in enumerate(metas):
+        if m.requires_grad:
+            by_key.setdefault(_key(m), []).append(i)
+    buffers = tuple(_flat_buffer(metas, key, idx, world_size, alignment) for key, idx in by_key.items())
+    return FlatLayout(world_size, alignment, buffers)
+
+
+def _flat_buffer(metas, key, idx, world_size, alignment) -> FlatBuffer:
+    numels = [metas[i].numel for i in idx]
+    offsets = _offsets(numels)
+    total = offsets[-1]
+    quantum = world_size * alignment
+    padded = max(quantum, math.ceil(total / quantum) * quantum)
+    shard = padded // world_size
+    segments = tuple(_segments(off, n, shard) for off, n in zip(offsets, numels))
+    return FlatBuffer(key[0], key[1], tuple(idx), tuple(offsets[:-1]), total, padded, shard, segments)
+
+
+def _segments(offset: int, numel: int, shard: int) -> tuple[Segment, ...]:
+    segs = []
+    for rank in range(offset // shard, (offset + numel - 1) // shard + 1) if numel else ():
+        lo, hi = max(offset, rank * shard), min(offset + numel, (rank + 1) * shard)
+        segs.append(Segment(rank, lo - offset, hi - offset))
+    return tuple(segs)
+
+
+def _offsets(numels: Sequence[int]) -> list[int]:
+    out = [0]
+    for n in numels:
+        out.append(out[-1] + n)
+    return out
+
+
+def _key(m: ParamMeta) -> tuple[str, str]:
+    return (m.device, m.dtype)
