@@ -53,7 +53,7 @@ def main() -> None:
     torch_zero([torch.empty(3, device="meta", requires_grad=True)], 2)  # one-time warm-up
     table = Table(title="planning time (s) and imbalance; torch = its constructor, same partition")
     for col in ["model", "W", "torch ctor s", "sorted_greedy s", "ratio"] + \
-               [f"{s} imb" for s in PLAN_STRATEGIES] + ["flat s", "make_plan s"]:
+               [f"{s} imb" for s in PLAN_STRATEGIES] + ["flat s", "make_plan s", "plan ratio"]:
         table.add_column(col, justify="right")
     for name in args.presets:
         metas = preset(name)
@@ -64,7 +64,7 @@ def main() -> None:
             t_flat, _ = timed(lambda m=metas, w=w: make_plan(m, w, "flat"))
             imb = [make_plan(metas, w, s).imbalance for s in PLAN_STRATEGIES]
             table.add_row(name, str(w), f"{t_torch:.4f}", f"{t_ours:.4f}", f"{t_ours / t_torch:.3f}",
-                          *[f"{x:.4f}" for x in imb], f"{t_flat:.3f}", f"{t_plan:.3f}")
+                          *[f"{x:.4f}" for x in imb], f"{t_flat:.3f}", f"{t_plan:.3f}", f"{t_plan / t_torch:.3f}")
             Console().print(f"{name} W={w}: torch {t_torch:.3f}s, ours {t_ours:.4f}s", style="dim")
     Console(width=200).print(table)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["ParamMeta", "param_metas", "itemsize"]
@@ -45,23 +45,19 @@ class ParamMeta:
     device: str = "cpu"
     group: int = 0
     requires_grad: bool = True
+    numel: int = field(init=False, repr=False, compare=False)
+    nbytes: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         shape = tuple(self.shape)
         if any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in shape):
             raise ValueError(f"parameter {self.name!r}: shape {self.shape!r} must be non-negative ints")
-        object.__setattr__(self, "shape", shape)
-        itemsize(self.dtype)  # validates the dtype name
         if not isinstance(self.group, int) or self.group < 0:
             raise ValueError(f"parameter {self.name!r}: group {self.group!r} must be an int >= 0")
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * itemsize(self.dtype)
+        # Sizes are read constantly while planning 100k-tensor models: compute them once.
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "numel", math.prod(shape))
+        object.__setattr__(self, "nbytes", self.numel * itemsize(self.dtype))
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype,

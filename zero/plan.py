@@ -114,8 +114,17 @@ def make_plan(metas: Sequence[ParamMeta], world_size: int, strategy: str = "sort
     imbalance = max(r.load for r in ranks) / lower if lower else 1.0
     plan = Plan(metas, world_size, strategy, weight, str(optimizer).lower(), alignment, part, flat,
                 ranks, imbalance, "")
-    digest = hashlib.sha256(json.dumps(_payload(plan), sort_keys=True).encode()).hexdigest()
-    return dataclasses.replace(plan, fingerprint=digest[:16])
+    return dataclasses.replace(plan, fingerprint=_fingerprint(plan))
+
+
+def _fingerprint(plan: Plan) -> str:
+    """A stable hash of the plan's inputs and placement (everything else derives from them)."""
+    metas = [(m.name, m.shape, m.dtype, m.device, m.group, m.requires_grad) for m in plan.metas]
+    placement = (plan.partition.order if plan.partition else
+                 [(b.device, b.dtype, b.params, b.padded_numel) for b in plan.flat.buffers])
+    blob = json.dumps([_FORMAT, metas, plan.world_size, plan.strategy, plan.weight, plan.optimizer,
+                       plan.alignment, placement], separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def _replica_bytes(metas) -> tuple[int, int]:
@@ -124,16 +133,20 @@ def _replica_bytes(metas) -> tuple[int, int]:
 
 def _partition_costs(metas, part: Partition, spec) -> tuple[RankCost, ...]:
     param_bytes, grad_bytes = _replica_bytes(metas)
-    owned = [[i for i in part.params_of(r) if metas[i].requires_grad] for r in range(part.world_size)]
     keys = sorted({(m.device, m.dtype) for m in metas if m.requires_grad})
-    per_key = [[sum(metas[i].nbytes for i in idx if (metas[i].device, metas[i].dtype) == k)
-                for idx in owned] for k in keys]
-    bcast, gather = _sync(per_key, part.world_size)
-    return tuple(
-        RankCost(r, len(part.params_of(r)), sum(metas[i].numel for i in owned[r]), part.loads[r],
-                 param_bytes, grad_bytes, sum(spec.bytes_for(metas[i]) for i in owned[r]), 0,
-                 bcast[r], gather[r])
-        for r in range(part.world_size))
+    key_of = {k: j for j, k in enumerate(keys)}
+    w = part.world_size
+    per_key = [[0] * w for _ in keys]  # trainable bytes each rank owns, per (device, dtype)
+    numel, state = [0] * w, [0] * w
+    for i, m in enumerate(metas):
+        if m.requires_grad:
+            r = part.owner[i]
+            per_key[key_of[(m.device, m.dtype)]][r] += m.nbytes
+            numel[r] += m.numel
+            state[r] += spec.bytes_for(m)
+    bcast, gather = _sync(per_key, w)
+    return tuple(RankCost(r, len(part.params_of(r)), numel[r], part.loads[r], param_bytes, grad_bytes,
+                          state[r], 0, bcast[r], gather[r]) for r in range(w))
 
 
 def _flat_costs(metas, flat: FlatLayout, spec) -> tuple[RankCost, ...]:
@@ -169,7 +182,7 @@ def _add(a, b):
 
 
 def _payload(plan: Plan) -> dict:
-    """Everything a plan says, as JSON-able data (the fingerprint hashes this)."""
+    """Everything a plan says, as JSON-able data."""
     placement = ({"owner": list(plan.partition.owner),
                   "order": [list(o) for o in plan.partition.order]} if plan.partition else
                  {"flat": [{"device": b.device, "dtype": b.dtype, "params": list(b.params),
