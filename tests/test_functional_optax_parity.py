@@ -1,0 +1,150 @@
+"""Every alias and building block against Optax itself, over 40 steps of random gradients."""
+
+import numpy as np
+import pytest
+
+pytest.importorskip("optax", reason="parity with Optax needs the zero[jax] extra")
+
+import optax  # noqa: E402
+
+import zero.functional as F  # noqa: E402
+from tests.optax_parity import assert_close, random_tree, run_both  # noqa: E402
+
+LR = 1e-2
+SCHED = dict(init_value=0.1, end_value=0.01, transition_steps=20)
+
+# (name, zero factory call, optax factory call): the same arguments on both sides.
+CASES = [
+    ("sgd", lambda m: m.sgd(LR)),
+    ("sgd_momentum", lambda m: m.sgd(LR, momentum=0.9)),
+    ("sgd_nesterov", lambda m: m.sgd(LR, momentum=0.9, nesterov=True)),
+    ("sgd_schedule", lambda m: m.sgd(m.linear_schedule(**SCHED), momentum=0.5)),
+    ("adam", lambda m: m.adam(LR)),
+    ("adam_eps_root", lambda m: m.adam(LR, b1=0.8, b2=0.99, eps=1e-6, eps_root=1e-8)),
+    ("adam_cosine", lambda m: m.adam(m.cosine_decay_schedule(0.1, 30, alpha=0.1))),
+    ("adamw", lambda m: m.adamw(LR, weight_decay=0.05)),
+    ("adamw_schedule_decay", lambda m: m.adamw(LR, weight_decay=m.exponential_decay(0.1, 5, 0.5))),
+    ("adagrad", lambda m: m.adagrad(LR)),
+    ("adadelta", lambda m: m.adadelta(1.0, weight_decay=0.01)),
+    ("adamax", lambda m: m.adamax(LR)),
+    ("rmsprop", lambda m: m.rmsprop(LR)),
+    ("rmsprop_centered_momentum", lambda m: m.rmsprop(LR, centered=True, momentum=0.9, eps_in_sqrt=False)),
+    ("rmsprop_bias_correction", lambda m: m.rmsprop(LR, bias_correction=True, initial_scale=0.1)),
+    ("rprop", lambda m: m.rprop(LR)),
+    ("lion", lambda m: m.lion(1e-3, weight_decay=0.01)),
+    ("lamb", lambda m: m.lamb(LR, weight_decay=0.01)),
+    ("nadam", lambda m: m.nadam(LR)),
+    ("radam", lambda m: m.radam(LR)),
+    ("radam_nesterov", lambda m: m.radam(LR, nesterov=True, threshold=4.5)),
+    ("amsgrad", lambda m: m.chain(m.scale_by_amsgrad(), m.scale(-LR))),
+    ("belief", lambda m: m.chain(m.scale_by_belief(), m.scale(-LR))),
+    ("belief_nesterov", lambda m: m.chain(m.scale_by_belief(nesterov=True), m.scale(-LR))),
+    ("stddev", lambda m: m.chain(m.scale_by_stddev(bias_correction=True, initial_scale=1.0), m.scale(-LR))),
+    ("rss", lambda m: m.chain(m.scale_by_rss(0.0), m.scale(-LR))),
+    ("trust_ratio", lambda m: m.chain(m.scale_by_trust_ratio(min_norm=0.1, eps=1e-6), m.scale(-LR))),
+    ("ema", lambda m: m.chain(m.ema(0.9), m.scale(-LR))),
+    ("ema_nodebias", lambda m: m.chain(m.ema(0.9, debias=False), m.scale(-LR))),
+    ("clip", lambda m: m.chain(m.clip(0.5), m.sgd(LR))),
+    ("clip_by_global_norm", lambda m: m.chain(m.clip_by_global_norm(1.0), m.adam(LR))),
+    ("scale_by_schedule", lambda m: m.chain(m.scale_by_schedule(m.piecewise_constant_schedule(
+        0.1, {10: 0.5, 25: 0.1})), m.scale(-1.0))),
+    ("warmup_cosine", lambda m: m.sgd(m.warmup_cosine_decay_schedule(0.0, 0.1, 10, 40, 0.01))),
+    ("join_schedules", lambda m: m.sgd(m.join_schedules(
+        [m.constant_schedule(0.1), m.linear_schedule(0.1, 0.0, 10)], [15]))),
+    ("exponential_staircase", lambda m: m.sgd(m.exponential_decay(0.1, 4, 0.7, 3, True, 0.02))),
+    ("masked", lambda m: m.chain(m.masked(m.adam(LR), {"w": True, "b": False, "nested": [True, False],
+                                                        "scalar": True}), m.sgd(LR * 0.1))),
+    ("multi_transform", lambda m: m.multi_transform(
+        {"a": m.adam(LR), "s": m.sgd(LR, momentum=0.9)},
+        {"w": "a", "b": "s", "nested": ["s", "a"], "scalar": "a"})),
+    ("inject_hyperparams", lambda m: m.inject_hyperparams(m.adamw)(
+        learning_rate=m.linear_schedule(**SCHED), weight_decay=0.02)),
+    ("multi_steps", lambda m: _multi_steps(m)),
+    ("identity", lambda m: m.chain(m.identity(), m.sgd(LR))),
+]
+
+
+def _multi_steps(m):
+    import torch
+
+    dtype = np.float64 if m is optax else torch.float64  # accumulate in f64 for the f64 run
+    return m.MultiSteps(m.adam(LR), every_k_schedule=3, accumulator_dtype=dtype).gradient_transformation()
+
+
+# Optax evaluates these schedules on its int32 step count in float32, so the hyperparameter
+# itself differs from the exact value by float32 rounding (~1e-8 relative); see test_schedules.
+FLOAT32_SCHEDULES = {"sgd_schedule", "adamw_schedule_decay", "scale_by_schedule", "warmup_cosine",
+                     "join_schedules", "exponential_staircase", "inject_hyperparams"}
+
+
+@pytest.mark.parametrize("name, make", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("dtype, rtol", [(np.float64, 1e-9), (np.float32, 1e-4)], ids=["f64", "f32"])
+def test_matches_optax(name, make, dtype, rtol):
+    if name == "multi_steps" and dtype == np.float32:
+        return  # its float32 run is test_multi_steps_float32_accumulator_matches
+    atol = 1e-12 if dtype == np.float64 else 1e-6
+    if name in FLOAT32_SCHEDULES and dtype == np.float64:
+        rtol, atol = 1e-6, 1e-7
+    for step, tp, jp in run_both(make(F), make(optax), steps=40, dtype=dtype):
+        assert_close(tp, jp, rtol=rtol, atol=atol, where=f"{name} step {step}")
+
+
+def test_multi_steps_float32_accumulator_matches():
+    import torch
+
+    tx = F.MultiSteps(F.adam(LR), 4).gradient_transformation()
+    otx = optax.MultiSteps(optax.adam(LR), 4).gradient_transformation()
+    assert torch.float32 == tx.init({"x": torch.zeros(2, dtype=torch.float64)}).acc_grads["x"].dtype
+    for step, tp, jp in run_both(tx, otx, steps=41, dtype=np.float32):
+        assert_close(tp, jp, rtol=1e-4, atol=1e-7, where=f"step {step}")
+
+
+def test_apply_if_finite_with_injected_nans():
+    def grads(rng, step):
+        g = random_tree(rng, np.float64)
+        if step in (3, 4, 10, 11, 12, 13):  # a run longer than max_consecutive_errors too
+            g["w"][0, 0] = np.nan if step % 2 else np.inf
+        return g
+
+    tx, otx = F.apply_if_finite(F.adam(LR), 2), optax.apply_if_finite(optax.adam(LR), 2)
+    seen_nan = False
+    for step, tp, jp in run_both(tx, otx, steps=40, grad_fn=grads):
+        w, jw = tp["w"].numpy(), np.asarray(jp["w"])
+        np.testing.assert_array_equal(np.isnan(w), np.isnan(jw))
+        seen_nan |= bool(np.isnan(w).any())
+        assert_close({"b": tp["b"]}, {"b": jp["b"]}, rtol=1e-9, where=f"step {step}")
+    assert seen_nan, "the run of 4 bad steps should have let a NaN through after 2 skips"
+
+
+def test_state_layout_field_names_match_optax():
+    import torch
+
+    p = {"x": torch.zeros(3)}
+    pairs = [(F.adam(LR), optax.adam(LR)), (F.rmsprop(LR, momentum=0.9), optax.rmsprop(LR, momentum=0.9)),
+             (F.lion(LR), optax.lion(LR)), (F.rprop(LR), optax.rprop(LR)), (F.adadelta(LR), optax.adadelta(LR)),
+             (F.inject_hyperparams(F.sgd)(0.1), None)]
+    import jax.numpy as jnp
+
+    for tx, otx in pairs[:-1]:
+        ours = tx.init(p)
+        theirs = otx.init({"x": jnp.zeros(3)})
+        assert [type(s).__name__ for s in ours] == [type(s).__name__ for s in theirs]
+        assert [getattr(s, "_fields", ()) for s in ours] == [getattr(s, "_fields", ()) for s in theirs]
+    assert pairs[-1][0].init(p)._fields == optax.InjectHyperparamsState._fields
+
+
+@pytest.mark.parametrize("make", [
+    lambda m: m.linear_schedule(0.1, 0.01, 20, 5), lambda m: m.polynomial_schedule(1.0, 0.1, 2.0, 30),
+    lambda m: m.cosine_decay_schedule(0.1, 30, alpha=0.1, exponent=2.0),
+    lambda m: m.exponential_decay(0.1, 4, 0.7, 3, True, 0.02),
+    lambda m: m.exponential_decay(0.1, 4, 1.3, end_value=0.3),
+    lambda m: m.warmup_cosine_decay_schedule(0.0, 0.1, 10, 40, 0.01),
+    lambda m: m.piecewise_constant_schedule(0.1, {10: 0.5, 25: 0.1}), lambda m: m.constant_schedule(0.3),
+    lambda m: m.join_schedules([m.constant_schedule(0.1), m.linear_schedule(0.1, 0.0, 10)], [15]),
+])
+def test_schedules(make):
+    import jax.numpy as jnp
+
+    ours, theirs = make(F), make(optax)
+    for count in range(60):
+        np.testing.assert_allclose(ours(count), float(theirs(jnp.asarray(count, jnp.int32))), rtol=1e-6, atol=1e-9)

@@ -1,0 +1,130 @@
+"""The transformation algebra of Optax, over pytrees of torch tensors.
+
+A `GradientTransformation` is a pair of pure functions: ``init(params) -> state`` and
+``update(updates, state, params=None) -> (updates, state)``. Pytrees are handled by optree
+(dicts, lists, tuples, NamedTuples, None as an empty subtree), so trees read as in JAX.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import optree
+import torch
+
+__all__ = ["GradientTransformation", "EmptyState", "identity", "chain", "apply_updates",
+           "inplace_step", "tree_map", "tree_leaves", "zeros_like", "full_like", "count_zero", "count_inc",
+           "NO_PARAMS_MSG", "check_positive", "check_unit", "check_non_negative"]
+
+NO_PARAMS_MSG = "this transformation needs the current params: call update(updates, state, params)"
+_INT32_MAX = 2**31 - 1
+
+
+class GradientTransformation(NamedTuple):
+    """``init(params) -> state`` and ``update(updates, state, params=None) -> (updates, state)``.
+
+    ``fused`` is an optional in-place fast path that `zero.functional.Optimizer` uses when it is
+    set: ``fused(params, grads, state) -> state`` must update params and state tensors in place
+    exactly as ``update`` + `apply_updates` would. Transformations built by ``chain`` drop it
+    unless an alias sets it for a chain it knows (``adam``, ``adamw``).
+    """
+
+    init: Callable[[Any], Any]
+    update: Callable[..., tuple[Any, Any]]
+    fused: Callable[[list, list, Any], Any] | None = None
+
+
+class EmptyState(NamedTuple):
+    """State of a stateless transformation."""
+
+
+def tree_map(fn: Callable, tree: Any, *rest: Any) -> Any:
+    return optree.tree_map(fn, tree, *rest)
+
+
+def tree_leaves(tree: Any) -> list:
+    return optree.tree_leaves(tree)
+
+
+def zeros_like(tree: Any, dtype: torch.dtype | None = None) -> Any:
+    return tree_map(lambda p: torch.zeros_like(p, dtype=dtype), tree)
+
+
+def full_like(tree: Any, value: float) -> Any:
+    return tree_map(lambda p: torch.full_like(p, value), tree)
+
+
+def count_zero() -> torch.Tensor:
+    """A step counter as Optax keeps it: a 0-d int32 tensor."""
+    return torch.zeros((), dtype=torch.int32)
+
+
+def count_inc(count: torch.Tensor) -> torch.Tensor:
+    """``count + 1``, saturating at the int32 maximum (Optax's ``safe_increment``)."""
+    return torch.tensor(min(int(count) + 1, _INT32_MAX), dtype=torch.int32)
+
+
+def identity() -> GradientTransformation:
+    """Leaves updates unchanged."""
+    return GradientTransformation(lambda params: EmptyState(), lambda u, s, p=None: (u, s))
+
+
+def chain(*transformations: GradientTransformation) -> GradientTransformation:
+    """Apply ``transformations`` in sequence; the state is the tuple of their states."""
+    for i, tx in enumerate(transformations):
+        if not (hasattr(tx, "init") and hasattr(tx, "update")):
+            raise TypeError(f"chain argument {i} is a {type(tx).__name__}, not a GradientTransformation")
+
+    def init(params):
+        return tuple(tx.init(params) for tx in transformations)
+
+    def update(updates, state, params=None):
+        if len(state) != len(transformations):
+            raise ValueError(f"chain of {len(transformations)} got a state of {len(state)} parts")
+        new_state = []
+        for tx, s in zip(transformations, state):
+            updates, s = tx.update(updates, s, params)
+            new_state.append(s)
+        return updates, tuple(new_state)
+
+    return GradientTransformation(init, update)
+
+
+@torch.no_grad()
+def inplace_step(tx: GradientTransformation, params: list, grads: list, state: Any) -> Any:
+    """One step of ``tx`` on a list of params, updating them in place; returns the new state.
+
+    Uses ``tx.fused`` when the transformation has one, else ``tx.update`` then an in-place add.
+    """
+    if tx.fused is not None:
+        return tx.fused(params, grads, state)
+    updates, state = tx.update(grads, state, params)
+    torch._foreach_add_(params, [u.to(p.dtype) for p, u in zip(params, updates)])
+    return state
+
+
+@torch.no_grad()
+def apply_updates(params: Any, updates: Any) -> Any:
+    """``params + updates`` leaf by leaf, in each param's dtype (a new tree; inputs untouched)."""
+    p_leaves, treedef = optree.tree_flatten(params)
+    u_leaves = treedef.flatten_up_to(updates)
+    out = [p + u.to(p.dtype) if u is not None else p for p, u in zip(p_leaves, u_leaves)]
+    return optree.tree_unflatten(treedef, out)
+
+
+def check_positive(name: str, value: Any) -> None:
+    if not callable(value) and not value > 0:
+        raise ValueError(f"{name} must be > 0, got {value!r}")
+
+
+def check_non_negative(name: str, value: Any) -> None:
+    if not callable(value) and not value >= 0:
+        raise ValueError(f"{name} must be >= 0, got {value!r}")
+
+
+def check_unit(name: str, value: Any, closed: bool = False) -> None:
+    """``value`` in [0, 1) (or [0, 1] when ``closed``)."""
+    ok = 0 <= value <= 1 if closed else 0 <= value < 1
+    if not ok:
+        raise ValueError(f"{name} must be in [0, {'1]' if closed else '1)'}, got {value!r}")

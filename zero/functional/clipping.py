@@ -1,0 +1,38 @@
+"""Clipping transformations (``optax.clip``, ``optax.clip_by_global_norm``)."""
+
+from __future__ import annotations
+
+import torch
+
+from zero.functional.base import EmptyState, GradientTransformation, check_non_negative, tree_leaves, tree_map
+
+__all__ = ["clip", "clip_by_global_norm", "global_norm"]
+
+
+def clip(max_delta: float) -> GradientTransformation:
+    """Clip every element of the updates to ``[-max_delta, max_delta]``."""
+    check_non_negative("max_delta", max_delta)
+    return GradientTransformation(
+        lambda params: EmptyState(),
+        lambda u, s, p=None: (tree_map(lambda g: g.clamp(-max_delta, max_delta), u), s))
+
+
+def global_norm(updates) -> torch.Tensor:
+    """The L2 norm of all leaves together."""
+    leaves = tree_leaves(updates)
+    if not leaves:
+        return torch.zeros(())
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(leaves)))
+
+
+def clip_by_global_norm(max_norm: float) -> GradientTransformation:
+    """Rescale the updates so their global L2 norm is at most ``max_norm``."""
+    check_non_negative("max_norm", max_norm)
+
+    def update(updates, state, params=None):
+        norm = global_norm(updates)
+        if norm < max_norm:
+            return updates, state
+        return tree_map(lambda g: g / norm.to(g.dtype) * max_norm, updates), state
+
+    return GradientTransformation(lambda params: EmptyState(), update)

@@ -1,0 +1,493 @@
+"""Optax's gradient transformations on torch tensors: same names, defaults and state fields.
+
+Each factory validates its hyperparameters once and returns a `GradientTransformation`; each
+mirrors the Optax function of the same name (``optax.<name>``) formula for formula.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import optree
+import torch
+
+from zero.functional.base import (
+    NO_PARAMS_MSG,
+    EmptyState,
+    GradientTransformation,
+    check_non_negative,
+    check_positive,
+    check_unit,
+    count_inc,
+    count_zero,
+    full_like,
+    identity,
+    tree_map,
+    zeros_like,
+)
+
+__all__ = [
+    "ScaleByScheduleState", "ScaleByAdamState", "ScaleByAmsgradState", "ScaleByRmsState",
+    "ScaleByRmsWithCountState", "ScaleByRStdDevState", "ScaleByRStdDevWithCountState",
+    "ScaleByRssState", "ScaleByBeliefState", "ScaleByLionState", "ScaleByRpropState",
+    "ScaleByAdaDeltaState", "TraceState", "EmaState", "AddNoiseState", "WeightDecaySchedule",
+    "scale", "scale_by_learning_rate", "scale_by_schedule", "scale_by_adam", "scale_by_amsgrad",
+    "scale_by_adamax", "scale_by_rms", "scale_by_stddev", "scale_by_rss", "scale_by_belief",
+    "scale_by_lion", "scale_by_trust_ratio", "scale_by_radam", "scale_by_rprop",
+    "scale_by_adadelta", "trace", "ema", "add_decayed_weights", "add_noise",
+]
+
+
+class ScaleByScheduleState(NamedTuple):
+    count: torch.Tensor
+
+
+class ScaleByAdamState(NamedTuple):
+    count: torch.Tensor
+    mu: Any
+    nu: Any
+
+
+class ScaleByAmsgradState(NamedTuple):
+    count: torch.Tensor
+    mu: Any
+    nu: Any
+    nu_max: Any
+
+
+class ScaleByRmsState(NamedTuple):
+    nu: Any
+
+
+class ScaleByRmsWithCountState(NamedTuple):
+    count: torch.Tensor
+    nu: Any
+
+
+class ScaleByRStdDevState(NamedTuple):
+    mu: Any
+    nu: Any
+
+
+class ScaleByRStdDevWithCountState(NamedTuple):
+    count: torch.Tensor
+    mu: Any
+    nu: Any
+
+
+class ScaleByRssState(NamedTuple):
+    sum_of_squares: Any
+
+
+class ScaleByBeliefState(NamedTuple):
+    count: torch.Tensor
+    mu: Any
+    nu: Any
+
+
+class ScaleByLionState(NamedTuple):
+    count: torch.Tensor
+    mu: Any
+
+
+class ScaleByRpropState(NamedTuple):
+    step_sizes: Any
+    prev_updates: Any
+
+
+class ScaleByAdaDeltaState(NamedTuple):
+    e_g: Any
+    e_x: Any
+
+
+class TraceState(NamedTuple):
+    trace: Any
+
+
+class EmaState(NamedTuple):
+    count: torch.Tensor
+    ema: Any
+
+
+class AddNoiseState(NamedTuple):
+    count: torch.Tensor
+    rng_key: torch.Tensor
+
+
+class WeightDecaySchedule(NamedTuple):
+    count: torch.Tensor
+
+
+def _moment(g, m, decay, order):
+    """``(1 - decay) * g**order + decay * m``."""
+    return (1 - decay) * (g if order == 1 else g * g) + decay * m
+
+
+def _debias(t, decay, count):
+    return t / (1 - decay ** int(count))
+
+
+def scale(step_size: float) -> GradientTransformation:
+    """Multiply updates by ``step_size`` (``optax.scale``)."""
+    return GradientTransformation(lambda params: EmptyState(),
+                                  lambda u, s, p=None: (tree_map(lambda g: g * step_size, u), s))
+
+
+def scale_by_schedule(step_size_fn) -> GradientTransformation:
+    """Multiply updates by ``step_size_fn(count)`` (``optax.scale_by_schedule``)."""
+    if not callable(step_size_fn):
+        raise TypeError(f"step_size_fn must be callable, got {type(step_size_fn).__name__}")
+
+    def update(updates, state, params=None):
+        step = step_size_fn(state.count)
+        return tree_map(lambda g: g * step, updates), ScaleByScheduleState(count_inc(state.count))
+
+    return GradientTransformation(lambda params: ScaleByScheduleState(count_zero()), update)
+
+
+def scale_by_learning_rate(learning_rate, *, flip_sign: bool = True) -> GradientTransformation:
+    """Multiply by ``-learning_rate`` (a float or a schedule); ``optax.scale_by_learning_rate``."""
+    if learning_rate is None:
+        return identity()
+    if not (callable(learning_rate) or isinstance(learning_rate, (int, float, torch.Tensor))):
+        raise TypeError(f"learning_rate must be a number or a schedule, got {type(learning_rate).__name__}")
+    m = -1 if flip_sign else 1
+    if callable(learning_rate):
+        return scale_by_schedule(lambda count: m * learning_rate(count))
+    return scale(m * learning_rate)
+
+
+def _check_betas(b1, b2, eps):
+    check_unit("b1", b1)
+    check_unit("b2", b2)
+    check_non_negative("eps", eps)
+
+
+def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0,
+                  mu_dtype: torch.dtype | None = None, *, nesterov: bool = False) -> GradientTransformation:
+    """Adam's rescaling ``m_hat / (sqrt(v_hat + eps_root) + eps)`` (``optax.scale_by_adam``)."""
+    _check_betas(b1, b2, eps)
+
+    def init(params):
+        return ScaleByAdamState(count_zero(), zeros_like(params, mu_dtype), zeros_like(params))
+
+    def update(updates, state, params=None):
+        g, treedef = optree.tree_flatten(updates)
+        mu = torch._foreach_lerp(treedef.flatten_up_to(state.mu), g, 1 - b1)
+        nu = torch._foreach_mul(treedef.flatten_up_to(state.nu), b2)
+        torch._foreach_addcmul_(nu, g, g, 1 - b2)
+        count = count_inc(state.count)
+        c = int(count)
+        denom = torch._foreach_div(nu, 1 - b2**c)
+        if eps_root:
+            torch._foreach_add_(denom, eps_root)
+        torch._foreach_sqrt_(denom)
+        torch._foreach_add_(denom, eps)
+        if nesterov:
+            num = torch._foreach_mul(mu, b1 / (1 - b1 ** (c + 1)))
+            torch._foreach_add_(num, torch._foreach_mul(g, (1 - b1) / (1 - b1**c)))
+            out = torch._foreach_div(num, denom)
+        else:
+            out = torch._foreach_div(mu, denom)
+            torch._foreach_mul_(out, 1 / (1 - b1**c))
+        if mu_dtype is not None:
+            mu = [m.to(mu_dtype) for m in mu]
+        unflat = lambda leaves: optree.tree_unflatten(treedef, leaves)
+        return unflat(out), ScaleByAdamState(count, unflat(mu), unflat(nu))
+
+    return GradientTransformation(init, update)
+
+
+def scale_by_amsgrad(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0,
+                     mu_dtype: torch.dtype | None = None) -> GradientTransformation:
+    """AMSGrad: Adam with the running maximum of ``v_hat`` (``optax.scale_by_amsgrad``)."""
+    _check_betas(b1, b2, eps)
+
+    def init(params):
+        return ScaleByAmsgradState(count_zero(), zeros_like(params, mu_dtype), zeros_like(params),
+                                   zeros_like(params))
+
+    def update(updates, state, params=None):
+        mu = tree_map(lambda g, m: _moment(g, m, b1, 1), updates, state.mu)
+        nu = tree_map(lambda g, v: _moment(g, v, b2, 2), updates, state.nu)
+        count = count_inc(state.count)
+        nu_max = tree_map(lambda vm, v: torch.maximum(vm, _debias(v, b2, count)), state.nu_max, nu)
+        out = tree_map(lambda m, vm: _debias(m, b1, count) / (torch.sqrt(vm + eps_root) + eps), mu, nu_max)
+        return out, ScaleByAmsgradState(count, mu, nu, nu_max)
+
+    return GradientTransformation(init, update)
+
+
+def scale_by_adamax(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:
+    """Adamax: the infinity-norm variant of Adam (``optax.scale_by_adamax``)."""
+    _check_betas(b1, b2, eps)
+
+    def init(params):
+        return ScaleByAdamState(count_zero(), zeros_like(params), zeros_like(params))
+
+    def update(updates, state, params=None):
+        count = count_inc(state.count)
+        mu = tree_map(lambda g, m: _moment(g, m, b1, 1), updates, state.mu)
+        nu = tree_map(lambda g, v: torch.maximum(g.abs() + eps, b2 * v), updates, state.nu)
+        out = tree_map(lambda m, v: _debias(m, b1, count) / v, mu, nu)
+        return out, ScaleByAdamState(count, mu, nu)
+
+    return GradientTransformation(init, update)
+
+
+def _inv_root(v, eps, eps_in_sqrt):
+    return torch.rsqrt(v + eps) if eps_in_sqrt else 1 / (torch.sqrt(v) + eps)
+
+
+def scale_by_rms(decay: float = 0.9, eps: float = 1e-8, initial_scale: float = 0.0,
+                 eps_in_sqrt: bool = True, bias_correction: bool = False) -> GradientTransformation:
+    """Divide by the root of an EMA of squared updates (``optax.scale_by_rms``)."""
+    check_unit("decay", decay, closed=True)
+    check_non_negative("eps", eps)
+
+    def init(params):
+        nu = full_like(params, initial_scale)
+        return ScaleByRmsWithCountState(count_zero(), nu) if bias_correction else ScaleByRmsState(nu)
+
+    def update(updates, state, params=None):
+        nu = tree_map(lambda g, v: _moment(g, v, decay, 2), updates, state.nu)
+        count = count_inc(state.count) if bias_correction else None
+        nu_hat = tree_map(lambda v: _debias(v, decay, count), nu) if bias_correction else nu
+        out = tree_map(lambda g, v: _inv_root(v, eps, eps_in_sqrt) * g, updates, nu_hat)
+        return out, (ScaleByRmsWithCountState(count, nu) if bias_correction else ScaleByRmsState(nu))
+
+    return GradientTransformation(init, update)
+
+
+def scale_by_stddev(decay: float = 0.9, eps: float = 1e-8, initial_scale: float = 0.0,
+                    eps_in_sqrt: bool = True, bias_correction: bool = False) -> GradientTransformation:
+    """Divide by the running standard deviation (centred RMSProp; ``optax.scale_by_stddev``)."""
+    check_unit("decay", decay, closed=True)
+    check_non_negative("eps", eps)
+
+    def init(params):
+        mu, nu = zeros_like(params), full_like(params, initial_scale)
+        return ScaleByRStdDevWithCountState(count_zero(), mu, nu) if bias_correction else ScaleByRStdDevState(mu, nu)
+
+    def update(updates, state, params=None):
+        mu = tree_map(lambda g, m: _moment(g, m, decay, 1), updates, state.mu)
+        nu = tree_map(lambda g, v: _moment(g, v, decay, 2), updates, state.nu)
+        count = count_inc(state.count) if bias_correction else None
+        mu_hat = tree_map(lambda m: _debias(m, decay, count), mu) if bias_correction else mu
+        nu_hat = tree_map(lambda v: _debias(v, decay, count), nu) if bias_correction else nu
+        out = tree_map(lambda g, m, v: _inv_root(v - m * m, eps, eps_in_sqrt) * g, updates, mu_hat, nu_hat)
+        new = ScaleByRStdDevWithCountState(count, mu, nu) if bias_correction else ScaleByRStdDevState(mu, nu)
+        return out, new
+
+    return GradientTransformation(init, update)
+
+
+def scale_by_rss(initial_accumulator_value: float = 0.1, eps: float = 1e-7) -> GradientTransformation:
+    """Divide by the root of the sum of squared updates (Adagrad; ``optax.scale_by_rss``)."""
+    check_non_negative("initial_accumulator_value", initial_accumulator_value)
+
+    def update(updates, state, params=None):
+        sos = tree_map(lambda g, t: g * g + t, updates, state.sum_of_squares)
+        out = tree_map(lambda g, t: torch.where(t > 0, torch.rsqrt(t + eps), 0.0) * g, updates, sos)
+        return out, ScaleByRssState(sos)
+
+    return GradientTransformation(lambda p: ScaleByRssState(full_like(p, initial_accumulator_value)), update)
+
+
+def scale_by_belief(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-16, eps_root: float = 1e-16,
+                    *, nesterov: bool = False) -> GradientTransformation:
+    """AdaBelief: scale by the EMA of the prediction error (``optax.scale_by_belief``)."""
+    _check_betas(b1, b2, eps)
+
+    def init(params):
+        return ScaleByBeliefState(count_zero(), zeros_like(params), zeros_like(params))
+
+    def update(updates, state, params=None):
+        mu = tree_map(lambda g, m: _moment(g, m, b1, 1), updates, state.mu)
+        nu = tree_map(lambda g, m, v: _moment(g - m, v, b2, 2) + eps_root, updates, mu, state.nu)
+        count = count_inc(state.count)
+        mu_hat = _nesterov_hat(mu, updates, b1, count) if nesterov else tree_map(
+            lambda m: _debias(m, b1, count), mu)
+        out = tree_map(lambda m, v: m / (torch.sqrt(_debias(v, b2, count)) + eps), mu_hat, nu)
+        return out, ScaleByBeliefState(count, mu, nu)
+
+    return GradientTransformation(init, update)
+
+
+def _nesterov_hat(mu, updates, b1, count):
+    c = int(count)
+    return tree_map(lambda m, g: b1 * (m / (1 - b1 ** (c + 1))) + (1 - b1) * (g / (1 - b1**c)), mu, updates)
+
+
+def scale_by_lion(b1: float = 0.9, b2: float = 0.99, mu_dtype: torch.dtype | None = None) -> GradientTransformation:
+    """Lion: the sign of an interpolation of momentum and update (``optax.scale_by_lion``)."""
+    check_unit("b1", b1, closed=True)
+    check_unit("b2", b2, closed=True)
+
+    def init(params):
+        return ScaleByLionState(count_zero(), zeros_like(params, mu_dtype))
+
+    def update(updates, state, params=None):
+        out = tree_map(lambda g, m: torch.sign((1 - b1) * g + b1 * m), updates, state.mu)
+        mu = tree_map(lambda g, m: _moment(g, m, b2, 1).to(m.dtype), updates, state.mu)
+        return out, ScaleByLionState(count_inc(state.count), mu)
+
+    return GradientTransformation(init, update)
+
+
+def _safe_norm(x, min_norm):
+    norm = torch.linalg.vector_norm(x)
+    return torch.where(norm <= min_norm, torch.as_tensor(min_norm, dtype=norm.dtype), norm)
+
+
+def scale_by_trust_ratio(min_norm: float = 0.0, trust_coefficient: float = 1.0,
+                         eps: float = 0.0) -> GradientTransformation:
+    """Scale each tensor's update by ``|param| / |update|`` (LARS/LAMB; ``optax.scale_by_trust_ratio``)."""
+
+    def update(updates, state, params=None):
+        if params is None:
+            raise ValueError(NO_PARAMS_MSG)
+
+        def one(u, p):
+            p_norm, u_norm = _safe_norm(p, min_norm), _safe_norm(u, min_norm)
+            ratio = trust_coefficient * p_norm / (u_norm + eps)
+            return u * torch.where((p_norm == 0) | (u_norm == 0), torch.ones_like(ratio), ratio).to(u.dtype)
+
+        return tree_map(one, updates, params), state
+
+    return GradientTransformation(lambda params: EmptyState(), update)
+
+
+def scale_by_radam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0,
+                   threshold: float = 5.0, *, nesterov: bool = False) -> GradientTransformation:
+    """Rectified Adam (``optax.scale_by_radam``)."""
+    _check_betas(b1, b2, eps)
+    if threshold < 4:  # the rectifier sqrt((rho-4)(rho-2)...) is undefined for 2 < rho < 4
+        raise ValueError(f"threshold must be >= 4 for the rectification to be defined, got {threshold!r}")
+    ro_inf = 2.0 / (1.0 - b2) - 1.0
+
+    def init(params):
+        return ScaleByAdamState(count_zero(), zeros_like(params), zeros_like(params))
+
+    def update(updates, state, params=None):
+        mu = tree_map(lambda g, m: _moment(g, m, b1, 1), updates, state.mu)
+        nu = tree_map(lambda g, v: _moment(g, v, b2, 2), updates, state.nu)
+        count = count_inc(state.count)
+        b2t = b2 ** int(count)
+        ro = ro_inf - 2 * int(count) * b2t / (1 - b2t)
+        mu_hat = _nesterov_hat(mu, updates, b1, count) if nesterov else tree_map(
+            lambda m: _debias(m, b1, count), mu)
+        if ro >= threshold:
+            r = ((ro - 4) * (ro - 2) * ro_inf / ((ro_inf - 4) * (ro_inf - 2) * ro)) ** 0.5
+            out = tree_map(lambda m, v: r * m / (torch.sqrt(_debias(v, b2, count) + eps_root) + eps), mu_hat, nu)
+        else:
+            out = mu_hat
+        return out, ScaleByAdamState(count, mu, nu)
+
+    return GradientTransformation(init, update)
+
+
+def scale_by_rprop(learning_rate: float, eta_minus: float = 0.5, eta_plus: float = 1.2,
+                   min_step_size: float = 1e-6, max_step_size: float = 50.0) -> GradientTransformation:
+    """Rprop's sign-based step sizes (``optax.scale_by_rprop``, including its update rule)."""
+    check_positive("learning_rate", learning_rate)
+
+    def update(updates, state, params=None):
+        sign = tree_map(lambda g, prev: g * prev, updates, state.prev_updates)
+        steps = tree_map(lambda s, st: torch.where(
+            s == 0, st, torch.clamp(torch.where(s > 0, st * eta_plus, st * eta_minus), min_step_size, max_step_size)),
+            sign, state.step_sizes)
+        prev = tree_map(lambda s, g, st: torch.where(s < 0, torch.zeros_like(g), st * torch.sign(g)),
+                        sign, updates, steps)
+        out = tree_map(lambda s, old: torch.where(s < 0, torch.zeros_like(old), old), sign, state.prev_updates)
+        return out, ScaleByRpropState(steps, prev)
+
+    return GradientTransformation(
+        lambda p: ScaleByRpropState(full_like(p, learning_rate), zeros_like(p)), update)
+
+
+def scale_by_adadelta(rho: float = 0.9, eps: float = 1e-6) -> GradientTransformation:
+    """Adadelta's unit-correcting rescaling (``optax.scale_by_adadelta``)."""
+    check_unit("rho", rho, closed=True)
+
+    def update(updates, state, params=None):
+        e_g = tree_map(lambda g, e: _moment(g, e, rho, 2), updates, state.e_g)
+        out = tree_map(lambda g, eg, ex: torch.sqrt(ex + eps) / torch.sqrt(eg + eps) * g, updates, e_g, state.e_x)
+        e_x = tree_map(lambda u, e: _moment(u, e, rho, 2), out, state.e_x)
+        return out, ScaleByAdaDeltaState(e_g, e_x)
+
+    return GradientTransformation(lambda p: ScaleByAdaDeltaState(zeros_like(p), zeros_like(p)), update)
+
+
+def trace(decay: float, nesterov: bool = False, accumulator_dtype: torch.dtype | None = None) -> GradientTransformation:
+    """Momentum: ``t = g + decay * t`` (``optax.trace``)."""
+    check_non_negative("decay", decay)
+
+    def update(updates, state, params=None):
+        new = tree_map(lambda g, t: g + decay * t, updates, state.trace)
+        out = tree_map(lambda g, t: g + decay * t, updates, new) if nesterov else new
+        if accumulator_dtype is not None:
+            new = tree_map(lambda t: t.to(accumulator_dtype), new)
+        return out, TraceState(new)
+
+    return GradientTransformation(lambda p: TraceState(zeros_like(p, accumulator_dtype)), update)
+
+
+def ema(decay: float, debias: bool = True, accumulator_dtype: torch.dtype | None = None) -> GradientTransformation:
+    """Exponential moving average of updates (``optax.ema``)."""
+    check_unit("decay", decay, closed=True)
+
+    def update(updates, state, params=None):
+        new = tree_map(lambda g, e: _moment(g, e, decay, 1), updates, state.ema)
+        count = count_inc(state.count)
+        out = tree_map(lambda e: _debias(e, decay, count), new) if debias else new
+        if accumulator_dtype is not None:
+            new = tree_map(lambda e: e.to(accumulator_dtype), new)
+        return out, EmaState(count, new)
+
+    return GradientTransformation(lambda p: EmaState(count_zero(), zeros_like(p, accumulator_dtype)), update)
+
+
+def add_decayed_weights(weight_decay=0.0, mask=None) -> GradientTransformation:
+    """Add ``weight_decay * params`` (a float or schedule); ``optax.add_decayed_weights``."""
+    check_non_negative("weight_decay", weight_decay)
+    scheduled = callable(weight_decay)
+
+    def init(params):
+        return WeightDecaySchedule(count_zero()) if scheduled else EmptyState()
+
+    def update(updates, state, params=None):
+        if params is None:
+            raise ValueError(NO_PARAMS_MSG)
+        new_state = WeightDecaySchedule(count_inc(state.count)) if scheduled else state
+        if not scheduled and weight_decay == 0.0:
+            return updates, new_state
+        s = weight_decay(state.count) if scheduled else weight_decay
+        return tree_map(lambda g, p: g + s * p, updates, params), new_state
+
+    tx = GradientTransformation(init, update)
+    if mask is not None:
+        from zero.functional.wrappers import masked
+
+        return masked(tx, mask)
+    return tx
+
+
+def add_noise(eta: float, gamma: float, key: int = 0) -> GradientTransformation:
+    """Add Gaussian noise of variance ``eta / (1 + t)**gamma`` (``optax.add_noise``).
+
+    The noise comes from a torch generator seeded with ``key`` and advanced by the step count,
+    so runs are reproducible; the samples differ from JAX's PRNG.
+    """
+    check_non_negative("eta", eta)
+
+    def update(updates, state, params=None):
+        count = count_inc(state.count)
+        std = (eta / int(count) ** gamma) ** 0.5
+        gen = torch.Generator().manual_seed(int(state.rng_key) * 1_000_003 + int(count))
+        out = tree_map(lambda g: g + std * torch.randn(g.shape, generator=gen, dtype=g.dtype).to(g.device),
+                       updates)
+        return out, AddNoiseState(count, state.rng_key)
+
+    return GradientTransformation(lambda p: AddNoiseState(count_zero(), torch.tensor(key, dtype=torch.int64)),
+                                  update)
