@@ -1,42 +1,157 @@
 """Optax-style gradient transformations over torch tensors, and adapters to and from torch.optim
-and Optax. Loads torch, never jax (the Optax bridge imports it when used) nor zero.backends.
+and Optax. Loads torch, never jax (the Optax bridge imports it on first use) nor zero.backends.
 """
 
-from zero.functional.alias import adadelta, adagrad, adam, adamax, adamw, lamb, lion, nadam, radam, rmsprop, rprop, sgd
-from zero.functional.base import EmptyState, GradientTransformation, apply_updates, chain, identity
-from zero.functional.clipping import clip, clip_by_global_norm, global_norm
-from zero.functional.schedules import (
-    constant_schedule,
-    cosine_decay_schedule,
-    exponential_decay,
-    join_schedules,
-    linear_schedule,
-    piecewise_constant_schedule,
-    polynomial_schedule,
-    warmup_cosine_decay_schedule,
-)
-from zero.functional.transform import *  # noqa: F403 - the transform module's __all__ is the public list
-from zero.functional.transform import __all__ as _transform_names
-from zero.functional.wrappers import (
-    ApplyIfFiniteState,
-    InjectHyperparamsState,
-    MaskedNode,
-    MaskedState,
-    MultiSteps,
-    MultiStepsState,
-    MultiTransformState,
-    apply_if_finite,
-    inject_hyperparams,
-    masked,
-    multi_transform,
-)
+from zero.functional.alias import adadelta
+from zero.functional.alias import adagrad
+from zero.functional.alias import adam
+from zero.functional.alias import adamax
+from zero.functional.alias import adamw
+from zero.functional.alias import lamb
+from zero.functional.alias import lion
+from zero.functional.alias import nadam
+from zero.functional.alias import radam
+from zero.functional.alias import rmsprop
+from zero.functional.alias import rprop
+from zero.functional.alias import sgd
+from zero.functional.base import EmptyState
+from zero.functional.base import GradientTransformation
+from zero.functional.base import apply_updates
+from zero.functional.base import chain
+from zero.functional.base import identity
+from zero.functional.clipping import clip
+from zero.functional.clipping import clip_by_global_norm
+from zero.functional.clipping import global_norm
+from zero.functional.schedules import constant_schedule
+from zero.functional.schedules import cosine_decay_schedule
+from zero.functional.schedules import exponential_decay
+from zero.functional.schedules import join_schedules
+from zero.functional.schedules import linear_schedule
+from zero.functional.schedules import piecewise_constant_schedule
+from zero.functional.schedules import polynomial_schedule
+from zero.functional.schedules import warmup_cosine_decay_schedule
+from zero.functional.torch_semantics import from_torch
+from zero.functional.wrappers import ApplyIfFiniteState
+from zero.functional.wrappers import InjectHyperparamsState
+from zero.functional.wrappers import MaskedNode
+from zero.functional.wrappers import MaskedState
+from zero.functional.wrappers import MultiSteps
+from zero.functional.wrappers import MultiStepsState
+from zero.functional.wrappers import MultiTransformState
+from zero.functional.wrappers import apply_if_finite
+from zero.functional.wrappers import inject_hyperparams
+from zero.functional.wrappers import masked
+from zero.functional.wrappers import multi_transform
+from zero.functional.transform import ScaleByScheduleState
+from zero.functional.transform import ScaleByAdamState
+from zero.functional.transform import ScaleByAmsgradState
+from zero.functional.transform import ScaleByRmsState
+from zero.functional.transform import ScaleByRmsWithCountState
+from zero.functional.transform import ScaleByRStdDevState
+from zero.functional.transform import ScaleByRStdDevWithCountState
+from zero.functional.transform import ScaleByRssState
+from zero.functional.transform import ScaleByBeliefState
+from zero.functional.transform import ScaleByLionState
+from zero.functional.transform import ScaleByRpropState
+from zero.functional.transform import ScaleByAdaDeltaState
+from zero.functional.transform import TraceState
+from zero.functional.transform import EmaState
+from zero.functional.transform import AddNoiseState
+from zero.functional.transform import WeightDecaySchedule
+from zero.functional.transform import scale
+from zero.functional.transform import scale_by_learning_rate
+from zero.functional.transform import scale_by_schedule
+from zero.functional.transform import scale_by_adam
+from zero.functional.transform import scale_by_amsgrad
+from zero.functional.transform import scale_by_adamax
+from zero.functional.transform import scale_by_rms
+from zero.functional.transform import scale_by_stddev
+from zero.functional.transform import scale_by_rss
+from zero.functional.transform import scale_by_belief
+from zero.functional.transform import scale_by_lion
+from zero.functional.transform import scale_by_trust_ratio
+from zero.functional.transform import scale_by_radam
+from zero.functional.transform import scale_by_rprop
+from zero.functional.transform import scale_by_adadelta
+from zero.functional.transform import trace
+from zero.functional.transform import ema
+from zero.functional.transform import add_decayed_weights
+from zero.functional.transform import add_noise
 
 __all__ = [
-    "ApplyIfFiniteState", "EmptyState", "GradientTransformation", "InjectHyperparamsState", "MaskedNode",
-    "MaskedState", "MultiSteps", "MultiStepsState", "MultiTransformState", "adadelta", "adagrad", "adam",
-    "adamax", "adamw", "apply_if_finite", "apply_updates", "chain", "clip", "clip_by_global_norm",
-    "constant_schedule", "cosine_decay_schedule", "exponential_decay", "global_norm", "identity",
-    "inject_hyperparams", "join_schedules", "lamb", "linear_schedule", "lion", "masked", "multi_transform",
-    "nadam", "piecewise_constant_schedule", "polynomial_schedule", "radam", "rmsprop", "rprop", "sgd",
-    "warmup_cosine_decay_schedule", *_transform_names,
+    "AddNoiseState",
+    "ApplyIfFiniteState",
+    "EmaState",
+    "EmptyState",
+    "GradientTransformation",
+    "InjectHyperparamsState",
+    "MaskedNode",
+    "MaskedState",
+    "MultiSteps",
+    "MultiStepsState",
+    "MultiTransformState",
+    "ScaleByAdaDeltaState",
+    "ScaleByAdamState",
+    "ScaleByAmsgradState",
+    "ScaleByBeliefState",
+    "ScaleByLionState",
+    "ScaleByRStdDevState",
+    "ScaleByRStdDevWithCountState",
+    "ScaleByRmsState",
+    "ScaleByRmsWithCountState",
+    "ScaleByRpropState",
+    "ScaleByRssState",
+    "ScaleByScheduleState",
+    "TraceState",
+    "WeightDecaySchedule",
+    "adadelta",
+    "adagrad",
+    "adam",
+    "adamax",
+    "adamw",
+    "add_decayed_weights",
+    "add_noise",
+    "apply_if_finite",
+    "apply_updates",
+    "chain",
+    "clip",
+    "clip_by_global_norm",
+    "constant_schedule",
+    "cosine_decay_schedule",
+    "ema",
+    "exponential_decay",
+    "from_torch",
+    "global_norm",
+    "identity",
+    "inject_hyperparams",
+    "join_schedules",
+    "lamb",
+    "linear_schedule",
+    "lion",
+    "masked",
+    "multi_transform",
+    "nadam",
+    "piecewise_constant_schedule",
+    "polynomial_schedule",
+    "radam",
+    "rmsprop",
+    "rprop",
+    "scale",
+    "scale_by_adadelta",
+    "scale_by_adam",
+    "scale_by_adamax",
+    "scale_by_amsgrad",
+    "scale_by_belief",
+    "scale_by_learning_rate",
+    "scale_by_lion",
+    "scale_by_radam",
+    "scale_by_rms",
+    "scale_by_rprop",
+    "scale_by_rss",
+    "scale_by_schedule",
+    "scale_by_stddev",
+    "scale_by_trust_ratio",
+    "sgd",
+    "trace",
+    "warmup_cosine_decay_schedule",
 ]

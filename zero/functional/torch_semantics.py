@@ -1,0 +1,264 @@
+"""`from_torch`: transformations with `torch.optim` semantics, expressed as chain order.
+
+Coupled L2 ``weight_decay`` is ``add_decayed_weights`` *before* the moments (``torch.optim.Adam``);
+decoupled decay comes *after* them (``AdamW``); ``maximize`` negates the gradient first. Where
+torch's rule differs from Optax's (SGD dampening, AMSGrad, Adagrad, Rprop, NAdam, RAdam) a
+``_torch_*`` transformation here mirrors the torch class named in its docstring.
+The hyperparameters live in the state under torch's group keys (``lr``, ``weight_decay`` ...),
+so `zero.functional.Optimizer` and torch's lr schedulers can change them between steps.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Any, NamedTuple
+
+import torch
+
+from zero.functional import transform as T
+from zero.functional.base import (
+    GradientTransformation,
+    chain,
+    check_non_negative,
+    check_unit,
+    count_inc,
+    count_zero,
+    full_like,
+    identity,
+    tree_map,
+    zeros_like,
+)
+from zero.functional.wrappers import inject_hyperparams
+
+__all__ = ["from_torch", "TORCH_CLASSES"]
+
+_IMPLEMENTATION_ONLY = {"foreach", "fused"}  # change how torch computes, not what
+_MUST_BE_FALSE = {"capturable", "differentiable"}
+
+
+def _negate(maximize: bool) -> GradientTransformation:
+    return T.scale(-1.0) if maximize else identity()
+
+
+def _scalar_dtype() -> torch.dtype:
+    """The dtype torch keeps optimizer scalars in (``torch.optim.optimizer._get_scalar_dtype``)."""
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+class TorchMomentumState(NamedTuple):
+    count: torch.Tensor
+    momentum_buffer: Any
+
+
+def _torch_momentum(momentum: float, dampening: float, nesterov: bool) -> GradientTransformation:
+    """``torch.optim.SGD``'s momentum: the buffer starts as the first gradient, then
+    ``b = momentum b + (1 - dampening) g``."""
+
+    def update(updates, state, params=None):
+        if int(state.count) == 0:
+            buf = tree_map(torch.clone, updates)
+        else:
+            buf = tree_map(lambda g, b: momentum * b + (1 - dampening) * g, updates, state.momentum_buffer)
+        out = tree_map(lambda g, b: g + momentum * b, updates, buf) if nesterov else buf
+        return out, TorchMomentumState(count_inc(state.count), buf)
+
+    return GradientTransformation(lambda p: TorchMomentumState(count_zero(), zeros_like(p)), update)
+
+
+def _torch_amsgrad(b1: float, b2: float, eps: float) -> GradientTransformation:
+    """``torch.optim.Adam(amsgrad=True)``: the running max of the *raw* second moment."""
+
+    def init(params):
+        return T.ScaleByAmsgradState(count_zero(), zeros_like(params), zeros_like(params), zeros_like(params))
+
+    def update(updates, state, params=None):
+        mu = tree_map(lambda g, m: torch.lerp(m, g, 1 - b1), updates, state.mu)
+        nu = tree_map(lambda g, v: b2 * v + (1 - b2) * g * g, updates, state.nu)
+        nu_max = tree_map(torch.maximum, state.nu_max, nu)
+        c = int(count_inc(state.count))
+        bc1, bc2 = 1 - b1**c, 1 - b2**c
+        out = tree_map(lambda m, vm: (m / bc1) / (vm.sqrt() / math.sqrt(bc2) + eps), mu, nu_max)
+        return out, T.ScaleByAmsgradState(count_inc(state.count), mu, nu, nu_max)
+
+    return GradientTransformation(init, update)
+
+
+def _torch_adagrad(initial_accumulator_value: float, eps: float) -> GradientTransformation:
+    """``torch.optim.Adagrad``'s rescaling: ``g / (sqrt(sum g^2) + eps)``."""
+
+    def update(updates, state, params=None):
+        sos = tree_map(lambda g, s: s + g * g, updates, state.sum_of_squares)
+        return tree_map(lambda g, s: g / (s.sqrt() + eps), updates, sos), T.ScaleByRssState(sos)
+
+    return GradientTransformation(lambda p: T.ScaleByRssState(full_like(p, initial_accumulator_value)), update)
+
+
+def _torch_rprop(lr: float, etas: tuple[float, float], step_sizes: tuple[float, float]) -> GradientTransformation:
+    """``torch.optim.Rprop``: returns ``sign(g) * step_size`` (the chain negates it)."""
+    eta_minus, eta_plus = etas
+    lo, hi = step_sizes
+
+    def update(updates, state, params=None):
+        prod = tree_map(lambda g, prev: g * prev, updates, state.prev_updates)
+        factor = tree_map(lambda s: torch.where(s > 0, torch.full_like(s, eta_plus),
+                                                torch.where(s < 0, torch.full_like(s, eta_minus), torch.ones_like(s))),
+                          prod)
+        steps = tree_map(lambda st, f: (st * f).clamp(lo, hi), state.step_sizes, factor)
+        grads = tree_map(lambda g, s: torch.where(s < 0, torch.zeros_like(g), g), updates, prod)
+        return tree_map(lambda g, st: g.sign() * st, grads, steps), T.ScaleByRpropState(steps, grads)
+
+    return GradientTransformation(lambda p: T.ScaleByRpropState(full_like(p, lr), zeros_like(p)), update)
+
+
+class TorchNAdamState(NamedTuple):
+    count: torch.Tensor
+    mu_product: torch.Tensor
+    mu: Any
+    nu: Any
+
+
+def _torch_nadam(b1: float, b2: float, eps: float, momentum_decay: float) -> GradientTransformation:
+    """``torch.optim.NAdam``'s rescaling (Dozat's momentum schedule, without the ``-lr``)."""
+
+    def init(params):
+        return TorchNAdamState(count_zero(), torch.ones((), dtype=_scalar_dtype()), zeros_like(params),
+                               zeros_like(params))
+
+    def update(updates, state, params=None):
+        c = int(count_inc(state.count))
+        mu_t = b1 * (1.0 - 0.5 * 0.96 ** (c * momentum_decay))
+        mu_next = b1 * (1.0 - 0.5 * 0.96 ** ((c + 1) * momentum_decay))
+        mu_product = state.mu_product * mu_t  # kept in torch's scalar dtype, as torch does
+        prod = float(mu_product)
+        m = tree_map(lambda g, m: torch.lerp(m, g, 1 - b1), updates, state.mu)
+        v = tree_map(lambda g, v: b2 * v + (1 - b2) * g * g, updates, state.nu)
+        denom = tree_map(lambda v: (v / (1 - b2**c)).sqrt() + eps, v)
+        out = tree_map(lambda g, m, d: g * ((1 - mu_t) / (1 - prod)) / d + m * (mu_next / (1 - prod * mu_next)) / d,
+                       updates, m, denom)
+        return out, TorchNAdamState(count_inc(state.count), mu_product, m, v)
+
+    return GradientTransformation(init, update)
+
+
+def _torch_radam(b1: float, b2: float, eps: float) -> GradientTransformation:
+    """``torch.optim.RAdam``'s rescaling: rectified once ``rho_t > 5``, else momentum SGD."""
+    rho_inf = 2 / (1 - b2) - 1
+
+    def init(params):
+        return T.ScaleByAdamState(count_zero(), zeros_like(params), zeros_like(params))
+
+    def update(updates, state, params=None):
+        c = int(count_inc(state.count))
+        bc1, bc2 = 1 - b1**c, 1 - b2**c
+        m = tree_map(lambda g, m: torch.lerp(m, g, 1 - b1), updates, state.mu)
+        v = tree_map(lambda g, v: b2 * v + (1 - b2) * g * g, updates, state.nu)
+        rho_t = rho_inf - 2 * c * (b2**c) / bc2
+        if rho_t > 5.0:
+            rect = math.sqrt((rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t))
+            out = tree_map(lambda m, v: (m / bc1) * (rect * math.sqrt(bc2) / (v.sqrt() + eps)), m, v)
+        else:
+            out = tree_map(lambda m: m / bc1, m)
+        return out, T.ScaleByAdamState(count_inc(state.count), m, v)
+
+    return GradientTransformation(init, update)
+
+
+def _decays(weight_decay: float, decoupled: bool):
+    """(before the moments, after them): torch's coupled L2 or decoupled decay."""
+    decay = T.add_decayed_weights(weight_decay) if weight_decay else identity()
+    return (identity(), decay) if decoupled else (decay, identity())
+
+
+def _sgd(lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False):
+    if nesterov and (momentum <= 0 or dampening != 0):
+        raise ValueError("nesterov momentum needs momentum > 0 and dampening = 0 (as torch.optim.SGD)")
+    mom = _torch_momentum(momentum, dampening, nesterov) if momentum else identity()
+    return chain(_negate(maximize), _decays(weight_decay, False)[0], mom, T.scale_by_learning_rate(lr))
+
+
+def _adam(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, maximize=False,
+          decoupled_weight_decay=False):
+    b1, b2 = betas
+    check_unit("betas[0]", b1)
+    check_unit("betas[1]", b2)
+    before, after = _decays(weight_decay, decoupled_weight_decay)
+    core = _torch_amsgrad(b1, b2, eps) if amsgrad else T.scale_by_adam(b1, b2, eps)
+    return chain(_negate(maximize), before, core, after, T.scale_by_learning_rate(lr))
+
+
+def _adamw(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, maximize=False):
+    return _adam(lr, betas, eps, weight_decay, amsgrad, maximize, decoupled_weight_decay=True)
+
+
+def _adagrad(lr=1e-2, lr_decay=0.0, weight_decay=0.0, initial_accumulator_value=0.0, eps=1e-10, maximize=False):
+    check_non_negative("lr_decay", lr_decay)
+    clr = T.scale_by_schedule(lambda count: -lr / (1 + int(count) * lr_decay))
+    return chain(_negate(maximize), _decays(weight_decay, False)[0],
+                 _torch_adagrad(initial_accumulator_value, eps), clr)
+
+
+def _adadelta(lr=1.0, rho=0.9, eps=1e-6, weight_decay=0.0, maximize=False):
+    return chain(_negate(maximize), _decays(weight_decay, False)[0], T.scale_by_adadelta(rho, eps),
+                 T.scale_by_learning_rate(lr))
+
+
+def _rmsprop(lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0.0, momentum=0.0, centered=False, maximize=False):
+    scaler = (T.scale_by_stddev if centered else T.scale_by_rms)(alpha, eps, eps_in_sqrt=False)
+    return chain(_negate(maximize), _decays(weight_decay, False)[0], scaler,
+                 T.trace(momentum) if momentum else identity(), T.scale_by_learning_rate(lr))
+
+
+def _rprop(lr=1e-2, etas=(0.5, 1.2), step_sizes=(1e-6, 50.0), maximize=False):
+    if not 0 < etas[0] < 1 < etas[1]:
+        raise ValueError(f"etas must satisfy 0 < eta_minus < 1 < eta_plus, got {etas!r}")
+    return chain(_negate(maximize), _torch_rprop(lr, etas, step_sizes), T.scale(-1.0))
+
+
+def _adamax(lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, maximize=False):
+    return chain(_negate(maximize), _decays(weight_decay, False)[0], T.scale_by_adamax(*betas, eps),
+                 T.scale_by_learning_rate(lr))
+
+
+def _nadam(lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, momentum_decay=4e-3,
+           decoupled_weight_decay=False, maximize=False):
+    before, after = _decays(weight_decay, decoupled_weight_decay)
+    return chain(_negate(maximize), before, _torch_nadam(*betas, eps, momentum_decay), after,
+                 T.scale_by_learning_rate(lr))
+
+
+def _radam(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, decoupled_weight_decay=False,
+           maximize=False):
+    before, after = _decays(weight_decay, decoupled_weight_decay)
+    return chain(_negate(maximize), before, _torch_radam(*betas, eps), after, T.scale_by_learning_rate(lr))
+
+
+TORCH_CLASSES = {"SGD": _sgd, "Adam": _adam, "AdamW": _adamw, "Adagrad": _adagrad, "Adadelta": _adadelta,
+                 "RMSprop": _rmsprop, "Rprop": _rprop, "Adamax": _adamax, "NAdam": _nadam, "RAdam": _radam}
+
+
+def from_torch(optimizer_class: type | str, **defaults: Any) -> GradientTransformation:
+    """A transformation that steps exactly as ``optimizer_class(params, **defaults)`` would.
+
+    ``optimizer_class`` is one of ``TORCH_CLASSES`` (the class or its name). ``foreach`` and
+    ``fused`` are accepted and ignored (they change how torch computes, not the result);
+    ``capturable`` and ``differentiable`` must be False; anything else torch's class does not
+    take raises a ``TypeError``.
+    """
+    name = optimizer_class if isinstance(optimizer_class, str) else getattr(optimizer_class, "__name__", "")
+    if name not in TORCH_CLASSES:
+        raise ValueError(f"from_torch supports {sorted(TORCH_CLASSES)}, not {optimizer_class!r}")
+    factory = TORCH_CLASSES[name]
+    for key in _MUST_BE_FALSE & defaults.keys():
+        if defaults.pop(key):
+            raise ValueError(f"from_torch({name}): {key}=True is not supported")
+    for key in _IMPLEMENTATION_ONLY & defaults.keys():
+        defaults.pop(key)
+    unknown = defaults.keys() - inspect.signature(factory).parameters.keys()
+    if unknown:
+        raise TypeError(f"from_torch({name}) got unsupported options {sorted(unknown)}")
+    for key in ("lr", "eps", "weight_decay"):
+        if key in defaults:
+            check_non_negative(key, defaults[key])
+    factory(**defaults)  # validate now, not at the first init
+    return inject_hyperparams(factory)(**defaults)  # tuples (betas, etas) stay static
