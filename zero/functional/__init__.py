@@ -22,6 +22,8 @@ from zero.functional.base import identity
 from zero.functional.clipping import clip
 from zero.functional.clipping import clip_by_global_norm
 from zero.functional.clipping import global_norm
+from zero.functional.optimizer import FunctionalOptimizer
+from zero.functional.optimizer import Optimizer
 from zero.functional.schedules import constant_schedule
 from zero.functional.schedules import cosine_decay_schedule
 from zero.functional.schedules import exponential_decay
@@ -83,6 +85,7 @@ __all__ = [
     "ApplyIfFiniteState",
     "EmaState",
     "EmptyState",
+    "FunctionalOptimizer",
     "GradientTransformation",
     "InjectHyperparamsState",
     "MaskedNode",
@@ -90,6 +93,7 @@ __all__ = [
     "MultiSteps",
     "MultiStepsState",
     "MultiTransformState",
+    "Optimizer",
     "ScaleByAdaDeltaState",
     "ScaleByAdamState",
     "ScaleByAmsgradState",

@@ -1,0 +1,148 @@
+"""zero.functional.Optimizer and FunctionalOptimizer: torch's optimizer protocol over transformations."""
+
+import io
+
+import pytest
+import torch
+from torch import nn
+
+import zero.functional as F
+
+
+def model_and_data(seed=0, dtype=torch.float64):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3)).to(dtype)
+    data = [(torch.randn(8, 6, dtype=dtype), torch.randn(8, 3, dtype=dtype)) for _ in range(25)]
+    return model, data
+
+
+def train(model, opt, data, scheduler=None):
+    for x, y in data:
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        if scheduler:
+            scheduler.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("name, opts", [("Adam", dict(lr=0.01, weight_decay=0.1)), ("SGD", dict(lr=0.1, momentum=0.9)),
+                                        ("AdamW", dict(lr=0.01, amsgrad=True)), ("RMSprop", dict(lr=0.01, centered=True))])
+def test_optimizer_equals_torch_optim(name, opts):
+    m1, data = model_and_data()
+    m2, _ = model_and_data()
+    ref = train(m1, getattr(torch.optim, name)(m1.parameters(), **opts), data)
+    ours = train(m2, F.Optimizer(m2.parameters(), F.from_torch(getattr(torch.optim, name), **opts)), data)
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("make", [lambda: F.adam(0.01), lambda: F.adamw(0.01, weight_decay=0.1),
+                                  lambda: F.inject_hyperparams(F.adam)(learning_rate=0.01)])
+def test_fused_path_equals_pure_update(make):
+    tx = make()
+    assert tx.fused is not None
+    m1, data = model_and_data()
+    m2, _ = model_and_data()
+    fused = train(m1, F.Optimizer(m1.parameters(), tx), data)
+    params = [p.detach().clone() for p in m2.parameters()]
+    state = tx.init(params)
+    for x, y in data:
+        for p, q in zip(m2.parameters(), params):
+            p.data.copy_(q)
+        m2.zero_grad()
+        nn.functional.mse_loss(m2(x), y).backward()
+        updates, state = tx.update([p.grad for p in m2.parameters()], state, params)
+        params = F.apply_updates(params, updates)
+    for a, b in zip(fused, params):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
+def test_lr_scheduler_drives_group_lr():
+    m1, data = model_and_data()
+    m2, _ = model_and_data()
+    ref_opt = torch.optim.Adam(m1.parameters(), lr=0.05)
+    ref = train(m1, ref_opt, data, torch.optim.lr_scheduler.StepLR(ref_opt, 5, gamma=0.5))
+    opt = F.Optimizer(m2.parameters(), F.from_torch(torch.optim.Adam, lr=0.05))
+    assert opt.param_groups[0]["lr"] == 0.05
+    ours = train(m2, opt, data, torch.optim.lr_scheduler.StepLR(opt, 5, gamma=0.5))
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.05 * 0.5**5)
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
+def test_param_groups_frozen_params_and_closure():
+    m1, data = model_and_data()
+    m2, _ = model_and_data()
+    for m in (m1, m2):
+        m[0].bias.requires_grad_(False)
+    ref_opt = torch.optim.SGD([{"params": [m1[0].weight, m1[0].bias]}, {"params": m1[2].parameters(), "lr": 0.01}],
+                              lr=0.1, momentum=0.9)
+    opt = F.Optimizer([{"params": [m2[0].weight, m2[0].bias]},
+                       {"params": m2[2].parameters(), "tx": F.from_torch("SGD", lr=0.01, momentum=0.9)}],
+                      F.from_torch("SGD", lr=0.1, momentum=0.9))
+    assert [g["lr"] for g in opt.param_groups] == [0.1, 0.01]
+    for (x, y) in data:
+        for model, o in ((m1, ref_opt), (m2, opt)):
+            def closure(model=model, o=o):
+                o.zero_grad()
+                loss = nn.functional.mse_loss(model(x), y)
+                loss.backward()
+                return loss
+            loss = o.step(closure)
+            assert loss is not None
+    for a, b in zip(m2.parameters(), m1.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
+def test_state_dict_round_trip_mid_run_continues_identically():
+    m1, data = model_and_data()
+    m2, _ = model_and_data()
+    opt1 = F.Optimizer(m1.parameters(), F.inject_hyperparams(F.adam)(learning_rate=0.02))
+    train(m1, opt1, data[:10])
+    buf = io.BytesIO()
+    torch.save(opt1.state_dict(), buf)
+    with torch.no_grad():
+        for p, q in zip(m2.parameters(), m1.parameters()):
+            p.copy_(q)
+    opt2 = F.Optimizer(m2.parameters(), F.inject_hyperparams(F.adam)(learning_rate=0.5))
+    buf.seek(0)
+    opt2.load_state_dict(torch.load(buf, weights_only=False))
+    assert opt2.param_groups[0]["lr"] == 0.02
+    a, b = train(m1, opt1, data[10:]), train(m2, opt2, data[10:])
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+def test_changing_the_set_of_params_with_gradients_is_an_error():
+    a, b = torch.zeros(3, requires_grad=True), torch.zeros(3, requires_grad=True)
+    opt = F.Optimizer([a, b], F.adam(0.1))
+    a.grad = torch.ones(3)
+    opt.step()
+    b.grad = torch.ones(3)
+    with pytest.raises(ValueError, match="must repeat every step"):
+        opt.step()
+
+
+def test_functional_optimizer_steps_buckets_like_torch_adam():
+    torch.manual_seed(0)
+    params = [torch.randn(4, dtype=torch.float64) for _ in range(5)]
+    ref_params = [p.clone().requires_grad_() for p in params]
+    ref = torch.optim.Adam(ref_params, lr=0.01)
+    fo = F.FunctionalOptimizer(params, F.from_torch("Adam", lr=0.01))
+    buckets = [[0, 1], [2, 3, 4]]
+    for step in range(12):
+        for bucket in buckets:
+            grads = [torch.randn(4, dtype=torch.float64) if i in bucket else None for i in range(5)]
+            fo.step(grads)
+            for p, g in zip(ref_params, grads):
+                p.grad = None if g is None else g.clone()
+            ref.step()
+    for a, b in zip(params, ref_params):
+        torch.testing.assert_close(a, b.detach(), rtol=1e-9, atol=1e-12)
+    with pytest.raises(ValueError, match="empty parameter list"):
+        F.FunctionalOptimizer([], F.adam(0.1))
+    assert F.FunctionalOptimizer([], F.adam(0.1), _allow_empty_param_list=True).param_groups[0]["params"] == []
+    with pytest.raises(ValueError, match="2 gradients for 5 params"):
+        fo.step([None, None])

@@ -1,0 +1,159 @@
+"""Running a transformation as a stateful torch optimizer.
+
+`Optimizer` is a real ``torch.optim.Optimizer`` (param groups, closures, ``zero_grad``, state
+dicts, lr schedulers); `FunctionalOptimizer` is the ``step(gradients)`` form that DDP comm hooks
+call one bucket at a time, like torch's private ``_FunctionalAdam`` family but for any
+transformation.
+
+Both keep one transformation state per *set of parameters stepped together*: a group's params
+that have gradients, or one DDP bucket. The sets repeat every iteration, so each state sees the
+same params every step, and params that never get a gradient (frozen ones) never get state, as
+in torch. A param that turns up in two different sets is an error, not a silent state split.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from zero.functional.base import GradientTransformation, inplace_step, tree_map
+from zero.functional.wrappers import InjectHyperparamsState
+
+__all__ = ["Optimizer", "FunctionalOptimizer", "hyperparams_of"]
+
+
+def hyperparams_of(tx: GradientTransformation) -> dict[str, float]:
+    """The torch-group view (``lr`` ...) of the hyperparameters ``tx`` keeps in its state."""
+    state = tx.init([])
+    if not isinstance(state, InjectHyperparamsState):
+        return {}
+    return {_group_key(k): v for k, v in state.hyperparams.items()}
+
+
+def _group_key(name: str) -> str:
+    return "lr" if name == "learning_rate" else name
+
+
+def _sync_hyperparams(state: Any, group: dict) -> Any:
+    """Copy the group's values (set by the user or an lr scheduler) into the state."""
+    if not isinstance(state, InjectHyperparamsState):
+        return state
+    hp = {k: float(group.get(_group_key(k), v)) for k, v in state.hyperparams.items()}
+    return state._replace(hyperparams=hp)
+
+
+class _StatesBySet:
+    """Transformation states keyed by the tuple of param indices stepped together."""
+
+    def __init__(self, tx: GradientTransformation):
+        self.tx = tx
+        self.states: dict[tuple[int, ...], Any] = {}
+        self._owner: dict[int, tuple[int, ...]] = {}
+
+    def step(self, idx: tuple[int, ...], params: list, grads: list, group: dict | None = None) -> None:
+        state = self.states.get(idx)
+        if state is None:
+            clash = {self._owner[i] for i in idx if i in self._owner}
+            if clash:
+                raise ValueError(f"params {list(idx)} are stepped together, but some were stepped before with "
+                                 f"{sorted(clash)}: the set of params with gradients must repeat every step "
+                                 "(put params that get gradients at different times in separate param groups)")
+            state = self.tx.init(params)
+            self._owner.update(dict.fromkeys(idx, idx))
+        if group is not None:
+            state = _sync_hyperparams(state, group)
+        self.states[idx] = inplace_step(self.tx, params, grads, state)
+
+
+class Optimizer(torch.optim.Optimizer):
+    """A ``torch.optim.Optimizer`` that steps params with a `GradientTransformation`.
+
+    ``params`` are tensors or param-group dicts; a group may carry its own ``"tx"``. When a
+    transformation keeps hyperparameters in its state (`inject_hyperparams`, `from_torch`), they
+    appear as group keys (``learning_rate`` as ``lr``) and changes to the group, e.g. by a
+    ``torch.optim.lr_scheduler``, take effect at the next step.
+    """
+
+    def __init__(self, params: Iterable, tx: GradientTransformation):
+        if not hasattr(tx, "update"):
+            raise TypeError(f"tx must be a GradientTransformation, got {type(tx).__name__}")
+        self._default_tx = tx
+        self._states: list[_StatesBySet] = []
+        super().__init__(params, hyperparams_of(tx))
+
+    def add_param_group(self, param_group: dict) -> None:
+        param_group = dict(param_group)
+        tx = param_group.pop("tx", self._default_tx)
+        for key, value in hyperparams_of(tx).items():
+            param_group.setdefault(key, value)
+        super().add_param_group(param_group)
+        self._states.append(_StatesBySet(tx))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group, states in zip(self.param_groups, self._states):
+            idx = tuple(i for i, p in enumerate(group["params"]) if p.grad is not None)
+            if idx:
+                params = [group["params"][i] for i in idx]
+                grads = [p.grad for p in params]
+                if any(g.is_sparse for g in grads):
+                    raise ValueError("zero.functional.Optimizer does not support sparse gradients")
+                states.step(idx, params, grads, group)
+        return loss
+
+    def state_dict(self) -> dict[str, Any]:
+        sd = super().state_dict()
+        sd["tx_states"] = [dict(s.states) for s in self._states]
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if "tx_states" not in state_dict or len(state_dict["tx_states"]) != len(self.param_groups):
+            raise ValueError("state_dict was not saved by a zero.functional.Optimizer with "
+                             f"{len(self.param_groups)} param groups")
+        super().load_state_dict({k: v for k, v in state_dict.items() if k != "tx_states"})
+        for group, states, saved in zip(self.param_groups, self._states, state_dict["tx_states"]):
+            states.states, states._owner = {}, {}
+            for idx, state in saved.items():
+                device = group["params"][idx[0]].device
+                states.states[idx] = tree_map(lambda x, d=device: _to_device(x, d), state)
+                states._owner.update(dict.fromkeys(idx, idx))
+
+
+def _to_device(x: Any, device: torch.device) -> Any:
+    """Per-param state follows its param's device; 0-d counters stay on the CPU, as created."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    return x.to(device, copy=True) if x.dim() else x.clone()
+
+
+class FunctionalOptimizer:
+    """``step(gradients)`` over a fixed list of params: a ``None`` gradient skips that param.
+
+    The form DDP comm hooks use: each bucket's step passes gradients for its params only.
+    """
+
+    def __init__(self, params: list[torch.Tensor], tx: GradientTransformation, _allow_empty_param_list: bool = False):
+        params = list(params)
+        if not params and not _allow_empty_param_list:
+            raise ValueError("FunctionalOptimizer got an empty parameter list")
+        self.params = params
+        self.param_group = {"params": params, **hyperparams_of(tx)}
+        self._states = _StatesBySet(tx)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [self.param_group]
+
+    @torch.no_grad()
+    def step(self, gradients: list[torch.Tensor | None]) -> None:
+        if len(gradients) != len(self.params):
+            raise ValueError(f"step got {len(gradients)} gradients for {len(self.params)} params")
+        idx = tuple(i for i, g in enumerate(gradients) if g is not None)
+        if idx:
+            self._states.step(idx, [self.params[i] for i in idx], [gradients[i] for i in idx], self.param_group)
