@@ -27,8 +27,9 @@ def train(model, opt, data, scheduler=None):
     return [p.detach().clone() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("name, opts", [("Adam", dict(lr=0.01, weight_decay=0.1)), ("SGD", dict(lr=0.1, momentum=0.9)),
-                                        ("AdamW", dict(lr=0.01, amsgrad=True)), ("RMSprop", dict(lr=0.01, centered=True))])
+@pytest.mark.parametrize("name, opts", [
+    ("Adam", dict(lr=0.01, weight_decay=0.1)), ("SGD", dict(lr=0.1, momentum=0.9)),
+    ("AdamW", dict(lr=0.01, amsgrad=True)), ("RMSprop", dict(lr=0.01, centered=True))])
 def test_optimizer_equals_torch_optim(name, opts):
     m1, data = model_and_data()
     m2, _ = model_and_data()
@@ -85,7 +86,7 @@ def test_param_groups_frozen_params_and_closure():
     assert [g["lr"] for g in opt.param_groups] == [0.1, 0.01]
     for (x, y) in data:
         for model, o in ((m1, ref_opt), (m2, opt)):
-            def closure(model=model, o=o):
+            def closure(model=model, o=o, x=x, y=y):
                 o.zero_grad()
                 loss = nn.functional.mse_loss(model(x), y)
                 loss.backward()
@@ -132,7 +133,7 @@ def test_functional_optimizer_steps_buckets_like_torch_adam():
     ref = torch.optim.Adam(ref_params, lr=0.01)
     fo = F.FunctionalOptimizer(params, F.from_torch("Adam", lr=0.01))
     buckets = [[0, 1], [2, 3, 4]]
-    for step in range(12):
+    for _ in range(12):
         for bucket in buckets:
             grads = [torch.randn(4, dtype=torch.float64) if i in bucket else None for i in range(5)]
             fo.step(grads)
