@@ -20,3 +20,18 @@ def test_plans_compute_without_torch():
             "assert 'torch' not in sys.modules and 'jax' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
 
+
+
+def test_functional_loads_no_jax_and_no_backends():
+    assert loaded("zero.functional", ["jax", "optax", "zero.backends"]) == []
+
+
+def test_functional_does_not_import_torch_distributed_itself():
+    import pathlib
+
+    for path in pathlib.Path("zero/functional").glob("*.py"):
+        text = path.read_text()
+        assert "torch.distributed" not in text, f"{path} reaches into torch.distributed"
+    for path in pathlib.Path("zero").glob("*.py"):
+        assert "import torch" not in path.read_text().replace("    import torch", ""), \
+            f"{path}: the plan layer imports torch only inside adapters"

@@ -22,6 +22,9 @@ from zero.functional.base import identity
 from zero.functional.clipping import clip
 from zero.functional.clipping import clip_by_global_norm
 from zero.functional.clipping import global_norm
+from zero.functional.optax_bridge import from_optax
+from zero.functional.optax_bridge import from_optax_state
+from zero.functional.optax_bridge import to_optax_state
 from zero.functional.optimizer import FunctionalOptimizer
 from zero.functional.optimizer import Optimizer
 from zero.functional.schedules import constant_schedule
@@ -124,6 +127,8 @@ __all__ = [
     "cosine_decay_schedule",
     "ema",
     "exponential_decay",
+    "from_optax",
+    "from_optax_state",
     "from_torch",
     "global_norm",
     "identity",
@@ -156,6 +161,7 @@ __all__ = [
     "scale_by_stddev",
     "scale_by_trust_ratio",
     "sgd",
+    "to_optax_state",
     "trace",
     "warmup_cosine_decay_schedule",
 ]

@@ -1,0 +1,114 @@
+"""Running Optax on torch tensors, and moving optimizer state between the two frameworks.
+
+Tensors cross through DLPack, which shares memory where the device allows (CPU and CUDA
+buffers JAX can read in place) instead of copying. JAX is imported on first use only, so
+``import zero.functional`` never loads it.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from zero.functional.base import GradientTransformation
+
+__all__ = ["from_optax", "to_optax_state", "from_optax_state"]
+
+
+def _jax():
+    import jax
+
+    return jax
+
+
+def _to_jax(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        t = x.detach()
+        if not t.is_contiguous():
+            t = t.contiguous()
+        return _jax().dlpack.from_dlpack(t)
+    return x
+
+
+def _to_torch(x: Any) -> Any:
+    jax = _jax()
+    if isinstance(x, jax.Array):
+        return torch.from_dlpack(x)
+    return x
+
+
+def _map(fn, tree):
+    return _jax().tree_util.tree_map(fn, tree)
+
+
+def from_optax(optax_tx: Any) -> GradientTransformation:
+    """Run any Optax transformation on torch tensors.
+
+    ``init`` and ``update`` take and return torch pytrees; the state keeps Optax's classes with
+    torch leaves. The update is ``jax.jit``-compiled once per tree structure (jit's cache).
+    """
+    if not (hasattr(optax_tx, "init") and hasattr(optax_tx, "update")):
+        raise TypeError(f"from_optax needs an Optax GradientTransformation, got {type(optax_tx).__name__}")
+
+    @functools.cache
+    def jitted():
+        return _jax().jit(optax_tx.update)
+
+    def init(params):
+        return _map(_to_torch, optax_tx.init(_map(_to_jax, params)))
+
+    def update(updates, state, params=None):
+        args = (_map(_to_jax, updates), _map(_to_jax, state), None if params is None else _map(_to_jax, params))
+        new_updates, new_state = jitted()(*args)
+        return _map(_to_torch, new_updates), _map(_to_torch, new_state)
+
+    return GradientTransformation(init, update)
+
+
+@functools.cache
+def _optax_classes() -> dict[str, type]:
+    """Optax's state classes by name (ours share the names and fields)."""
+    import optax
+    from optax._src import base, transform
+    from optax.transforms import _accumulation, _conditionality, _masking
+
+    found = {}
+    for module in (base, transform, _masking, _conditionality, _accumulation, optax):
+        for name in dir(module):
+            obj = getattr(module, name)
+            if isinstance(obj, type) and issubclass(obj, tuple) and hasattr(obj, "_fields"):
+                found.setdefault(name, obj)
+    return found
+
+
+@functools.cache
+def _our_classes() -> dict[str, type]:
+    import zero.functional as F
+
+    return {name: getattr(F, name) for name in F.__all__
+            if isinstance(getattr(F, name), type) and hasattr(getattr(F, name), "_fields")}
+
+
+def _convert(node: Any, leaf, classes: dict[str, type]) -> Any:
+    if isinstance(node, tuple) and hasattr(node, "_fields"):
+        name = type(node).__name__
+        if name not in classes:
+            raise ValueError(f"no counterpart for state class {name} in the other framework")
+        return classes[name](*(_convert(x, leaf, classes) for x in node))
+    if isinstance(node, (list, tuple)):
+        return type(node)(_convert(x, leaf, classes) for x in node)
+    if isinstance(node, dict):
+        return {k: _convert(v, leaf, classes) for k, v in node.items()}
+    return leaf(node)
+
+
+def to_optax_state(state: Any) -> Any:
+    """A `zero.functional` state as the Optax state of the same transformation (JAX leaves)."""
+    return _convert(state, _to_jax, _optax_classes())
+
+
+def from_optax_state(state: Any) -> Any:
+    """An Optax state as the `zero.functional` state of the same transformation (torch leaves)."""
+    return _convert(state, _to_torch, _our_classes())
