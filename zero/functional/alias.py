@@ -7,6 +7,7 @@ pure reference.
 
 from __future__ import annotations
 
+import optree
 import torch
 
 from zero.functional import transform as T
@@ -31,7 +32,7 @@ def adam(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, e
                T.scale_by_learning_rate(learning_rate))
     if eps_root or mu_dtype is not None or nesterov:
         return tx
-    return tx._replace(fused=_fused_adam(learning_rate, b1, b2, eps, 0.0, None))
+    return _with_kernels(tx, learning_rate, b1, b2, eps, 0.0, None)
 
 
 def adamw(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0,
@@ -42,31 +43,68 @@ def adamw(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, 
                T.add_decayed_weights(weight_decay, mask), T.scale_by_learning_rate(learning_rate))
     if eps_root or mu_dtype is not None or nesterov or mask is not None or callable(weight_decay):
         return tx
-    return tx._replace(fused=_fused_adam(learning_rate, b1, b2, eps, weight_decay, T.EmptyState()))
+    return _with_kernels(tx, learning_rate, b1, b2, eps, weight_decay, T.EmptyState())
 
 
-def _fused_adam(learning_rate, b1, b2, eps, weight_decay, decay_state):
-    """In-place Adam(W) on a list of params whose state is this alias's chain state."""
+def _with_kernels(tx, learning_rate, b1, b2, eps, weight_decay, decay_state) -> GradientTransformation:
+    """Give an Adam(W) chain torch's fused kernel for both its in-place and its pure step.
+
+    The chain's own ``update`` stays the fallback (and the reference the tests compare with)
+    for tensors the kernel does not take.
+    """
     kernel = torch._fused_adamw_ if weight_decay else torch._fused_adam_
+
+    def lr_and_states(state):
+        adam_state, lr_state = state[0], state[-1]
+        lr = learning_rate(lr_state.count) if callable(learning_rate) else learning_rate
+        new_lr_state = T.ScaleByScheduleState(count_inc(lr_state.count)) if callable(learning_rate) else lr_state
+        middle = (decay_state,) if decay_state is not None else ()
+        return float(lr), count_inc(adam_state.count), middle, new_lr_state
+
+    def run(params, grads, mu, nu, lr, count, decay):
+        for idx in _by_device_dtype(params):
+            pick = lambda xs, idx=idx: [xs[i] for i in idx]
+            step = torch.tensor(float(count), device=params[idx[0]].device)
+            kernel(pick(params), pick(grads), pick(mu), pick(nu), [], [step] * len(idx), amsgrad=False, lr=lr,
+                   beta1=b1, beta2=b2, weight_decay=decay, eps=eps, maximize=False)
 
     @torch.no_grad()
     def fused(params, grads, state):
-        adam_state, lr_state = state[0], state[-1]
-        lr = learning_rate(lr_state.count) if callable(learning_rate) else learning_rate
-        count = count_inc(adam_state.count)
-        groups: dict = {}
-        for p, g, m, v in zip(params, grads, adam_state.mu, adam_state.nu):
-            groups.setdefault((p.device, p.dtype), []).append((p, g, m, v))
-        for (device, _), items in groups.items():
-            p, g, m, v = (list(x) for x in zip(*items))
-            step = torch.tensor(float(count), device=device)
-            kernel(p, g, m, v, [], [step] * len(p), amsgrad=False, lr=lr, beta1=b1, beta2=b2,
-                   weight_decay=weight_decay, eps=eps, maximize=False)
-        new_lr_state = T.ScaleByScheduleState(count_inc(lr_state.count)) if callable(learning_rate) else lr_state
-        middle = (decay_state,) if decay_state is not None else ()
-        return (T.ScaleByAdamState(count, adam_state.mu, adam_state.nu), *middle, new_lr_state)
+        if not T._fusable(params, grads, state[0].mu, state[0].nu):
+            return inplace_update(params, grads, state)
+        lr, count, middle, lr_state = lr_and_states(state)
+        run(params, grads, state[0].mu, state[0].nu, lr, count, weight_decay)
+        return (T.ScaleByAdamState(count, state[0].mu, state[0].nu), *middle, lr_state)
 
-    return fused
+    @torch.no_grad()
+    def update(updates, state, params=None):
+        g, treedef = optree.tree_flatten(updates)
+        mu, nu = treedef.flatten_up_to(state[0].mu), treedef.flatten_up_to(state[0].nu)
+        p = treedef.flatten_up_to(params) if params is not None else None
+        if (weight_decay and p is None) or not T._fusable(g, mu, nu):
+            return tx.update(updates, state, params)
+        lr, count, middle, lr_state = lr_and_states(state)
+        # Stepping a zero "param" leaves exactly -lr * m_hat / (sqrt(v_hat) + eps) in it.
+        mu, nu, out = torch._foreach_add(mu, 0.0), torch._foreach_add(nu, 0.0), [torch.zeros_like(x) for x in g]
+        run(out, g, mu, nu, lr, count, 0.0)
+        if weight_decay:
+            torch._foreach_add_(out, p, alpha=-lr * weight_decay)
+        unflat = lambda leaves: optree.tree_unflatten(treedef, leaves)
+        return unflat(out), (T.ScaleByAdamState(count, unflat(mu), unflat(nu)), *middle, lr_state)
+
+    def inplace_update(params, grads, state):
+        updates, state = tx.update(grads, state, params)
+        torch._foreach_add_(params, updates)
+        return state
+
+    return tx._replace(update=update, fused=fused)
+
+
+def _by_device_dtype(tensors) -> list[list[int]]:
+    groups: dict = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.device, t.dtype), []).append(i)
+    return list(groups.values())
 
 
 def adagrad(learning_rate, initial_accumulator_value: float = 0.1, eps: float = 1e-7) -> GradientTransformation:

@@ -108,9 +108,11 @@ def inplace_step(tx: GradientTransformation, params: list, grads: list, state: A
 def apply_updates(params: Any, updates: Any) -> Any:
     """``params + updates`` leaf by leaf, in each param's dtype (a new tree; inputs untouched)."""
     p_leaves, treedef = optree.tree_flatten(params)
-    u_leaves = treedef.flatten_up_to(updates)
-    out = [p + u.to(p.dtype) if u is not None else p for p, u in zip(p_leaves, u_leaves)]
-    return optree.tree_unflatten(treedef, out)
+    u_leaves = [u if u is None or u.dtype == p.dtype else u.to(p.dtype)
+                for p, u in zip(p_leaves, treedef.flatten_up_to(updates))]
+    if p_leaves and all(u is not None for u in u_leaves):
+        return optree.tree_unflatten(treedef, torch._foreach_add(p_leaves, u_leaves))
+    return optree.tree_unflatten(treedef, [p if u is None else p + u for p, u in zip(p_leaves, u_leaves)])
 
 
 def check_positive(name: str, value: Any) -> None:

@@ -129,8 +129,12 @@ def _debias(t, decay, count):
 
 def scale(step_size: float) -> GradientTransformation:
     """Multiply updates by ``step_size`` (``optax.scale``)."""
-    return GradientTransformation(lambda params: EmptyState(),
-                                  lambda u, s, p=None: (tree_map(lambda g: g * step_size, u), s))
+    return GradientTransformation(lambda params: EmptyState(), lambda u, s, p=None: (_scaled(u, step_size), s))
+
+
+def _scaled(tree, factor):
+    leaves, treedef = optree.tree_flatten(tree)
+    return optree.tree_unflatten(treedef, torch._foreach_mul(leaves, factor) if leaves else [])
 
 
 def scale_by_schedule(step_size_fn) -> GradientTransformation:
@@ -140,7 +144,7 @@ def scale_by_schedule(step_size_fn) -> GradientTransformation:
 
     def update(updates, state, params=None):
         step = step_size_fn(state.count)
-        return tree_map(lambda g: g * step, updates), ScaleByScheduleState(count_inc(state.count))
+        return _scaled(updates, step), ScaleByScheduleState(count_inc(state.count))
 
     return GradientTransformation(lambda params: ScaleByScheduleState(count_zero()), update)
 
@@ -173,29 +177,63 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_roo
 
     def update(updates, state, params=None):
         g, treedef = optree.tree_flatten(updates)
-        mu = torch._foreach_lerp(treedef.flatten_up_to(state.mu), g, 1 - b1)
-        nu = torch._foreach_mul(treedef.flatten_up_to(state.nu), b2)
-        torch._foreach_addcmul_(nu, g, g, 1 - b2)
+        mu, nu = treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.nu)
         count = count_inc(state.count)
-        c = int(count)
-        denom = torch._foreach_div(nu, 1 - b2**c)
-        if eps_root:
-            torch._foreach_add_(denom, eps_root)
-        torch._foreach_sqrt_(denom)
-        torch._foreach_add_(denom, eps)
-        if nesterov:
-            num = torch._foreach_mul(mu, b1 / (1 - b1 ** (c + 1)))
-            torch._foreach_add_(num, torch._foreach_mul(g, (1 - b1) / (1 - b1**c)))
-            out = torch._foreach_div(num, denom)
+        if eps_root == 0 and not nesterov and mu_dtype is None and _fusable(g, mu, nu):
+            out, mu, nu = _adam_fused(g, mu, nu, int(count), b1, b2, eps)
         else:
-            out = torch._foreach_div(mu, denom)
-            torch._foreach_mul_(out, 1 / (1 - b1**c))
+            out, mu, nu = _adam_foreach(g, mu, nu, int(count), b1, b2, eps, eps_root, nesterov)
         if mu_dtype is not None:
             mu = [m.to(mu_dtype) for m in mu]
         unflat = lambda leaves: optree.tree_unflatten(treedef, leaves)
         return unflat(out), ScaleByAdamState(count, unflat(mu), unflat(nu))
 
     return GradientTransformation(init, update)
+
+
+def _fusable(*lists) -> bool:
+    """Torch's fused Adam kernel takes float tensors on CPU/CUDA, each list's dtypes matching."""
+    return all(t.is_floating_point() and t.device.type in ("cpu", "cuda") for t in lists[0]) and all(
+        a.dtype == b.dtype and a.device == b.device for other in lists[1:] for a, b in zip(lists[0], other))
+
+
+@torch.no_grad()
+def _adam_fused(g, mu, nu, c, b1, b2, eps):
+    """Adam's direction in one pass of torch's fused kernel, on copies of the moments.
+
+    Stepping a zero "param" with lr=-1 leaves exactly the direction m_hat / (sqrt(v_hat) + eps)
+    in it: no cancellation, and the moments come out updated.
+    """
+    mu, nu = torch._foreach_add(mu, 0.0), torch._foreach_add(nu, 0.0)  # copies: update stays pure
+    out = [torch.zeros_like(x) for x in g]
+    groups: dict = {}
+    for i, x in enumerate(g):
+        groups.setdefault((x.device, x.dtype), []).append(i)
+    for (device, _), idx in groups.items():
+        pick = lambda xs, idx=idx: [xs[i] for i in idx]
+        step = torch.tensor(float(c), device=device)
+        torch._fused_adam_(pick(out), pick(g), pick(mu), pick(nu), [], [step] * len(idx), amsgrad=False,
+                           lr=-1.0, beta1=b1, beta2=b2, weight_decay=0.0, eps=eps, maximize=False)
+    return out, mu, nu
+
+
+def _adam_foreach(g, mu, nu, c, b1, b2, eps, eps_root, nesterov):
+    mu = torch._foreach_lerp(mu, g, 1 - b1)
+    nu = torch._foreach_mul(nu, b2)
+    torch._foreach_addcmul_(nu, g, g, 1 - b2)
+    denom = torch._foreach_div(nu, 1 - b2**c)
+    if eps_root:
+        torch._foreach_add_(denom, eps_root)
+    torch._foreach_sqrt_(denom)
+    torch._foreach_add_(denom, eps)
+    if nesterov:
+        num = torch._foreach_mul(mu, b1 / (1 - b1 ** (c + 1)))
+        torch._foreach_add_(num, torch._foreach_mul(g, (1 - b1) / (1 - b1**c)))
+        out = torch._foreach_div(num, denom)
+    else:
+        out = torch._foreach_div(mu, denom)
+        torch._foreach_mul_(out, 1 / (1 - b1**c))
+    return out, mu, nu
 
 
 def scale_by_amsgrad(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0,
