@@ -10,6 +10,7 @@ from __future__ import annotations
 import optree
 import torch
 
+from zero.functional import adam_family as A
 from zero.functional import transform as T
 from zero.functional.base import GradientTransformation, chain, count_inc, identity
 
@@ -28,7 +29,7 @@ def adam(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, e
          mu_dtype: torch.dtype | None = None, *, nesterov: bool = False) -> GradientTransformation:
     """Adam: ``m = b1 m + (1-b1) g``, ``v = b2 v + (1-b2) g^2``,
     ``u = -lr * m_hat / (sqrt(v_hat + eps_root) + eps)`` with ``x_hat = x / (1 - b^t)``."""
-    tx = chain(T.scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov),
+    tx = chain(A.scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov),
                T.scale_by_learning_rate(learning_rate))
     if eps_root or mu_dtype is not None or nesterov:
         return tx
@@ -39,7 +40,7 @@ def adamw(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, 
           mu_dtype: torch.dtype | None = None, weight_decay=1e-4, mask=None, *,
           nesterov: bool = False) -> GradientTransformation:
     """AdamW: Adam's rescaling plus decoupled decay, ``u = -lr * (adam(g) + weight_decay * p)``."""
-    tx = chain(T.scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov),
+    tx = chain(A.scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov),
                T.add_decayed_weights(weight_decay, mask), T.scale_by_learning_rate(learning_rate))
     if eps_root or mu_dtype is not None or nesterov or mask is not None or callable(weight_decay):
         return tx
@@ -70,18 +71,18 @@ def _with_kernels(tx, learning_rate, b1, b2, eps, weight_decay, decay_state) -> 
 
     @torch.no_grad()
     def fused(params, grads, state):
-        if not T._fusable(params, grads, state[0].mu, state[0].nu):
+        if not A._fusable(params, grads, state[0].mu, state[0].nu):
             return inplace_update(params, grads, state)
         lr, count, middle, lr_state = lr_and_states(state)
         run(params, grads, state[0].mu, state[0].nu, lr, count, weight_decay)
-        return (T.ScaleByAdamState(count, state[0].mu, state[0].nu), *middle, lr_state)
+        return (A.ScaleByAdamState(count, state[0].mu, state[0].nu), *middle, lr_state)
 
     @torch.no_grad()
     def update(updates, state, params=None):
         g, treedef = optree.tree_flatten(updates)
         mu, nu = treedef.flatten_up_to(state[0].mu), treedef.flatten_up_to(state[0].nu)
         p = treedef.flatten_up_to(params) if params is not None else None
-        if (weight_decay and p is None) or not T._fusable(g, mu, nu):
+        if (weight_decay and p is None) or not A._fusable(g, mu, nu):
             return tx.update(updates, state, params)
         lr, count, middle, lr_state = lr_and_states(state)
         # Stepping a zero "param" leaves exactly -lr * m_hat / (sqrt(v_hat) + eps) in it.
@@ -90,7 +91,7 @@ def _with_kernels(tx, learning_rate, b1, b2, eps, weight_decay, decay_state) -> 
         if weight_decay:
             torch._foreach_add_(out, p, alpha=-lr * weight_decay)
         unflat = lambda leaves: optree.tree_unflatten(treedef, leaves)
-        return unflat(out), (T.ScaleByAdamState(count, unflat(mu), unflat(nu)), *middle, lr_state)
+        return unflat(out), (A.ScaleByAdamState(count, unflat(mu), unflat(nu)), *middle, lr_state)
 
     def inplace_update(params, grads, state):
         updates, state = tx.update(grads, state, params)
@@ -122,7 +123,7 @@ def adadelta(learning_rate=None, rho: float = 0.9, eps: float = 1e-6, weight_dec
 
 def adamax(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:
     """Adamax: ``m = b1 m + (1-b1) g``, ``v = max(|g| + eps, b2 v)``; ``u = -lr * m_hat / v``."""
-    return chain(T.scale_by_adamax(b1, b2, eps), T.scale_by_learning_rate(learning_rate))
+    return chain(A.scale_by_adamax(b1, b2, eps), T.scale_by_learning_rate(learning_rate))
 
 
 def rmsprop(learning_rate, decay: float = 0.9, eps: float = 1e-8, initial_scale: float = 0.0,
@@ -154,7 +155,7 @@ def lion(learning_rate, b1: float = 0.9, b2: float = 0.99, mu_dtype: torch.dtype
 def lamb(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-6, eps_root: float = 0.0,
          weight_decay=0.0, mask=None) -> GradientTransformation:
     """LAMB: Adam's update plus decay, rescaled per tensor by ``|p| / |update|``, times ``-lr``."""
-    return chain(T.scale_by_adam(b1, b2, eps, eps_root), T.add_decayed_weights(weight_decay, mask),
+    return chain(A.scale_by_adam(b1, b2, eps, eps_root), T.add_decayed_weights(weight_decay, mask),
                  T.scale_by_trust_ratio(), T.scale_by_learning_rate(learning_rate))
 
 
@@ -169,5 +170,5 @@ def radam(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, 
           threshold: float = 5.0, *, nesterov: bool = False) -> GradientTransformation:
     """RAdam: Adam rectified by ``r_t`` once the variance estimate's ``rho_t >= threshold``;
     before that, momentum SGD on ``m_hat``."""
-    return chain(T.scale_by_radam(b1, b2, eps, eps_root, threshold, nesterov=nesterov),
+    return chain(A.scale_by_radam(b1, b2, eps, eps_root, threshold, nesterov=nesterov),
                  T.scale_by_learning_rate(learning_rate))
