@@ -29,7 +29,7 @@ def test_plan_compare_lists_every_strategy():
 def test_plan_shapes_file_and_torch_model(tmp_path):
     shapes = tmp_path / "shapes.json"
     shapes.write_text(json.dumps({"w": [300, 20], "b": [20], "emb": {"shape": [50, 20], "dtype": "bfloat16"}}))
-    assert "3 " in zero("plan", "--shapes", str(shapes), "-w", "2", "--compare").stdout
+    assert "3 tensors on 2 ranks" in zero("plan", "--shapes", str(shapes), "-w", "2", "--compare").stdout
     mod = tmp_path / "tiny_model.py"
     mod.write_text("from torch import nn\ndef build():\n    return nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))\n")
     res = subprocess.run([sys.executable, "-m", "zero", "plan", "--model", "tiny_model:build", "-w", "3"],

@@ -65,7 +65,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_roo
         mu, nu = treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.nu)
         count = count_inc(state.count)
         if eps_root == 0 and not nesterov and mu_dtype is None and _fusable(g, mu, nu):
-            out, mu, nu = _adam_fused(g, mu, nu, int(count), b1, b2, eps)
+            out, mu, nu = adam_direction(g, mu, nu, int(count), b1, b2, eps)
         else:
             out, mu, nu = _adam_foreach(g, mu, nu, int(count), b1, b2, eps, eps_root, nesterov)
         if mu_dtype is not None:
@@ -83,22 +83,30 @@ def _fusable(*lists) -> bool:
 
 
 @torch.no_grad()
-def _adam_fused(g, mu, nu, c, b1, b2, eps):
-    """Adam's direction in one pass of torch's fused kernel, on copies of the moments.
-
-    Stepping a zero "param" with lr=-1 leaves exactly the direction m_hat / (sqrt(v_hat) + eps)
-    in it: no cancellation, and the moments come out updated.
-    """
-    mu, nu = torch._foreach_add(mu, 0.0), torch._foreach_add(nu, 0.0)  # copies: update stays pure
-    out = [torch.zeros_like(x) for x in g]
+def fused_adam_(params, grads, mu, nu, count: int, b1, b2, eps, lr, weight_decay=0.0) -> None:
+    """One in-place step of torch's fused Adam kernel (AdamW's when ``weight_decay``), run per
+    (device, dtype) group as the kernel requires."""
+    kernel = torch._fused_adamw_ if weight_decay else torch._fused_adam_
     groups: dict = {}
-    for i, x in enumerate(g):
-        groups.setdefault((x.device, x.dtype), []).append(i)
+    for i, p in enumerate(params):
+        groups.setdefault((p.device, p.dtype), []).append(i)
     for (device, _), idx in groups.items():
         pick = lambda xs, idx=idx: [xs[i] for i in idx]
-        step = torch.tensor(float(c), device=device)
-        torch._fused_adam_(pick(out), pick(g), pick(mu), pick(nu), [], [step] * len(idx), amsgrad=False,
-                           lr=-1.0, beta1=b1, beta2=b2, weight_decay=0.0, eps=eps, maximize=False)
+        step = torch.tensor(float(count), device=device)
+        kernel(pick(params), pick(grads), pick(mu), pick(nu), [], [step] * len(idx), amsgrad=False, lr=lr,
+               beta1=b1, beta2=b2, weight_decay=weight_decay, eps=eps, maximize=False)
+
+
+@torch.no_grad()
+def adam_direction(g, mu, nu, count: int, b1, b2, eps, lr=-1.0):
+    """``(-lr * m_hat / (sqrt(v_hat) + eps), new mu, new nu)`` without touching the inputs.
+
+    Stepping a zero "param" leaves exactly ``-lr`` times the direction in it (no cancellation);
+    the kernel runs on copies of the moments, so the caller's state stays as it was.
+    """
+    mu, nu = torch._foreach_add(mu, 0.0), torch._foreach_add(nu, 0.0)
+    out = [torch.zeros_like(x) for x in g]
+    fused_adam_(out, g, mu, nu, count, b1, b2, eps, lr)
     return out, mu, nu
 
 

@@ -12,7 +12,7 @@ import torch
 
 from zero.functional import adam_family as A
 from zero.functional import transform as T
-from zero.functional.base import GradientTransformation, chain, count_inc, identity
+from zero.functional.base import GradientTransformation, chain, count_inc, identity, inplace_step
 
 __all__ = ["sgd", "adam", "adamw", "adagrad", "adadelta", "adamax", "rmsprop", "rprop", "lion",
            "lamb", "nadam", "radam"]
@@ -53,7 +53,6 @@ def _with_kernels(tx, learning_rate, b1, b2, eps, weight_decay, decay_state) -> 
     The chain's own ``update`` stays the fallback (and the reference the tests compare with)
     for tensors the kernel does not take.
     """
-    kernel = torch._fused_adamw_ if weight_decay else torch._fused_adam_
 
     def lr_and_states(state):
         adam_state, lr_state = state[0], state[-1]
@@ -62,20 +61,14 @@ def _with_kernels(tx, learning_rate, b1, b2, eps, weight_decay, decay_state) -> 
         middle = (decay_state,) if decay_state is not None else ()
         return float(lr), count_inc(adam_state.count), middle, new_lr_state
 
-    def run(params, grads, mu, nu, lr, count, decay):
-        for idx in _by_device_dtype(params):
-            pick = lambda xs, idx=idx: [xs[i] for i in idx]
-            step = torch.tensor(float(count), device=params[idx[0]].device)
-            kernel(pick(params), pick(grads), pick(mu), pick(nu), [], [step] * len(idx), amsgrad=False, lr=lr,
-                   beta1=b1, beta2=b2, weight_decay=decay, eps=eps, maximize=False)
-
     @torch.no_grad()
     def fused(params, grads, state):
-        if not A._fusable(params, grads, state[0].mu, state[0].nu):
-            return inplace_update(params, grads, state)
+        mu, nu = state[0].mu, state[0].nu
+        if not A._fusable(params, grads, mu, nu):
+            return inplace_step(tx, params, grads, state)
         lr, count, middle, lr_state = lr_and_states(state)
-        run(params, grads, state[0].mu, state[0].nu, lr, count, weight_decay)
-        return (A.ScaleByAdamState(count, state[0].mu, state[0].nu), *middle, lr_state)
+        A.fused_adam_(params, grads, mu, nu, int(count), b1, b2, eps, lr, weight_decay)
+        return (A.ScaleByAdamState(count, mu, nu), *middle, lr_state)
 
     @torch.no_grad()
     def update(updates, state, params=None):
@@ -85,27 +78,13 @@ def _with_kernels(tx, learning_rate, b1, b2, eps, weight_decay, decay_state) -> 
         if (weight_decay and p is None) or not A._fusable(g, mu, nu):
             return tx.update(updates, state, params)
         lr, count, middle, lr_state = lr_and_states(state)
-        # Stepping a zero "param" leaves exactly -lr * m_hat / (sqrt(v_hat) + eps) in it.
-        mu, nu, out = torch._foreach_add(mu, 0.0), torch._foreach_add(nu, 0.0), [torch.zeros_like(x) for x in g]
-        run(out, g, mu, nu, lr, count, 0.0)
+        out, mu, nu = A.adam_direction(g, mu, nu, int(count), b1, b2, eps, lr)
         if weight_decay:
             torch._foreach_add_(out, p, alpha=-lr * weight_decay)
         unflat = lambda leaves: optree.tree_unflatten(treedef, leaves)
         return unflat(out), (A.ScaleByAdamState(count, unflat(mu), unflat(nu)), *middle, lr_state)
 
-    def inplace_update(params, grads, state):
-        updates, state = tx.update(grads, state, params)
-        torch._foreach_add_(params, updates)
-        return state
-
     return tx._replace(update=update, fused=fused)
-
-
-def _by_device_dtype(tensors) -> list[list[int]]:
-    groups: dict = {}
-    for i, t in enumerate(tensors):
-        groups.setdefault((t.device, t.dtype), []).append(i)
-    return list(groups.values())
 
 
 def adagrad(learning_rate, initial_accumulator_value: float = 0.1, eps: float = 1e-7) -> GradientTransformation:
