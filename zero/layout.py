@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from zero.meta import ParamMeta
 from zero.partition import Partition, check_metas, check_rank, check_world_size
 
-__all__ = ["Bucket", "BucketLayout", "bucket_views", "Segment", "FlatBuffer", "FlatLayout",
-           "flat_layout"]
+__all__ = ["Bucket", "BucketLayout", "bucket_views", "Piece", "row_chunks", "Segment", "FlatBuffer",
+           "FlatLayout", "flat_layout"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,52 @@ class BucketLayout:
     def of(self, rank: int) -> tuple[Bucket, ...]:
         check_rank(rank, self.world_size)
         return tuple(b for b in self.buckets if b.rank == rank)
+
+    def keys(self) -> tuple[tuple[str, str], ...]:
+        """The (device, dtype) pairs, in order of first appearance."""
+        return tuple(dict.fromkeys((b.device, b.dtype) for b in self.buckets))
+
+    def at(self, key: tuple[str, str]) -> tuple[Bucket, ...]:
+        """The buckets of one (device, dtype), one per rank, in rank order."""
+        return tuple(b for b in self.buckets if (b.device, b.dtype) == tuple(key))
+
+    def row_numel(self, key: tuple[str, str]) -> int:
+        """The largest bucket of ``key``: every rank's row in an all-gather is padded to it."""
+        return max(b.numel for b in self.at(key))
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Elements ``start:end`` of parameter ``param`` (flattened) sit at ``row_start`` of a chunk."""
+
+    param: int
+    start: int
+    end: int
+    row_start: int
+
+
+def row_chunks(bucket: Bucket, chunk_numel: int, row_numel: int) -> tuple[tuple[Piece, ...], ...]:
+    """Cut a bucket's padded row of ``row_numel`` elements into all-gather chunks.
+
+    Chunk ``c`` covers row elements ``c * chunk_numel`` onwards; its pieces say which slice of
+    which parameter each part of the chunk carries. Every rank cuts its row the same way, so one
+    all-gather per chunk moves every rank's pieces (rows shorter than ``row_numel`` are padding).
+    """
+    if not isinstance(chunk_numel, int) or chunk_numel < 1:
+        raise ValueError(f"chunk_numel must be a positive int, got {chunk_numel!r}")
+    if row_numel < bucket.numel:
+        raise ValueError(f"row_numel {row_numel} is smaller than the bucket ({bucket.numel} elements)")
+    n_chunks = max(1, math.ceil(row_numel / chunk_numel))
+    chunks: list[list[Piece]] = [[] for _ in range(n_chunks)]
+    ends = list(bucket.offsets[1:]) + [bucket.numel]
+    for param, lo, hi in zip(bucket.params, bucket.offsets, ends):
+        pos = lo
+        while pos < hi:
+            c, within = divmod(pos, chunk_numel)
+            take = min(hi - pos, chunk_numel - within)
+            chunks[c].append(Piece(param, pos - lo, pos - lo + take, within))
+            pos += take
+    return tuple(tuple(c) for c in chunks)
 
 
 def bucket_views(metas: Sequence[ParamMeta], part: Partition) -> BucketLayout:

@@ -1,0 +1,72 @@
+"""Run a function on N gloo ranks on 127.0.0.1, each in a fresh process, with a hard timeout.
+
+``run_ranks(fn, world_size, *args)`` returns ``fn(rank, world_size, *args)`` of every rank, in
+rank order, or raises with the failing rank's traceback. ``fn`` must be importable (defined at
+module level). A rank that hangs is killed when ``timeout`` runs out, failing the test.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import socket
+import time
+import traceback
+
+import torch.multiprocessing as mp
+
+__all__ = ["run_ranks", "free_port"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(fn, rank, world_size, port, results, args, pg_timeout):
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=pg_timeout))
+        out = fn(rank, world_size, *args)
+        results.put((rank, True, out))
+    except BaseException:  # noqa: BLE001 - reported to the parent with its traceback
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn, world_size: int, *args, timeout: float = 240, pg_timeout: float = 60,
+              allow_exit: tuple[int, ...] = ()):
+    """``fn(rank, world_size, *args)`` on every rank; ``allow_exit`` ranks may return no result."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, results, args, pg_timeout), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    out, deadline = {}, time.monotonic() + timeout
+    try:
+        while len(out) < world_size - len(allow_exit):
+            try:
+                rank, ok, value = results.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                raise TimeoutError(f"{fn.__name__} on {world_size} ranks: no result after {timeout}s "
+                                   f"(ranks done: {sorted(out)})") from None
+            if not ok:
+                raise AssertionError(f"rank {rank} of {world_size} failed in {fn.__name__}:\n{value}")
+            out[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    return [out.get(r) for r in range(world_size)]

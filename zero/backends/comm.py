@@ -1,0 +1,126 @@
+"""Collectives as free functions: the only place that calls ``torch.distributed`` directly.
+
+Each function takes the process group explicitly and works on gloo (CPU) and NCCL (CUDA). All of
+them block on the group's own timeout, so a peer that died or skipped a call surfaces as an error
+from torch.distributed instead of a hang.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import optree
+import torch
+import torch.distributed as dist
+
+__all__ = ["group_rank", "group_size", "global_rank", "all_gather_rows", "agree", "send_tree",
+           "recv_tree"]
+
+# torch 2.13 renamed all_gather_into_tensor; keep working on the 2.x releases before it.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def group_rank(group: Any) -> int:
+    return dist.get_rank(group)
+
+
+def group_size(group: Any) -> int:
+    return dist.get_world_size(group)
+
+
+def global_rank(group: Any, rank: int) -> int:
+    """The default-group rank of ``rank`` in ``group`` (what point-to-point calls address)."""
+    return dist.get_global_rank(group, rank) if group is not dist.group.WORLD else rank
+
+
+def all_gather_rows(rows: torch.Tensor, rank: int, group: Any) -> None:
+    """In place: every rank's ``rows[rank]`` ends up in ``rows[r]`` of every other rank.
+
+    ``rows`` is a contiguous ``[world_size, n]`` tensor; the call is one all-gather with this
+    rank's row as input, the layout NCCL supports in place and gloo copies through.
+    """
+    _ALL_GATHER(rows.view(-1), rows[rank], group=group)
+
+
+def agree(value: Any, group: Any, what: str) -> None:
+    """Raise ``ValueError`` on every rank unless all ranks passed an equal ``value``.
+
+    Used where a divergence would otherwise pair mismatched collectives later (e.g. a param
+    group added on some ranks with other shapes).
+    """
+    values: list[Any] = [None] * group_size(group)
+    dist.all_gather_object(values, value, group=group)
+    odd = [r for r, v in enumerate(values) if v != values[0]]
+    if odd:
+        raise ValueError(f"ranks disagree on {what}: rank 0 has {values[0]!r}, rank {odd[0]} has "
+                         f"{values[odd[0]]!r}; call it with the same arguments on every rank")
+
+
+class _TensorSlot:
+    """Stands in for a tensor in a pickled skeleton: its position in the flat payload."""
+
+    __slots__ = ("dtype", "shape", "offset")
+
+    def __init__(self, dtype: torch.dtype, shape: torch.Size, offset: int):
+        self.dtype, self.shape, self.offset = dtype, tuple(shape), offset
+
+
+def send_tree(tree: Any, dst: int, group: Any, device: torch.device) -> None:
+    """Send a pytree with tensor leaves to ``dst``: a pickled skeleton, then one flat tensor per dtype.
+
+    Tensors travel as raw bytes, not pickles, and only to ``dst``; other ranks take no part.
+    """
+    leaves, spec = optree.tree_flatten(tree, none_is_leaf=True)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    skeleton_leaves = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            group_list = by_dtype.setdefault(leaf.dtype, [])
+            offset = sum(t.numel() for t in group_list)
+            group_list.append(leaf.detach())
+            skeleton_leaves.append(_TensorSlot(leaf.dtype, leaf.shape, offset))
+        else:
+            skeleton_leaves.append(leaf)
+    header = pickle.dumps((spec, skeleton_leaves, [(d, sum(t.numel() for t in ts)) for d, ts in by_dtype.items()]))
+    peer = global_rank(group, dst)
+    _send_bytes(header, peer, group, device)
+    for ts in by_dtype.values():
+        flat = torch.cat([t.reshape(-1).to(device) for t in ts])
+        dist.send(flat, dst=peer, group=group)
+
+
+def recv_tree(src: int, group: Any, device: torch.device) -> Any:
+    """Receive what `send_tree` sent from ``src``; tensors land on the CPU, one dtype at a time."""
+    peer = global_rank(group, src)
+    spec, skeleton_leaves, payloads = pickle.loads(_recv_bytes(peer, group, device))
+    flats = {}
+    for dtype, numel in payloads:
+        buf = torch.empty(numel, dtype=dtype, device=device)
+        dist.recv(buf, src=peer, group=group)
+        flats[dtype] = buf.cpu()  # one shard's payload in flight at a time, then host memory
+    # Views into the per-dtype buffer: no second copy of the shard.
+    leaves = [flats[x.dtype][x.offset:x.offset + _numel(x.shape)].view(x.shape)
+              if isinstance(x, _TensorSlot) else x for x in skeleton_leaves]
+    return optree.tree_unflatten(spec, leaves)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _send_bytes(data: bytes, peer: int, group: Any, device: torch.device) -> None:
+    payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    dist.send(torch.tensor([payload.numel()], dtype=torch.int64, device=device), dst=peer, group=group)
+    dist.send(payload, dst=peer, group=group)
+
+
+def _recv_bytes(peer: int, group: Any, device: torch.device) -> bytes:
+    size = torch.empty(1, dtype=torch.int64, device=device)
+    dist.recv(size, src=peer, group=group)
+    payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.recv(payload, src=peer, group=group)
+    return payload.cpu().numpy().tobytes()

@@ -1,0 +1,74 @@
+"""The rank-local side of a sharded optimizer: which groups it gets, and the optimizer over them.
+
+The local optimizer is whatever the user named: a ``torch.optim.Optimizer`` class, or a
+`zero.functional` transformation (or factory), run through `zero.functional.Optimizer`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from zero.functional import GradientTransformation, Optimizer, inject_hyperparams
+from zero.meta import ParamMeta
+from zero.partition import Partition
+
+__all__ = ["make_local_optimizer", "local_groups", "local_indices", "copy_hyperparams", "is_functional"]
+
+
+def make_local_optimizer(optimizer_class: Any, groups: list[dict], defaults: dict) -> torch.optim.Optimizer:
+    """Build the local optimizer over ``groups`` (this rank's share of every param group).
+
+    ``optimizer_class`` is a ``torch.optim.Optimizer`` subclass (built with ``**defaults``), a
+    `GradientTransformation` (``defaults`` must be empty), or a factory such as
+    ``zero.functional.adam``: it is wrapped in `inject_hyperparams` so each group's values (``lr``
+    for ``learning_rate``) and lr schedulers reach it.
+    """
+    if isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer):
+        return optimizer_class(groups, **defaults)
+    if isinstance(optimizer_class, GradientTransformation):
+        if defaults:
+            raise TypeError(f"optimizer_class is a GradientTransformation, so it takes no keyword "
+                            f"hyperparameters; got {sorted(defaults)}")
+        return Optimizer(groups, optimizer_class)
+    if callable(optimizer_class) and not isinstance(optimizer_class, type):
+        tx = inject_hyperparams(optimizer_class)(**defaults)
+        if not isinstance(tx, GradientTransformation):
+            raise TypeError(f"optimizer_class {optimizer_class!r} returned {type(tx).__name__}, "
+                            "not a GradientTransformation")
+        return Optimizer(groups, tx)
+    raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass or a zero.functional "
+                    f"transformation or factory, got {optimizer_class!r}")
+
+
+def is_functional(optim: torch.optim.Optimizer) -> bool:
+    return isinstance(optim, Optimizer)
+
+
+def local_indices(metas: Sequence[ParamMeta], part: Partition, rank: int, n_groups: int) -> list[list[int]]:
+    """Per param group, the global indices this rank owns, in its local optimizer's order."""
+    per_group: list[list[int]] = [[] for _ in range(n_groups)]
+    for i in part.params_of(rank):
+        per_group[metas[i].group].append(i)
+    return per_group
+
+
+def local_groups(param_groups: list[dict], indices: list[list[int]], params: list[torch.Tensor]) -> list[dict]:
+    """The local optimizer's groups: every global group's settings, with only the owned params.
+
+    Every rank gets every group, possibly empty, so group ``k`` means the same on all ranks.
+    """
+    return [{**{k: v for k, v in g.items() if k != "params"}, "params": [params[i] for i in idx]}
+            for g, idx in zip(param_groups, indices)]
+
+
+def copy_hyperparams(src: list[dict], dst: list[dict]) -> None:
+    """Copy every group setting but ``params`` (lr schedulers write one side, optimizers read the other)."""
+    if len(src) != len(dst):
+        raise RuntimeError(f"{len(src)} param groups cannot sync with {len(dst)}")
+    for s, d in zip(src, dst):
+        for key, value in s.items():
+            if key != "params":
+                d[key] = value

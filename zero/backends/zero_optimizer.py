@@ -1,0 +1,252 @@
+"""`ZeroRedundancyOptimizer`: torch's ZeRO-1 optimizer, as a wiring of plans and collectives.
+
+Construction: params -> `zero.param_metas` -> `zero.partition` (ownership) -> a local optimizer
+over the owned params -> `ParamSync` executing `zero.bucket_views`. A step runs the local
+optimizer, then all-gathers the updated params. The class keeps only the partition, the local
+optimizer and the sync buffers; every placement decision is the plan layer's.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import optree
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+from torch.optim import Optimizer
+
+from zero.backends import comm, local, state
+from zero.backends.sync import ParamSync
+from zero.layout import bucket_views
+from zero.meta import param_metas
+from zero.partition import STRATEGIES, partition
+
+__all__ = ["ZeroRedundancyOptimizer"]
+
+logger = logging.getLogger(__name__)
+
+
+class ZeroRedundancyOptimizer(Optimizer, Joinable):
+    """Shard any optimizer's state across a process group (ZeRO stage 1); a drop-in for torch's.
+
+    Each rank keeps the full model but steps, and holds state for, only the params it owns; the
+    updated params are then all-gathered, one collective per (device, dtype) rather than one
+    broadcast per param. Params of several dtypes and devices may be mixed.
+
+    Args:
+        params: tensors or param-group dicts (each group keeps its own hyperparameters).
+        optimizer_class: a ``torch.optim.Optimizer`` class, a `zero.functional` transformation,
+            or a `zero.functional` factory such as ``zero.functional.adam``.
+        process_group: the group to shard over (default: the world).
+        parameters_as_bucket_view: make params views into per-(device, dtype, rank) buckets,
+            so the all-gather writes them in place and no copies are made.
+        overlap_with_ddp: not yet supported (raises ``NotImplementedError``).
+        strategy: the `zero.partition` strategy; ``"sorted_greedy"`` (default) is torch's.
+        sync_chunk_mb: without bucket views, the scratch each all-gather may use, in MiB.
+        **defaults: hyperparameters for the local optimizer (``lr=...``).
+    """
+
+    def __init__(self, params: Iterable, optimizer_class: Any, process_group: Any = None,
+                 parameters_as_bucket_view: bool = False, overlap_with_ddp: bool = False, *,
+                 strategy: str = "sorted_greedy", sync_chunk_mb: float = 64, **defaults: Any):
+        if overlap_with_ddp:
+            raise NotImplementedError("overlap_with_ddp=True (stepping inside DDP's comm hook) is not implemented "
+                                      "yet; use overlap_with_ddp=False and call step() after backward()")
+        if strategy not in STRATEGIES:
+            raise ValueError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("ZeroRedundancyOptimizer needs torch.distributed.init_process_group() first")
+        if not isinstance(sync_chunk_mb, (int, float)) or sync_chunk_mb <= 0:
+            raise ValueError(f"sync_chunk_mb must be a positive number, got {sync_chunk_mb!r}")
+        params = _normalise_params(params)
+        self._ready = False
+        Optimizer.__init__(self, params, defaults)
+        Joinable.__init__(self)
+        self.process_group = process_group if process_group is not None else dist.group.WORLD
+        self.world_size = comm.group_size(self.process_group)
+        self.rank = comm.group_rank(self.process_group)
+        self.global_rank = comm.global_rank(self.process_group, self.rank)
+        self.parameters_as_bucket_view = bool(parameters_as_bucket_view)
+        self._strategy, self._chunk_bytes = strategy, int(sync_chunk_mb * 2**20)
+        self._all_params = [p for g in self.param_groups for p in g["params"]]
+        self._default_device = self._all_params[0].device
+        self._replan()
+        self.optim = local.make_local_optimizer(optimizer_class, self._local_groups(), defaults)
+        local.copy_hyperparams(self.optim.param_groups, self.param_groups)
+        self._sync: ParamSync | None = None
+        self._build_sync()
+        self._consolidated: list[dict] | None = None
+        self._ready = True
+
+    # -- planning (delegated to the plan layer) --------------------------------------------------
+
+    def _replan(self) -> None:
+        self._metas = param_metas(self.param_groups)
+        self._partition = partition(self._metas, self.world_size, self._strategy)
+        self._indices = [local.local_indices(self._metas, self._partition, r, len(self.param_groups))
+                         for r in range(self.world_size)]
+
+    def _local_groups(self) -> list[dict]:
+        return local.local_groups(self.param_groups, self._indices[self.rank], self._all_params)
+
+    def _build_sync(self) -> None:
+        if self._sync is not None:
+            self._sync.release()
+        self._trainable = tuple(p.requires_grad for p in self._all_params)
+        self._metas = param_metas(self.param_groups)
+        layout = bucket_views(self._metas, self._partition)
+        self._sync = ParamSync(self._all_params, layout, self.rank, self.process_group,
+                               self.parameters_as_bucket_view, self._chunk_bytes)
+
+    @property
+    def partition(self):
+        """The `zero.Partition` this optimizer executes (owner of each param, in ``param_groups`` order)."""
+        return self._partition
+
+    # -- torch.optim.Optimizer protocol ----------------------------------------------------------
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group on every rank (a collective): old params keep their owners and state."""
+        if not self._ready:
+            return super().add_param_group(param_group)
+        param_group = _normalise_params([param_group])[0]
+        param_metas([param_group])  # type and sparsity errors, before any collective
+        shapes = [(tuple(p.shape), str(p.dtype)) for p in param_group["params"]]
+        comm.agree(shapes, self.process_group, "the params passed to add_param_group")
+        old_owner = self._partition.owner
+        super().add_param_group(param_group)
+        self._all_params.extend(param_group["params"])
+        self._replan()
+        if self._partition.owner[:len(old_owner)] != old_owner:
+            raise ValueError(f"strategy {self._strategy!r} moves existing params when a group is added; "
+                             "use 'sorted_greedy' or 'greedy' with add_param_group")
+        self.optim.add_param_group(self._local_groups()[-1])
+        local.copy_hyperparams(self.optim.param_groups, self.param_groups)
+        self._build_sync()
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:
+        """Step the owned params with the local optimizer, then all-gather every updated param."""
+        Join.notify_join_context(self)
+        if tuple(p.requires_grad for p in self._all_params) != self._trainable:
+            logger.info("trainable params changed; rebuilding the sync buckets")
+            self._build_sync()
+        local.copy_hyperparams(self.param_groups, self.optim.param_groups)
+        if closure is None:
+            loss = self.optim.step(**kwargs)
+        else:
+            with torch.enable_grad():
+                loss = self.optim.step(closure=closure, **kwargs)
+        local.copy_hyperparams(self.optim.param_groups, self.param_groups)
+        self._sync.sync()
+        return loss
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather every rank's shard of the state onto rank ``to`` (call on all ranks).
+
+        Shards move as raw tensors, rank by rank, point to point to ``to``, and are kept in CPU
+        memory there; no other rank receives anything.
+        """
+        comm_rank = _check_rank(to, self.world_size)
+        local.copy_hyperparams(self.param_groups, self.optim.param_groups)
+        mine = self.optim.state_dict()
+        device = self._comm_device()
+        self._consolidated = None
+        if self.rank != comm_rank:
+            comm.send_tree(mine, comm_rank, self.process_group, device)
+            return
+        shards = []
+        for r in range(self.world_size):
+            shards.append(_cpu_copy(mine) if r == self.rank else comm.recv_tree(r, self.process_group, device))
+        self._consolidated = shards
+
+    def state_dict(self) -> dict[str, Any]:
+        """The global state, as a plain ``torch.optim`` optimizer over all params would save it.
+
+        Only on the rank that last received `consolidate_state_dict`.
+        """
+        if self._consolidated is None:
+            raise RuntimeError(f"the optimizer state has not been consolidated on rank {self.rank}: call "
+                               f"consolidate_state_dict(to={self.rank}) on all ranks before state_dict()")
+        return state.to_global(self._consolidated, self._indices, self.param_groups, self._partition.owner)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a global state dict (ours at any world size, torch's, or a plain optimizer's)."""
+        state.check_compatible(state_dict, self._all_params, [len(g["params"]) for g in self.param_groups])
+        mine = state.to_local(state_dict, self._indices[self.rank], self.rank, self._partition.owner)
+        self.optim.load_state_dict(mine)  # torch's own rules place each state tensor on its device
+        local.copy_hyperparams(self.optim.param_groups, self.param_groups)
+
+    # -- Join (uneven inputs) --------------------------------------------------------------------
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """Shadow the step's collectives on ranks that ran out of inputs (see ``torch...Join``)."""
+        return _ZeroJoinHook(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self._default_device
+
+    @property
+    def join_process_group(self) -> Any:
+        return self.process_group
+
+    def _comm_device(self) -> torch.device:
+        if dist.get_backend(self.process_group) == "nccl":
+            return self._default_device
+        return torch.device("cpu")
+
+
+class _ZeroJoinHook(JoinHook):
+    def __init__(self, zero: ZeroRedundancyOptimizer):
+        self.zero = zero
+
+    def main_hook(self) -> None:
+        # A joined rank still owns params: step them with the (shadowed, all-reduced) gradients
+        # and take part in the all-gather, as the ranks with inputs do.
+        self.zero.step()
+
+
+def _normalise_params(params: Any) -> list:
+    """Params as a reusable list (generators consumed once), with torch's errors made specific."""
+    if isinstance(params, torch.Tensor):
+        raise TypeError("params must be an iterable of tensors or param-group dicts, not a single tensor")
+    try:
+        items = list(params)
+    except TypeError:
+        raise TypeError(f"params must be an iterable of tensors or param-group dicts, got "
+                        f"{type(params).__name__}") from None
+    if not items:
+        raise ValueError("ZeroRedundancyOptimizer got an empty parameter list")
+    if all(isinstance(x, dict) for x in items):
+        items = [{**g, "params": _group_params(g, k)} for k, g in enumerate(items)]
+    elif any(isinstance(x, dict) for x in items):
+        raise TypeError("params mixes tensors and param-group dicts; pass one or the other")
+    metas = param_metas(items)  # non-tensors, sparse and repeated params fail here, by position
+    flat = [p for g in items for p in g["params"]] if isinstance(items[0], dict) else items
+    for m, p in zip(metas, flat):
+        if p.requires_grad and not p.is_contiguous():
+            raise ValueError(f"params[{m.name}] (shape {tuple(p.shape)}) is not contiguous; "
+                             "pass contiguous parameters")
+    return items
+
+
+def _group_params(group: dict, k: int) -> list:
+    if "params" not in group:
+        raise ValueError(f"param group {k} has no 'params' key")
+    params = group["params"]
+    return [params] if isinstance(params, torch.Tensor) else list(params)
+
+
+def _check_rank(to: Any, world_size: int) -> int:
+    if not isinstance(to, int) or isinstance(to, bool) or not 0 <= to < world_size:
+        raise ValueError(f"to must be a rank in [0, {world_size}), got {to!r}")
+    return to
+
+
+def _cpu_copy(tree: Any) -> Any:
+    return optree.tree_map(lambda x: x.detach().to("cpu", copy=True) if isinstance(x, torch.Tensor) else x,
+                           tree, none_is_leaf=True)
