@@ -13,7 +13,7 @@ def test_matches_torch_zero_and_single_process(world_size):
     for config in results[0]:
         for rank, by_config in enumerate(results):
             r = by_config[config]
-            assert r["gathers"] == [1] * 24, f"{config}: one all-gather per step for one dtype"
+            assert r["gathers"] == [1] * 24, f"{config}: one param all-gather per step for one dtype"
             assert r["state_bytes"] == r["plan_state_bytes"], f"{config} rank {rank}: state bytes differ from the plan"
         total = sum(by_config[config]["state_bytes"] for by_config in results)
         assert max(by_config[config]["state_bytes"] for by_config in results) < total, "state is sharded"
@@ -24,3 +24,64 @@ def test_functional_local_optimizers(world_size):
     results = run_ranks(w.functional_parity, world_size)
     assert results[0]["factory_groups_lr"] == [1e-2, 5e-3]
     assert results[0]["chunked_gathers"] > 1
+
+
+def test_reshards_4_to_2_to_3_ranks_as_one_optimizer(tmp_path):
+    import torch
+
+    paths = [tmp_path / f"leg{i}.pt" for i in range(3)]
+    run_ranks(w.train_leg, 4, None, str(paths[0]), 0, 6)
+    run_ranks(w.train_leg, 2, str(paths[0]), str(paths[1]), 6, 6)
+    bytes3 = run_ranks(w.train_leg, 3, str(paths[1]), str(paths[2]), 12, 6)
+    model = w.make_model()
+    ref = torch.optim.Adam(w.groups_of(model), lr=1e-2, weight_decay=0.01)
+    for step in range(18):
+        w.set_grads(model, w.fixed_grads(list(model.parameters()), step))
+        ref.step()
+    saved = torch.load(paths[2], weights_only=False)
+    for name, p in model.state_dict().items():
+        assert torch.equal(saved["model"][name], p), f"{name} differs from one optimizer after 4 -> 2 -> 3 ranks"
+    for i, st in ref.state_dict()["state"].items():
+        for k, v in st.items():
+            assert torch.equal(saved["optim"]["state"][i][k], v), f"state {i}.{k}"
+    assert sum(r["state_bytes"] for r in bytes3) == sum(w.state_bytes_of(ref) for _ in [0])
+
+
+def test_mixed_dtypes_work_where_torch_raises():
+    r = run_ranks(w.mixed_dtypes, 2)[0]
+    assert r["torch_error"] is not None and "same dense type" in r["torch_error"]
+    assert r["dtypes"] == ["torch.bfloat16", "torch.float32", "torch.float64"]
+    assert r["gathers"] == 3, "one all-gather per dtype"
+
+
+def test_join_with_uneven_inputs_matches_torch():
+    run_ranks(w.join_uneven, 2)
+
+
+def test_non_default_process_groups():
+    results = run_ranks(w.subgroups, 4)
+    assert [(r["group_rank"], r["world_size"]) for r in results] == [(0, 2), (1, 2), (0, 2), (1, 2)]
+
+
+def test_amp_grad_scaler_clipping_and_lr_scheduler():
+    results = run_ranks(w.training_tools, 2)
+    for r in results:
+        assert r["skipped"][5] and sum(r["skipped"]) == 1, "the inf step is skipped on every rank, only it"
+    assert results[0]["lr"] == 0.5 * 1e-2 * 0.5 ** 4
+
+
+@pytest.mark.parametrize("world_size", [3])
+def test_add_param_group_keeps_owners_and_matches_torch(world_size):
+    results = run_ranks(w.add_param_group, world_size)
+    assert results[0]["lr"] == [1e-2, 3e-2]
+
+
+def test_a_dead_rank_fails_the_step_instead_of_hanging():
+    r = run_ranks(w.rank_dies, 2, pg_timeout=5, allow_exit=(1,), timeout=60)[0]
+    assert r["error"] is not None and r["seconds"] < 10
+
+
+def test_add_param_group_on_some_ranks_only_is_a_clear_error():
+    results = run_ranks(w.add_group_on_some_ranks, 2, pg_timeout=5, timeout=60)
+    assert [r["error"] for r in results] == ["ValueError", "ValueError"]
+    assert "rank 0 is in add_param_group but rank 1 is in step" in results[0]["message"]

@@ -14,7 +14,7 @@ import optree
 import torch
 import torch.distributed as dist
 
-__all__ = ["group_rank", "group_size", "global_rank", "all_gather_rows", "agree", "send_tree",
+__all__ = ["group_rank", "group_size", "global_rank", "all_gather_rows", "check_in", "send_tree",
            "recv_tree"]
 
 # torch 2.13 renamed all_gather_into_tensor; keep working on the 2.x releases before it.
@@ -43,18 +43,28 @@ def all_gather_rows(rows: torch.Tensor, rank: int, group: Any) -> None:
     _ALL_GATHER(rows.view(-1), rows[rank], group=group)
 
 
-def agree(value: Any, group: Any, what: str) -> None:
-    """Raise ``ValueError`` on every rank unless all ranks passed an equal ``value``.
+def check_in(what: str, signature: int, group: Any, device: torch.device) -> None:
+    """Raise ``ValueError`` on every rank unless all ranks are doing ``what`` with equal ``signature``.
 
-    Used where a divergence would otherwise pair mismatched collectives later (e.g. a param
-    group added on some ranks with other shapes).
+    Two int64s per rank, always the same size, so ranks that diverged (one adds a param group
+    while another steps, or their layouts differ) meet in this call and get a clear error, instead
+    of pairing collectives of different sizes, which gloo answers by aborting the process.
     """
-    values: list[Any] = [None] * group_size(group)
-    dist.all_gather_object(values, value, group=group)
-    odd = [r for r, v in enumerate(values) if v != values[0]]
+    rank, size = group_rank(group), group_size(group)
+    rows = torch.zeros(size, 2, dtype=torch.int64, device=device)
+    rows[rank, 0], rows[rank, 1] = _CALLS.setdefault(what, len(_CALLS) + 1), signature
+    all_gather_rows(rows, rank, group)
+    rows = rows.tolist()
+    odd = [r for r, row in enumerate(rows) if row != rows[rank]]
     if odd:
-        raise ValueError(f"ranks disagree on {what}: rank 0 has {values[0]!r}, rank {odd[0]} has "
-                         f"{values[odd[0]]!r}; call it with the same arguments on every rank")
+        names = {v: k for k, v in _CALLS.items()}
+        other = names.get(rows[odd[0]][0], "another call")
+        detail = "a different layout" if other == what else other
+        raise ValueError(f"rank {rank} is in {what} but rank {odd[0]} is in {detail}: every rank must make the "
+                         "same calls (add_param_group, requires_grad changes) in the same order")
+
+
+_CALLS: dict[str, int] = {"step": 1, "add_param_group": 2}
 
 
 class _TensorSlot:

@@ -9,6 +9,7 @@ optimizer and the sync buffers; every placement decision is the plan layer's.
 from __future__ import annotations
 
 import logging
+import zlib
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -98,6 +99,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._trainable = tuple(p.requires_grad for p in self._all_params)
         self._metas = param_metas(self.param_groups)
         layout = bucket_views(self._metas, self._partition)
+        self._signature = _crc([(m.shape, m.dtype, m.requires_grad) for m in self._metas])
         self._sync = ParamSync(self._all_params, layout, self.rank, self.process_group,
                                self.parameters_as_bucket_view, self._chunk_bytes)
 
@@ -114,8 +116,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             return super().add_param_group(param_group)
         param_group = _normalise_params([param_group])[0]
         param_metas([param_group])  # type and sparsity errors, before any collective
-        shapes = [(tuple(p.shape), str(p.dtype)) for p in param_group["params"]]
-        comm.agree(shapes, self.process_group, "the params passed to add_param_group")
+        shapes = [(tuple(p.shape), str(p.dtype), p.requires_grad) for p in param_group["params"]]
+        comm.check_in("add_param_group", _crc(shapes), self.process_group, self._comm_device())
         old_owner = self._partition.owner
         super().add_param_group(param_group)
         self._all_params.extend(param_group["params"])
@@ -134,6 +136,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if tuple(p.requires_grad for p in self._all_params) != self._trainable:
             logger.info("trainable params changed; rebuilding the sync buckets")
             self._build_sync()
+        comm.check_in("step", self._signature, self.process_group, self._comm_device())
         local.copy_hyperparams(self.param_groups, self.optim.param_groups)
         if closure is None:
             loss = self.optim.step(**kwargs)
@@ -239,6 +242,11 @@ def _group_params(group: dict, k: int) -> list:
         raise ValueError(f"param group {k} has no 'params' key")
     params = group["params"]
     return [params] if isinstance(params, torch.Tensor) else list(params)
+
+
+def _crc(value: Any) -> int:
+    """A small stable checksum (same on every rank and run, unlike ``hash``)."""
+    return zlib.crc32(repr(value).encode())
 
 
 def _check_rank(to: Any, world_size: int) -> int:
