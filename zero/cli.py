@@ -32,8 +32,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--compare", action="store_true", help="every strategy side by side")
     p.add_argument("--rows", type=int, default=16, help="ranks shown in the table")
     p.add_argument("--json", type=Path, help="save the plan as JSON here")
-    d = sub.add_parser("demo", help="the main demo")
-    d.add_argument("-w", "--world-size", type=int, default=8)
+    sub.add_parser("demo", help="the ZeRO tutorial on 2 gloo ranks: ZeRO vs plain Adam (see zero demo -h)",
+                   add_help=False)
     return parser
 
 
@@ -73,23 +73,15 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _demo(args: argparse.Namespace) -> int:
-    """Plan GPT-2 and LLaMA-7B with every strategy: what each rank would hold and send."""
-    from zero._render import compare_table, render
-
-    for name in ("gpt2", "llama-7b"):
-        metas = preset(name)
-        plans = [make_plan(metas, args.world_size, s, "state_bytes" if s != "flat" else "numel")
-                 for s in PLAN_STRATEGIES]
-        print(render(compare_table(plans)))
-    print(make_plan(preset("gpt2"), args.world_size))
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["demo"]:
+        from zero.backends.demo import main as demo  # torch and torch.distributed load only here
+
+        return demo(argv[1:])
     args = _parser().parse_args(argv)
     try:
-        return {"plan": _plan, "demo": _demo}[args.command](args)
+        return {"plan": _plan}[args.command](args)
     except (ValueError, TypeError, OSError) as e:
         print(f"zero {args.command}: error: {e}", file=sys.stderr)
         return 2

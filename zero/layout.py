@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from zero.meta import ParamMeta
 from zero.partition import Partition, check_metas, check_rank, check_world_size
 
-__all__ = ["Bucket", "BucketLayout", "bucket_views", "Piece", "row_chunks", "Segment", "FlatBuffer",
+__all__ = ["Bucket", "BucketLayout", "bucket_views", "split_bucket", "Piece", "row_chunks", "Segment", "FlatBuffer",
            "FlatLayout", "flat_layout"]
 
 
@@ -51,6 +51,25 @@ class BucketLayout:
     def row_numel(self, key: tuple[str, str]) -> int:
         """The largest bucket of ``key``: every rank's row in an all-gather is padded to it."""
         return max(b.numel for b in self.at(key))
+
+
+def split_bucket(bucket: Bucket, direct_numel: int) -> tuple[Bucket, tuple[int, ...]]:
+    """Separate the params of at least ``direct_numel`` elements from the ones worth packing.
+
+    Large params can travel on their own, straight from and into their storage; packing only
+    pays for small ones (per-collective latency). Returns the bucket of the small params (offsets
+    recomputed, order kept) and the indices of the large ones.
+    """
+    if not isinstance(direct_numel, int) or direct_numel < 1:
+        raise ValueError(f"direct_numel must be a positive int, got {direct_numel!r}")
+    ends = list(bucket.offsets[1:]) + [bucket.numel]
+    numels = [end - off for off, end in zip(bucket.offsets, ends)]
+    small = [(i, n) for i, n in zip(bucket.params, numels) if n < direct_numel]
+    large = tuple(i for i, n in zip(bucket.params, numels) if n >= direct_numel)
+    offsets = _offsets([n for _, n in small])
+    packed = Bucket(bucket.device, bucket.dtype, bucket.rank, tuple(i for i, _ in small), tuple(offsets[:-1]),
+                    offsets[-1])
+    return packed, large
 
 
 @dataclass(frozen=True)

@@ -8,13 +8,14 @@ from torch.distributed instead of a hang.
 from __future__ import annotations
 
 import pickle
+from collections.abc import Callable
 from typing import Any
 
 import optree
 import torch
 import torch.distributed as dist
 
-__all__ = ["group_rank", "group_size", "global_rank", "all_gather_rows", "check_in", "send_tree",
+__all__ = ["group_rank", "group_size", "global_rank", "all_gather_rows", "broadcast_from", "check_in", "send_tree",
            "recv_tree"]
 
 # torch 2.13 renamed all_gather_into_tensor; keep working on the 2.x releases before it.
@@ -37,31 +38,52 @@ def global_rank(group: Any, rank: int) -> int:
 def all_gather_rows(rows: torch.Tensor, rank: int, group: Any) -> None:
     """In place: every rank's ``rows[rank]`` ends up in ``rows[r]`` of every other rank.
 
-    ``rows`` is a contiguous ``[world_size, n]`` tensor; the call is one all-gather with this
-    rank's row as input, the layout NCCL supports in place and gloo copies through.
+    ``rows`` is a contiguous ``[world_size, n]`` tensor. NCCL all-gathers in place. Gloo's
+    all-gather stages the whole output in a temporary as large as ``rows``, so above
+    ``_GLOO_STAGING`` elements it broadcasts each row from its owner instead (in place, no
+    temporary; the same bytes on the wire).
     """
-    _ALL_GATHER(rows.view(-1), rows[rank], group=group)
+    if dist.get_backend(group) == "gloo" and rows.numel() > _GLOO_STAGING:
+        for r in range(rows.shape[0]):
+            dist.broadcast(rows[r], src=global_rank(group, r), group=group)
+    else:
+        _ALL_GATHER(rows.view(-1), rows[rank], group=group)
 
 
-def check_in(what: str, signature: int, group: Any, device: torch.device) -> None:
-    """Raise ``ValueError`` on every rank unless all ranks are doing ``what`` with equal ``signature``.
+_GLOO_STAGING = 1 << 16
 
-    Two int64s per rank, always the same size, so ranks that diverged (one adds a param group
-    while another steps, or their layouts differ) meet in this call and get a clear error, instead
-    of pairing collectives of different sizes, which gloo answers by aborting the process.
+
+def broadcast_from(tensor: torch.Tensor, owner: int, group: Any) -> None:
+    """In place: ``tensor`` on group rank ``owner`` overwrites it on every other rank."""
+    dist.broadcast(tensor, src=global_rank(group, owner), group=group)
+
+
+def check_in(what: str, signature: int, group: Any, device: torch.device) -> Callable[[], None]:
+    """Start checking that all ranks are doing ``what`` with equal ``signature``; returns ``verify``.
+
+    ``verify()`` waits, then raises ``ValueError`` on every rank where some rank differs. Two
+    int64s per rank, always the same size, so ranks that diverged (one adds a param group while
+    another steps, or their layouts differ) meet here and get a clear error, instead of pairing
+    collectives of different sizes, which gloo answers by aborting the process. Started before
+    the local step and verified after it, its latency hides behind the step's compute.
     """
     rank, size = group_rank(group), group_size(group)
     rows = torch.zeros(size, 2, dtype=torch.int64, device=device)
-    rows[rank, 0], rows[rank, 1] = _CALLS.setdefault(what, len(_CALLS) + 1), signature
-    all_gather_rows(rows, rank, group)
-    rows = rows.tolist()
-    odd = [r for r, row in enumerate(rows) if row != rows[rank]]
-    if odd:
-        names = {v: k for k, v in _CALLS.items()}
-        other = names.get(rows[odd[0]][0], "another call")
-        detail = "a different layout" if other == what else other
-        raise ValueError(f"rank {rank} is in {what} but rank {odd[0]} is in {detail}: every rank must make the "
-                         "same calls (add_param_group, requires_grad changes) in the same order")
+    rows[rank, 0], rows[rank, 1] = _CALLS[what], signature
+    work = _ALL_GATHER(rows.view(-1), rows[rank], group=group, async_op=True)
+
+    def verify() -> None:
+        work.wait()
+        got = rows.tolist()
+        odd = [r for r, row in enumerate(got) if row != got[rank]]
+        if odd:
+            names = {v: k for k, v in _CALLS.items()}
+            other = names.get(got[odd[0]][0], "another call")
+            detail = "a different layout" if other == what else other
+            raise ValueError(f"rank {rank} is in {what} but rank {odd[0]} is in {detail}: every rank must make "
+                             "the same calls (add_param_group, requires_grad changes) in the same order")
+
+    return verify
 
 
 _CALLS: dict[str, int] = {"step": 1, "add_param_group": 2}

@@ -52,7 +52,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def __init__(self, params: Iterable, optimizer_class: Any, process_group: Any = None,
                  parameters_as_bucket_view: bool = False, overlap_with_ddp: bool = False, *,
-                 strategy: str = "sorted_greedy", sync_chunk_mb: float = 64, **defaults: Any):
+                 strategy: str = "sorted_greedy", sync_chunk_mb: float = 16, **defaults: Any):
         if overlap_with_ddp:
             raise NotImplementedError("overlap_with_ddp=True (stepping inside DDP's comm hook) is not implemented "
                                       "yet; use overlap_with_ddp=False and call step() after backward()")
@@ -117,7 +117,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         param_group = _normalise_params([param_group])[0]
         param_metas([param_group])  # type and sparsity errors, before any collective
         shapes = [(tuple(p.shape), str(p.dtype), p.requires_grad) for p in param_group["params"]]
-        comm.check_in("add_param_group", _crc(shapes), self.process_group, self._comm_device())
+        comm.check_in("add_param_group", _crc(shapes), self.process_group, self._comm_device())()
         old_owner = self._partition.owner
         super().add_param_group(param_group)
         self._all_params.extend(param_group["params"])
@@ -136,7 +136,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if tuple(p.requires_grad for p in self._all_params) != self._trainable:
             logger.info("trainable params changed; rebuilding the sync buckets")
             self._build_sync()
-        comm.check_in("step", self._signature, self.process_group, self._comm_device())
+        verify = comm.check_in("step", self._signature, self.process_group, self._comm_device())
         local.copy_hyperparams(self.param_groups, self.optim.param_groups)
         if closure is None:
             loss = self.optim.step(**kwargs)
@@ -144,6 +144,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             with torch.enable_grad():
                 loss = self.optim.step(closure=closure, **kwargs)
         local.copy_hyperparams(self.optim.param_groups, self.param_groups)
+        verify()
         self._sync.sync()
         return loss
 

@@ -1,0 +1,157 @@
+"""zero.ZeroRedundancyOptimizer vs torch's, in the same run: step time, consolidation, state bytes.
+
+Two gloo ranks on 127.0.0.1, one thread each. Step time is the median of ``--steps`` timed Adam
+steps (grads fixed, a barrier before each); the four optimizers take turns step by step so drift
+hits all alike. Consolidation (``consolidate_state_dict`` + ``state_dict``) runs in fresh
+processes, one per implementation, so its peak-RSS growth is its own.
+
+    python bench/zero_bench.py [--steps 30] [--rounds 3] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
+
+from zero.backends import ZeroRedundancyOptimizer as Zero
+
+MODELS = {"200 x Linear(64,64)": (200, 64), "8 x Linear(1024,1024)": (8, 1024)}
+IMPLS = {"zero": Zero, "torch": TorchZero}
+
+
+def _model(layers: int, width: int) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    return model
+
+
+def _init(rank: int, port: int) -> None:
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(minutes=5))
+
+
+def _time_steps(opt, steps: int) -> list[float]:
+    times = []
+    for _ in range(steps):
+        dist.barrier()
+        t = time.perf_counter()
+        opt.step()
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def step_worker(rank, port, name, steps, rounds, out):
+    _init(rank, port)
+    opts = {}
+    for impl, cls in IMPLS.items():
+        for bv in (False, True):
+            opts[impl, bv] = cls(_model(*MODELS[name]).parameters(), torch.optim.Adam,
+                                 parameters_as_bucket_view=bv, lr=1e-3)
+            _time_steps(opts[impl, bv], 3)  # warm-up: state allocation, first-touch
+    times = {key: [] for key in opts}
+    for _ in range(rounds * steps):  # interleaved step by step: drift and noise hit all alike
+        for key, opt in opts.items():
+            times[key] += _time_steps(opt, 1)
+    local_state = {impl: sum(v.nbytes for st in opts[impl, False].optim.state.values() for v in st.values())
+                   for impl in IMPLS}
+    if rank == 0:
+        out.put({"model": name, "step_ms": {f"{i}/{'bucket' if bv else 'default'}": 1e3 * statistics.median(t)
+                                            for (i, bv), t in times.items()},
+                 "state_bytes_rank0": local_state})
+    dist.destroy_process_group()
+
+
+def consolidate_worker(rank, port, impl, out):
+    _init(rank, port)
+    opt = IMPLS[impl](_model(*MODELS["8 x Linear(1024,1024)"]).parameters(), torch.optim.Adam, lr=1e-3)
+    opt.step()
+    dist.barrier()
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t = time.perf_counter()
+    opt.consolidate_state_dict(to=0)
+    sd = opt.state_dict() if rank == 0 else None
+    dist.barrier()
+    seconds = time.perf_counter() - t
+    grew = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024
+    state = sum(v.nbytes for st in opt.optim.state.values() for v in st.values())
+    out.put({"impl": impl, "rank": rank, "seconds": seconds, "peak_growth": grew, "local_state": state,
+             "entries": len(sd["state"]) if sd else None})
+    dist.destroy_process_group()
+
+
+def _spawn(fn, *args) -> list:
+    from socket import socket
+
+    with socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    q = mp.get_context("spawn").Queue()
+    ctx = mp.start_processes(fn, args=(port, *args, q), nprocs=2, start_method="spawn", join=False)
+    results = []
+    while not ctx.join(timeout=0.5):
+        pass
+    while not q.empty():
+        results.append(q.get())
+    return results
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", type=str)
+    args = ap.parse_args()
+    report = {"torch": torch.__version__, "steps": [], "consolidate": []}
+    for name in MODELS:
+        report["steps"] += _spawn(step_worker, name, args.steps, args.rounds)
+    for impl in IMPLS:
+        report["consolidate"] += _spawn(consolidate_worker, impl)
+    _print(report)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+def _print(report: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    table = Table(title="Adam step, 2 gloo ranks, 1 thread each (median ms)")
+    for col in ("model", "torch default", "zero default", "ratio", "torch bucket view", "zero bucket view", "ratio"):
+        table.add_column(col, justify="right")
+    for r in report["steps"]:
+        ms = r["step_ms"]
+        table.add_row(r["model"], f"{ms['torch/default']:.2f}", f"{ms['zero/default']:.2f}",
+                      f"{ms['zero/default'] / ms['torch/default']:.2f}x", f"{ms['torch/bucket']:.2f}",
+                      f"{ms['zero/bucket']:.2f}", f"{ms['zero/bucket'] / ms['torch/bucket']:.2f}x")
+    console.print(table)
+    cons = Table(title="consolidate_state_dict(to=0) + state_dict(), 8 x Linear(1024,1024), Adam")
+    for col in ("impl", "rank", "seconds", "peak RSS growth", "local state"):
+        cons.add_column(col, justify="right")
+    for r in sorted(report["consolidate"], key=lambda r: (r["impl"], r["rank"])):
+        cons.add_row(r["impl"], str(r["rank"]), f"{r['seconds']:.3f}", f"{r['peak_growth'] / 1e6:.0f} MB",
+                     f"{r['local_state'] / 1e6:.1f} MB")
+    console.print(cons)
+    secs = {r["impl"]: r["seconds"] for r in report["consolidate"] if r["rank"] == 0}
+    console.print(f"consolidation time ratio zero/torch: {secs['zero'] / secs['torch']:.3f}x")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

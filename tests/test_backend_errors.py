@@ -1,0 +1,134 @@
+"""Bad input to zero.ZeroRedundancyOptimizer: a specific error at the boundary (one gloo rank, in process)."""
+
+import datetime
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import zero
+import zero.functional as zf
+from distributed import free_port
+from zero.backends import ZeroRedundancyOptimizer as Zero
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_rank():
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(free_port())
+    dist.init_process_group("gloo", rank=0, world_size=1, timeout=datetime.timedelta(seconds=30))
+    yield
+    dist.destroy_process_group()
+
+
+def params():
+    return list(nn.Linear(3, 2).parameters())
+
+
+@pytest.mark.parametrize("bad, error, match", [
+    ([], ValueError, "empty parameter list"),
+    ((p for p in []), ValueError, "empty parameter list"),
+    (torch.ones(2, requires_grad=True), TypeError, "not a single tensor"),
+    ([torch.ones(2), "w"], TypeError, r"params\[1\] is a str"),
+    ([torch.ones(2).to_sparse()], ValueError, "sparse"),
+    (42, TypeError, "got int"),
+    ([{"lr": 1.0}], ValueError, "group 0 has no 'params'"),
+    ([torch.ones(2), {"params": [torch.ones(2)]}], TypeError, "mixes tensors and param-group dicts"),
+    ([torch.ones(4, 3).t().requires_grad_()], ValueError, "not contiguous"),
+])
+def test_bad_params(bad, error, match):
+    with pytest.raises(error, match=match):
+        Zero(bad, torch.optim.SGD, lr=0.1)
+
+
+def test_a_param_repeated_across_groups():
+    w = nn.Parameter(torch.ones(2))
+    with pytest.raises(ValueError, match=r"params\[1\] is the same tensor as params\[0\]"):
+        Zero([{"params": [w]}, {"params": [w]}], torch.optim.SGD, lr=0.1)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(optimizer_class=3), TypeError, "optimizer_class must be"),
+    (dict(optimizer_class=zf.sgd(0.1), lr=0.1), TypeError, "takes no keyword hyperparameters"),
+    (dict(optimizer_class=torch.optim.SGD, lr=0.1, strategy="random"), ValueError, "unknown strategy 'random'"),
+    (dict(optimizer_class=torch.optim.SGD, lr=0.1, overlap_with_ddp=True), NotImplementedError, "overlap_with_ddp"),
+    (dict(optimizer_class=torch.optim.SGD, lr=0.1, sync_chunk_mb=0), ValueError, "sync_chunk_mb"),
+])
+def test_bad_options(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        Zero(params(), **kwargs)
+
+
+def test_needs_a_process_group(monkeypatch):
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        Zero(params(), torch.optim.SGD, lr=0.1)
+
+
+def test_state_dict_before_consolidation_and_bad_target():
+    opt = Zero(params(), torch.optim.Adam, lr=0.1)
+    with pytest.raises(RuntimeError, match=r"consolidate_state_dict\(to=0\)"):
+        opt.state_dict()
+    with pytest.raises(ValueError, match=r"to must be a rank in \[0, 1\), got 3"):
+        opt.consolidate_state_dict(to=3)
+
+
+def test_state_dict_from_a_different_model():
+    small, other = nn.Linear(3, 2), nn.Linear(4, 2)
+    opt = Zero(small.parameters(), torch.optim.Adam, lr=0.1)
+    foreign = torch.optim.Adam(other.parameters(), lr=0.1)
+    for p in other.parameters():
+        p.grad = torch.ones_like(p)
+    foreign.step()
+    with pytest.raises(ValueError, match=r"'exp_avg' for param 0 has shape \(2, 4\) but the param has shape \(2, 3\)"):
+        opt.load_state_dict(foreign.state_dict())
+    three = torch.optim.Adam([*other.parameters(), nn.Parameter(torch.ones(1))], lr=0.1)
+    with pytest.raises(ValueError, match=r"param groups of sizes \[3\] but this optimizer has \[2\]"):
+        opt.load_state_dict(three.state_dict())
+    with pytest.raises(ValueError, match="'state' and 'param_groups'"):
+        opt.load_state_dict({"params": []})
+
+
+def test_functional_state_reloads_only_onto_the_same_ownership():
+    model = nn.Linear(3, 2)
+    opt = Zero(model.parameters(), zf.adam, learning_rate=0.1)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    opt.consolidate_state_dict()
+    sd = opt.state_dict()
+    opt.load_state_dict(sd)  # same ownership: fine
+    with pytest.raises(ValueError, match="same world size and ownership"):
+        opt.load_state_dict({**sd, "owner": [1, 0]})
+
+
+def test_one_rank_steps_like_the_local_optimizer_and_exposes_its_keys():
+    a, b = nn.Linear(5, 4), nn.Linear(5, 4)
+    b.load_state_dict(a.state_dict())
+    ours = Zero(a.parameters(), torch.optim.Adam, lr=0.1, parameters_as_bucket_view=True)
+    ref = torch.optim.Adam(b.parameters(), lr=0.1)
+    assert ours.param_groups[0]["betas"] == (0.9, 0.999) and "amsgrad" in ours.param_groups[0]
+    for _ in range(3):
+        for m in (a, b):
+            m.zero_grad()
+            m(torch.ones(2, 5)).sum().backward()
+        ours.step()
+        ref.step()
+    for x, y in zip(a.parameters(), b.parameters()):
+        assert torch.equal(x, y)
+    assert isinstance(zero.ZeroRedundancyOptimizer, type)
+
+
+def test_closure_and_kwargs_reach_the_local_optimizer():
+    model = nn.Linear(2, 1)
+    opt = Zero(model.parameters(), torch.optim.LBFGS, lr=0.5)
+
+    def closure():
+        opt.zero_grad()
+        loss = model(torch.ones(3, 2)).square().sum()
+        loss.backward()
+        return loss
+
+    first = opt.step(closure)
+    assert isinstance(first, torch.Tensor) and opt.step(closure) < first
