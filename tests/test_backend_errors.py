@@ -6,11 +6,11 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from distributed import free_port
 from torch import nn
 
 import zero
 import zero.functional as zf
-from distributed import free_port
 from zero.backends import ZeroRedundancyOptimizer as Zero
 
 

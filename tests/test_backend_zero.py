@@ -1,7 +1,6 @@
 """zero.ZeroRedundancyOptimizer on 2, 3 and 4 gloo ranks against torch's and a single process."""
 
 import pytest
-
 import zero_workers as w
 from distributed import run_ranks
 

@@ -35,3 +35,17 @@ def test_functional_does_not_import_torch_distributed_itself():
     for path in pathlib.Path("zero").glob("*.py"):
         assert "import torch" not in path.read_text().replace("    import torch", ""), \
             f"{path}: the plan layer imports torch only inside adapters"
+
+
+def test_only_backends_touch_torch_distributed():
+    import pathlib
+
+    for path in pathlib.Path("zero").rglob("*.py"):
+        if "backends" not in path.parts:
+            assert "torch.distributed" not in path.read_text(), f"{path} reaches into torch.distributed"
+
+
+def test_zero_optimizer_resolves_lazily_from_the_root():
+    code = ("import sys, zero; assert 'torch' not in sys.modules; cls = zero.ZeroRedundancyOptimizer; "
+            "import zero.backends; assert cls is zero.backends.ZeroRedundancyOptimizer")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -110,3 +110,34 @@ def test_fingerprint_is_equal_across_hash_seeds():
     outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            env={"PYTHONHASHSEED": seed}).stdout for seed in ("1", "2", "random")}
     assert len(outs) == 1
+
+
+@given(metas(), st.integers(1, 6), st.integers(1, 300), st.integers(1, 400))
+def test_row_chunks_carry_every_element_once(ms, w, chunk, direct):
+    from zero import split_bucket
+    from zero.layout import row_chunks
+
+    layout = bucket_views(ms, partition(ms, w))
+    for key in layout.keys():
+        buckets = [split_bucket(b, direct) for b in layout.at(key)]
+        row = max(packed.numel for packed, _ in buckets)
+        for packed, large in buckets:
+            assert all(ms[i].numel >= direct for i in large)
+            assert all(ms[i].numel < direct for i in packed.params)
+            whole = next(b for b in layout.at(key) if b.rank == packed.rank)
+            assert sorted(large + packed.params) == sorted(whole.params), "split keeps every param once"
+            if row == 0:
+                continue
+            seen = {i: [] for i in packed.params}
+            for pieces in row_chunks(packed, chunk, row):
+                used = 0
+                for p in pieces:
+                    assert 0 <= p.row_start and p.row_start + p.end - p.start <= chunk
+                    assert p.row_start == used, "pieces fill a chunk from its start, in order"
+                    used += p.end - p.start
+                    seen[p.param].append((p.start, p.end))
+            for i, spans in seen.items():
+                if ms[i].numel == 0:
+                    continue
+                assert spans == sorted(spans) and spans[0][0] == 0 and spans[-1][1] == ms[i].numel
+                assert all(a[1] == b[0] for a, b in zip(spans, spans[1:])), "no gap, no overlap"

@@ -75,7 +75,7 @@ def assert_params(a: nn.Module, b: nn.Module, exact: bool, what: str) -> None:
         if exact:
             assert torch.equal(x, y), f"{what}: {name} differs"
         else:
-            torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7, msg=lambda m: f"{what}: {name}: {m}")
+            torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7, msg=lambda m, n=name: f"{what}: {n}: {m}")
 
 
 def state_bytes_of(optim) -> int:

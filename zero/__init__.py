@@ -10,6 +10,7 @@ from zero.ddp import assign_ddp_buckets
 from zero.ddp import ddp_buckets
 from zero.layout import bucket_views
 from zero.layout import flat_layout
+from zero.layout import split_bucket
 from zero.meta import ParamMeta
 from zero.meta import param_metas
 from zero.partition import Partition
@@ -30,6 +31,7 @@ __all__ = [
     "make_plan",
     "param_metas",
     "partition",
+    "split_bucket",
     "state_bytes",
 ]
 

@@ -76,7 +76,7 @@ def _plan(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["demo"]:
-        from zero.backends.demo import main as demo  # torch and torch.distributed load only here
+        from zero.backends.demo import main as demo  # torch loads only here, for the demo
 
         return demo(argv[1:])
     args = _parser().parse_args(argv)

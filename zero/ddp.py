@@ -15,7 +15,7 @@ from zero.partition import check_metas, check_world_size
 __all__ = ["assign_ddp_buckets", "ddp_buckets", "DEFAULT_BUCKET_CAP_MB", "FIRST_BUCKET_BYTES"]
 
 DEFAULT_BUCKET_CAP_MB = 25
-FIRST_BUCKET_BYTES = 1024 * 1024  # DDP's small first bucket (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
+FIRST_BUCKET_BYTES = 1024 * 1024  # DDP's small first bucket (its _DEFAULT_FIRST_BUCKET_BYTES)
 
 
 def assign_ddp_buckets(bucket_numels: Sequence[Sequence[int]], world_size: int,

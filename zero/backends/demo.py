@@ -47,7 +47,8 @@ def run_rank(rank: int, world_size: int, use_zero: bool, layers: int, width: int
     """One rank of one run; returns what it measured (the process group must exist)."""
     from zero.backends import ZeroRedundancyOptimizer
 
-    device = torch.device("cuda", rank % torch.cuda.device_count()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    on_gpu = dist.get_backend() == "nccl"
+    device = torch.device("cuda", rank % torch.cuda.device_count()) if on_gpu else torch.device("cpu")
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)]).to(device)
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
@@ -115,8 +116,8 @@ def _report(runs: dict[bool, list[dict]], args) -> None:
     same = len({r["param_sum"] for r in z + a}) == 1
     console.print(f"memory: {peak}. Optimizer state per rank: "
                   f"{max(r['state_bytes'] for r in z) / max(r['state_bytes'] for r in a):.2f}x of plain Adam's; "
-                  f"the first step() grows the peak by {_growth(z) / 1e6:.0f} MB with ZeRO vs {_growth(a) / 1e6:.0f} MB "
-                  "without.")
+                  f"the first step() grows the peak by {_growth(z) / 1e6:.0f} MB with ZeRO vs "
+                  f"{_growth(a) / 1e6:.0f} MB without.")
     console.print("parameter sums: " + ("identical across ranks and optimizers" if same else "DIFFER"))
 
 

@@ -50,8 +50,9 @@ def to_global(shards: Sequence[dict], indices: Sequence[list[list[int]]], param_
 def check_compatible(state_dict: Any, params: Sequence[torch.Tensor], group_sizes: Sequence[int]) -> None:
     """``ValueError`` naming the mismatch when ``state_dict`` was saved for other params."""
     if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
+        keys = sorted(state_dict) if isinstance(state_dict, dict) else "-"
         raise ValueError("state_dict must be an optimizer state dict with 'state' and 'param_groups' keys, got "
-                         f"{type(state_dict).__name__} with keys {sorted(state_dict) if isinstance(state_dict, dict) else '-'}")
+                         f"{type(state_dict).__name__} with keys {keys}")
     saved = [len(g["params"]) for g in state_dict["param_groups"]]
     if saved != list(group_sizes):
         raise ValueError(f"state_dict has param groups of sizes {saved} but this optimizer has {list(group_sizes)}: "
