@@ -25,14 +25,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn, rank, world_size, port, results, args, pg_timeout):
+def _worker(fn, rank, world_size, port, results, args, pg_timeout, backend):
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=pg_timeout))
         out = fn(rank, world_size, *args)
         results.put((rank, True, out))
@@ -44,12 +46,13 @@ def _worker(fn, rank, world_size, port, results, args, pg_timeout):
 
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 240, pg_timeout: float = 60,
-              allow_exit: tuple[int, ...] = ()):
+              allow_exit: tuple[int, ...] = (), backend: str = "gloo"):
     """``fn(rank, world_size, *args)`` on every rank; ``allow_exit`` ranks may return no result."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, results, args, pg_timeout), daemon=True)
+    procs = [ctx.Process(target=_worker, daemon=True,
+                         args=(fn, r, world_size, port, results, args, pg_timeout, backend))
              for r in range(world_size)]
     for p in procs:
         p.start()

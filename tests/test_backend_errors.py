@@ -132,3 +132,31 @@ def test_closure_and_kwargs_reach_the_local_optimizer():
 
     first = opt.step(closure)
     assert isinstance(first, torch.Tensor) and opt.step(closure) < first
+
+
+def test_fused_adam_state_reloads_where_the_kernel_needs_it():
+    a = nn.Linear(4, 3)
+    opt = Zero(a.parameters(), torch.optim.Adam, lr=0.1, fused=True)
+    for p in a.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    opt.consolidate_state_dict()
+    b = nn.Linear(4, 3)
+    b.load_state_dict(a.state_dict())
+    again = Zero(b.parameters(), torch.optim.Adam, lr=0.1, fused=True)
+    again.load_state_dict(opt.state_dict())
+    for m, o in ((a, opt), (b, again)):
+        for p in m.parameters():
+            p.grad = torch.full_like(p, 0.5)
+        o.step()
+    for x, y in zip(a.parameters(), b.parameters()):
+        assert torch.equal(x, y)
+    assert all(st["step"].device == p.device for p, st in again.optim.state.items())
+
+
+@pytest.mark.parametrize("bucket_view, expected", [(False, 2), (True, 1)])
+def test_collectives_per_step(bucket_view, expected):
+    """Without bucket views a large weight is broadcast on its own and the bias packed: 2 collectives."""
+    model = nn.Sequential(nn.Linear(1024, 512), nn.Linear(512, 4))
+    opt = Zero(model.parameters(), torch.optim.SGD, lr=0.1, parameters_as_bucket_view=bucket_view)
+    assert opt._sync.collectives_per_step == expected
