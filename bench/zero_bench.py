@@ -26,6 +26,8 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 
 from zero.backends import ZeroRedundancyOptimizer as Zero
+from zero.backends.launch import free_port
+from zero.backends.state import state_nbytes
 
 MODELS = {"200 x Linear(64,64)": (200, 64), "8 x Linear(1024,1024)": (8, 1024)}
 IMPLS = {"zero": Zero, "torch": TorchZero}
@@ -67,8 +69,7 @@ def step_worker(rank, port, name, steps, rounds, out):
     for _ in range(rounds * steps):  # interleaved step by step: drift and noise hit all alike
         for key, opt in opts.items():
             times[key] += _time_steps(opt, 1)
-    local_state = {impl: sum(v.nbytes for st in opts[impl, False].optim.state.values() for v in st.values())
-                   for impl in IMPLS}
+    local_state = {impl: state_nbytes(opts[impl, False].optim) for impl in IMPLS}
     if rank == 0:
         out.put({"model": name, "step_ms": {f"{i}/{'bucket' if bv else 'default'}": 1e3 * statistics.median(t)
                                             for (i, bv), t in times.items()},
@@ -88,18 +89,14 @@ def consolidate_worker(rank, port, impl, out):
     dist.barrier()
     seconds = time.perf_counter() - t
     grew = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024
-    state = sum(v.nbytes for st in opt.optim.state.values() for v in st.values())
+    state = state_nbytes(opt.optim)
     out.put({"impl": impl, "rank": rank, "seconds": seconds, "peak_growth": grew, "local_state": state,
              "entries": len(sd["state"]) if sd else None})
     dist.destroy_process_group()
 
 
 def _spawn(fn, *args) -> list:
-    from socket import socket
-
-    with socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     q = mp.get_context("spawn").Queue()
     ctx = mp.start_processes(fn, args=(port, *args, q), nprocs=2, start_method="spawn", join=False)
     results = []

@@ -10,19 +10,14 @@ from __future__ import annotations
 import datetime
 import os
 import queue
-import socket
 import time
 import traceback
 
 import torch.multiprocessing as mp
 
+from zero.backends.launch import free_port
+
 __all__ = ["run_ranks", "free_port"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(fn, rank, world_size, port, results, args, pg_timeout, backend):

@@ -6,12 +6,12 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import free_port
 from torch import nn
 
 import zero
 import zero.functional as zf
 from zero.backends import ZeroRedundancyOptimizer as Zero
+from zero.backends.launch import free_port
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from tests.strategies import metas
 from zero import bucket_views, flat_layout, make_plan, partition
 from zero.accounting import weights
+from zero.meta import itemsize
 from zero.partition import STRATEGIES
 
 world_sizes = st.integers(1, 70)
@@ -112,32 +113,31 @@ def test_fingerprint_is_equal_across_hash_seeds():
     assert len(outs) == 1
 
 
-@given(metas(), st.integers(1, 6), st.integers(1, 300), st.integers(1, 400))
-def test_row_chunks_carry_every_element_once(ms, w, chunk, direct):
-    from zero import split_bucket
-    from zero.layout import row_chunks
+@given(metas(), st.integers(1, 6), st.integers(1, 1200), st.integers(1, 400), st.booleans())
+def test_sync_rows_carry_every_trainable_element_once(ms, w, chunk_bytes, direct, bucket_view):
+    from zero import sync_rows
 
     layout = bucket_views(ms, partition(ms, w))
-    for key in layout.keys():
-        buckets = [split_bucket(b, direct) for b in layout.at(key)]
-        row = max(packed.numel for packed, _ in buckets)
-        for packed, large in buckets:
-            assert all(ms[i].numel >= direct for i in large)
-            assert all(ms[i].numel < direct for i in packed.params)
-            whole = next(b for b in layout.at(key) if b.rank == packed.rank)
-            assert sorted(large + packed.params) == sorted(whole.params), "split keeps every param once"
-            if row == 0:
-                continue
-            seen = {i: [] for i in packed.params}
-            for pieces in row_chunks(packed, chunk, row):
+    plans = sync_rows(layout) if bucket_view else sync_rows(layout, direct, chunk_bytes)
+    assert [(p.device, p.dtype) for p in plans] == list(layout.keys())
+    for plan in plans:
+        spans = {}
+        for owner, i in plan.direct:
+            assert not bucket_view and ms[i].numel >= direct and layout.of(owner)
+            spans[i] = [(0, ms[i].numel)]
+        for rank, per_chunk in enumerate(plan.pieces):
+            assert bucket_view or not plan.chunk or w * plan.chunk * itemsize(plan.dtype) <= max(
+                chunk_bytes, w * itemsize(plan.dtype))
+            for pieces in per_chunk:
                 used = 0
                 for p in pieces:
-                    assert 0 <= p.row_start and p.row_start + p.end - p.start <= chunk
                     assert p.row_start == used, "pieces fill a chunk from its start, in order"
                     used += p.end - p.start
-                    seen[p.param].append((p.start, p.end))
-            for i, spans in seen.items():
-                if ms[i].numel == 0:
-                    continue
-                assert spans == sorted(spans) and spans[0][0] == 0 and spans[-1][1] == ms[i].numel
-                assert all(a[1] == b[0] for a, b in zip(spans, spans[1:])), "no gap, no overlap"
+                    spans.setdefault(p.param, []).append((p.start, p.end))
+                    assert partition(ms, w).owner[p.param] == rank
+                assert used <= plan.chunk
+        expected = {i for b in layout.at((plan.device, plan.dtype)) for i in b.params if ms[i].numel}
+        assert {i for i, s in spans.items() if s} == expected
+        for i, s in spans.items():
+            assert s[0][0] == 0 and s[-1][1] == ms[i].numel, "every element of a param travels"
+            assert all(a[1] == b[0] for a, b in zip(s, s[1:])), "no gap, no overlap"

@@ -19,6 +19,7 @@ import zero
 import zero.functional as zf
 from zero.backends import ZeroRedundancyOptimizer as Zero
 from zero.backends import comm
+from zero.backends.state import state_nbytes
 
 TORCH_CONFIGS = {
     "adam": (torch.optim.Adam, dict(lr=1e-2, weight_decay=0.01)),
@@ -78,8 +79,6 @@ def assert_params(a: nn.Module, b: nn.Module, exact: bool, what: str) -> None:
             torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7, msg=lambda m, n=name: f"{what}: {n}: {m}")
 
 
-def state_bytes_of(optim) -> int:
-    return sum(v.nbytes for st in optim.state.values() for v in st.values() if isinstance(v, torch.Tensor))
 
 
 def broadcast(obj, src: int = 0):
@@ -135,7 +134,7 @@ def torch_parity(rank: int, world_size: int, name: str, bucket_view: bool, steps
         assert_params(ours_m, ref_m, exact=False, what=f"step {step} vs single process")
         assert same_on_every_rank(ours_m), f"step {step}: replicas differ across ranks"
     plan = zero.make_plan(zero.param_metas(ours.param_groups), world_size, optimizer=name)
-    return {"gathers": gathers, "state_bytes": state_bytes_of(ours.optim),
+    return {"gathers": gathers, "state_bytes": state_nbytes(ours.optim),
             "plan_state_bytes": plan.ranks[rank].state_bytes,
             **_checkpoint_parity(rank, ours, ours_m, theirs, ref, ref_m, cls, kw, bucket_view)}
 
@@ -225,7 +224,7 @@ def train_leg(rank: int, world_size: int, load_from: str | None, save_to: str, s
     opt.consolidate_state_dict(to=world_size - 1)
     if rank == world_size - 1:
         torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, save_to)
-    return {"state_bytes": state_bytes_of(opt.optim)}
+    return {"state_bytes": state_nbytes(opt.optim)}
 
 
 def mixed_dtypes(rank: int, world_size: int, steps: int = 12) -> dict:

@@ -11,6 +11,7 @@ from zero.ddp import ddp_buckets
 from zero.layout import bucket_views
 from zero.layout import flat_layout
 from zero.layout import split_bucket
+from zero.layout import sync_rows
 from zero.meta import ParamMeta
 from zero.meta import param_metas
 from zero.partition import Partition
@@ -33,6 +34,7 @@ __all__ = [
     "partition",
     "split_bucket",
     "state_bytes",
+    "sync_rows",
 ]
 
 _LAZY = {"ZeroRedundancyOptimizer": "zero.backends"}

@@ -10,11 +10,11 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from zero.meta import ParamMeta
+from zero.meta import ParamMeta, itemsize
 from zero.partition import Partition, check_metas, check_rank, check_world_size
 
-__all__ = ["Bucket", "BucketLayout", "bucket_views", "split_bucket", "Piece", "row_chunks", "Segment", "FlatBuffer",
-           "FlatLayout", "flat_layout"]
+__all__ = ["Bucket", "BucketLayout", "bucket_views", "split_bucket", "Piece", "row_chunks", "SyncRows",
+           "sync_rows", "Segment", "FlatBuffer", "FlatLayout", "flat_layout"]
 
 
 @dataclass(frozen=True)
@@ -47,10 +47,6 @@ class BucketLayout:
     def at(self, key: tuple[str, str]) -> tuple[Bucket, ...]:
         """The buckets of one (device, dtype), one per rank, in rank order."""
         return tuple(b for b in self.buckets if (b.device, b.dtype) == tuple(key))
-
-    def row_numel(self, key: tuple[str, str]) -> int:
-        """The largest bucket of ``key``: every rank's row in an all-gather is padded to it."""
-        return max(b.numel for b in self.at(key))
 
 
 def split_bucket(bucket: Bucket, direct_numel: int) -> tuple[Bucket, tuple[int, ...]]:
@@ -124,6 +120,48 @@ def bucket_views(metas: Sequence[ParamMeta], part: Partition) -> BucketLayout:
             offsets = _offsets([metas[i].numel for i in idx])
             buckets.append(Bucket(device, dtype, rank, tuple(idx), tuple(offsets[:-1]), offsets[-1]))
     return BucketLayout(part.world_size, tuple(buckets))
+
+
+@dataclass(frozen=True)
+class SyncRows:
+    """How one (device, dtype) of a `BucketLayout` travels after a step.
+
+    Packed params sit in per-rank rows ``chunk`` elements wide and move one chunk at a time:
+    ``pieces[r][c]`` is what rank ``r``'s row carries in chunk ``c``. Each ``(owner, param)`` in
+    ``direct`` is sent on its own, straight from its storage.
+    """
+
+    device: str
+    dtype: str
+    chunk: int
+    pieces: tuple[tuple[tuple[Piece, ...], ...], ...]
+    direct: tuple[tuple[int, int], ...]
+
+    @property
+    def collectives(self) -> int:
+        return (len(self.pieces[0]) if self.chunk else 0) + len(self.direct)
+
+
+def sync_rows(layout: BucketLayout, direct_numel: int | None = None,
+              chunk_bytes: int | None = None) -> tuple[SyncRows, ...]:
+    """Per (device, dtype): which params are packed into rows, in which chunks, and which go alone.
+
+    ``direct_numel=None`` packs everything (bucket views: the rows are the params' storage);
+    ``chunk_bytes=None`` sends each row whole, else the ``world_size`` rows of one chunk
+    together stay within ``chunk_bytes``.
+    """
+    out = []
+    for key in layout.keys():
+        buckets, direct = layout.at(key), ()
+        if direct_numel is not None:
+            split = [split_bucket(b, direct_numel) for b in buckets]
+            buckets = tuple(packed for packed, _ in split)
+            direct = tuple((b.rank, i) for b, (_, large) in zip(layout.at(key), split) for i in large)
+        row = max(b.numel for b in buckets)
+        chunk = row if chunk_bytes is None else min(row, max(1, chunk_bytes // (itemsize(key[1]) * len(buckets))))
+        pieces = tuple(row_chunks(b, chunk, row) for b in buckets) if chunk else ()
+        out.append(SyncRows(key[0], key[1], chunk, pieces, direct))
+    return tuple(out)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ from torch.distributed instead of a hang.
 
 from __future__ import annotations
 
+import math
 import pickle
 from collections.abc import Callable
 from typing import Any
@@ -132,16 +133,9 @@ def recv_tree(src: int, group: Any, device: torch.device) -> Any:
         dist.recv(buf, src=peer, group=group)
         flats[dtype] = buf.cpu()  # one shard's payload in flight at a time, then host memory
     # Views into the per-dtype buffer: no second copy of the shard.
-    leaves = [flats[x.dtype][x.offset:x.offset + _numel(x.shape)].view(x.shape)
+    leaves = [flats[x.dtype][x.offset:x.offset + math.prod(x.shape)].view(x.shape)
               if isinstance(x, _TensorSlot) else x for x in skeleton_leaves]
     return optree.tree_unflatten(spec, leaves)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _send_bytes(data: bytes, peer: int, group: Any, device: torch.device) -> None:

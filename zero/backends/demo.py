@@ -15,7 +15,6 @@ import argparse
 import datetime
 import os
 import resource
-import socket
 from typing import Any
 
 import torch
@@ -23,6 +22,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+from zero.backends.launch import free_port
+from zero.backends.state import state_nbytes
 
 __all__ = ["main", "run_rank"]
 
@@ -68,7 +70,7 @@ def run_rank(rank: int, world_size: int, use_zero: bool, layers: int, width: int
         peaks.append(_peak_bytes(device))
     before, after = peaks[0], peaks[1]
     local = opt.optim if use_zero else opt
-    state = sum(v.nbytes for st in local.state.values() for v in st.values() if isinstance(v, torch.Tensor))
+    state = state_nbytes(local)
     return {"rank": rank, "zero": use_zero, "state_bytes": state, "peak_before_step": before,
             "peak_after_step": after, "param_sum": float(sum(p.detach().sum() for p in model.parameters())),
             "device": str(device)}
@@ -86,9 +88,7 @@ def _spawned(rank, world_size, port, use_zero, args, results):
 
 
 def _run_spawned(args, use_zero: bool) -> list[dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     mp.start_processes(_spawned, args=(args.world_size, port, use_zero, args, results),

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["to_global", "to_local", "check_compatible"]
+__all__ = ["to_global", "to_local", "check_compatible", "state_nbytes"]
 
 
 def to_global(shards: Sequence[dict], indices: Sequence[list[list[int]]], param_groups: list[dict],
@@ -83,3 +83,8 @@ def to_local(state_dict: dict, per_group: list[list[int]], rank: int, owner: Seq
                              "optimizer_class to reshard state")
         local["tx_states"] = state_dict["tx_states"][rank]
     return local
+
+
+def state_nbytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of tensor state a torch optimizer holds (what `zero.make_plan` predicts per rank)."""
+    return sum(v.nbytes for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor))

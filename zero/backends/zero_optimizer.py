@@ -96,8 +96,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def _build_sync(self) -> None:
         if self._sync is not None:
             self._sync.release()
-        self._trainable = tuple(p.requires_grad for p in self._all_params)
-        self._metas = param_metas(self.param_groups)
+        self._metas = param_metas(self.param_groups)  # requires_grad may have changed since _replan
         layout = bucket_views(self._metas, self._partition)
         self._signature = _crc([(m.shape, m.dtype, m.requires_grad) for m in self._metas])
         self._sync = ParamSync(self._all_params, layout, self.rank, self.process_group,
@@ -133,7 +132,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:
         """Step the owned params with the local optimizer, then all-gather every updated param."""
         Join.notify_join_context(self)
-        if tuple(p.requires_grad for p in self._all_params) != self._trainable:
+        if any(p.requires_grad != m.requires_grad for p, m in zip(self._all_params, self._metas)):
             logger.info("trainable params changed; rebuilding the sync buckets")
             self._build_sync()
         verify = comm.check_in("step", self._signature, self.process_group, self._comm_device())
