@@ -1,5 +1,7 @@
+import datetime
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 # CI machines are slow and shared: no per-example deadlines, fewer examples than a local deep run.
@@ -7,3 +9,16 @@ settings.register_profile("ci", deadline=None, max_examples=60,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("deep", deadline=None, max_examples=1000)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    """A one-rank gloo default group in this process, for errors raised at the boundary."""
+    import torch.distributed as dist
+
+    from zero.backends.launch import free_port
+
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(free_port())
+    dist.init_process_group("gloo", rank=0, world_size=1, timeout=datetime.timedelta(seconds=30))
+    yield
+    dist.destroy_process_group()

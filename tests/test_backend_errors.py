@@ -1,7 +1,5 @@
 """Bad input to zero.ZeroRedundancyOptimizer: a specific error at the boundary (one gloo rank, in process)."""
 
-import datetime
-import os
 
 import pytest
 import torch
@@ -11,15 +9,8 @@ from torch import nn
 import zero
 import zero.functional as zf
 from zero.backends import ZeroRedundancyOptimizer as Zero
-from zero.backends.launch import free_port
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_rank():
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(free_port())
-    dist.init_process_group("gloo", rank=0, world_size=1, timeout=datetime.timedelta(seconds=30))
-    yield
-    dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("one_rank")
 
 
 def params():

@@ -3,6 +3,18 @@
 It takes plans from `zero` and transformations from `zero.functional` and runs collectives.
 """
 
+from zero.backends.averagers import HierarchicalModelAverager
+from zero.backends.averagers import PeriodicModelAverager
+from zero.backends.averagers import average_parameters
+from zero.backends.post_localsgd import PostLocalSGDOptimizer
+from zero.backends.post_localsgd import register_post_local_sgd_hook
 from zero.backends.zero_optimizer import ZeroRedundancyOptimizer
 
-__all__ = ["ZeroRedundancyOptimizer"]
+__all__ = [
+    "HierarchicalModelAverager",
+    "PeriodicModelAverager",
+    "PostLocalSGDOptimizer",
+    "ZeroRedundancyOptimizer",
+    "average_parameters",
+    "register_post_local_sgd_hook",
+]

@@ -16,11 +16,18 @@ import optree
 import torch
 import torch.distributed as dist
 
-__all__ = ["group_rank", "group_size", "global_rank", "all_gather_rows", "broadcast_from", "check_in", "send_tree",
-           "recv_tree"]
+__all__ = ["resolve_group", "group_rank", "group_size", "global_rank", "in_group", "all_gather_rows", "broadcast_from",
+           "all_reduce_sum", "check_in", "new_subgroup", "send_tree", "recv_tree"]
 
 # torch 2.13 renamed all_gather_into_tensor; keep working on the 2.x releases before it.
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def resolve_group(process_group: Any, who: str) -> Any:
+    """``process_group``, or the default group for None; a clear error before init_process_group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(f"{who} needs torch.distributed.init_process_group() first")
+    return process_group if process_group is not None else dist.group.WORLD
 
 
 def group_rank(group: Any) -> int:
@@ -34,6 +41,29 @@ def group_size(group: Any) -> int:
 def global_rank(group: Any, rank: int) -> int:
     """The default-group rank of ``rank`` in ``group`` (what point-to-point calls address)."""
     return dist.get_global_rank(group, rank) if group is not dist.group.WORLD else rank
+
+
+def in_group(group: Any) -> bool:
+    return dist.get_rank(group) >= 0  # -1 on processes outside the group
+
+
+def all_reduce_sum(tensor: torch.Tensor, group: Any) -> None:
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+
+
+def new_subgroup(parent: Any, blocks: tuple[tuple[int, ...], ...]) -> Any:
+    """The block of ``parent``'s ranks this process is in, as a new group.
+
+    Every block becomes a group (``new_group`` must be called by every process of the default
+    group, members or not, in the same order), as ``torch.distributed.new_subgroups`` does.
+    """
+    me = group_rank(parent)
+    mine = None
+    for block in blocks:
+        group = dist.new_group([global_rank(parent, r) for r in block])
+        if me in block:
+            mine = group
+    return mine
 
 
 def all_gather_rows(rows: torch.Tensor, rank: int, group: Any) -> None:

@@ -58,15 +58,13 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                                       "yet; use overlap_with_ddp=False and call step() after backward()")
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
-        if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError("ZeroRedundancyOptimizer needs torch.distributed.init_process_group() first")
+        self.process_group = comm.resolve_group(process_group, "ZeroRedundancyOptimizer")
         if not isinstance(sync_chunk_mb, (int, float)) or sync_chunk_mb <= 0:
             raise ValueError(f"sync_chunk_mb must be a positive number, got {sync_chunk_mb!r}")
         params = _normalise_params(params)
         self._ready = False
         Optimizer.__init__(self, params, defaults)
         Joinable.__init__(self)
-        self.process_group = process_group if process_group is not None else dist.group.WORLD
         self.world_size = comm.group_size(self.process_group)
         self.rank = comm.group_rank(self.process_group)
         self.global_rank = comm.global_rank(self.process_group, self.rank)
