@@ -167,3 +167,25 @@ def with_ddp_hook(rank: int, world_size: int, steps: int = 10) -> dict:
         assert_params(ours_m.module, theirs_m.module, exact=True, what=f"DDP + hook, step {step}")
     return {"iter": hook_state.iter, "step": ours_avg.step, "same": same_on_every_rank(ours_m.module),
             "same_in_pair": same_on_every_rank(ours_m.module, group=pair)}
+
+
+def mixed_dtypes(rank: int, world_size: int) -> dict:
+    """fp32 + bf16 + fp64 params, different on every rank: averaged to the float64 mean, rounded once."""
+    from zero.backends import average_parameters
+
+    model = make_model(dtypes=(torch.float32, torch.bfloat16, torch.float64))
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(10 * rank + i)).to(p.dtype))
+            p.grad = torch.zeros_like(p)
+    exact = []
+    for p in model.parameters():
+        every = [torch.empty_like(p, dtype=torch.float64) for _ in range(world_size)]
+        dist.all_gather(every, p.detach().to(torch.float64))
+        exact.append(torch.stack(every).mean(0))
+    with CountingReduce() as count:
+        average_parameters(model.parameters())
+    for p, want in zip(model.parameters(), exact):
+        tol = {torch.float64: 1e-12, torch.float32: 1e-6, torch.bfloat16: 8e-3}[p.dtype]
+        torch.testing.assert_close(p.to(torch.float64), want.to(p.dtype).to(torch.float64), rtol=tol, atol=tol)
+    return {"reduces": len(count.sizes), "same": same_on_every_rank(model)}

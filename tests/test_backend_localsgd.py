@@ -33,3 +33,8 @@ def test_pairs_with_ddp_post_local_sgd_hook():
     for r in results:
         assert (r["iter"], r["step"]) == (w.WARMUP, 10)
         assert r["same_in_pair"], "gradients are all-reduced within the pair after the warm-up"
+
+
+def test_mixed_dtypes_average_once_per_dtype():
+    for r in run_ranks(w.mixed_dtypes, 3):
+        assert r == {"reduces": 3, "same": True}
