@@ -2,7 +2,8 @@
 
 ``run_ranks(fn, world_size, *args)`` returns ``fn(rank, world_size, *args)`` of every rank, in
 rank order, or raises with the failing rank's traceback. ``fn`` must be importable (defined at
-module level). A rank that hangs is killed when ``timeout`` runs out, failing the test.
+module level). ``backend="rpc"`` starts RPC workers ``worker0``... instead of a process group.
+A rank that hangs is killed when ``timeout`` runs out, failing the test.
 """
 
 from __future__ import annotations
@@ -27,17 +28,33 @@ def _worker(fn, rank, world_size, port, results, args, pg_timeout, backend):
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     try:
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
-        dist.init_process_group(backend, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=pg_timeout))
-        out = fn(rank, world_size, *args)
+        if backend == "rpc":
+            out = _rpc_worker(fn, rank, world_size, port, args, pg_timeout)
+        else:
+            if backend == "nccl":
+                torch.cuda.set_device(rank)
+            dist.init_process_group(backend, rank=rank, world_size=world_size,
+                                    timeout=datetime.timedelta(seconds=pg_timeout))
+            out = fn(rank, world_size, *args)
         results.put((rank, True, out))
     except BaseException:  # noqa: BLE001 - reported to the parent with its traceback
         results.put((rank, False, traceback.format_exc()))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _rpc_worker(fn, rank, world_size, port, args, rpc_timeout):
+    """RPC worker ``worker{rank}`` (TensorPipe); shutdown waits for every worker's outstanding calls."""
+    from torch.distributed import rpc
+
+    options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", rpc_timeout=rpc_timeout,
+                                              num_worker_threads=8)
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size, rpc_backend_options=options)
+    try:
+        return fn(rank, world_size, *args)
+    finally:
+        rpc.shutdown()
 
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 240, pg_timeout: float = 60,

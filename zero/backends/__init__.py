@@ -8,9 +8,11 @@ from zero.backends.averagers import PeriodicModelAverager
 from zero.backends.averagers import average_parameters
 from zero.backends.post_localsgd import PostLocalSGDOptimizer
 from zero.backends.post_localsgd import register_post_local_sgd_hook
+from zero.backends.rpc_optimizer import DistributedOptimizer
 from zero.backends.zero_optimizer import ZeroRedundancyOptimizer
 
 __all__ = [
+    "DistributedOptimizer",
     "HierarchicalModelAverager",
     "PeriodicModelAverager",
     "PostLocalSGDOptimizer",
