@@ -216,4 +216,4 @@ def unresponsive(rank: int, world_size: int) -> dict | None:
 def _set_sleep(optim_rref, seconds):
     """Make this worker's optimizer slow from now on (a stand-in for a worker that hangs)."""
     local = optim_rref.local_value()
-    local.optims = [zf.FunctionalOptimizer(o.params, slow_sgd(0.1, seconds)) for o in local.optims]
+    local.optim = zf.FunctionalOptimizer(local.params, slow_sgd(0.1, seconds))

@@ -68,26 +68,24 @@ class _LocalOptimizer:
                 raise TypeError(f"params_rref {i} on {rpc.get_worker_info().name} holds a "
                                 f"{type(p).__name__}, not a tensor")
         tx, self.per_param = local_transformation(*recipe)
-        sets = [[p] for p in self.params] if self.per_param else [self.params]
-        self.optims = [FunctionalOptimizer(ps, tx) for ps in sets]
+        self.optim = FunctionalOptimizer(self.params, tx, per_param=self.per_param)
 
     def step(self, context_id: int) -> int:
         """Apply this context's gradients; returns how many params had one.
 
-        A param without a gradient in the context is skipped under a torch class (torch's rule)
-        and gets a zero gradient under a factory (Optax's: every param has a gradient, zero when
-        it did not take part), so a factory's state stays one state over all the params.
+        A param without a gradient in the context is skipped under a torch class (torch's rule;
+        its state does not advance) and gets a zero gradient under a factory (Optax's: every
+        param has a gradient, zero when it did not take part), so a factory's state stays one
+        state over all the params.
         """
         grads = dist_autograd.get_gradients(context_id)
         found = [grads.get(p) for p in self.params]
+        had = sum(g is not None for g in found)
+        if not self.per_param:
+            found = [torch.zeros_like(p) if g is None else g for p, g in zip(self.params, found)]
         with _STEP_LOCK:
-            if self.per_param:
-                for opt, g in zip(self.optims, found):
-                    if g is not None:
-                        opt.step([g])
-            else:
-                self.optims[0].step([torch.zeros_like(p) if g is None else g for p, g in zip(self.params, found)])
-        return sum(g is not None for g in found)
+            self.optim.step(found)
+        return had
 
 
 def _new_local_optimizer(recipe: tuple, param_rrefs: list[rpc.RRef]) -> rpc.RRef:

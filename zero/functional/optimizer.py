@@ -8,7 +8,9 @@ transformation.
 Both keep one transformation state per *set of parameters stepped together*: a group's params
 that have gradients, or one DDP bucket. The sets repeat every iteration, so each state sees the
 same params every step, and params that never get a gradient (frozen ones) never get state, as
-in torch. A param that turns up in two different sets is an error, not a silent state split.
+in torch. A param that turns up in two different sets is an error, not a silent state split,
+unless the transformation is declared per param (``FunctionalOptimizer(per_param=True)``, for
+torch's rules): then the earlier set's state is split (`split_state`) and each part steps alone.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 from zero.functional.base import GradientTransformation, inplace_step, tree_map
 from zero.functional.wrappers import InjectHyperparamsState
 
-__all__ = ["Optimizer", "FunctionalOptimizer", "hyperparams_of"]
+__all__ = ["Optimizer", "FunctionalOptimizer", "hyperparams_of", "split_state"]
 
 
 def hyperparams_of(tx: GradientTransformation) -> dict[str, float]:
@@ -44,22 +46,64 @@ def _sync_hyperparams(state: Any, group: dict) -> Any:
     return state._replace(hyperparams=hp)
 
 
+def split_state(state: Any, n: int, parts: list[list[int]]) -> list[Any]:
+    """Cut the state of a transformation initialised on ``n`` params into one state per part.
+
+    Per-param entries are the lists of length ``n`` (a state mirrors the params list it was made
+    for); everything else (step counts, hyperparameters) is copied into every part, tensors cloned
+    so that the parts step independently. Meaningful only for rules that treat params alone.
+    """
+    def cut(node: Any, part: list[int]) -> Any:
+        if isinstance(node, list) and len(node) == n:
+            return [node[i] for i in part]
+        if isinstance(node, tuple):
+            items = [cut(x, part) for x in node]
+            return type(node)(*items) if hasattr(node, "_fields") else tuple(items)
+        if isinstance(node, dict):
+            return {k: cut(v, part) for k, v in node.items()}
+        return node.clone() if isinstance(node, torch.Tensor) else node
+    return [cut(state, part) for part in parts]
+
+
 class _StatesBySet:
     """Transformation states keyed by the tuple of param indices stepped together."""
 
-    def __init__(self, tx: GradientTransformation):
-        self.tx = tx
+    def __init__(self, tx: GradientTransformation, per_param: bool = False):
+        self.tx, self.per_param = tx, per_param
         self.states: dict[tuple[int, ...], Any] = {}
         self._owner: dict[int, tuple[int, ...]] = {}
 
     def step(self, idx: tuple[int, ...], params: list, grads: list, group: dict | None = None) -> None:
+        if idx in self.states or not any(i in self._owner for i in idx):
+            return self._step(idx, params, grads, group)
+        if not self.per_param:
+            clash = sorted({self._owner[i] for i in idx if i in self._owner})
+            raise ValueError(f"params {list(idx)} are stepped together, but some were stepped before with "
+                             f"{clash}: the set of params with gradients must repeat every step "
+                             "(put params that get gradients at different times in separate param groups)")
+        self._split_along(set(idx))
+        where = {i: k for k, i in enumerate(idx)}
+        blocks = sorted({self._owner[i] for i in idx if i in self._owner})
+        fresh = tuple(i for i in idx if i not in self._owner)
+        for block in blocks + ([fresh] if fresh else []):
+            self._step(block, [params[where[i]] for i in block], [grads[where[i]] for i in block], group)
+
+    def _split_along(self, stepping: set[int]) -> None:
+        """Split every set that is partly stepping into its stepping and its resting params."""
+        for block in {self._owner[i] for i in stepping if i in self._owner}:
+            inside = [k for k, i in enumerate(block) if i in stepping]
+            if len(inside) == len(block):
+                continue
+            outside = [k for k, i in enumerate(block) if i not in stepping]
+            for part, state in zip((inside, outside), split_state(self.states.pop(block), len(block),
+                                                                  [inside, outside])):
+                key = tuple(block[k] for k in part)
+                self.states[key] = state
+                self._owner.update(dict.fromkeys(key, key))
+
+    def _step(self, idx: tuple[int, ...], params: list, grads: list, group: dict | None) -> None:
         state = self.states.get(idx)
         if state is None:
-            clash = {self._owner[i] for i in idx if i in self._owner}
-            if clash:
-                raise ValueError(f"params {list(idx)} are stepped together, but some were stepped before with "
-                                 f"{sorted(clash)}: the set of params with gradients must repeat every step "
-                                 "(put params that get gradients at different times in separate param groups)")
             state = self.tx.init(params)
             self._owner.update(dict.fromkeys(idx, idx))
         if group is not None:
@@ -136,15 +180,19 @@ class FunctionalOptimizer:
     """``step(gradients)`` over a fixed list of params: a ``None`` gradient skips that param.
 
     The form DDP comm hooks use: each bucket's step passes gradients for its params only.
+    ``per_param=True`` declares that ``tx`` treats each param alone (as every ``torch.optim``
+    rule and `from_torch` does): params may then miss a gradient on any step, as in torch, and
+    their state does not advance while they do. Otherwise the set with gradients must repeat.
     """
 
-    def __init__(self, params: list[torch.Tensor], tx: GradientTransformation, _allow_empty_param_list: bool = False):
+    def __init__(self, params: list[torch.Tensor], tx: GradientTransformation, _allow_empty_param_list: bool = False,
+                 *, per_param: bool = False):
         params = list(params)
         if not params and not _allow_empty_param_list:
             raise ValueError("FunctionalOptimizer got an empty parameter list")
         self.params = params
         self.param_group = {"params": params, **hyperparams_of(tx)}
-        self._states = _StatesBySet(tx)
+        self._states = _StatesBySet(tx, per_param)
 
     @property
     def param_groups(self) -> list[dict]:
