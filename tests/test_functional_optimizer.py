@@ -147,3 +147,36 @@ def test_functional_optimizer_steps_buckets_like_torch_adam():
     assert F.FunctionalOptimizer([], F.adam(0.1), _allow_empty_param_list=True).param_groups[0]["params"] == []
     with pytest.raises(ValueError, match="2 gradients for 5 params"):
         fo.step([None, None])
+
+
+@pytest.mark.parametrize("name, opts", [("Adam", dict(lr=0.01, weight_decay=0.1)),
+                                        ("SGD", dict(lr=0.1, momentum=0.9, nesterov=True)),
+                                        ("RMSprop", dict(lr=0.01, centered=True, momentum=0.5))])
+def test_per_param_steps_any_subset_like_torch(name, opts):
+    """Params miss gradients in changing patterns: the sets' states split, each param stays torch's."""
+    torch.manual_seed(1)
+    params = [torch.randn(n, dtype=torch.float64) for n in (4, 1, 7, 3, 5)]
+    ref_params = [p.clone().requires_grad_() for p in params]
+    ref = getattr(torch.optim, name)(ref_params, **opts)
+    fo = F.FunctionalOptimizer(params, F.from_torch(name, **opts), per_param=True)
+    patterns = [{0, 1, 2, 3, 4}, {0, 2, 4}, {1, 2}, {0, 1, 2, 3, 4}, {3}, set(), {0, 3, 4}, {1, 2, 3}]
+    for step in range(24):
+        grads = [torch.randn(p.shape, dtype=p.dtype) if i in patterns[step % 8] else None for i, p in enumerate(params)]
+        fo.step(grads)
+        for p, g in zip(ref_params, grads):
+            p.grad = None if g is None else g.clone()
+        ref.step()
+    for a, b in zip(params, ref_params):
+        torch.testing.assert_close(a, b.detach(), rtol=1e-9, atol=1e-12)
+    assert sorted(fo._states.states) == [(0, 4), (1,), (2,), (3,)], "split only as far as the patterns need"
+
+
+def test_split_state_cuts_per_param_lists_and_copies_the_rest():
+    tx = F.from_torch("Adam", lr=0.01)
+    params = [torch.ones(2), torch.ones(3), torch.ones(1)]
+    state = tx.init(params)
+    first, second = F.split_state(state, 3, [[0, 2], [1]])
+    assert [t.shape for t in first.inner_state[2].mu] == [(2,), (1,)]
+    assert [t.shape for t in second.inner_state[2].nu] == [(3,)]
+    assert first.inner_state[2].mu[0] is state.inner_state[2].mu[0], "per-param tensors move, not copied"
+    assert first.count is not second.count and first.count == state.count, "counters are copied apart"

@@ -27,6 +27,7 @@ from zero.functional.optax_bridge import from_optax_state
 from zero.functional.optax_bridge import to_optax_state
 from zero.functional.optimizer import FunctionalOptimizer
 from zero.functional.optimizer import Optimizer
+from zero.functional.optimizer import split_state
 from zero.functional.schedules import constant_schedule
 from zero.functional.schedules import cosine_decay_schedule
 from zero.functional.schedules import exponential_decay
@@ -161,6 +162,7 @@ __all__ = [
     "scale_by_stddev",
     "scale_by_trust_ratio",
     "sgd",
+    "split_state",
     "to_optax_state",
     "trace",
     "warmup_cosine_decay_schedule",
