@@ -1,7 +1,7 @@
 """Post-local SGD's schedule as values: when parameters are averaged, and across which ranks.
 
 Pure functions over step numbers and group sizes; `zero.backends` averagers execute them. The
-semantics are torch's (`torch.distributed.algorithms.model_averaging`): a periodic averager
+semantics are those of torch's `model_averaging` package: a periodic averager
 averages at ``step >= warmup_steps`` whenever ``(step - warmup_steps) % period == 0``; a
 hierarchical one, past its warm-up, averages in the group of the largest period that divides
 ``step`` (so a step divisible by 8 averages globally, not also within pairs first).
@@ -69,7 +69,7 @@ def hierarchical_level(step: int, periods: tuple[int, ...], warmup_steps: int) -
 
 
 def subgroup_blocks(group_size: int, size: int) -> tuple[tuple[int, ...], ...]:
-    """Group ranks split into consecutive blocks of ``size`` (``torch.distributed.new_subgroups``)."""
+    """Group ranks split into consecutive blocks of ``size`` (as torch's ``new_subgroups``)."""
     _check_int("group size", size, 1)
     if group_size % size:
         raise ValueError(f"group size {size} does not divide the process group's {group_size} ranks")
