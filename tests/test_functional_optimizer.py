@@ -126,6 +126,19 @@ def test_changing_the_set_of_params_with_gradients_is_an_error():
         opt.step()
 
 
+def step_both(fo, ref, ref_params, grads):
+    """The functional optimizer and torch's take the same gradients (None: no gradient)."""
+    fo.step(grads)
+    for p, g in zip(ref_params, grads):
+        p.grad = None if g is None else g.clone()
+    ref.step()
+
+
+def assert_same(params, ref_params):
+    for a, b in zip(params, ref_params):
+        torch.testing.assert_close(a, b.detach(), rtol=1e-9, atol=1e-12)
+
+
 def test_functional_optimizer_steps_buckets_like_torch_adam():
     torch.manual_seed(0)
     params = [torch.randn(4, dtype=torch.float64) for _ in range(5)]
@@ -136,12 +149,8 @@ def test_functional_optimizer_steps_buckets_like_torch_adam():
     for _ in range(12):
         for bucket in buckets:
             grads = [torch.randn(4, dtype=torch.float64) if i in bucket else None for i in range(5)]
-            fo.step(grads)
-            for p, g in zip(ref_params, grads):
-                p.grad = None if g is None else g.clone()
-            ref.step()
-    for a, b in zip(params, ref_params):
-        torch.testing.assert_close(a, b.detach(), rtol=1e-9, atol=1e-12)
+            step_both(fo, ref, ref_params, grads)
+    assert_same(params, ref_params)
     with pytest.raises(ValueError, match="empty parameter list"):
         F.FunctionalOptimizer([], F.adam(0.1))
     assert F.FunctionalOptimizer([], F.adam(0.1), _allow_empty_param_list=True).param_groups[0]["params"] == []
@@ -162,12 +171,8 @@ def test_per_param_steps_any_subset_like_torch(name, opts):
     patterns = [{0, 1, 2, 3, 4}, {0, 2, 4}, {1, 2}, {0, 1, 2, 3, 4}, {3}, set(), {0, 3, 4}, {1, 2, 3}]
     for step in range(24):
         grads = [torch.randn(p.shape, dtype=p.dtype) if i in patterns[step % 8] else None for i, p in enumerate(params)]
-        fo.step(grads)
-        for p, g in zip(ref_params, grads):
-            p.grad = None if g is None else g.clone()
-        ref.step()
-    for a, b in zip(params, ref_params):
-        torch.testing.assert_close(a, b.detach(), rtol=1e-9, atol=1e-12)
+        step_both(fo, ref, ref_params, grads)
+    assert_same(params, ref_params)
     assert sorted(fo._states.states) == [(0, 4), (1,), (2,), (3,)], "split only as far as the patterns need"
 
 

@@ -70,8 +70,8 @@ class _LocalOptimizer:
         tx, self.per_param = local_transformation(*recipe)
         self.optim = FunctionalOptimizer(self.params, tx, per_param=self.per_param)
 
-    def step(self, context_id: int) -> int:
-        """Apply this context's gradients; returns how many params had one.
+    def step(self, context_id: int) -> None:
+        """Apply this context's gradients.
 
         A param without a gradient in the context is skipped under a torch class (torch's rule;
         its state does not advance) and gets a zero gradient under a factory (Optax's: every
@@ -80,20 +80,18 @@ class _LocalOptimizer:
         """
         grads = dist_autograd.get_gradients(context_id)
         found = [grads.get(p) for p in self.params]
-        had = sum(g is not None for g in found)
         if not self.per_param:
             found = [torch.zeros_like(p) if g is None else g for p, g in zip(self.params, found)]
         with _STEP_LOCK:
             self.optim.step(found)
-        return had
 
 
 def _new_local_optimizer(recipe: tuple, param_rrefs: list[rpc.RRef]) -> rpc.RRef:
     return rpc.RRef(_LocalOptimizer(recipe, param_rrefs))
 
 
-def _local_step(optim_rref: rpc.RRef, context_id: int) -> int:
-    return optim_rref.local_value().step(context_id)
+def _local_step(optim_rref: rpc.RRef, context_id: int) -> None:
+    optim_rref.local_value().step(context_id)
 
 
 class DistributedOptimizer:
