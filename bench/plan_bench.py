@@ -19,8 +19,8 @@ from rich.table import Table  # noqa: E402
 
 from tests.torch_reference import torch_zero  # noqa: E402
 from zero import make_plan, partition  # noqa: E402
-from zero.plan import PLAN_STRATEGIES  # noqa: E402
-from zero.presets import preset  # noqa: E402
+from zero.plans.plan import PLAN_STRATEGIES  # noqa: E402
+from zero.plans.presets import preset  # noqa: E402
 
 
 def timed(fn, repeat: int = 1) -> tuple[float, object]:

@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.optim import DistributedOptimizer as TorchDistributedOptimizer
 
 from zero.backends import DistributedOptimizer
-from zero.backends.launch import free_port
+from zero.tools.launch import free_port
 
 IMPLS = {"zero": DistributedOptimizer, "torch": TorchDistributedOptimizer}
 OPTIMS = {"adam": (torch.optim.Adam, {"lr": 1e-3}), "sgd": (torch.optim.SGD, {"lr": 1e-3, "momentum": 0.9})}

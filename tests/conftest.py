@@ -16,7 +16,7 @@ def one_rank():
     """A one-rank gloo default group in this process, for errors raised at the boundary."""
     import torch.distributed as dist
 
-    from zero.backends.launch import free_port
+    from zero.tools.launch import free_port
 
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(free_port())
     dist.init_process_group("gloo", rank=0, world_size=1, timeout=datetime.timedelta(seconds=30))

@@ -16,7 +16,7 @@ import traceback
 
 import torch.multiprocessing as mp
 
-from zero.backends.launch import free_port
+from zero.tools.launch import free_port
 
 __all__ = ["run_ranks", "free_port"]
 

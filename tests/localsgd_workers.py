@@ -31,7 +31,7 @@ from zero.backends import (
     comm,
     register_post_local_sgd_hook,
 )
-from zero.backends.state import state_nbytes
+from zero.backends.state_dict import state_nbytes
 
 LOCAL = {"sgd": (torch.optim.SGD, dict(lr=0.05, momentum=0.9)), "adam": (torch.optim.Adam, dict(lr=1e-2))}
 WARMUP = 3

@@ -1,10 +1,17 @@
-"""`zero.averaging`: post-local SGD's schedule, checked without a process group."""
+"""`zero.plans.averaging_schedule`: post-local SGD's schedule, checked without a process group."""
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from zero.averaging import check_period, check_warmup, hierarchical_level, hierarchy, periodic_due, subgroup_blocks
+from zero.plans.averaging_schedule import (
+    check_period,
+    check_warmup,
+    hierarchical_level,
+    hierarchy,
+    periodic_due,
+    subgroup_blocks,
+)
 
 
 @given(st.integers(0, 200), st.integers(1, 9), st.integers(0, 20))

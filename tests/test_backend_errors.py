@@ -61,7 +61,7 @@ def test_state_dict_before_consolidation_and_bad_target():
     opt = Zero(params(), torch.optim.Adam, lr=0.1)
     with pytest.raises(RuntimeError, match=r"consolidate_state_dict\(to=0\)"):
         opt.state_dict()
-    with pytest.raises(ValueError, match=r"to must be a rank in \[0, 1\), got 3"):
+    with pytest.raises(ValueError, match=r"to must be in \[0, 1\), got 3"):
         opt.consolidate_state_dict(to=3)
 
 

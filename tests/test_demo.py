@@ -1,6 +1,6 @@
 """`make demo`'s job (the tutorial on 2 gloo ranks), scaled down."""
 
-from zero.backends import demo
+from zero.tools import demo
 
 
 def test_demo_runs_and_both_optimizers_end_equal(capsys):

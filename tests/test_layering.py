@@ -1,7 +1,11 @@
 """The layering rule of DESIGN.md, checked in fresh interpreters."""
 
+import ast
+import pathlib
 import subprocess
 import sys
+
+import pytest
 
 
 def loaded(module: str, names: list[str]) -> list[str]:
@@ -15,34 +19,77 @@ def test_import_zero_loads_neither_torch_nor_jax_nor_rich():
 
 
 def test_plans_compute_without_torch():
-    code = ("import sys, zero; from zero.presets import preset; "
+    code = ("import sys, zero; from zero.plans.presets import preset; "
             "p = zero.make_plan(preset('gpt2'), 8); str(p); "
             "assert 'torch' not in sys.modules and 'jax' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
-
 
 
 def test_functional_loads_no_jax_and_no_backends():
     assert loaded("zero.functional", ["jax", "optax", "zero.backends"]) == []
 
 
-def test_functional_does_not_import_torch_distributed_itself():
-    import pathlib
+def imports(path: pathlib.Path) -> list[tuple[str, bool]]:
+    """Every module ``path`` imports, with whether the import runs at module level.
 
-    for path in pathlib.Path("zero/functional").glob("*.py"):
-        text = path.read_text()
-        assert "torch.distributed" not in text, f"{path} reaches into torch.distributed"
-    for path in pathlib.Path("zero").glob("*.py"):
-        assert "import torch" not in path.read_text().replace("    import torch", ""), \
-            f"{path}: the plan layer imports torch only inside adapters"
+    ``from a import b`` counts as importing ``a`` and ``a.b`` (``from torch import distributed``).
+    """
+    out = []
+
+    def visit(node, top):
+        for child in ast.iter_child_nodes(node):
+            inner = top and not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            if isinstance(child, ast.Import):
+                out.extend((a.name, top) for a in child.names)
+            elif isinstance(child, ast.ImportFrom) and child.module:
+                out.append((child.module, top))
+                out.extend((f"{child.module}.{a.name}", top) for a in child.names)
+            visit(child, inner)
+
+    visit(ast.parse(path.read_text()), True)
+    return out
 
 
-def test_only_backends_touch_torch_distributed():
-    import pathlib
+def modules(folder: str) -> list[pathlib.Path]:
+    """The modules of one layer; ``""`` is the package root (``zero/__main__.py`` is a program)."""
+    return sorted(pathlib.Path("zero", folder).rglob("*.py")) if folder else [pathlib.Path("zero/__init__.py")]
 
-    for path in pathlib.Path("zero").rglob("*.py"):
-        if "backends" not in path.parts:
-            assert "torch.distributed" not in path.read_text(), f"{path} reaches into torch.distributed"
+
+def reaches(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+# What each part of the package may not import: (anywhere, at module level).
+FORBIDDEN = {
+    "plans": (("torch.distributed", "zero.functional", "zero.backends", "zero.tools"),
+              ("torch", "jax", "optree", "rich")),
+    "functional": (("torch.distributed", "zero.backends", "zero.tools"), ("jax", "optax")),
+    "backends": (("zero.tools",), ()),
+    "": (("torch.distributed", "zero.backends", "zero.tools", "torch", "jax"), ()),  # the root package
+}
+
+
+@pytest.mark.parametrize("folder", sorted(FORBIDDEN))
+def test_imports_point_one_way(folder):
+    never, not_at_top = FORBIDDEN[folder]
+    found = [(str(path), name) for path in modules(folder) for name, top in imports(path)
+             if reaches(name, never) or (top and reaches(name, not_at_top))]
+    assert found == [], f"imports against the layering (DESIGN.md): {found}"
+
+
+def test_the_layering_check_sees_every_form_of_import(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text("from torch import distributed\nimport torch.distributed.rpc as rpc\n"
+                   "def f():\n    import jax\n")
+    assert ("torch.distributed", True) in imports(src)
+    assert ("torch.distributed.rpc", True) in imports(src)
+    assert ("jax", False) in imports(src)
+
+
+def test_only_backends_and_tools_touch_torch_distributed():
+    users = {path.parts[1] for path in pathlib.Path("zero").rglob("*.py")
+             if any(reaches(name, ("torch.distributed",)) for name, _ in imports(path))}
+    assert users <= {"backends", "tools"}, users
 
 
 def test_zero_optimizer_resolves_lazily_from_the_root():

@@ -5,8 +5,8 @@ import json
 import pytest
 
 from zero import ParamMeta, assign_ddp_buckets, ddp_buckets, flat_layout, make_plan, partition
-from zero.plan import Plan
-from zero.presets import preset
+from zero.plans.plan import Plan
+from zero.plans.presets import preset
 
 METAS = [ParamMeta("a", (100,)), ParamMeta("b", (60,)), ParamMeta("c", (50,)),
          ParamMeta("frozen", (1000,), requires_grad=False), ParamMeta("h", (30,), "bfloat16")]
@@ -72,18 +72,18 @@ def test_from_json_detects_tampering():
 @pytest.mark.parametrize("call, words", [
     (lambda: partition([], 2), "empty"),
     (lambda: partition(["x"], 2), "metas[0] is a str"),
-    (lambda: partition(METAS, 0), "world_size must be a positive int, got 0"),
+    (lambda: partition(METAS, 0), "world_size must be >= 1, got 0"),
     (lambda: partition(METAS, 2.5), "got 2.5"),
     (lambda: partition(METAS, 2, "random"), "unknown strategy 'random'"),
     (lambda: partition(METAS, 2, "flat"), "flat_layout"),
     (lambda: partition(METAS, 2, weight="flops"), "unknown weight 'flops'"),
-    (lambda: partition(METAS, 2, weight=lambda m: -1), "non-negative"),
+    (lambda: partition(METAS, 2, weight=lambda m: -1), "must be >= 0, got -1"),
     (lambda: partition(METAS, 2, weight="state_bytes", optimizer="adamx"), "unknown optimizer 'adamx'"),
-    (lambda: partition(METAS, 2).params_of(2), "rank 2 is out of range"),
+    (lambda: partition(METAS, 2).params_of(2), "rank must be in [0, 2), got 2"),
     (lambda: flat_layout(METAS, 2, alignment=0), "alignment"),
     (lambda: make_plan(METAS, 2, weight=len), "weight 'numel' or 'state_bytes'"),
     (lambda: assign_ddp_buckets([[1], []], 2), "DDP bucket 1 is empty"),
-    (lambda: assign_ddp_buckets([[1, -3]], 2), "bad numel"),
+    (lambda: assign_ddp_buckets([[1, -3]], 2), "bucket_numels[0][1] must be >= 0, got -3"),
     (lambda: ddp_buckets(METAS, bucket_cap_mb=0), "bucket_cap_mb"),
     (lambda: ddp_buckets(METAS, order=[0, 0]), "distinct"),
     (lambda: ParamMeta("x", (2,), group=-1), "group"),

@@ -8,9 +8,9 @@ from hypothesis import strategies as st
 
 from tests.strategies import metas
 from zero import bucket_views, flat_layout, make_plan, partition
-from zero.accounting import weights
-from zero.meta import itemsize
-from zero.partition import STRATEGIES
+from zero.plans.accounting import weights
+from zero.plans.meta import itemsize
+from zero.plans.partition import STRATEGIES
 
 world_sizes = st.integers(1, 70)
 

@@ -19,7 +19,7 @@ import zero
 import zero.functional as zf
 from zero.backends import ZeroRedundancyOptimizer as Zero
 from zero.backends import comm
-from zero.backends.state import state_nbytes
+from zero.backends.state_dict import state_nbytes
 
 TORCH_CONFIGS = {
     "adam": (torch.optim.Adam, dict(lr=1e-2, weight_decay=0.01)),

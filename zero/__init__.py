@@ -1,23 +1,24 @@
 """zero: sharded optimizers whose plans are values.
 
-``import zero`` loads the plan layer only (standard library); names from the other layers
+``import zero`` loads the plan layer only (`zero.plans`, standard library); names from the other layers
 resolve on first access, importing torch then.
 """
 
-from zero.accounting import OPTIMIZERS
-from zero.accounting import state_bytes
-from zero.ddp import assign_ddp_buckets
-from zero.ddp import ddp_buckets
-from zero.layout import bucket_views
-from zero.layout import flat_layout
-from zero.layout import split_bucket
-from zero.layout import sync_rows
-from zero.meta import ParamMeta
-from zero.meta import param_metas
-from zero.partition import Partition
-from zero.partition import partition
-from zero.plan import Plan
-from zero.plan import make_plan
+from zero.plans.accounting import OPTIMIZERS
+from zero.plans.accounting import state_bytes
+from zero.plans.ddp_buckets import assign_ddp_buckets
+from zero.plans.ddp_buckets import ddp_buckets
+from zero.plans.layout import bucket_views
+from zero.plans.layout import flat_layout
+from zero.plans.layout import split_bucket
+from zero.plans.layout import sync_rows
+from zero.plans.meta import ParamMeta
+from zero.plans.meta import param_metas
+from zero.plans.partition import Partition
+from zero.plans.partition import partition
+from zero.plans.plan import Plan
+from zero.plans.plan import make_plan
+from zero.plans.presets import preset
 
 __all__ = [
     "OPTIMIZERS",
@@ -32,6 +33,7 @@ __all__ = [
     "make_plan",
     "param_metas",
     "partition",
+    "preset",
     "split_bucket",
     "state_bytes",
     "sync_rows",

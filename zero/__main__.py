@@ -1,5 +1,5 @@
 import sys
 
-from zero.cli import main
+from zero.tools.cli import main
 
 sys.exit(main())

@@ -2,7 +2,7 @@
 
 `PeriodicModelAverager` and `HierarchicalModelAverager` mirror
 ``torch.distributed.algorithms.model_averaging`` (they subclass its ``ModelAverager``, so torch's
-own ``PostLocalSGDOptimizer`` accepts them too). When to average comes from `zero.averaging`;
+own ``PostLocalSGDOptimizer`` accepts them too). When to average comes from `zero.plans.averaging_schedule`;
 this module only runs the all-reduce.
 
 Differences from torch, on purpose: params are written in place (``copy_``), so views such as
@@ -19,8 +19,17 @@ from typing import Any
 import torch
 from torch.distributed.algorithms.model_averaging.averagers import ModelAverager
 
-from zero.averaging import check_period, check_warmup, hierarchical_level, hierarchy, periodic_due, subgroup_blocks
 from zero.backends import comm
+from zero.plans.averaging_schedule import (
+    check_period,
+    check_warmup,
+    hierarchical_level,
+    hierarchy,
+    periodic_due,
+    subgroup_blocks,
+)
+from zero.plans.meta import param_groups
+from zero.plans.shards import by_key
 
 __all__ = ["ModelAverager", "PeriodicModelAverager", "HierarchicalModelAverager", "average_parameters",
            "params_to_average"]
@@ -28,18 +37,11 @@ __all__ = ["ModelAverager", "PeriodicModelAverager", "HierarchicalModelAverager"
 
 def params_to_average(params: Iterable[Any]) -> list[torch.Tensor]:
     """The params with a gradient, from tensors or param-group dicts: frozen or unused ones keep theirs."""
-    if isinstance(params, torch.Tensor):
-        raise TypeError("params must be an iterable of tensors or param groups, not a single tensor")
-    out = []
-    for i, item in enumerate(params):
-        if isinstance(item, torch.Tensor):
-            candidates = [item]
-        elif isinstance(item, Mapping) and "params" in item:
-            candidates = item["params"]
-        else:
-            raise TypeError(f"params[{i}] is a {type(item).__name__}, not a tensor or a param-group dict")
-        out.extend(p for p in candidates if p.grad is not None)
-    return out
+    flat = [p for group in param_groups(params) for p in group["params"]]
+    for i, p in enumerate(flat):
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"params[{i}] is a {type(p).__name__}, not a tensor")
+    return [p for p in flat if p.grad is not None]
 
 
 def _reduce_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -58,10 +60,9 @@ def average_parameters(params: Iterable[Any], process_group: Any = None) -> int:
     if not comm.in_group(group) or not chosen:
         return 0
     size = comm.group_size(group)
-    buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for p in chosen:
-        buckets.setdefault((p.device, p.dtype), []).append(p)
-    for (_, dtype), ps in buckets.items():
+    buckets = by_key([(p.device, p.dtype) for p in chosen])
+    for (_, dtype), idx in buckets.items():
+        ps = [chosen[i] for i in idx]
         flat = torch.cat([p.detach().reshape(-1) for p in ps]).to(_reduce_dtype(dtype))
         flat.div_(size)  # before the sum, as torch does, so the results agree bit for bit
         comm.all_reduce_sum(flat, group)

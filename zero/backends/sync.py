@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from zero.backends import comm
-from zero.layout import BucketLayout, Piece, SyncRows, sync_rows
+from zero.plans.layout import BucketLayout, Piece, SyncRows, sync_rows
 
 __all__ = ["ParamSync", "DIRECT_NUMEL"]
 

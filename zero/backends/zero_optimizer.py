@@ -19,11 +19,14 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
-from zero.backends import comm, local, state
+from zero.backends import comm
+from zero.backends.local_optimizer import copy_hyperparams, local_groups, make_local_optimizer
+from zero.backends.state_dict import check_compatible, to_global, to_local
 from zero.backends.sync import ParamSync
-from zero.layout import bucket_views
-from zero.meta import param_metas
-from zero.partition import STRATEGIES, partition
+from zero.plans.layout import bucket_views
+from zero.plans.meta import param_groups, param_metas
+from zero.plans.partition import STRATEGIES, check_rank, partition
+from zero.plans.shards import local_indices
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
@@ -67,14 +70,13 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         Joinable.__init__(self)
         self.world_size = comm.group_size(self.process_group)
         self.rank = comm.group_rank(self.process_group)
-        self.global_rank = comm.global_rank(self.process_group, self.rank)
         self.parameters_as_bucket_view = bool(parameters_as_bucket_view)
         self._strategy, self._chunk_bytes = strategy, int(sync_chunk_mb * 2**20)
         self._all_params = [p for g in self.param_groups for p in g["params"]]
         self._default_device = self._all_params[0].device
         self._replan()
-        self.optim = local.make_local_optimizer(optimizer_class, self._local_groups(), defaults)
-        local.copy_hyperparams(self.optim.param_groups, self.param_groups)
+        self.optim = make_local_optimizer(optimizer_class, self._local_groups(), defaults)
+        self._pull_hyperparams()
         self._sync: ParamSync | None = None
         self._build_sync()
         self._consolidated: list[dict] | None = None
@@ -85,11 +87,19 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def _replan(self) -> None:
         self._metas = param_metas(self.param_groups)
         self._partition = partition(self._metas, self.world_size, self._strategy)
-        self._indices = [local.local_indices(self._metas, self._partition, r, len(self.param_groups))
-                         for r in range(self.world_size)]
+        self._indices = local_indices(self._metas, self._partition, len(self.param_groups))
 
     def _local_groups(self) -> list[dict]:
-        return local.local_groups(self.param_groups, self._indices[self.rank], self._all_params)
+        return local_groups(self.param_groups, self._indices[self.rank], self._all_params)
+
+    # The outer param_groups are the truth users and lr schedulers write; the local optimizer's
+    # groups copy them before it reads them (push), and hand back the settings it fills in when
+    # it is built or loaded (pull).
+    def _push_hyperparams(self) -> None:
+        copy_hyperparams(self.param_groups, self.optim.param_groups)
+
+    def _pull_hyperparams(self) -> None:
+        copy_hyperparams(self.optim.param_groups, self.param_groups)
 
     def _build_sync(self) -> None:
         if self._sync is not None:
@@ -111,8 +121,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         """Add a group on every rank (a collective): old params keep their owners and state."""
         if not self._ready:
             return super().add_param_group(param_group)
-        param_group = _normalise_params([param_group])[0]
-        param_metas([param_group])  # type and sparsity errors, before any collective
+        param_group = _normalise_params([param_group])[0]  # type and sparsity errors, before any collective
         shapes = [(tuple(p.shape), str(p.dtype), p.requires_grad) for p in param_group["params"]]
         comm.check_in("add_param_group", _crc(shapes), self.process_group, self._comm_device())()
         old_owner = self._partition.owner
@@ -123,7 +132,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             raise ValueError(f"strategy {self._strategy!r} moves existing params when a group is added; "
                              "use 'sorted_greedy' or 'greedy' with add_param_group")
         self.optim.add_param_group(self._local_groups()[-1])
-        local.copy_hyperparams(self.optim.param_groups, self.param_groups)
+        self._pull_hyperparams()
         self._build_sync()
 
     @torch.no_grad()
@@ -134,13 +143,12 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             logger.info("trainable params changed; rebuilding the sync buckets")
             self._build_sync()
         verify = comm.check_in("step", self._signature, self.process_group, self._comm_device())
-        local.copy_hyperparams(self.param_groups, self.optim.param_groups)
+        self._push_hyperparams()
         if closure is None:
             loss = self.optim.step(**kwargs)
         else:
             with torch.enable_grad():
                 loss = self.optim.step(closure=closure, **kwargs)
-        local.copy_hyperparams(self.optim.param_groups, self.param_groups)
         verify()
         self._sync.sync()
         return loss
@@ -151,8 +159,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         Shards move as raw tensors, rank by rank, point to point to ``to``, and are kept in CPU
         memory there; no other rank receives anything.
         """
-        comm_rank = _check_rank(to, self.world_size)
-        local.copy_hyperparams(self.param_groups, self.optim.param_groups)
+        comm_rank = check_rank(to, self.world_size, "to")
+        self._push_hyperparams()
         mine = self.optim.state_dict()
         device = self._comm_device()
         self._consolidated = None
@@ -172,14 +180,14 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if self._consolidated is None:
             raise RuntimeError(f"the optimizer state has not been consolidated on rank {self.rank}: call "
                                f"consolidate_state_dict(to={self.rank}) on all ranks before state_dict()")
-        return state.to_global(self._consolidated, self._indices, self.param_groups, self._partition.owner)
+        return to_global(self._consolidated, self._indices, self.param_groups, self._partition.owner)
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
         """Load a global state dict (ours at any world size, torch's, or a plain optimizer's)."""
-        state.check_compatible(state_dict, self._all_params, [len(g["params"]) for g in self.param_groups])
-        mine = state.to_local(state_dict, self._indices[self.rank], self.rank, self._partition.owner)
+        check_compatible(saved, self._all_params, [len(g["params"]) for g in self.param_groups])
+        mine = to_local(saved, self._indices[self.rank], self.rank, self._partition.owner)
         self.optim.load_state_dict(mine)  # torch's own rules place each state tensor on its device
-        local.copy_hyperparams(self.optim.param_groups, self.param_groups)
+        self._pull_hyperparams()
 
     # -- Join (uneven inputs) --------------------------------------------------------------------
 
@@ -211,46 +219,23 @@ class _ZeroJoinHook(JoinHook):
         self.zero.step()
 
 
-def _normalise_params(params: Any) -> list:
-    """Params as a reusable list (generators consumed once), with torch's errors made specific."""
-    if isinstance(params, torch.Tensor):
-        raise TypeError("params must be an iterable of tensors or param-group dicts, not a single tensor")
-    try:
-        items = list(params)
-    except TypeError:
-        raise TypeError(f"params must be an iterable of tensors or param-group dicts, got "
-                        f"{type(params).__name__}") from None
-    if not items:
+def _normalise_params(params: Any) -> list[dict]:
+    """Params as a list of group dicts (generators read once), checked by position first."""
+    groups = param_groups(params)
+    if not groups or not any(g["params"] for g in groups):
         raise ValueError("ZeroRedundancyOptimizer got an empty parameter list")
-    if all(isinstance(x, dict) for x in items):
-        items = [{**g, "params": _group_params(g, k)} for k, g in enumerate(items)]
-    elif any(isinstance(x, dict) for x in items):
-        raise TypeError("params mixes tensors and param-group dicts; pass one or the other")
-    metas = param_metas(items)  # non-tensors, sparse and repeated params fail here, by position
-    flat = [p for g in items for p in g["params"]] if isinstance(items[0], dict) else items
+    metas = param_metas(groups)  # non-tensors, sparse and repeated params fail here, by position
+    flat = [p for g in groups for p in g["params"]]
     for m, p in zip(metas, flat):
         if p.requires_grad and not p.is_contiguous():
             raise ValueError(f"params[{m.name}] (shape {tuple(p.shape)}) is not contiguous; "
                              "pass contiguous parameters")
-    return items
-
-
-def _group_params(group: dict, k: int) -> list:
-    if "params" not in group:
-        raise ValueError(f"param group {k} has no 'params' key")
-    params = group["params"]
-    return [params] if isinstance(params, torch.Tensor) else list(params)
+    return groups
 
 
 def _crc(value: Any) -> int:
     """A small stable checksum (same on every rank and run, unlike ``hash``)."""
     return zlib.crc32(repr(value).encode())
-
-
-def _check_rank(to: Any, world_size: int) -> int:
-    if not isinstance(to, int) or isinstance(to, bool) or not 0 <= to < world_size:
-        raise ValueError(f"to must be a rank in [0, {world_size}), got {to!r}")
-    return to
 
 
 def _cpu_copy(tree: Any) -> Any:

@@ -36,7 +36,7 @@ from zero.functional.schedules import linear_schedule
 from zero.functional.schedules import piecewise_constant_schedule
 from zero.functional.schedules import polynomial_schedule
 from zero.functional.schedules import warmup_cosine_decay_schedule
-from zero.functional.torch_semantics import from_torch
+from zero.functional.torch_optim import from_torch
 from zero.functional.wrappers import ApplyIfFiniteState
 from zero.functional.wrappers import InjectHyperparamsState
 from zero.functional.wrappers import MaskedNode

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from zero.meta import ParamMeta
-from zero.partition import check_metas, check_world_size
+from zero.plans.checks import check_int
+from zero.plans.meta import ParamMeta
+from zero.plans.partition import check_metas, check_world_size
 
 __all__ = ["assign_ddp_buckets", "ddp_buckets", "DEFAULT_BUCKET_CAP_MB", "FIRST_BUCKET_BYTES"]
 
@@ -37,8 +38,8 @@ def assign_ddp_buckets(bucket_numels: Sequence[Sequence[int]], world_size: int,
     for i, b in enumerate(buckets):
         if not b:
             raise ValueError(f"DDP bucket {i} is empty")
-        if any(not isinstance(n, int) or isinstance(n, bool) or n < 0 for n in b):
-            raise ValueError(f"DDP bucket {i} has a bad numel in {b!r}: numels are ints >= 0")
+        for k, n in enumerate(b):
+            check_int(f"bucket_numels[{i}][{k}]", n)
     out: list[dict[int, tuple[int, int]]] = [{} for _ in range(world_size)]
     if not shard_buckets:
         for i, b in enumerate(buckets):

@@ -12,10 +12,8 @@ from typing import Any
 import torch
 
 from zero.functional import GradientTransformation, Optimizer, inject_hyperparams
-from zero.meta import ParamMeta
-from zero.partition import Partition
 
-__all__ = ["make_local_optimizer", "local_groups", "local_indices", "copy_hyperparams", "is_functional"]
+__all__ = ["make_local_optimizer", "local_groups", "copy_hyperparams", "is_functional"]
 
 
 def make_local_optimizer(optimizer_class: Any, groups: list[dict], defaults: dict) -> torch.optim.Optimizer:
@@ -47,15 +45,7 @@ def is_functional(optim: torch.optim.Optimizer) -> bool:
     return isinstance(optim, Optimizer)
 
 
-def local_indices(metas: Sequence[ParamMeta], part: Partition, rank: int, n_groups: int) -> list[list[int]]:
-    """Per param group, the global indices this rank owns, in its local optimizer's order."""
-    per_group: list[list[int]] = [[] for _ in range(n_groups)]
-    for i in part.params_of(rank):
-        per_group[metas[i].group].append(i)
-    return per_group
-
-
-def local_groups(param_groups: list[dict], indices: list[list[int]], params: list[torch.Tensor]) -> list[dict]:
+def local_groups(param_groups: list[dict], indices: Sequence[Sequence[int]], params: list[torch.Tensor]) -> list[dict]:
     """The local optimizer's groups: every global group's settings, with only the owned params.
 
     Every rank gets every group, possibly empty, so group ``k`` means the same on all ranks.

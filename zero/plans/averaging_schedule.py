@@ -11,23 +11,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from zero.plans.checks import check_int
+
 __all__ = ["check_period", "check_warmup", "periodic_due", "hierarchy", "hierarchical_level", "subgroup_blocks"]
 
 
-def _check_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
-
-
 def check_period(period: object) -> int:
-    return _check_int("period", period, 1)
+    return check_int("period", period, 1)
 
 
 def check_warmup(warmup_steps: object) -> int:
-    return _check_int("warmup_steps", warmup_steps, 0)
+    return check_int("warmup_steps", warmup_steps, 0)
 
 
 def periodic_due(step: int, period: int, warmup_steps: int) -> bool:
@@ -45,7 +39,7 @@ def hierarchy(period_group_size: Mapping[int, int], group_size: int) -> tuple[tu
     if not isinstance(period_group_size, Mapping) or not period_group_size:
         raise ValueError(f"period_group_size_dict must be a non-empty mapping period -> group size, "
                          f"got {period_group_size!r}")
-    levels = tuple((_check_int("period", p, 1), _check_int("group size", s, 1)) for p, s in period_group_size.items())
+    levels = tuple((check_int("period", p, 1), check_int("group size", s, 1)) for p, s in period_group_size.items())
     for (p0, s0), (p1, s1) in zip(levels, levels[1:]):
         if p1 <= p0:
             raise ValueError(f"periods must increase, got {p0} before {p1} in {dict(period_group_size)}")
@@ -70,7 +64,7 @@ def hierarchical_level(step: int, periods: tuple[int, ...], warmup_steps: int) -
 
 def subgroup_blocks(group_size: int, size: int) -> tuple[tuple[int, ...], ...]:
     """Group ranks split into consecutive blocks of ``size`` (as torch's ``new_subgroups``)."""
-    _check_int("group size", size, 1)
+    check_int("group size", size, 1)
     if group_size % size:
         raise ValueError(f"group size {size} does not divide the process group's {group_size} ranks")
     return tuple(tuple(range(start, start + size)) for start in range(0, group_size, size))

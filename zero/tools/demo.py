@@ -6,7 +6,7 @@ optimizer, then compares per-rank optimizer state, peak memory, and the final pa
 (equal: sharding changes where state lives, not the maths). ``--full`` is the tutorial's size
 (20 x Linear(2000, 2000)). Under ``torchrun`` it uses the launcher's ranks::
 
-    torchrun --nproc_per_node=2 -m zero.backends.demo
+    torchrun --nproc_per_node=2 -m zero.tools.demo
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from zero.backends.launch import free_port
-from zero.backends.state import state_nbytes
+from zero.backends.state_dict import state_nbytes
+from zero.tools.launch import free_port
 
 __all__ = ["main", "run_rank"]
 

@@ -17,34 +17,34 @@ from typing import Any
 
 import torch
 
+from zero.plans.checks import check_int
+from zero.plans.shards import LocalIndices, group_ranges, local_order
+
 __all__ = ["to_global", "to_local", "check_compatible", "state_nbytes"]
 
 
-def to_global(shards: Sequence[dict], indices: Sequence[list[list[int]]], param_groups: list[dict],
+def to_global(shards: Sequence[dict], indices: Sequence[LocalIndices], param_groups: list[dict],
               owner: Sequence[int]) -> dict[str, Any]:
-    """Merge each rank's local ``state_dict()`` into the global one.
-
-    ``indices[r][k]`` lists the global indices of rank ``r``'s group ``k``, in local order.
-    """
+    """Merge each rank's local ``state_dict()`` into the global one (``indices``: `local_indices`)."""
     state: dict[int, Any] = {}
     tx_states = []
     for shard, per_group in zip(shards, indices):
-        local = [i for idx in per_group for i in idx]
         flat_local = [j for g in shard["param_groups"] for j in g["params"]]
-        for j, i in zip(flat_local, local):
+        for j, i in zip(flat_local, local_order(per_group)):
             if j in shard["state"]:
                 state[i] = shard["state"][j]
         if "tx_states" in shard:
             tx_states.append(shard["tx_states"])
-    groups, start = [], 0
-    for g in param_groups:
-        n = len(g["params"])
-        groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": list(range(start, start + n))})
-        start += n
+    ranges = group_ranges([len(g["params"]) for g in param_groups])
+    groups = [{**_settings(g), "params": list(r)} for g, r in zip(param_groups, ranges)]
     out: dict[str, Any] = {"state": dict(sorted(state.items())), "param_groups": groups}
     if tx_states:
         out["tx_states"], out["owner"] = tx_states, list(owner)
     return out
+
+
+def _settings(group: dict) -> dict:
+    return {k: v for k, v in group.items() if k != "params"}
 
 
 def check_compatible(state_dict: Any, params: Sequence[torch.Tensor], group_sizes: Sequence[int]) -> None:
@@ -58,23 +58,18 @@ def check_compatible(state_dict: Any, params: Sequence[torch.Tensor], group_size
         raise ValueError(f"state_dict has param groups of sizes {saved} but this optimizer has {list(group_sizes)}: "
                          "it was saved for a different model or different param groups")
     for index, st in state_dict["state"].items():
-        if not isinstance(index, int) or not 0 <= index < len(params):
-            raise ValueError(f"state_dict has state for param {index!r}, but there are {len(params)} params")
+        check_int("state_dict's param index", index, 0, len(params))
         for key, value in (st or {}).items():
             if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != params[index].shape:
                 raise ValueError(f"state_dict's {key!r} for param {index} has shape {tuple(value.shape)} but the "
                                  f"param has shape {tuple(params[index].shape)}: it was saved for a different model")
 
 
-def to_local(state_dict: dict, per_group: list[list[int]], rank: int, owner: Sequence[int]) -> dict[str, Any]:
+def to_local(state_dict: dict, per_group: LocalIndices, rank: int, owner: Sequence[int]) -> dict[str, Any]:
     """This rank's local ``state_dict`` out of a global one (its owned params, local indices)."""
-    groups, state, j = [], {}, 0
-    for g, idx in zip(state_dict["param_groups"], per_group):
-        groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": list(range(j, j + len(idx)))})
-        for i in idx:
-            if i in state_dict["state"]:
-                state[j] = state_dict["state"][i]
-            j += 1
+    ranges = group_ranges([len(idx) for idx in per_group])
+    groups = [{**_settings(g), "params": list(r)} for g, r in zip(state_dict["param_groups"], ranges)]
+    state = {j: state_dict["state"][i] for j, i in enumerate(local_order(per_group)) if i in state_dict["state"]}
     local: dict[str, Any] = {"state": state, "param_groups": groups}
     if "tx_states" in state_dict:
         if list(state_dict["owner"]) != list(owner) or rank >= len(state_dict["tx_states"]):

@@ -10,8 +10,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from zero.meta import ParamMeta, itemsize
-from zero.partition import Partition, check_metas, check_rank, check_world_size
+from zero.plans.checks import check_int
+from zero.plans.meta import ParamMeta, itemsize
+from zero.plans.partition import Partition, check_metas, check_rank, check_world_size
 
 __all__ = ["Bucket", "BucketLayout", "bucket_views", "split_bucket", "Piece", "row_chunks", "SyncRows",
            "sync_rows", "Segment", "FlatBuffer", "FlatLayout", "flat_layout"]
@@ -56,8 +57,7 @@ def split_bucket(bucket: Bucket, direct_numel: int) -> tuple[Bucket, tuple[int, 
     pays for small ones (per-collective latency). Returns the bucket of the small params (offsets
     recomputed, order kept) and the indices of the large ones.
     """
-    if not isinstance(direct_numel, int) or direct_numel < 1:
-        raise ValueError(f"direct_numel must be a positive int, got {direct_numel!r}")
+    check_int("direct_numel", direct_numel, 1)
     ends = list(bucket.offsets[1:]) + [bucket.numel]
     numels = [end - off for off, end in zip(bucket.offsets, ends)]
     small = [(i, n) for i, n in zip(bucket.params, numels) if n < direct_numel]
@@ -85,8 +85,7 @@ def row_chunks(bucket: Bucket, chunk_numel: int, row_numel: int) -> tuple[tuple[
     which parameter each part of the chunk carries. Every rank cuts its row the same way, so one
     all-gather per chunk moves every rank's pieces (rows shorter than ``row_numel`` are padding).
     """
-    if not isinstance(chunk_numel, int) or chunk_numel < 1:
-        raise ValueError(f"chunk_numel must be a positive int, got {chunk_numel!r}")
+    check_int("chunk_numel", chunk_numel, 1)
     if row_numel < bucket.numel:
         raise ValueError(f"row_numel {row_numel} is smaller than the bucket ({bucket.numel} elements)")
     n_chunks = max(1, math.ceil(row_numel / chunk_numel))
@@ -225,8 +224,7 @@ def flat_layout(metas: Sequence[ParamMeta], world_size: int, alignment: int = 1)
     """
     metas = check_metas(metas)
     check_world_size(world_size)
-    if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment < 1:
-        raise ValueError(f"alignment must be a positive int, got {alignment!r}")
+    check_int("alignment", alignment, 1)
     by_key: dict[tuple[str, str], list[int]] = {}
     for i, m in enumerate(metas):
         if m.requires_grad:

@@ -19,8 +19,9 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from zero.accounting import OptimizerState, Weight, weights
-from zero.meta import ParamMeta
+from zero.plans.accounting import OptimizerState, Weight, weights
+from zero.plans.checks import check_int
+from zero.plans.meta import ParamMeta
 
 __all__ = ["Partition", "partition", "STRATEGIES", "check_metas", "check_world_size"]
 
@@ -52,7 +53,7 @@ def partition(metas: Sequence[ParamMeta], world_size: int, strategy: str = "sort
               weight: Weight = "numel", optimizer: str | OptimizerState = "adam") -> Partition:
     """Assign every parameter in ``metas`` to one of ``world_size`` ranks.
 
-    ``weight`` is what gets balanced (see `zero.accounting.weights`); ``optimizer`` names the
+    ``weight`` is what gets balanced (see `zero.plans.accounting.weights`); ``optimizer`` names the
     optimizer whose state ``weight="state_bytes"`` measures.
     """
     metas = check_metas(metas)
@@ -136,11 +137,10 @@ def check_metas(metas: Sequence[ParamMeta]) -> list[ParamMeta]:
     return metas
 
 
-def check_world_size(world_size: int) -> None:
-    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+def check_world_size(world_size: int) -> int:
+    return check_int("world_size", world_size, 1)
 
 
-def check_rank(rank: int, world_size: int) -> None:
-    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank!r} is out of range for world_size {world_size}")
+def check_rank(rank: int, world_size: int, name: str = "rank") -> int:
+    """``rank`` if it is a rank of a group of ``world_size`` (the error calls it ``name``)."""
+    return check_int(name, rank, 0, world_size)

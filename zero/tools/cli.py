@@ -8,10 +8,10 @@ import json
 import sys
 from pathlib import Path
 
-from zero.accounting import OPTIMIZERS
-from zero.meta import param_metas
-from zero.plan import PLAN_STRATEGIES, make_plan
-from zero.presets import PRESETS, preset
+from zero.plans.accounting import OPTIMIZERS
+from zero.plans.meta import param_metas
+from zero.plans.plan import PLAN_STRATEGIES, make_plan
+from zero.plans.presets import PRESETS, preset
 
 __all__ = ["main", "load_metas"]
 
@@ -56,7 +56,7 @@ def load_metas(args: argparse.Namespace):
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from zero._render import compare_table, render
+    from zero.plans.render import compare_table, render
 
     metas = load_metas(args)
     if args.compare:
@@ -76,7 +76,7 @@ def _plan(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["demo"]:
-        from zero.backends.demo import main as demo  # torch loads only here, for the demo
+        from zero.tools.demo import main as demo  # torch loads only here, for the demo
 
         return demo(argv[1:])
     args = _parser().parse_args(argv)

@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from zero.meta import ParamMeta
+from zero.plans.checks import check_int
+from zero.plans.meta import ParamMeta
 
 __all__ = ["OptimizerState", "OPTIMIZERS", "optimizer_state", "state_bytes", "weights",
            "sync_bytes"]
@@ -83,13 +84,7 @@ def weights(metas: Sequence[ParamMeta], weight: Weight = "numel",
         ws = [spec.bytes_for(m) for m in metas]
         return ws if any(ws) else [m.numel if m.requires_grad else 0 for m in metas]
     if callable(weight):
-        ws = [weight(m) for m in metas]
-        bad = [(m.name, w) for m, w in zip(metas, ws)
-               if not isinstance(w, int) or isinstance(w, bool) or w < 0]
-        if bad:
-            raise ValueError(f"weight function returned {bad[0][1]!r} for {bad[0][0]!r}; "
-                             "weights must be non-negative ints")
-        return ws
+        return [check_int(f"weight({m.name!r})", weight(m)) for m in metas]
     raise ValueError(f"unknown weight {weight!r}; use 'numel', 'state_bytes' or a callable")
 
 

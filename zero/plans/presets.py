@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from zero.meta import ParamMeta
+from zero.plans.meta import ParamMeta
 
 __all__ = ["PRESETS", "preset"]
 

@@ -13,7 +13,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ParamMeta", "param_metas", "itemsize"]
+from zero.plans.checks import check_int
+
+__all__ = ["ParamMeta", "param_metas", "param_groups", "itemsize"]
 
 _ITEMSIZE = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
@@ -50,10 +52,9 @@ class ParamMeta:
 
     def __post_init__(self):
         shape = tuple(self.shape)
-        if any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in shape):
-            raise ValueError(f"parameter {self.name!r}: shape {self.shape!r} must be non-negative ints")
-        if not isinstance(self.group, int) or self.group < 0:
-            raise ValueError(f"parameter {self.name!r}: group {self.group!r} must be an int >= 0")
+        for k, d in enumerate(shape):
+            check_int(f"parameter {self.name!r}: shape[{k}]", d)
+        check_int(f"parameter {self.name!r}: group", self.group)
         # Sizes are read constantly while planning 100k-tensor models: compute them once.
         object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "numel", math.prod(shape))
@@ -90,32 +91,47 @@ def _dispatch(obj: Any) -> list[ParamMeta]:
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(obj, torch.nn.Module):
         return _from_tensors([(name, p, 0) for name, p in obj.named_parameters()])
-    if torch is not None and isinstance(obj, torch.Tensor):
-        raise TypeError("params must be an iterable of tensors, not a single tensor")
     if _is_jax_tree(obj):
         return _from_jax(obj)
     if isinstance(obj, Mapping):
         return _from_mapping(obj)
-    if isinstance(obj, (str, bytes)) or not isinstance(obj, Iterable):
-        raise TypeError(f"cannot read parameters from {type(obj).__name__}: expected tensors, "
+    groups = param_groups(obj)
+    return _from_tensors([(None, t, g) for g, group in enumerate(groups) for t in group["params"]])
+
+
+def param_groups(params: Any) -> list[dict[str, Any]]:
+    """``params`` as torch optimizers take them, normalised to a list of group dicts.
+
+    ``params`` is an iterable of tensors (one group) or of param-group dicts; a group's
+    ``"params"`` may be a single tensor or any iterable, and comes back as a list, so generators
+    are read exactly once. Other keys of a group are kept. Which items are tensors is checked by
+    `param_metas`; this only fixes the structure, and raises ``TypeError`` / ``ValueError``
+    naming the group or position that does not fit.
+    """
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(params, torch.Tensor):
+        raise TypeError("params must be an iterable of tensors or param-group dicts, not a single tensor")
+    if isinstance(params, (str, bytes, Mapping)) or not isinstance(params, Iterable):
+        raise TypeError(f"cannot read parameters: got {type(params).__name__}, expected tensors, "
                         "param-group dicts, an nn.Module, a JAX pytree or a name -> shape mapping")
-    items = list(obj)
-    if items and all(isinstance(x, Mapping) for x in items):
-        return _from_groups(items)
-    return _from_tensors([(None, t, 0) for t in items])
-
-
-def _from_groups(groups: list[Mapping]) -> list[ParamMeta]:
-    entries = []
-    for g, group in enumerate(groups):
+    items = list(params)
+    if not any(isinstance(x, Mapping) for x in items):
+        return [{"params": items}] if items else []
+    for k, group in enumerate(items):
+        if not isinstance(group, Mapping):
+            raise TypeError(f"params mixes tensors and param-group dicts (params[{k}] is a "
+                            f"{type(group).__name__}): pass one or the other")
         if "params" not in group:
-            raise ValueError(f"param group {g} has no 'params' key")
-        params = group["params"]
-        torch = sys.modules.get("torch")
-        if torch is not None and isinstance(params, torch.Tensor):
-            params = [params]  # torch.optim accepts a bare tensor in a group
-        entries += [(None, t, g) for t in params]
-    return _from_tensors(entries)
+            raise ValueError(f"param group {k} has no 'params' key")
+    return [{**g, "params": _group_params(g["params"], torch)} for g in items]
+
+
+def _group_params(params: Any, torch: Any) -> list:
+    if torch is not None and isinstance(params, torch.Tensor):
+        return [params]  # torch.optim accepts a bare tensor in a group
+    if isinstance(params, (str, bytes)) or not isinstance(params, Iterable):
+        return [params]  # reported by position in param_metas
+    return list(params)
 
 
 def _from_tensors(entries: list[tuple[str | None, Any, int]]) -> list[ParamMeta]:

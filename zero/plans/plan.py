@@ -1,4 +1,5 @@
-"""`Plan`: a partition or flat layout plus what it costs each rank, as one printable value.
+"""`Plan`: a partition or flat layout plus what it costs each rank (`zero.plans.cost`), as one
+printable, saveable value.
 
 A plan is computed from metadata alone, so it can be made for 1024 ranks on a laptop, saved as
 JSON, diffed, and checked on every rank by its ``fingerprint``.
@@ -12,35 +13,16 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from zero.accounting import optimizer_state, sync_bytes, weights
-from zero.layout import FlatLayout, flat_layout
-from zero.meta import ParamMeta, itemsize
-from zero.partition import STRATEGIES, Partition, check_metas, partition
+from zero.plans.accounting import optimizer_state, weights
+from zero.plans.cost import RankCost, flat_costs, partition_costs
+from zero.plans.layout import FlatLayout, flat_layout
+from zero.plans.meta import ParamMeta
+from zero.plans.partition import STRATEGIES, Partition, check_metas, partition
 
-__all__ = ["RankCost", "Plan", "make_plan", "PLAN_STRATEGIES"]
+__all__ = ["Plan", "make_plan", "PLAN_STRATEGIES"]
 
 PLAN_STRATEGIES = STRATEGIES + ("flat",)
 _FORMAT = 1
-
-
-@dataclass(frozen=True)
-class RankCost:
-    """What one rank holds and moves (ZeRO-1: full params and grads, a shard of the state)."""
-
-    rank: int
-    params: int  # parameters (or parameter pieces, for "flat") this rank updates
-    numel: int  # trainable elements this rank updates
-    load: int  # the balanced weight this rank owns (padded shard elements for "flat")
-    param_bytes: int
-    grad_bytes: int
-    state_bytes: int
-    padding_bytes: int
-    broadcast_bytes: tuple[int, int]  # (sent, received) per step, broadcast sync
-    all_gather_bytes: tuple[int, int]  # (sent, received) per step, all-gather sync
-
-    @property
-    def total_bytes(self) -> int:
-        return self.param_bytes + self.grad_bytes + self.state_bytes + self.padding_bytes
 
 
 @dataclass(frozen=True)
@@ -78,12 +60,12 @@ class Plan:
 
     def table(self, max_rows: int = 16):
         """A `rich.table.Table` of per-rank costs (first and last ranks when there are many)."""
-        from zero._render import plan_table
+        from zero.plans.render import plan_table
 
         return plan_table(self, max_rows)
 
     def __str__(self) -> str:
-        from zero._render import render
+        from zero.plans.render import render
 
         return render(self.table())
 
@@ -93,7 +75,7 @@ def make_plan(metas: Sequence[ParamMeta], world_size: int, strategy: str = "sort
     """Partition (or flat-shard) ``metas`` over ``world_size`` ranks and account for the result.
 
     ``strategy``: one of ``PLAN_STRATEGIES``; ``weight``: ``"numel"`` or ``"state_bytes"``;
-    ``optimizer``: a name from `zero.accounting.OPTIMIZERS`, for the state accounting;
+    ``optimizer``: a name from `zero.plans.accounting.OPTIMIZERS`, for the state accounting;
     ``alignment``: shard alignment in elements for ``"flat"``.
     """
     metas = tuple(check_metas(metas))
@@ -104,11 +86,11 @@ def make_plan(metas: Sequence[ParamMeta], world_size: int, strategy: str = "sort
     spec = optimizer_state(optimizer)
     if strategy == "flat":
         part, flat = None, flat_layout(metas, world_size, alignment)
-        ranks = _flat_costs(metas, flat, spec)
+        ranks = flat_costs(metas, flat, spec)
         lower = sum(r.load for r in ranks) / world_size
     else:
         part, flat = partition(metas, world_size, strategy, weight, spec), None
-        ranks = _partition_costs(metas, part, spec)
+        ranks = partition_costs(metas, part, spec)
         ws = weights(metas, weight, spec)
         lower = max(max(ws), sum(ws) / world_size)
     imbalance = max(r.load for r in ranks) / lower if lower else 1.0
@@ -125,60 +107,6 @@ def _fingerprint(plan: Plan) -> str:
     blob = json.dumps([_FORMAT, metas, plan.world_size, plan.strategy, plan.weight, plan.optimizer,
                        plan.alignment, placement], separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-def _replica_bytes(metas) -> tuple[int, int]:
-    return sum(m.nbytes for m in metas), sum(m.nbytes for m in metas if m.requires_grad)
-
-
-def _partition_costs(metas, part: Partition, spec) -> tuple[RankCost, ...]:
-    param_bytes, grad_bytes = _replica_bytes(metas)
-    keys = sorted({(m.device, m.dtype) for m in metas if m.requires_grad})
-    key_of = {k: j for j, k in enumerate(keys)}
-    w = part.world_size
-    per_key = [[0] * w for _ in keys]  # trainable bytes each rank owns, per (device, dtype)
-    numel, state = [0] * w, [0] * w
-    for i, m in enumerate(metas):
-        if m.requires_grad:
-            r = part.owner[i]
-            per_key[key_of[(m.device, m.dtype)]][r] += m.nbytes
-            numel[r] += m.numel
-            state[r] += spec.bytes_for(m)
-    bcast, gather = _sync(per_key, w)
-    return tuple(RankCost(r, len(part.params_of(r)), numel[r], part.loads[r], param_bytes, grad_bytes,
-                          state[r], 0, bcast[r], gather[r]) for r in range(w))
-
-
-def _flat_costs(metas, flat: FlatLayout, spec) -> tuple[RankCost, ...]:
-    param_bytes, grad_bytes = _replica_bytes(metas)
-    w = flat.world_size
-    per_key = [[b.shard_numel * itemsize(b.dtype)] * w for b in flat.buffers]
-    bcast, gather = _sync(per_key, w)
-    pieces, numel = [0] * w, [0] * w
-    for b in flat.buffers:
-        for segs in b.segments:
-            for s in segs:
-                pieces[s.rank] += 1
-                numel[s.rank] += s.end - s.start
-    # State tensors are shaped like the padded shard, one set per buffer, on every rank alike.
-    state = sum(spec.slots * b.shard_numel * itemsize(b.dtype) + spec.scalar_bytes for b in flat.buffers)
-    padding = sum(b.padding * itemsize(b.dtype) for b in flat.buffers)
-    return tuple(RankCost(r, pieces[r], numel[r], flat.shard_numel, param_bytes, grad_bytes, state,
-                          padding, bcast[r], gather[r]) for r in range(w))
-
-
-def _sync(per_key: list[list[int]], world_size: int):
-    """Sum (sent, received) over one collective per (device, dtype) key."""
-    bcast = [(0, 0)] * world_size
-    gather = [(0, 0)] * world_size
-    for shard_bytes in per_key:
-        bcast = [_add(a, b) for a, b in zip(bcast, sync_bytes(shard_bytes, "broadcast"))]
-        gather = [_add(a, b) for a, b in zip(gather, sync_bytes(shard_bytes, "all_gather"))]
-    return bcast, gather
-
-
-def _add(a, b):
-    return (a[0] + b[0], a[1] + b[1])
 
 
 def _payload(plan: Plan) -> dict:

@@ -1,0 +1,3 @@
+"""Programs on top of the three layers: the ``zero`` command line, the demo, and the launcher
+that starts ranks on one machine. Nothing in ``zero.plans``, ``zero.functional`` or
+``zero.backends`` imports from here."""
