@@ -39,25 +39,45 @@ def test_optimizer_equals_torch_optim(name, opts):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
 
 
-@pytest.mark.parametrize("make", [lambda: F.adam(0.01), lambda: F.adamw(0.01, weight_decay=0.1),
-                                  lambda: F.inject_hyperparams(F.adam)(learning_rate=0.01)])
-def test_fused_path_equals_pure_update(make):
-    tx = make()
-    assert tx.fused is not None
+FUSED_CASES = {
+    "adam": (lambda: F.adam(0.01), lambda ps: torch.optim.Adam(ps, lr=0.01, foreach=False), None),
+    "adamw": (lambda: F.adamw(0.01, weight_decay=0.1),
+              lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1, foreach=False), None),
+    "adam-schedule": (lambda: F.adam(lambda count: 0.01 * 0.9 ** int(count)),
+                      lambda ps: torch.optim.Adam(ps, lr=0.01, foreach=False), lambda step: 0.9**step),
+    "injected-adam": (lambda: F.inject_hyperparams(F.adam)(learning_rate=0.01),
+                      lambda ps: torch.optim.Adam(ps, lr=0.01, foreach=False), None),
+    "torch-adam-l2-maximize": (lambda: F.from_torch(torch.optim.Adam, lr=0.01, weight_decay=0.1, maximize=True),
+                               lambda ps: torch.optim.Adam(ps, lr=0.01, weight_decay=0.1, maximize=True,
+                                                           foreach=False), None),
+    "torch-adamw-amsgrad": (lambda: F.from_torch(torch.optim.AdamW, lr=0.01, amsgrad=True),
+                            lambda ps: torch.optim.AdamW(ps, lr=0.01, amsgrad=True, foreach=False), None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FUSED_CASES))
+def test_fused_kernel_path_equals_torch_single_tensor_adam(case, monkeypatch):
+    """The in-place path (torch's fused kernel) against torch's own for-loop Adam: independent code."""
+    make, make_ref, lr_lambda = FUSED_CASES[case]
+    calls = []
+    for name in ("_fused_adam_", "_fused_adamw_"):
+        kernel = getattr(torch, name)
+        monkeypatch.setattr(torch, name, lambda *a, kernel=kernel, **k: calls.append(1) or kernel(*a, **k))
     m1, data = model_and_data()
     m2, _ = model_and_data()
-    fused = train(m1, F.Optimizer(m1.parameters(), tx), data)
-    params = [p.detach().clone() for p in m2.parameters()]
-    state = tx.init(params)
-    for x, y in data:
-        for p, q in zip(m2.parameters(), params):
-            p.data.copy_(q)
-        m2.zero_grad()
-        nn.functional.mse_loss(m2(x), y).backward()
-        updates, state = tx.update([p.grad for p in m2.parameters()], state, params)
-        params = F.apply_updates(params, updates)
-    for a, b in zip(fused, params):
+    ref_opt = make_ref(list(m1.parameters()))
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lr_lambda) if lr_lambda else None
+    ref = train(m1, ref_opt, data, ref_sched)
+    ours = train(m2, F.Optimizer(m2.parameters(), make()), data)
+    assert len(calls) == len(data), "the fused kernel ran once per step"
+    for a, b in zip(ours, ref):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
+def test_chains_without_a_kernel_step_by_their_update():
+    assert F.nadam(0.01).inplace is None and F.adam(0.01, eps_root=1e-8).inplace is None
+    assert F.adamw(0.01, mask=lambda p: [True] * len(p)).inplace is None
+    assert F.chain(F.scale_by_adam(), F.scale(-0.01)).inplace is None, "scale is not scale_by_learning_rate"
 
 
 def test_lr_scheduler_drives_group_lr():

@@ -204,6 +204,24 @@ def functional_parity(rank: int, world_size: int, steps: int = 20) -> dict:
     return out
 
 
+def aliases_sharded(rank: int, world_size: int, names: list[str], steps: int = 6) -> list[str]:
+    """Each alias as ZeRO's local optimizer (by factory) vs the same alias in one process."""
+    from tests.alias_cases import ALIASES
+
+    for name in names:
+        ours_m, ref_m = make_model(), make_model()
+        ours = Zero(ours_m.parameters(), getattr(zf, name), **ALIASES[name])
+        ref = zf.Optimizer(ref_m.parameters(), zf.inject_hyperparams(getattr(zf, name))(**ALIASES[name]))
+        for step in range(steps):
+            grads = ddp_grads(list(ours_m.parameters()), step, rank, world_size)
+            for m, opt in ((ours_m, ours), (ref_m, ref)):
+                set_grads(m, grads)
+                opt.step()
+            assert_params(ours_m, ref_m, exact=False, what=f"{name}, step {step}")
+        assert same_on_every_rank(ours_m), name
+    return names
+
+
 def fixed_grads(params: list[torch.Tensor], step: int) -> list:
     """Gradients as DDP leaves them: the same on every rank, whatever the world size."""
     gen = torch.Generator().manual_seed(step)

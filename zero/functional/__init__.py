@@ -17,7 +17,7 @@ from zero.functional.alias import sgd
 from zero.functional.base import EmptyState
 from zero.functional.base import GradientTransformation
 from zero.functional.base import apply_updates
-from zero.functional.base import chain
+from zero.functional.combine import chain
 from zero.functional.base import identity
 from zero.functional.clipping import clip
 from zero.functional.clipping import clip_by_global_norm

@@ -1,8 +1,9 @@
 """The Adam family of rescalings (``optax.scale_by_adam``, ``scale_by_amsgrad``,
 ``scale_by_adamax``, ``scale_by_radam``, ``scale_by_belief``), mirrored formula for formula.
 
-``scale_by_adam`` runs torch's fused Adam kernel when the tensors allow (on copies of the
-moments, so ``update`` stays pure) and foreach ops otherwise.
+``update`` is the maths, in foreach ops over the pytree's leaves; a chain of ``scale_by_adam``
+and ``scale_by_learning_rate`` also steps in place with torch's fused kernel
+(`zero.functional.kernels`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 
 from zero.functional.base import (
     GradientTransformation,
+    Spec,
     check_non_negative,
     check_unit,
     count_inc,
@@ -54,7 +56,27 @@ def _check_betas(b1, b2, eps):
 
 def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0,
                   mu_dtype: torch.dtype | None = None, *, nesterov: bool = False) -> GradientTransformation:
-    """Adam's rescaling ``m_hat / (sqrt(v_hat + eps_root) + eps)`` (``optax.scale_by_adam``)."""
+    r"""Adam's rescaling (mirrors ``optax.scale_by_adam``).
+
+    .. math::
+        m_t = \beta_1 m_{t-1} + (1 - \beta_1) g_t, \quad v_t = \beta_2 v_{t-1} + (1 - \beta_2) g_t^2,
+        \quad u_t = \hat m_t / (\sqrt{\hat v_t + \epsilon_{root}} + \epsilon),
+
+    with ``x_hat = x / (1 - beta^t)``; with ``nesterov``, ``m_hat`` looks one step ahead:
+    ``b1 m_t / (1 - b1^(t+1)) + (1 - b1) g_t / (1 - b1^t)``.
+
+    Args:
+        b1, b2: decay rates of the first and second moments, in [0, 1).
+        eps: added to the root of the second moment (outside the root).
+        eps_root: added inside the root (for differentiating through the update).
+        mu_dtype: dtype the first moment is stored in (``None``: the updates' dtype).
+        nesterov: use the Nesterov look-ahead (NAdam in Optax's form).
+
+    Returns:
+        A transformation with state `ScaleByAdamState`. In a chain followed by
+        ``scale_by_learning_rate`` (``adam``, ``adamw``, ``from_torch(torch.optim.Adam)``) the
+        in-place step runs torch's fused Adam kernel (`zero.functional.kernels`).
+    """
     _check_betas(b1, b2, eps)
 
     def init(params):
@@ -64,54 +86,22 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_roo
         g, treedef = optree.tree_flatten(updates)
         mu, nu = treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.nu)
         count = count_inc(state.count)
-        if eps_root == 0 and not nesterov and mu_dtype is None and _fusable(g, mu, nu):
-            out, mu, nu = adam_direction(g, mu, nu, int(count), b1, b2, eps)
-        else:
-            out, mu, nu = _adam_foreach(g, mu, nu, int(count), b1, b2, eps, eps_root, nesterov)
+        out, mu, nu = _adam_foreach(g, mu, nu, int(count), b1, b2, eps, eps_root, nesterov)
         if mu_dtype is not None:
             mu = [m.to(mu_dtype) for m in mu]
         unflat = lambda leaves: optree.tree_unflatten(treedef, leaves)
         return unflat(out), ScaleByAdamState(count, unflat(mu), unflat(nu))
 
-    return GradientTransformation(init, update)
-
-
-def _fusable(*lists) -> bool:
-    """Torch's fused Adam kernel takes float tensors on CPU/CUDA, each list's dtypes matching."""
-    return all(t.is_floating_point() and t.device.type in ("cpu", "cuda") for t in lists[0]) and all(
-        a.dtype == b.dtype and a.device == b.device for other in lists[1:] for a, b in zip(lists[0], other))
-
-
-@torch.no_grad()
-def fused_adam_(params, grads, mu, nu, count: int, b1, b2, eps, lr, weight_decay=0.0) -> None:
-    """One in-place step of torch's fused Adam kernel (AdamW's when ``weight_decay``), run per
-    (device, dtype) group as the kernel requires."""
-    kernel = torch._fused_adamw_ if weight_decay else torch._fused_adam_
-    groups: dict = {}
-    for i, p in enumerate(params):
-        groups.setdefault((p.device, p.dtype), []).append(i)
-    for (device, _), idx in groups.items():
-        pick = lambda xs, idx=idx: [xs[i] for i in idx]
-        step = torch.tensor(float(count), device=device)
-        kernel(pick(params), pick(grads), pick(mu), pick(nu), [], [step] * len(idx), amsgrad=False, lr=lr,
-               beta1=b1, beta2=b2, weight_decay=weight_decay, eps=eps, maximize=False)
-
-
-@torch.no_grad()
-def adam_direction(g, mu, nu, count: int, b1, b2, eps, lr=-1.0):
-    """``(-lr * m_hat / (sqrt(v_hat) + eps), new mu, new nu)`` without touching the inputs.
-
-    Stepping a zero "param" leaves exactly ``-lr`` times the direction in it (no cancellation);
-    the kernel runs on copies of the moments, so the caller's state stays as it was.
-    """
-    mu, nu = torch._foreach_add(mu, 0.0), torch._foreach_add(nu, 0.0)
-    out = [torch.zeros_like(x) for x in g]
-    fused_adam_(out, g, mu, nu, count, b1, b2, eps, lr)
-    return out, mu, nu
+    spec = Spec("scale_by_adam", {"b1": b1, "b2": b2, "eps": eps, "eps_root": eps_root, "mu_dtype": mu_dtype,
+                                  "nesterov": nesterov})
+    return GradientTransformation(init, update, spec=spec)
 
 
 def _adam_foreach(g, mu, nu, c, b1, b2, eps, eps_root, nesterov):
-    mu = torch._foreach_lerp(mu, g, 1 - b1)
+    # The first moment in the wider of its and the update's dtypes (mu_dtype=float32 with bf16
+    # updates accumulates in float32), as Optax's type promotion does.
+    wide = [torch.promote_types(m.dtype, x.dtype) for m, x in zip(mu, g)]
+    mu = torch._foreach_lerp([m.to(d) for m, d in zip(mu, wide)], [x.to(d) for x, d in zip(g, wide)], 1 - b1)
     nu = torch._foreach_mul(nu, b2)
     torch._foreach_addcmul_(nu, g, g, 1 - b2)
     denom = torch._foreach_div(nu, 1 - b2**c)

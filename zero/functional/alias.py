@@ -7,12 +7,12 @@ pure reference.
 
 from __future__ import annotations
 
-import optree
 import torch
 
 from zero.functional import adam_family as A
 from zero.functional import transform as T
-from zero.functional.base import GradientTransformation, chain, count_inc, identity, inplace_step
+from zero.functional.base import GradientTransformation, identity
+from zero.functional.combine import chain
 
 __all__ = ["sgd", "adam", "adamw", "adagrad", "adadelta", "adamax", "rmsprop", "rprop", "lion",
            "lamb", "nadam", "radam"]
@@ -29,62 +29,16 @@ def adam(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, e
          mu_dtype: torch.dtype | None = None, *, nesterov: bool = False) -> GradientTransformation:
     """Adam: ``m = b1 m + (1-b1) g``, ``v = b2 v + (1-b2) g^2``,
     ``u = -lr * m_hat / (sqrt(v_hat + eps_root) + eps)`` with ``x_hat = x / (1 - b^t)``."""
-    tx = chain(A.scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov),
-               T.scale_by_learning_rate(learning_rate))
-    if eps_root or mu_dtype is not None or nesterov:
-        return tx
-    return _with_kernels(tx, learning_rate, b1, b2, eps, 0.0, None)
+    return chain(A.scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov),
+                 T.scale_by_learning_rate(learning_rate))
 
 
 def adamw(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0,
           mu_dtype: torch.dtype | None = None, weight_decay=1e-4, mask=None, *,
           nesterov: bool = False) -> GradientTransformation:
     """AdamW: Adam's rescaling plus decoupled decay, ``u = -lr * (adam(g) + weight_decay * p)``."""
-    tx = chain(A.scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov),
-               T.add_decayed_weights(weight_decay, mask), T.scale_by_learning_rate(learning_rate))
-    if eps_root or mu_dtype is not None or nesterov or mask is not None or callable(weight_decay):
-        return tx
-    return _with_kernels(tx, learning_rate, b1, b2, eps, weight_decay, T.EmptyState())
-
-
-def _with_kernels(tx, learning_rate, b1, b2, eps, weight_decay, decay_state) -> GradientTransformation:
-    """Give an Adam(W) chain torch's fused kernel for both its in-place and its pure step.
-
-    The chain's own ``update`` stays the fallback (and the reference the tests compare with)
-    for tensors the kernel does not take.
-    """
-
-    def lr_and_states(state):
-        adam_state, lr_state = state[0], state[-1]
-        lr = learning_rate(lr_state.count) if callable(learning_rate) else learning_rate
-        new_lr_state = T.ScaleByScheduleState(count_inc(lr_state.count)) if callable(learning_rate) else lr_state
-        middle = (decay_state,) if decay_state is not None else ()
-        return float(lr), count_inc(adam_state.count), middle, new_lr_state
-
-    @torch.no_grad()
-    def fused(params, grads, state):
-        mu, nu = state[0].mu, state[0].nu
-        if not A._fusable(params, grads, mu, nu):
-            return inplace_step(tx, params, grads, state)
-        lr, count, middle, lr_state = lr_and_states(state)
-        A.fused_adam_(params, grads, mu, nu, int(count), b1, b2, eps, lr, weight_decay)
-        return (A.ScaleByAdamState(count, mu, nu), *middle, lr_state)
-
-    @torch.no_grad()
-    def update(updates, state, params=None):
-        g, treedef = optree.tree_flatten(updates)
-        mu, nu = treedef.flatten_up_to(state[0].mu), treedef.flatten_up_to(state[0].nu)
-        p = treedef.flatten_up_to(params) if params is not None else None
-        if (weight_decay and p is None) or not A._fusable(g, mu, nu):
-            return tx.update(updates, state, params)
-        lr, count, middle, lr_state = lr_and_states(state)
-        out, mu, nu = A.adam_direction(g, mu, nu, int(count), b1, b2, eps, lr)
-        if weight_decay:
-            torch._foreach_add_(out, p, alpha=-lr * weight_decay)
-        unflat = lambda leaves: optree.tree_unflatten(treedef, leaves)
-        return unflat(out), (A.ScaleByAdamState(count, unflat(mu), unflat(nu)), *middle, lr_state)
-
-    return tx._replace(update=update, fused=fused)
+    return chain(A.scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov),
+                 T.add_decayed_weights(weight_decay, mask), T.scale_by_learning_rate(learning_rate))
 
 
 def adagrad(learning_rate, initial_accumulator_value: float = 0.1, eps: float = 1e-7) -> GradientTransformation:

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-__all__ = ["GradientTransformation", "EmptyState", "identity", "chain", "apply_updates",
+__all__ = ["GradientTransformation", "Spec", "EmptyState", "identity", "apply_updates",
            "inplace_step", "tree_map", "tree_leaves", "zeros_like", "full_like", "count_zero", "count_inc",
            "NO_PARAMS_MSG", "check_positive", "check_unit", "check_non_negative"]
 
@@ -21,18 +21,32 @@ NO_PARAMS_MSG = "this transformation needs the current params: call update(updat
 _INT32_MAX = 2**31 - 1
 
 
+class Spec(NamedTuple):
+    """What a transformation is, as data: the factory that built it and the arguments it got.
+
+    Combinators read specs instead of closures: `chain` looks for a fused kernel for its links
+    (`zero.functional.kernels`), and `zero.functional.Optimizer` reads the hyperparameters of
+    `inject_hyperparams` from its spec to show them as param-group keys.
+    """
+
+    name: str
+    args: dict[str, Any]
+
+
 class GradientTransformation(NamedTuple):
     """``init(params) -> state`` and ``update(updates, state, params=None) -> (updates, state)``.
 
-    ``fused`` is an optional in-place fast path that `zero.functional.Optimizer` uses when it is
-    set: ``fused(params, grads, state) -> state`` must update params and state tensors in place
-    exactly as ``update`` + `apply_updates` would. Transformations built by ``chain`` drop it
-    unless an alias sets it for a chain it knows (``adam``, ``adamw``).
+    ``update`` is pure and defines the rule. ``inplace``, when set, is a faster way to take the
+    same step on lists of tensors: ``inplace(params, grads, state)`` updates params and state
+    tensors in place and returns the new state, or returns ``None`` when it cannot take these
+    tensors (the caller then runs ``update``; see `inplace_step`). ``spec`` describes the
+    transformation (see `Spec`); ``None`` for one built by hand.
     """
 
     init: Callable[[Any], Any]
     update: Callable[..., tuple[Any, Any]]
-    fused: Callable[[list, list, Any], Any] | None = None
+    inplace: Callable[[list, list, Any], Any] | None = None
+    spec: Spec | None = None
 
 
 class EmptyState(NamedTuple):
@@ -66,39 +80,21 @@ def count_inc(count: torch.Tensor) -> torch.Tensor:
 
 
 def identity() -> GradientTransformation:
-    """Leaves updates unchanged."""
-    return GradientTransformation(lambda params: EmptyState(), lambda u, s, p=None: (u, s))
-
-
-def chain(*transformations: GradientTransformation) -> GradientTransformation:
-    """Apply ``transformations`` in sequence; the state is the tuple of their states."""
-    for i, tx in enumerate(transformations):
-        if not (hasattr(tx, "init") and hasattr(tx, "update")):
-            raise TypeError(f"chain argument {i} is a {type(tx).__name__}, not a GradientTransformation")
-
-    def init(params):
-        return tuple(tx.init(params) for tx in transformations)
-
-    def update(updates, state, params=None):
-        if len(state) != len(transformations):
-            raise ValueError(f"chain of {len(transformations)} got a state of {len(state)} parts")
-        new_state = []
-        for tx, s in zip(transformations, state):
-            updates, s = tx.update(updates, s, params)
-            new_state.append(s)
-        return updates, tuple(new_state)
-
-    return GradientTransformation(init, update)
+    """Leaves updates unchanged (``optax.identity``)."""
+    return GradientTransformation(lambda params: EmptyState(), lambda u, s, p=None: (u, s), spec=Spec("identity", {}))
 
 
 @torch.no_grad()
 def inplace_step(tx: GradientTransformation, params: list, grads: list, state: Any) -> Any:
     """One step of ``tx`` on a list of params, updating them in place; returns the new state.
 
-    Uses ``tx.fused`` when the transformation has one, else ``tx.update`` then an in-place add.
+    Uses ``tx.inplace`` when the transformation has one that takes these tensors, else
+    ``tx.update`` then an in-place add.
     """
-    if tx.fused is not None:
-        return tx.fused(params, grads, state)
+    if tx.inplace is not None:
+        new_state = tx.inplace(params, grads, state)
+        if new_state is not None:
+            return new_state
     updates, state = tx.update(grads, state, params)
     torch._foreach_add_(params, [u.to(p.dtype) for p, u in zip(params, updates)])
     return state

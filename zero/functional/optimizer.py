@@ -27,11 +27,12 @@ __all__ = ["Optimizer", "FunctionalOptimizer", "hyperparams_of", "split_state"]
 
 
 def hyperparams_of(tx: GradientTransformation) -> dict[str, float]:
-    """The torch-group view (``lr`` ...) of the hyperparameters ``tx`` keeps in its state."""
-    state = tx.init([])
-    if not isinstance(state, InjectHyperparamsState):
+    """The torch-group view (``lr`` ...) of the hyperparameters ``tx`` keeps in its state
+    (those of `inject_hyperparams`, read from its spec; none for other transformations)."""
+    spec = getattr(tx, "spec", None)
+    if spec is None or spec.name != "inject_hyperparams":
         return {}
-    return {_group_key(k): v for k, v in state.hyperparams.items()}
+    return {_group_key(k): v for k, v in spec.args["hyperparams"].items()}
 
 
 def _group_key(name: str) -> str:

@@ -20,7 +20,7 @@ from zero.functional import adam_family as A
 from zero.functional import transform as T
 from zero.functional.base import (
     GradientTransformation,
-    chain,
+    Spec,
     check_non_negative,
     check_unit,
     count_inc,
@@ -30,6 +30,7 @@ from zero.functional.base import (
     tree_map,
     zeros_like,
 )
+from zero.functional.combine import chain
 from zero.functional.wrappers import inject_hyperparams
 
 __all__ = ["from_torch", "TORCH_CLASSES"]
@@ -82,7 +83,7 @@ def _torch_amsgrad(b1: float, b2: float, eps: float) -> GradientTransformation:
         out = tree_map(lambda m, vm: (m / bc1) / (vm.sqrt() / math.sqrt(bc2) + eps), mu, nu_max)
         return out, A.ScaleByAmsgradState(count_inc(state.count), mu, nu, nu_max)
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, spec=Spec("torch_amsgrad", {"b1": b1, "b2": b2, "eps": eps}))
 
 
 def _torch_adagrad(initial_accumulator_value: float, eps: float) -> GradientTransformation:

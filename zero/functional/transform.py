@@ -15,6 +15,7 @@ from zero.functional.base import (
     NO_PARAMS_MSG,
     EmptyState,
     GradientTransformation,
+    Spec,
     check_non_negative,
     check_positive,
     check_unit,
@@ -110,7 +111,8 @@ def _debias(t, decay, count):
 
 def scale(step_size: float) -> GradientTransformation:
     """Multiply updates by ``step_size`` (``optax.scale``)."""
-    return GradientTransformation(lambda params: EmptyState(), lambda u, s, p=None: (_scaled(u, step_size), s))
+    return GradientTransformation(lambda params: EmptyState(), lambda u, s, p=None: (_scaled(u, step_size), s),
+                                  spec=Spec("scale", {"step_size": step_size}))
 
 
 def _scaled(tree, factor):
@@ -138,8 +140,10 @@ def scale_by_learning_rate(learning_rate, *, flip_sign: bool = True) -> Gradient
         raise TypeError(f"learning_rate must be a number or a schedule, got {type(learning_rate).__name__}")
     m = -1 if flip_sign else 1
     if callable(learning_rate):
-        return scale_by_schedule(lambda count: m * learning_rate(count))
-    return scale(m * learning_rate)
+        tx = scale_by_schedule(lambda count: m * learning_rate(count))
+    else:
+        tx = scale(m * learning_rate)
+    return tx._replace(spec=Spec("scale_by_learning_rate", {"learning_rate": learning_rate, "flip_sign": flip_sign}))
 
 
 def _inv_root(v, eps, eps_in_sqrt):
@@ -211,7 +215,9 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99, mu_dtype: torch.dtype | Non
 
     def update(updates, state, params=None):
         out = tree_map(lambda g, m: torch.sign((1 - b1) * g + b1 * m), updates, state.mu)
-        mu = tree_map(lambda g, m: _moment(g, m, b2, 1).to(m.dtype), updates, state.mu)
+        # Accumulate in the wider dtype (mu_dtype=float32 with bf16 updates stays float32-exact).
+        mu = tree_map(lambda g, m: _moment(g.to(torch.promote_types(g.dtype, m.dtype)), m, b2, 1).to(m.dtype),
+                      updates, state.mu)
         return out, ScaleByLionState(count_inc(state.count), mu)
 
     return GradientTransformation(init, update)
@@ -318,7 +324,8 @@ def add_decayed_weights(weight_decay=0.0, mask=None) -> GradientTransformation:
         s = weight_decay(state.count) if scheduled else weight_decay
         return tree_map(lambda g, p: g + s * p, updates, params), new_state
 
-    tx = GradientTransformation(init, update)
+    tx = GradientTransformation(init, update, spec=Spec("add_decayed_weights",
+                                                        {"weight_decay": weight_decay, "mask": mask}))
     if mask is not None:
         from zero.functional.wrappers import masked
 

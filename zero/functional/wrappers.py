@@ -4,6 +4,7 @@ hyperparameters in the state (Optax's ``masked``, ``multi_transform``, ``apply_i
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import Any, NamedTuple
@@ -12,6 +13,7 @@ import torch
 
 from zero.functional.base import (
     GradientTransformation,
+    Spec,
     count_inc,
     count_zero,
     inplace_step,
@@ -180,9 +182,18 @@ class InjectHyperparamsState(NamedTuple):
 
 def inject_hyperparams(inner_factory: Callable[..., GradientTransformation],
                        static_args: str | Iterable[str] = ()) -> Callable[..., GradientTransformation]:
-    """Make a factory's numeric hyperparameters part of the state, so they can be read and set
-    between steps (``state.hyperparams["learning_rate"] = ...``); schedules are evaluated at the
-    step count and their value stored there too."""
+    """Make a factory's numeric hyperparameters part of the state (mirrors ``optax.inject_hyperparams``).
+
+    ``inject_hyperparams(adam)(learning_rate=0.1)`` steps as ``adam(0.1)`` but keeps
+    ``state.hyperparams = {"learning_rate": 0.1, "b1": 0.9, ...}``, which can be read and set
+    between steps; a hyperparameter given as a schedule is evaluated at the step count and its
+    value stored there too. Numbers, bools and ``None`` in ``static_args`` (and every non-number)
+    stay fixed. `zero.functional.Optimizer` shows these values as param-group keys, so torch's lr
+    schedulers drive them.
+
+    The inner transformation is rebuilt only when the values change (the last few are kept), so
+    a run with fixed hyperparameters builds it once and keeps its fused kernel.
+    """
     static = {static_args} if isinstance(static_args, str) else set(static_args)
     signature = inspect.signature(inner_factory)
     if not static <= set(signature.parameters):
@@ -203,6 +214,10 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation],
             else:
                 other[name] = value
 
+        @functools.lru_cache(maxsize=4)
+        def inner(values: tuple[tuple[str, float], ...]) -> GradientTransformation:
+            return inner_factory(**other, **dict(values))
+
         def values(state):
             hp = dict(state.hyperparams)
             hp.update({k: float(f(state.count)) for k, f in scheduled.items()})
@@ -210,18 +225,19 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation],
 
         def init(params):
             hp = numeric | {k: float(f(0)) for k, f in scheduled.items()}
-            return InjectHyperparamsState(count_zero(), hp, inner_factory(**other, **hp).init(params))
+            return InjectHyperparamsState(count_zero(), hp, inner(tuple(hp.items())).init(params))
 
         def update(updates, state, params=None):
             hp = values(state)
-            updates, inner_state = inner_factory(**other, **hp).update(updates, state.inner_state, params)
+            updates, inner_state = inner(tuple(hp.items())).update(updates, state.inner_state, params)
             return updates, InjectHyperparamsState(count_inc(state.count), hp, inner_state)
 
-        def fused(params, grads, state):
+        def inplace(params, grads, state):
             hp = values(state)
-            inner_state = inplace_step(inner_factory(**other, **hp), params, grads, state.inner_state)
+            inner_state = inplace_step(inner(tuple(hp.items())), params, grads, state.inner_state)
             return InjectHyperparamsState(count_inc(state.count), hp, inner_state)
 
-        return GradientTransformation(init, update, fused)
+        initial = numeric | {k: float(f(0)) for k, f in scheduled.items()}
+        return GradientTransformation(init, update, inplace, Spec("inject_hyperparams", {"hyperparams": initial}))
 
     return wrapped

@@ -1,0 +1,104 @@
+"""Fused in-place kernels for chains that spell a rule torch has one for.
+
+A chain's ``update`` runs its links one after the other: that is the definition of the rule (the
+pure maths, compared with Optax by the parity tests). When the links' specs spell a rule torch
+has a fused multi-tensor kernel for, `fuse` gives the chain an ``inplace`` step that runs that
+kernel instead, one call per (device, dtype), updating params and state tensors in place. It is
+torch's implementation of the same rule, held to ``torch.optim`` with ``foreach=False`` by the
+tests, so the two paths check each other.
+
+Kernels today: Adam and AdamW, in Optax's spelling (``adam``, ``adamw``) and torch's
+(`from_torch`: ``maximize`` as ``scale(-1)`` first, coupled weight decay before the moments,
+decoupled after, AMSGrad with torch's running maximum).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import optree
+import torch
+
+from zero.functional.base import GradientTransformation, Spec, count_inc
+
+__all__ = ["fuse", "fusable"]
+
+InplaceStep = Callable[[list, list, Any], Any]
+
+
+def fuse(links: Sequence[GradientTransformation]) -> InplaceStep | None:
+    """The fused in-place step for a chain of ``links``, or ``None`` if no kernel fits them."""
+    specs = [(i, tx.spec) for i, tx in enumerate(links) if tx.spec is None or tx.spec.name != "identity"]
+    if any(spec is None for _, spec in specs):
+        return None
+    return _adam_kernel(specs)
+
+
+def fusable(*lists: Sequence[torch.Tensor]) -> bool:
+    """Whether torch's fused optimizer kernels take these tensors: real floats on CPU or CUDA,
+    matching dtype and device position by position across the lists."""
+    return all(t.is_floating_point() and t.device.type in ("cpu", "cuda") for t in lists[0]) and all(
+        a.dtype == b.dtype and a.device == b.device for other in lists[1:] for a, b in zip(lists[0], other))
+
+
+def _take(specs: list[tuple[int, Spec]], name: str, accept: Callable[[dict], bool] = lambda a: True):
+    """Pop the first spec if it is ``name`` with acceptable arguments."""
+    if specs and specs[0][1].name == name and accept(specs[0][1].args):
+        return specs.pop(0)
+    return None
+
+
+def _plain_decay(args: dict) -> bool:
+    return args["mask"] is None and not callable(args["weight_decay"])
+
+
+def _adam_kernel(specs: list[tuple[int, Spec]]) -> InplaceStep | None:
+    """[scale(-1)] [add_decayed_weights] (scale_by_adam | torch_amsgrad) [add_decayed_weights]
+    scale_by_learning_rate, with at most one of the two decays."""
+    specs = list(specs)
+    maximize = _take(specs, "scale", lambda a: a["step_size"] == -1.0) is not None
+    coupled = _take(specs, "add_decayed_weights", _plain_decay)
+    core = _take(specs, "scale_by_adam", lambda a: not a["eps_root"] and not a["nesterov"] and a["mu_dtype"] is None)
+    core = core or _take(specs, "torch_amsgrad")
+    decoupled = _take(specs, "add_decayed_weights", _plain_decay)
+    lr = _take(specs, "scale_by_learning_rate", lambda a: a["flip_sign"])
+    if core is None or lr is None or specs or (coupled and decoupled):
+        return None
+    core_at, core_spec = core
+    lr_at, learning_rate = lr[0], lr[1].args["learning_rate"]
+    decay = (coupled or decoupled)[1].args["weight_decay"] if (coupled or decoupled) else 0.0
+    kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
+    hyper = {k: core_spec.args[k] for k in ("b1", "b2", "eps")}
+    amsgrad = core_spec.name == "torch_amsgrad"
+
+    @torch.no_grad()
+    def inplace(params: list, grads: list, state: tuple) -> tuple | None:
+        adam, lr_state = state[core_at], state[lr_at]
+        treedef = optree.tree_structure(params)
+        mu, nu = treedef.flatten_up_to(adam.mu), treedef.flatten_up_to(adam.nu)
+        nu_max = treedef.flatten_up_to(adam.nu_max) if amsgrad else []
+        if not fusable(params, grads, mu, nu, *([nu_max] if amsgrad else [])):
+            return None
+        count = count_inc(adam.count)
+        rate = float(learning_rate(lr_state.count) if callable(learning_rate) else learning_rate)
+        for idx in _by_device_and_dtype(params):
+            pick = lambda xs, idx=idx: [xs[i] for i in idx]  # noqa: E731
+            step = torch.tensor(float(count), device=params[idx[0]].device)
+            kernel(pick(params), pick(grads), pick(mu), pick(nu), pick(nu_max) if amsgrad else [],
+                   [step] * len(idx), amsgrad=amsgrad, lr=rate, beta1=hyper["b1"], beta2=hyper["b2"],
+                   weight_decay=decay, eps=hyper["eps"], maximize=maximize)
+        new = list(state)
+        new[core_at] = adam._replace(count=count)
+        if callable(learning_rate):
+            new[lr_at] = lr_state._replace(count=count_inc(lr_state.count))
+        return tuple(new)
+
+    return inplace
+
+
+def _by_device_and_dtype(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
+    groups: dict[tuple, list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.device, t.dtype), []).append(i)
+    return list(groups.values())
