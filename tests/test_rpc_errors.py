@@ -36,5 +36,12 @@ def test_bad_params_name_themselves(rrefs, error, match):
 
 def test_torch_classes_step_per_param_and_factories_together():
     tx, per_param = local_transformation(torch.optim.SGD, (0.1,), {"momentum": 0.9})
-    assert per_param and tx.init([torch.ones(2)]) is not None
+    assert per_param, "torch's rules step each param alone"
+    ours, theirs = torch.ones(2), torch.ones(2, requires_grad=True)
+    fo, ref = zf.FunctionalOptimizer([ours], tx, per_param=True), torch.optim.SGD([theirs], 0.1, momentum=0.9)
+    for g in (torch.tensor([1.0, -2.0]), torch.tensor([0.5, 3.0])):
+        fo.step([g])
+        theirs.grad = g.clone()
+        ref.step()
+    assert torch.equal(ours, theirs.detach()), "the positional lr and the momentum reach the rule"
     assert local_transformation(zf.adamw, (), {"learning_rate": 1e-3})[1] is False

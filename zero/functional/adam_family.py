@@ -30,12 +30,29 @@ __all__ = ["ScaleByAdamState", "ScaleByAmsgradState", "ScaleByBeliefState", "sca
 
 
 class ScaleByAdamState(NamedTuple):
+    """State of ``scale_by_adam``, ``scale_by_adamax`` and ``scale_by_radam`` (``optax.ScaleByAdamState``).
+
+    Fields:
+        count: steps taken, a 0-d int32 tensor.
+        mu: first moment, a pytree like the params (in ``mu_dtype`` if given).
+        nu: second moment (``scale_by_adamax``: the infinity norm), a pytree like the params.
+    """
+
     count: torch.Tensor
     mu: Any
     nu: Any
 
 
 class ScaleByAmsgradState(NamedTuple):
+    """State of ``scale_by_amsgrad`` (``optax.ScaleByAmsgradState``).
+
+    Fields:
+        count: steps taken, 0-d int32.
+        mu: first moment, a pytree like the params.
+        nu: second moment, a pytree like the params.
+        nu_max: running maximum of the (debiased) second moment, a pytree like the params.
+    """
+
     count: torch.Tensor
     mu: Any
     nu: Any
@@ -43,6 +60,14 @@ class ScaleByAmsgradState(NamedTuple):
 
 
 class ScaleByBeliefState(NamedTuple):
+    """State of ``scale_by_belief`` (AdaBelief; ``optax.ScaleByBeliefState``).
+
+    Fields:
+        count: steps taken, 0-d int32.
+        mu: first moment, a pytree like the params.
+        nu: running average of the squared prediction error ``(g - mu)^2``, a pytree like the params.
+    """
+
     count: torch.Tensor
     mu: Any
     nu: Any

@@ -17,6 +17,7 @@ Schedule = Callable[[int], float]
 
 
 def constant_schedule(value: float) -> Schedule:
+    """``value`` at every step (``optax.constant_schedule``)."""
     return lambda count: value
 
 
@@ -36,6 +37,8 @@ def polynomial_schedule(init_value: float, end_value: float, power: float, trans
 
 def linear_schedule(init_value: float, end_value: float, transition_steps: int,
                     transition_begin: int = 0) -> Schedule:
+    """From ``init_value`` to ``end_value`` linearly over ``transition_steps``, starting at step
+    ``transition_begin`` (``optax.linear_schedule``)."""
     return polynomial_schedule(init_value, end_value, 1, transition_steps, transition_begin)
 
 

@@ -49,6 +49,13 @@ def _scalar_dtype() -> torch.dtype:
 
 
 class TorchMomentumState(NamedTuple):
+    """State of ``torch.optim.SGD``'s momentum as `from_torch` runs it.
+
+    Fields:
+        count: steps taken, 0-d int32 (0: the buffer is not yet set).
+        momentum_buffer: torch's ``momentum_buffer``, a pytree like the params.
+    """
+
     count: torch.Tensor
     momentum_buffer: Any
 
@@ -114,6 +121,15 @@ def _torch_rprop(lr: float, etas: tuple[float, float], step_sizes: tuple[float, 
 
 
 class TorchNAdamState(NamedTuple):
+    """State of ``torch.optim.NAdam``'s rescaling as `from_torch` runs it.
+
+    Fields:
+        count: steps taken, 0-d int32.
+        mu_product: product of the momentum schedule so far, a 0-d tensor in torch's scalar dtype.
+        mu: first moment (torch's ``exp_avg``), a pytree like the params.
+        nu: second moment (torch's ``exp_avg_sq``), a pytree like the params.
+    """
+
     count: torch.Tensor
     mu_product: torch.Tensor
     mu: Any

@@ -40,63 +40,150 @@ __all__ = [
 
 
 class ScaleByScheduleState(NamedTuple):
+    """State of ``scale_by_schedule`` (``optax.ScaleByScheduleState``).
+
+    Fields:
+        count: steps taken, a 0-d int32 tensor (the schedule's argument).
+    """
+
     count: torch.Tensor
 
 
 class ScaleByRmsState(NamedTuple):
+    """State of ``scale_by_rms`` (``optax.ScaleByRmsState``).
+
+    Fields:
+        nu: running average of squared updates, a pytree like the params.
+    """
+
     nu: Any
 
 
 class ScaleByRmsWithCountState(NamedTuple):
+    """State of ``scale_by_rms(bias_correction=True)``.
+
+    Fields:
+        count: steps taken, 0-d int32.
+        nu: running average of squared updates, a pytree like the params.
+    """
+
     count: torch.Tensor
     nu: Any
 
 
 class ScaleByRStdDevState(NamedTuple):
+    """State of ``scale_by_stddev`` (centred RMSProp).
+
+    Fields:
+        mu: running mean of updates, a pytree like the params.
+        nu: running mean of squared updates, a pytree like the params.
+    """
+
     mu: Any
     nu: Any
 
 
 class ScaleByRStdDevWithCountState(NamedTuple):
+    """State of ``scale_by_stddev(bias_correction=True)``.
+
+    Fields:
+        count: steps taken, 0-d int32.
+        mu: running mean of updates, a pytree like the params.
+        nu: running mean of squared updates, a pytree like the params.
+    """
+
     count: torch.Tensor
     mu: Any
     nu: Any
 
 
 class ScaleByRssState(NamedTuple):
+    """State of ``scale_by_rss`` (Adagrad; ``optax.ScaleByRssState``).
+
+    Fields:
+        sum_of_squares: sum of all squared updates so far, a pytree like the params.
+    """
+
     sum_of_squares: Any
 
 
 class ScaleByLionState(NamedTuple):
+    """State of ``scale_by_lion`` (``optax.ScaleByLionState``).
+
+    Fields:
+        count: steps taken, 0-d int32.
+        mu: momentum, a pytree like the params (in ``mu_dtype`` if given).
+    """
+
     count: torch.Tensor
     mu: Any
 
 
 class ScaleByRpropState(NamedTuple):
+    """State of ``scale_by_rprop`` (``optax.ScaleByRpropState``).
+
+    Fields:
+        step_sizes: each element's current step size, a pytree like the params.
+        prev_updates: the previous step's signed updates, a pytree like the params.
+    """
+
     step_sizes: Any
     prev_updates: Any
 
 
 class ScaleByAdaDeltaState(NamedTuple):
+    """State of ``scale_by_adadelta`` (``optax.ScaleByAdaDeltaState``).
+
+    Fields:
+        e_g: running average of squared gradients, a pytree like the params.
+        e_x: running average of squared steps, a pytree like the params.
+    """
+
     e_g: Any
     e_x: Any
 
 
 class TraceState(NamedTuple):
+    """State of ``trace`` (momentum; ``optax.TraceState``).
+
+    Fields:
+        trace: the momentum buffer, a pytree like the params (in ``accumulator_dtype`` if given).
+    """
+
     trace: Any
 
 
 class EmaState(NamedTuple):
+    """State of ``ema`` (``optax.EmaState``).
+
+    Fields:
+        count: steps taken, 0-d int32.
+        ema: the moving average, a pytree like the params.
+    """
+
     count: torch.Tensor
     ema: Any
 
 
 class AddNoiseState(NamedTuple):
+    """State of ``add_noise`` (``optax.AddNoiseState``; the key seeds a torch generator, not JAX's PRNG).
+
+    Fields:
+        count: steps taken, 0-d int32.
+        rng_key: the seed, a 0-d int64 tensor.
+    """
+
     count: torch.Tensor
     rng_key: torch.Tensor
 
 
 class WeightDecaySchedule(NamedTuple):
+    """State of ``add_decayed_weights`` with a scheduled decay.
+
+    Fields:
+        count: steps taken, 0-d int32 (the schedule's argument).
+    """
+
     count: torch.Tensor
 
 

@@ -32,6 +32,12 @@ class MaskedNode(NamedTuple):
 
 
 class MaskedState(NamedTuple):
+    """State of ``masked`` (``optax.MaskedState``).
+
+    Fields:
+        inner_state: the inner transformation's state, over the masked-in leaves only.
+    """
+
     inner_state: Any
 
 
@@ -58,6 +64,12 @@ def masked(inner: GradientTransformation, mask: Any | Callable[[Any], Any]) -> G
 
 
 class MultiTransformState(NamedTuple):
+    """State of ``multi_transform`` (``optax.MultiTransformState``).
+
+    Fields:
+        inner_states: label -> that label's transformation's (masked) state.
+    """
+
     inner_states: dict
 
 
@@ -88,6 +100,15 @@ def multi_transform(transforms: Mapping[Hashable, GradientTransformation],
 
 
 class ApplyIfFiniteState(NamedTuple):
+    """State of ``apply_if_finite`` (``optax.ApplyIfFiniteState``).
+
+    Fields:
+        notfinite_count: non-finite steps in a row, 0-d int32.
+        last_finite: whether the last step was finite, 0-d bool.
+        total_notfinite: non-finite steps in all, 0-d int32.
+        inner_state: the inner transformation's state (unchanged by skipped steps).
+    """
+
     notfinite_count: torch.Tensor
     last_finite: torch.Tensor
     total_notfinite: torch.Tensor
@@ -117,6 +138,16 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int) 
 
 
 class MultiStepsState(NamedTuple):
+    """State of ``MultiSteps`` (gradient accumulation; ``optax.MultiStepsState``).
+
+    Fields:
+        mini_step: micro-steps since the last real step, 0-d int32.
+        gradient_step: real steps taken, 0-d int32.
+        inner_opt_state: the inner optimizer's state.
+        acc_grads: the accumulated mean (or sum) of updates, a pytree like the params in ``accumulator_dtype``.
+        skip_state: the state of ``should_skip_update_fn``, ``()`` without one.
+    """
+
     mini_step: torch.Tensor
     gradient_step: torch.Tensor
     inner_opt_state: Any
@@ -175,6 +206,14 @@ class MultiSteps:
 
 
 class InjectHyperparamsState(NamedTuple):
+    """State of ``inject_hyperparams`` (``optax.InjectHyperparamsState``).
+
+    Fields:
+        count: steps taken, 0-d int32 (schedules are evaluated at it).
+        hyperparams: name -> current value (floats); set one to change it from the next step.
+        inner_state: the inner transformation's state.
+    """
+
     count: torch.Tensor
     hyperparams: dict
     inner_state: Any

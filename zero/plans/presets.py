@@ -57,6 +57,7 @@ PRESETS = {"gpt2": gpt2, "llama-7b": llama_7b, "moe-100k": moe_100k}
 
 
 def preset(name: str) -> list[ParamMeta]:
+    """The parameter metadata of a well-known model, by name (one of ``PRESETS``)."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
     return PRESETS[name]()
