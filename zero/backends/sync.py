@@ -35,11 +35,6 @@ class ParamSync:
         self.plans = plans
         self._rows = [self._allocate(p, layout.world_size) for p in plans]
 
-    @property
-    def collectives_per_step(self) -> int:
-        """Row collectives plus direct broadcasts (a gloo row collective is one broadcast per rank)."""
-        return sum(p.collectives for p in self.plans)
-
     @torch.no_grad()
     def sync(self) -> None:
         for plan, rows in zip(self.plans, self._rows):

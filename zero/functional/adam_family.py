@@ -8,6 +8,7 @@ and ``scale_by_learning_rate`` also steps in place with torch's fused kernel
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import optree
@@ -129,18 +130,24 @@ def _adam_foreach(g, mu, nu, c, b1, b2, eps, eps_root, nesterov):
     mu = torch._foreach_lerp([m.to(d) for m, d in zip(mu, wide)], [x.to(d) for x, d in zip(g, wide)], 1 - b1)
     nu = torch._foreach_mul(nu, b2)
     torch._foreach_addcmul_(nu, g, g, 1 - b2)
-    denom = torch._foreach_div(nu, 1 - b2**c)
+    bc1, bc2 = 1 - b1**c, 1 - b2**c
+    # sqrt(v / bc2 + eps_root) = sqrt(v + eps_root bc2) / sqrt(bc2): the corrections fold into
+    # scalars on the denominator, two passes over the moments fewer than applying them to tensors.
     if eps_root:
-        torch._foreach_add_(denom, eps_root)
-    torch._foreach_sqrt_(denom)
-    torch._foreach_add_(denom, eps)
-    if nesterov:
-        num = torch._foreach_mul(mu, b1 / (1 - b1 ** (c + 1)))
-        torch._foreach_add_(num, torch._foreach_mul(g, (1 - b1) / (1 - b1**c)))
-        out = torch._foreach_div(num, denom)
+        denom = torch._foreach_add(nu, eps_root * bc2)
+        torch._foreach_sqrt_(denom)
     else:
+        denom = torch._foreach_sqrt(nu)
+    if nesterov:
+        torch._foreach_mul_(denom, 1 / math.sqrt(bc2))
+        torch._foreach_add_(denom, eps)
+        num = torch._foreach_mul(mu, b1 / (1 - b1 ** (c + 1)))
+        torch._foreach_add_(num, torch._foreach_mul(g, (1 - b1) / bc1))
+        out = torch._foreach_div(num, denom)
+    else:  # m_hat / (sqrt(v_hat) + eps) = m / (bc1 sqrt(v) / sqrt(bc2) + bc1 eps)
+        torch._foreach_mul_(denom, bc1 / math.sqrt(bc2))
+        torch._foreach_add_(denom, bc1 * eps)
         out = torch._foreach_div(mu, denom)
-        torch._foreach_mul_(out, 1 / (1 - b1**c))
     return out, mu, nu
 
 
