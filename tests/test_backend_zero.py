@@ -80,6 +80,19 @@ def test_a_dead_rank_fails_the_step_instead_of_hanging():
     assert r["error"] is not None and r["seconds"] < 10
 
 
+@pytest.mark.parametrize("case, words", [
+    ("groups", "differ in param groups (sizes and settings such as lr) at step"),
+    ("lr", "differ in param groups (sizes and settings such as lr) at step"),
+    ("skipped_step", "rank 1 is in consolidate_state_dict but rank 0 is in step"),
+    ("consolidate_to", "differ in the call's argument"),
+])
+def test_ranks_that_diverge_get_a_clear_error_instead_of_drifting(case, words):
+    results = run_ranks(w.diverged, 2, case, pg_timeout=10, timeout=90)
+    assert all(r["message"] is not None for r in results), results
+    assert words in results[1]["message"], results[1]["message"]
+    assert all("step" in r for r in results) and results[0]["step"] == results[1]["step"], "in the same call"
+
+
 def test_add_param_group_on_some_ranks_only_is_a_clear_error():
     results = run_ranks(w.add_group_on_some_ranks, 2, pg_timeout=5, timeout=60)
     assert [r["error"] for r in results] == ["ValueError", "ValueError"]

@@ -354,6 +354,30 @@ def add_group_on_some_ranks(rank: int, world_size: int) -> dict:
     return {"error": None, "seconds": time.monotonic() - start}
 
 
+def diverged(rank: int, world_size: int, case: str) -> dict:
+    """Ranks that were given, or did, different things: every rank must get a ValueError in time.
+
+    ``groups``: rank 0 splits the params into two groups, the others keep one (same lr);
+    ``lr``: rank 0 uses another lr; ``skipped_step``: rank 1 skips step 2, then all consolidate;
+    ``consolidate_to``: the ranks name different targets.
+    """
+    model = make_model()
+    params = list(model.parameters())
+    if case == "groups" and rank == 0:
+        opt = Zero([{"params": params[:2]}, {"params": params[2:]}], torch.optim.Adam, lr=1e-2)
+    else:
+        opt = Zero(params, torch.optim.Adam, lr=2e-2 if case == "lr" and rank == 0 else 1e-2)
+    try:
+        for step in range(4):
+            set_grads(model, fixed_grads(params, step))
+            if not (case == "skipped_step" and rank == 1 and step == 2):
+                opt.step()
+        opt.consolidate_state_dict(to=rank if case == "consolidate_to" else 0)
+    except ValueError as e:
+        return {"message": str(e), "step": step}
+    return {"message": None}
+
+
 def training_tools(rank: int, world_size: int, steps: int = 12) -> dict:
     """DDP + GradScaler (inf on one rank at step 5) + clip_grad_norm_ + StepLR, vs one process."""
     from torch.nn.parallel import DistributedDataParallel as DDP

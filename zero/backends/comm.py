@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import optree
@@ -89,35 +89,46 @@ def broadcast_from(tensor: torch.Tensor, owner: int, group: Any) -> None:
     dist.broadcast(tensor, src=global_rank(group, owner), group=group)
 
 
-def check_in(what: str, signature: int, group: Any, device: torch.device) -> Callable[[], None]:
-    """Start checking that all ranks are doing ``what`` with equal ``signature``; returns ``verify``.
+def check_in(what: str, fields: Mapping[str, int], group: Any, device: torch.device) -> Callable[[], None]:
+    """Start checking that all ranks are in the same call ``what`` with equal ``fields``; returns ``verify``.
 
-    ``verify()`` waits, then raises ``ValueError`` on every rank where some rank differs. Two
-    int64s per rank, always the same size, so ranks that diverged (one adds a param group while
-    another steps, or their layouts differ) meet here and get a clear error, instead of pairing
-    collectives of different sizes, which gloo answers by aborting the process. Started before
-    the local step and verified after it, its latency hides behind the step's compute.
+    ``fields`` names the ints every rank must agree on (steps taken, checksums of the params and
+    of the param groups ...); every call passes the same number of them. ``verify()`` waits, then
+    raises ``ValueError`` on every rank if some rank differs, naming that rank and the field.
+    The collective has the same size on every rank, so ranks that diverged (one adds a param
+    group while another steps, or one skipped a step) meet here and get a clear error instead of
+    pairing collectives of different sizes, which gloo answers by aborting the process or
+    hanging. Started before a local step and verified after it, its latency hides behind the
+    step's compute.
     """
     rank, size = group_rank(group), group_size(group)
-    rows = torch.zeros(size, 2, dtype=torch.int64, device=device)
-    rows[rank, 0], rows[rank, 1] = _CALLS[what], signature
+    values = [_CALLS[what], *fields.values()]
+    rows = torch.zeros(size, len(values), dtype=torch.int64, device=device)
+    rows[rank] = torch.tensor(values, dtype=torch.int64)
     work = _ALL_GATHER(rows.view(-1), rows[rank], group=group, async_op=True)
 
     def verify() -> None:
-        work.wait()
+        try:
+            work.wait()
+        except RuntimeError as e:
+            raise RuntimeError(f"rank {rank} (of {size}) waited in {what} for the other ranks and the collective "
+                               f"failed: a rank has stopped or left the process group ({e})") from e
         got = rows.tolist()
-        odd = [r for r, row in enumerate(got) if row != got[rank]]
-        if odd:
-            names = {v: k for k, v in _CALLS.items()}
-            other = names.get(got[odd[0]][0], "another call")
-            detail = "a different layout" if other == what else other
-            raise ValueError(f"rank {rank} is in {what} but rank {odd[0]} is in {detail}: every rank must make "
-                             "the same calls (add_param_group, requires_grad changes) in the same order")
+        odd = next((r for r, row in enumerate(got) if row != got[rank]), None)
+        if odd is None:
+            return
+        names = {v: k for k, v in _CALLS.items()}
+        if got[odd][0] != got[rank][0]:
+            raise ValueError(f"rank {rank} is in {what} but rank {odd} is in {names.get(got[odd][0], 'another call')}: "
+                             f"every rank must make the same calls ({', '.join(_CALLS)}) in the same order")
+        name, mine, theirs = next((n, a, b) for n, a, b in zip(fields, got[rank][1:], got[odd][1:]) if a != b)
+        raise ValueError(f"rank {rank} and rank {odd} differ in {name} at {what} ({mine} here, {theirs} on rank "
+                         f"{odd}): every rank must build the same optimizer and make the same calls")
 
     return verify
 
 
-_CALLS: dict[str, int] = {"step": 1, "add_param_group": 2}
+_CALLS: dict[str, int] = {"step": 1, "add_param_group": 2, "consolidate_state_dict": 3}
 
 
 class _TensorSlot:

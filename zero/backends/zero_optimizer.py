@@ -9,7 +9,6 @@ optimizer and the sync buffers; every placement decision is the plan layer's.
 from __future__ import annotations
 
 import logging
-import zlib
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -23,6 +22,7 @@ from zero.backends import comm
 from zero.backends.local_optimizer import copy_hyperparams, local_groups, make_local_optimizer
 from zero.backends.state_dict import check_compatible, to_global, to_local
 from zero.backends.sync import ParamSync
+from zero.plans.checks import checksum
 from zero.plans.layout import bucket_views
 from zero.plans.meta import param_groups, param_metas
 from zero.plans.partition import STRATEGIES, check_rank, partition
@@ -80,6 +80,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._sync: ParamSync | None = None
         self._build_sync()
         self._consolidated: list[dict] | None = None
+        self._steps = 0
         self._ready = True
 
     # -- planning (delegated to the plan layer) --------------------------------------------------
@@ -106,7 +107,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             self._sync.release()
         self._metas = param_metas(self.param_groups)  # requires_grad may have changed since _replan
         layout = bucket_views(self._metas, self._partition)
-        self._signature = _crc([(m.shape, m.dtype, m.requires_grad) for m in self._metas])
+        self._params_checksum = checksum([(m.shape, m.dtype, m.requires_grad) for m in self._metas])
         self._sync = ParamSync(self._all_params, layout, self.rank, self.process_group,
                                self.parameters_as_bucket_view, self._chunk_bytes)
 
@@ -123,7 +124,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             return super().add_param_group(param_group)
         param_group = _normalise_params([param_group])[0]  # type and sparsity errors, before any collective
         shapes = [(tuple(p.shape), str(p.dtype), p.requires_grad) for p in param_group["params"]]
-        comm.check_in("add_param_group", _crc(shapes), self.process_group, self._comm_device())()
+        new_group = (shapes, {k: v for k, v in param_group.items() if k != "params"})
+        self._check_in("add_param_group", checksum(new_group))()
         old_owner = self._partition.owner
         super().add_param_group(param_group)
         self._all_params.extend(param_group["params"])
@@ -142,7 +144,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if any(p.requires_grad != m.requires_grad for p, m in zip(self._all_params, self._metas)):
             logger.info("trainable params changed; rebuilding the sync buckets")
             self._build_sync()
-        verify = comm.check_in("step", self._signature, self.process_group, self._comm_device())
+        verify = self._check_in("step")
         self._push_hyperparams()
         if closure is None:
             loss = self.optim.step(**kwargs)
@@ -150,6 +152,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             with torch.enable_grad():
                 loss = self.optim.step(closure=closure, **kwargs)
         verify()
+        self._steps += 1
         self._sync.sync()
         return loss
 
@@ -160,6 +163,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         memory there; no other rank receives anything.
         """
         comm_rank = check_rank(to, self.world_size, "to")
+        self._check_in("consolidate_state_dict", to)()  # a rank that skipped a step fails here, by name
         self._push_hyperparams()
         mine = self.optim.state_dict()
         device = self._comm_device()
@@ -203,6 +207,14 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def join_process_group(self) -> Any:
         return self.process_group
 
+    def _check_in(self, what: str, argument: int = 0):
+        """Start the check that every rank is in the same call on the same optimizer (see `comm.check_in`)."""
+        groups = [(len(g["params"]), {k: v for k, v in g.items() if k != "params"}) for g in self.param_groups]
+        fields = {"steps taken": self._steps, "params (shapes, dtypes, requires_grad)": self._params_checksum,
+                  "param groups (sizes and settings such as lr)": checksum(groups),
+                  "the call's argument (to=, or the new group)": argument}
+        return comm.check_in(what, fields, self.process_group, self._comm_device())
+
     def _comm_device(self) -> torch.device:
         if dist.get_backend(self.process_group) == "nccl":
             return self._default_device
@@ -231,11 +243,6 @@ def _normalise_params(params: Any) -> list[dict]:
             raise ValueError(f"params[{m.name}] (shape {tuple(p.shape)}) is not contiguous; "
                              "pass contiguous parameters")
     return groups
-
-
-def _crc(value: Any) -> int:
-    """A small stable checksum (same on every rank and run, unlike ``hash``)."""
-    return zlib.crc32(repr(value).encode())
 
 
 def _cpu_copy(tree: Any) -> Any:
