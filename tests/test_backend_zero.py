@@ -75,9 +75,10 @@ def test_add_param_group_keeps_owners_and_matches_torch(world_size):
     assert results[0]["lr"] == [1e-2, 3e-2]
 
 
-def test_a_dead_rank_fails_the_step_instead_of_hanging():
-    r = run_ranks(w.rank_dies, 2, pg_timeout=5, allow_exit=(1,), timeout=60)[0]
-    assert r["error"] is not None and r["seconds"] < 10
+def test_a_dead_rank_fails_the_step_instead_of_hanging_and_is_named():
+    for r in run_ranks(w.rank_dies, 3, pg_timeout=5, allow_exit=(2,), timeout=60)[:2]:
+        assert r["error"] == "RuntimeError" and r["seconds"] < 10, r
+        assert "rank 2 did not answer" in r["message"], r["message"]
 
 
 @pytest.mark.parametrize("case, words", [

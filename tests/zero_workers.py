@@ -317,14 +317,14 @@ def subgroups(rank: int, world_size: int, steps: int = 10) -> dict:
 
 
 def rank_dies(rank: int, world_size: int) -> dict:
-    """Rank 1 exits after construction; rank 0's step must fail, not hang."""
+    """The last rank exits after construction; the others' step must fail, not hang, and name it."""
     import os
     import time
 
     model = make_model()
     opt = Zero(model.parameters(), torch.optim.Adam, lr=1e-2)
     dist.barrier()
-    if rank == 1:
+    if rank == world_size - 1:
         os._exit(0)
     time.sleep(1.0)
     set_grads(model, fixed_grads(list(model.parameters()), 0))
@@ -332,7 +332,7 @@ def rank_dies(rank: int, world_size: int) -> dict:
     try:
         opt.step()
     except Exception as e:  # noqa: BLE001 - the test inspects what was raised
-        return {"error": type(e).__name__, "seconds": time.monotonic() - start}
+        return {"error": type(e).__name__, "message": str(e), "seconds": time.monotonic() - start}
     return {"error": None, "seconds": time.monotonic() - start}
 
 

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import math
 import pickle
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import optree
 import torch
 import torch.distributed as dist
+from torch.distributed import DistStoreError
 
 __all__ = ["resolve_group", "group_rank", "group_size", "global_rank", "in_group", "all_gather_rows", "broadcast_from",
            "all_reduce_sum", "check_in", "new_subgroup", "send_tree", "recv_tree"]
@@ -102,6 +104,7 @@ def check_in(what: str, fields: Mapping[str, int], group: Any, device: torch.dev
     step's compute.
     """
     rank, size = group_rank(group), group_size(group)
+    tag = _next_tag(group, what)
     values = [_CALLS[what], *fields.values()]
     rows = torch.zeros(size, len(values), dtype=torch.int64, device=device)
     rows[rank] = torch.tensor(values, dtype=torch.int64)
@@ -111,8 +114,12 @@ def check_in(what: str, fields: Mapping[str, int], group: Any, device: torch.dev
         try:
             work.wait()
         except RuntimeError as e:
+            silent = _silent_ranks(group, tag, rank, size)
+            who = (f"rank {', '.join(map(str, silent))} did not answer" if silent else
+                   "the rendezvous store is unreachable too (with env:// or tcp:// it lives on rank 0)"
+                   if silent is None else "every rank answered afterwards")
             raise RuntimeError(f"rank {rank} (of {size}) waited in {what} for the other ranks and the collective "
-                               f"failed: a rank has stopped or left the process group ({e})") from e
+                               f"failed; {who}: it has stopped or left the process group ({e})") from e
         got = rows.tolist()
         odd = next((r for r, row in enumerate(got) if row != got[rank]), None)
         if odd is None:
@@ -129,6 +136,30 @@ def check_in(what: str, fields: Mapping[str, int], group: Any, device: torch.dev
 
 
 _CALLS: dict[str, int] = {"step": 1, "add_param_group": 2, "consolidate_state_dict": 3}
+_CHECK_INS: dict[tuple, int] = {}
+
+
+def _next_tag(group: Any, what: str) -> str:
+    """A name for this check-in that every rank of ``group`` computes alike (while they agree)."""
+    ranks = tuple(dist.get_process_group_ranks(group))
+    _CHECK_INS[ranks] = _CHECK_INS.get(ranks, 0) + 1
+    return f"zero/check_in/{'-'.join(map(str, ranks))}/{_CHECK_INS[ranks]}/{what}"
+
+
+def _silent_ranks(group: Any, tag: str, rank: int, size: int, wait_s: float = 2.0) -> list[int] | None:
+    """After a failed check-in: the ranks that do not report to the rendezvous store within
+    ``wait_s`` (the survivors all report), or None when the store cannot be reached either."""
+    try:
+        store = dist.distributed_c10d._get_default_store()  # the store every rank rendezvoused through
+        key = lambda r: f"{tag}/{global_rank(group, r)}"  # noqa: E731
+        store.set(key(rank), "alive")
+        missing, deadline = set(range(size)) - {rank}, time.monotonic() + wait_s
+        while missing and time.monotonic() < deadline:
+            missing = {r for r in missing if not store.check([key(r)])}
+            time.sleep(0.05)
+        return sorted(missing)
+    except (RuntimeError, ValueError, AttributeError, DistStoreError):
+        return None
 
 
 class _TensorSlot:
