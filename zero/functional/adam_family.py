@@ -21,6 +21,7 @@ from zero.functional.base import (
     check_unit,
     count_inc,
     count_zero,
+    flatten_like,
     tree_map,
     zeros_like,
 )
@@ -109,8 +110,9 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_roo
         return ScaleByAdamState(count_zero(), zeros_like(params, mu_dtype), zeros_like(params))
 
     def update(updates, state, params=None):
-        g, treedef = optree.tree_flatten(updates)
-        mu, nu = treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.nu)
+        g, mu = flatten_like(updates, state.mu)
+        _, nu = flatten_like(updates, state.nu)
+        treedef = optree.tree_structure(updates)
         count = count_inc(state.count)
         out, mu, nu = _adam_foreach(g, mu, nu, int(count), b1, b2, eps, eps_root, nesterov)
         if mu_dtype is not None:

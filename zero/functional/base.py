@@ -14,7 +14,8 @@ import optree
 import torch
 
 __all__ = ["GradientTransformation", "Spec", "EmptyState", "identity", "apply_updates",
-           "inplace_step", "tree_map", "tree_leaves", "zeros_like", "full_like", "count_zero", "count_inc",
+           "inplace_step", "tree_map",
+           "flatten_like", "check_structure", "tree_leaves", "zeros_like", "full_like", "count_zero", "count_inc",
            "NO_PARAMS_MSG", "check_positive", "check_unit", "check_non_negative"]
 
 NO_PARAMS_MSG = "this transformation needs the current params: call update(updates, state, params)"
@@ -54,7 +55,39 @@ class EmptyState(NamedTuple):
 
 
 def tree_map(fn: Callable, tree: Any, *rest: Any) -> Any:
-    return optree.tree_map(fn, tree, *rest)
+    """``optree.tree_map``; a structure mismatch names the missing and unexpected leaves."""
+    try:
+        return optree.tree_map(fn, tree, *rest)
+    except ValueError:
+        for other in rest:
+            check_structure(tree, other, "the state")
+        raise
+
+
+def flatten_like(tree: Any, reference: Any, what: str = "the state") -> tuple[list, Any]:
+    """The leaves of ``tree`` and of ``reference`` cut to ``tree``'s structure (``reference`` may
+    have subtrees where ``tree`` has leaves); a mismatch names the leaves that differ."""
+    leaves, treedef = optree.tree_flatten(tree)
+    try:
+        return leaves, treedef.flatten_up_to(reference)
+    except ValueError:
+        check_structure(tree, reference, what)
+        raise
+
+
+def check_structure(updates: Any, reference: Any, what: str = "the params") -> None:
+    """``ValueError`` naming the leaves ``updates`` lacks, or has extra, compared with ``reference``."""
+    if optree.tree_structure(updates) == optree.tree_structure(reference):
+        return
+    mine, theirs = set(_paths(updates)), set(_paths(reference))
+    missing, extra = sorted(theirs - mine, key=str)[:5], sorted(mine - theirs, key=str)[:5]
+    raise ValueError(f"the updates (gradients) do not have the structure of {what}: missing "
+                     f"{', '.join(missing) or 'nothing'}; unexpected {', '.join(extra) or 'nothing'} "
+                     "(leaf paths; the state was made by init from the params)")
+
+
+def _paths(tree: Any) -> list[str]:
+    return ["".join(f"[{k!r}]" for k in path) or "<root>" for path in optree.tree_paths(tree, none_is_leaf=True)]
 
 
 def tree_leaves(tree: Any) -> list:
@@ -104,6 +137,7 @@ def inplace_step(tx: GradientTransformation, params: list, grads: list, state: A
 def apply_updates(params: Any, updates: Any) -> Any:
     """``params + updates`` leaf by leaf, in each param's dtype (a new tree; inputs untouched)."""
     p_leaves, treedef = optree.tree_flatten(params)
+    check_structure(updates, params)
     u_leaves = [u if u is None or u.dtype == p.dtype else u.to(p.dtype)
                 for p, u in zip(p_leaves, treedef.flatten_up_to(updates))]
     if p_leaves and all(u is not None for u in u_leaves):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from zero.functional.base import GradientTransformation, Spec
+from zero.functional.base import GradientTransformation, Spec, check_structure
 from zero.functional.kernels import fuse
 
 __all__ = ["chain"]
@@ -25,6 +25,8 @@ def chain(*transformations: GradientTransformation) -> GradientTransformation:
     def update(updates, state, params=None):
         if len(state) != len(transformations):
             raise ValueError(f"chain of {len(transformations)} got a state of {len(state)} parts")
+        if params is not None:
+            check_structure(updates, params)
         new_state = []
         for tx, s in zip(transformations, state):
             updates, s = tx.update(updates, s, params)
