@@ -162,3 +162,54 @@ def test_collectives_per_step(bucket_view, expected, monkeypatch):
         p.grad = torch.ones_like(p)
     opt.step()
     assert {n: calls.count(n) for n in set(calls)} == expected
+
+
+def test_process_group_must_be_a_process_group():
+    with pytest.raises(TypeError, match="process_group must be a torch.distributed ProcessGroup .* got 'world'"):
+        Zero(params(), torch.optim.SGD, process_group="world", lr=0.1)
+
+
+def test_a_state_dict_of_another_optimizer_is_rejected_at_load_naming_it():
+    model = nn.Linear(3, 2)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    sgd.step()
+    opt = Zero(model.parameters(), torch.optim.AdamW, lr=0.1)
+    with pytest.raises(ValueError) as info:
+        opt.load_state_dict(sgd.state_dict())
+    words = "missing ['exp_avg', 'exp_avg_sq', 'step']"
+    assert words in str(info.value) and "torch.optim.SGD" in str(info.value), str(info.value)
+
+
+def test_an_lr_scheduler_drives_a_from_optax_local_optimizer():
+    optax = pytest.importorskip("optax", reason="needs the zero[jax] extra")
+    w = nn.Parameter(torch.ones(2))
+    opt = Zero([w], zf.from_optax(optax.inject_hyperparams(optax.sgd)(learning_rate=1.0)))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5**step)
+    for expected in (0.0, -0.5):
+        w.grad = torch.ones(2)
+        opt.step()
+        sched.step()
+        assert torch.equal(w.detach(), torch.full((2,), expected))
+
+
+@pytest.mark.parametrize("optimizer_class, kwargs", [(torch.optim.Adam, {"lr": 0.1}),
+                                                     (zf.adamw, {"learning_rate": 0.1})])
+def test_consolidated_state_dicts_load_with_weights_only(optimizer_class, kwargs, tmp_path):
+    model = nn.Linear(3, 2)
+    opt = Zero(model.parameters(), optimizer_class, **kwargs)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    opt.consolidate_state_dict()
+    torch.save(opt.state_dict(), tmp_path / "opt.pt")
+    again = Zero(nn.Linear(3, 2).parameters(), optimizer_class, **kwargs)
+    again.load_state_dict(torch.load(tmp_path / "opt.pt"))  # weights_only=True, torch's default
+    assert again.param_groups[0]["lr"] == 0.1
+
+
+def test_optax_factories_say_to_wrap_them():
+    optax = pytest.importorskip("optax", reason="needs the zero[jax] extra")
+    with pytest.raises(TypeError, match=r"from_optax\(optax.adamw"):
+        Zero(params(), optax.adamw, learning_rate=1e-3)

@@ -108,3 +108,21 @@ def test_one_all_reduce_per_dtype_and_frozen_params_untouched(monkeypatch):
     assert average_parameters(params + [frozen]) == 4
     assert calls == [torch.float32, torch.float32, torch.float64, torch.float32], "16-bit floats sum in float32"
     assert all(p.dtype == d for p, d in zip(params, (torch.float32, torch.bfloat16, torch.float64)))
+
+
+def test_state_dict_with_a_functional_local_optimizer_loads_with_weights_only(tmp_path):
+    import zero.functional as F
+
+    def make():
+        model = nn.Linear(3, 2)
+        return model, PostLocalSGDOptimizer(F.Optimizer(model.parameters(), F.adam(0.1)), PeriodicModelAverager(2))
+
+    model, opt = make()
+    for _ in range(3):
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        opt.step()
+    torch.save(opt.state_dict(), tmp_path / "opt.pt")
+    _, again = make()
+    again.load_state_dict(torch.load(tmp_path / "opt.pt"))  # weights_only=True, torch's default
+    assert again.averager.step == 3

@@ -29,7 +29,12 @@ def resolve_group(process_group: Any, who: str) -> Any:
     """``process_group``, or the default group for None; a clear error before init_process_group."""
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(f"{who} needs torch.distributed.init_process_group() first")
-    return process_group if process_group is not None else dist.group.WORLD
+    if process_group is None:
+        return dist.group.WORLD
+    if not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(f"{who}: process_group must be a torch.distributed ProcessGroup (e.g. from "
+                        f"dist.new_group) or None for the default group, got {process_group!r}")
+    return process_group
 
 
 def group_rank(group: Any) -> int:

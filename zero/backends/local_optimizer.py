@@ -6,14 +6,16 @@ The local optimizer is whatever the user named: a ``torch.optim.Optimizer`` clas
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from zero.functional import GradientTransformation, Optimizer, inject_hyperparams
+from zero.functional.optimizer import check_not_optax
 
-__all__ = ["make_local_optimizer", "local_groups", "copy_hyperparams", "is_functional"]
+__all__ = ["make_local_optimizer", "local_groups", "copy_hyperparams", "is_functional", "check_state_keys"]
 
 
 def make_local_optimizer(optimizer_class: Any, groups: list[dict], defaults: dict) -> torch.optim.Optimizer:
@@ -24,6 +26,7 @@ def make_local_optimizer(optimizer_class: Any, groups: list[dict], defaults: dic
     ``zero.functional.adam``: it is wrapped in `inject_hyperparams` so each group's values (``lr``
     for ``learning_rate``) and lr schedulers reach it.
     """
+    check_not_optax(optimizer_class, "optimizer_class")
     if isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer):
         return optimizer_class(groups, **defaults)
     if isinstance(optimizer_class, GradientTransformation):
@@ -62,3 +65,49 @@ def copy_hyperparams(src: list[dict], dst: list[dict]) -> None:
         for key, value in s.items():
             if key != "params":
                 d[key] = value
+
+
+def check_state_keys(saved: dict, optim: torch.optim.Optimizer) -> None:
+    """``ValueError`` when ``saved`` lacks per-param state the local optimizer keeps (a state dict
+    of another optimizer class), naming the param, the missing keys and the likely source.
+
+    What the local optimizer keeps is found by stepping a copy of it, with each group's settings,
+    on a one-element param. `zero.functional` local optimizers check their own states.
+    """
+    if is_functional(optim):
+        return
+    expected = [_state_keys(type(optim), group) for group in optim.param_groups]
+    for k, group in enumerate(saved["param_groups"]):
+        for i in group["params"]:
+            keys = set(saved["state"].get(i) or ())
+            missing = expected[k] - keys if expected[k] is not None and keys else set()
+            if missing:
+                name = type(optim).__name__
+                raise ValueError(f"state_dict's state for param {i} has {sorted(keys)} but {name} keeps "
+                                 f"{sorted(expected[k])} (missing {sorted(missing)}): it was saved by another "
+                                 f"optimizer, {_saved_by(group)} judging by its settings, not by {name}")
+
+
+def _state_keys(cls: type, group: dict) -> set[str] | None:
+    accepted = inspect.signature(cls).parameters
+    p = torch.zeros(1, requires_grad=True)
+    try:
+        probe = cls([p], **{k: v for k, v in group.items() if k in accepted and k != "params"})
+        p.grad = torch.zeros(1)
+        probe.step()
+    except (RuntimeError, ValueError, TypeError):  # e.g. capturable=True needs CUDA: cannot tell here
+        return None
+    return set(probe.state[p])
+
+
+def _saved_by(group: dict) -> str:
+    """The ``torch.optim`` class whose constructor's options best match a saved group's keys."""
+    keys = set(group) - {"params", "initial_lr"}
+    classes = [c for c in vars(torch.optim).values()
+               if isinstance(c, type) and issubclass(c, torch.optim.Optimizer) and c is not torch.optim.Optimizer]
+
+    def overlap(cls: type) -> float:
+        options = set(inspect.signature(cls).parameters)
+        return len(keys & options) / len(keys | options)
+
+    return f"torch.optim.{max(classes, key=overlap).__name__}"

@@ -22,6 +22,7 @@ import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 
 from zero.functional import FunctionalOptimizer, GradientTransformation, from_torch
+from zero.functional.optimizer import check_not_optax
 
 __all__ = ["DistributedOptimizer", "local_transformation"]
 
@@ -37,6 +38,7 @@ def local_transformation(optimizer_class: Any, args: tuple, kwargs: dict) -> tup
     param without a gradient, so its state must not advance); a factory's transformation may
     couple params (global-norm clipping), so a worker steps its params together.
     """
+    check_not_optax(optimizer_class, "optimizer_class")
     if isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer):
         try:
             bound = inspect.signature(optimizer_class).bind(None, *args, **kwargs)

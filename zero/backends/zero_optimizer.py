@@ -19,7 +19,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
 from zero.backends import comm
-from zero.backends.local_optimizer import copy_hyperparams, local_groups, make_local_optimizer
+from zero.backends.local_optimizer import check_state_keys, copy_hyperparams, local_groups, make_local_optimizer
 from zero.backends.state_dict import check_compatible, to_global, to_local
 from zero.backends.sync import ParamSync
 from zero.plans.checks import checksum
@@ -66,7 +66,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             raise ValueError(f"sync_chunk_mb must be a positive number, got {sync_chunk_mb!r}")
         params = _normalise_params(params)
         self._ready = False
-        Optimizer.__init__(self, params, defaults)
+        # A torch class's keyword defaults are group settings; a zero.functional factory's are its
+        # own arguments (learning_rate ...): its groups get their settings from the local optimizer.
+        torch_class = isinstance(optimizer_class, type) and issubclass(optimizer_class, Optimizer)
+        Optimizer.__init__(self, params, defaults if torch_class else {})
         Joinable.__init__(self)
         self.world_size = comm.group_size(self.process_group)
         self.rank = comm.group_rank(self.process_group)
@@ -189,6 +192,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         """Load a global state dict (ours at any world size, torch's, or a plain optimizer's)."""
         check_compatible(saved, self._all_params, [len(g["params"]) for g in self.param_groups])
+        check_state_keys(saved, self.optim)
         mine = to_local(saved, self._indices[self.rank], self.rank, self._partition.owner)
         self.optim.load_state_dict(mine)  # torch's own rules place each state tensor on its device
         self._pull_hyperparams()

@@ -167,3 +167,20 @@ __all__ = [
     "trace",
     "warmup_cosine_decay_schedule",
 ]
+
+
+def _register_state_classes() -> None:
+    """Let ``torch.load(weights_only=True)`` (torch's default) read checkpoints holding our states:
+    every NamedTuple state class of the layer (public or not, e.g. `from_torch`'s) is a safe global."""
+    import sys
+
+    import torch
+
+    modules = [m for name, m in sys.modules.items() if name.startswith("zero.functional.") and m is not None]
+    states = [obj for m in modules for obj in vars(m).values()
+              if isinstance(obj, type) and issubclass(obj, tuple) and hasattr(obj, "_fields")
+              and obj.__module__ == m.__name__ and obj.__name__ != "Spec"]
+    torch.serialization.add_safe_globals(states)
+
+
+_register_state_classes()

@@ -9,6 +9,8 @@ and the ``torch.optim`` class of the same name differ, the docstring says how;
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -16,7 +18,7 @@ import torch
 
 from zero.functional import adam_family as A
 from zero.functional import transform as T
-from zero.functional.base import GradientTransformation, identity
+from zero.functional.base import GradientTransformation, Spec, identity
 from zero.functional.combine import chain
 
 __all__ = ["sgd", "adam", "adamw", "adagrad", "adadelta", "adamax", "rmsprop", "rprop", "lion",
@@ -27,6 +29,21 @@ ScalarOrSchedule = float | Schedule
 Mask = Any  # a pytree of bools like the params, or a function of the params returning one
 
 
+def _alias(factory: Callable[..., GradientTransformation]) -> Callable[..., GradientTransformation]:
+    """Record the alias and its arguments as the chain's spec, so it can be rebuilt under
+    `inject_hyperparams` (what `zero.functional.Optimizer` does to let param groups set them)."""
+    signature = inspect.signature(factory)
+
+    @functools.wraps(factory)
+    def build(*args: Any, **kwargs: Any) -> GradientTransformation:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return factory(*args, **kwargs)._replace(spec=Spec(factory.__name__, dict(bound.arguments), build))
+
+    return build
+
+
+@_alias
 def sgd(learning_rate: ScalarOrSchedule, momentum: float | None = None, nesterov: bool = False,
         accumulator_dtype: torch.dtype | None = None) -> GradientTransformation:
     r"""Stochastic gradient descent, with optional (Nesterov) momentum.
@@ -68,6 +85,7 @@ def sgd(learning_rate: ScalarOrSchedule, momentum: float | None = None, nesterov
     return chain(tr, T.scale_by_learning_rate(learning_rate))
 
 
+@_alias
 def adam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
          eps_root: float = 0.0, mu_dtype: torch.dtype | None = None, *,
          nesterov: bool = False) -> GradientTransformation:
@@ -114,6 +132,7 @@ def adam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, ep
                  T.scale_by_learning_rate(learning_rate))
 
 
+@_alias
 def adamw(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
           eps_root: float = 0.0, mu_dtype: torch.dtype | None = None, weight_decay: ScalarOrSchedule = 1e-4,
           mask: Mask | None = None, *, nesterov: bool = False) -> GradientTransformation:
@@ -158,6 +177,7 @@ def adamw(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, e
                  T.add_decayed_weights(weight_decay, mask), T.scale_by_learning_rate(learning_rate))
 
 
+@_alias
 def adagrad(learning_rate: ScalarOrSchedule, initial_accumulator_value: float = 0.1,
             eps: float = 1e-7) -> GradientTransformation:
     r"""Adagrad: steps shrink with the sum of all past squared gradients.
@@ -197,6 +217,7 @@ def adagrad(learning_rate: ScalarOrSchedule, initial_accumulator_value: float = 
     return chain(T.scale_by_rss(initial_accumulator_value, eps), T.scale_by_learning_rate(learning_rate))
 
 
+@_alias
 def adadelta(learning_rate: ScalarOrSchedule | None = None, rho: float = 0.9, eps: float = 1e-6,
              weight_decay: float = 0.0, weight_decay_mask: Mask | None = None) -> GradientTransformation:
     r"""Adadelta: steps in the units of the params, from running averages of squared gradients
@@ -240,6 +261,7 @@ def adadelta(learning_rate: ScalarOrSchedule | None = None, rho: float = 0.9, ep
                  T.scale_by_learning_rate(learning_rate))
 
 
+@_alias
 def adamax(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
            eps: float = 1e-8) -> GradientTransformation:
     r"""Adamax: Adam with the infinity norm in place of the second moment.
@@ -278,6 +300,7 @@ def adamax(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
     return chain(A.scale_by_adamax(b1, b2, eps), T.scale_by_learning_rate(learning_rate))
 
 
+@_alias
 def rmsprop(learning_rate: ScalarOrSchedule, decay: float = 0.9, eps: float = 1e-8, initial_scale: float = 0.0,
             eps_in_sqrt: bool = True, centered: bool = False, momentum: float | None = None,
             nesterov: bool = False, bias_correction: bool = False) -> GradientTransformation:
@@ -327,6 +350,7 @@ def rmsprop(learning_rate: ScalarOrSchedule, decay: float = 0.9, eps: float = 1e
                  T.trace(momentum, nesterov) if momentum is not None else identity())
 
 
+@_alias
 def rprop(learning_rate: float, eta_minus: float = 0.5, eta_plus: float = 1.2, min_step_size: float = 1e-6,
           max_step_size: float = 50.0) -> GradientTransformation:
     r"""Rprop: per-element step sizes driven by the sign of the gradient alone.
@@ -370,6 +394,7 @@ def rprop(learning_rate: float, eta_minus: float = 0.5, eta_plus: float = 1.2, m
                  T.scale(-1.0))
 
 
+@_alias
 def lion(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.99, mu_dtype: torch.dtype | None = None,
          weight_decay: ScalarOrSchedule = 1e-3, mask: Mask | None = None) -> GradientTransformation:
     r"""Lion: the sign of an interpolation of momentum and gradient, plus decoupled decay.
@@ -412,6 +437,7 @@ def lion(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.99, mu_
                  T.scale_by_learning_rate(learning_rate))
 
 
+@_alias
 def lamb(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-6,
          eps_root: float = 0.0, weight_decay: ScalarOrSchedule = 0.0,
          mask: Mask | None = None) -> GradientTransformation:
@@ -454,6 +480,7 @@ def lamb(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, ep
                  T.scale_by_trust_ratio(), T.scale_by_learning_rate(learning_rate))
 
 
+@_alias
 def nadam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
           eps_root: float = 0.0, mu_dtype: torch.dtype | None = None) -> GradientTransformation:
     r"""NAdam in Optax's form: Adam with a Nesterov look-ahead on the first moment.
@@ -489,6 +516,7 @@ def nadam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, e
     return adam(learning_rate, b1, b2, eps, eps_root, mu_dtype, nesterov=True)
 
 
+@_alias
 def radam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
           eps_root: float = 0.0, threshold: float = 5.0, *, nesterov: bool = False) -> GradientTransformation:
     r"""RAdam: Adam rectified while its variance estimate is unreliable.

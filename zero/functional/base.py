@@ -26,12 +26,14 @@ class Spec(NamedTuple):
     """What a transformation is, as data: the factory that built it and the arguments it got.
 
     Combinators read specs instead of closures: `chain` looks for a fused kernel for its links
-    (`zero.functional.kernels`), and `zero.functional.Optimizer` reads the hyperparameters of
-    `inject_hyperparams` from its spec to show them as param-group keys.
+    (`zero.functional.kernels`); `zero.functional.Optimizer` reads the hyperparameters of
+    `inject_hyperparams` from its spec to show them as param-group keys, and rebuilds an alias
+    (whose spec has its ``factory``) under `inject_hyperparams` so param groups can set them.
     """
 
     name: str
     args: dict[str, Any]
+    factory: Callable[..., Any] | None = None  # rebuilds it: ``factory(**args)`` (the aliases)
 
 
 class GradientTransformation(NamedTuple):

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from zero.functional.base import GradientTransformation
+from zero.functional.base import GradientTransformation, Spec
 
 __all__ = ["from_optax", "to_optax_state", "from_optax_state"]
 
@@ -51,6 +51,8 @@ def from_optax(optax_tx: Any) -> GradientTransformation:
     """
     if not (hasattr(optax_tx, "init") and hasattr(optax_tx, "update")):
         raise TypeError(f"from_optax needs an Optax GradientTransformation, got {type(optax_tx).__name__}")
+    # Its states hold Optax's classes: let torch.load(weights_only=True) read checkpoints of them.
+    torch.serialization.add_safe_globals(list(_optax_classes().values()))
 
     @functools.cache
     def jitted():
@@ -64,7 +66,20 @@ def from_optax(optax_tx: Any) -> GradientTransformation:
         new_updates, new_state = jitted()(*args)
         return _map(_to_torch, new_updates), _map(_to_torch, new_state)
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, spec=_injected_spec(optax_tx))
+
+
+def _injected_spec(optax_tx: Any) -> Spec | None:
+    """The hyperparameters of ``optax.inject_hyperparams(...)(...)``, which Optax keeps only in
+    its state: read from a state made for no params (None for any other transformation)."""
+    try:
+        state = optax_tx.init({})
+    except Exception:  # noqa: BLE001 - an Optax transformation that needs params has no injected values
+        return None
+    hyperparams = getattr(state, "hyperparams", None)
+    if not isinstance(hyperparams, dict) or not hasattr(state, "inner_state"):
+        return None
+    return Spec("inject_hyperparams", {"hyperparams": {k: float(v) for k, v in hyperparams.items()}})
 
 
 @functools.cache
@@ -106,9 +121,17 @@ def _convert(node: Any, leaf, classes: dict[str, type]) -> Any:
 
 def to_optax_state(state: Any) -> Any:
     """A `zero.functional` state as the Optax state of the same transformation (JAX leaves)."""
+    _check_transformation_state(state, "to_optax_state")
     return _convert(state, _to_jax, _optax_classes())
 
 
 def from_optax_state(state: Any) -> Any:
     """An Optax state as the `zero.functional` state of the same transformation (torch leaves)."""
+    _check_transformation_state(state, "from_optax_state")
     return _convert(state, _to_torch, _our_classes())
+
+
+def _check_transformation_state(state: Any, who: str) -> None:
+    if isinstance(state, dict) and {"state", "param_groups"} <= state.keys():
+        raise TypeError(f"{who} takes a transformation's state (tx.init(params), or one of the values in "
+                        "Optimizer.state_dict()['tx_states']), not a torch optimizer state_dict")

@@ -21,9 +21,10 @@ from typing import Any
 import torch
 
 from zero.functional.base import GradientTransformation, inplace_step, tree_map
-from zero.functional.wrappers import InjectHyperparamsState
+from zero.functional.wrappers import inject_hyperparams
 
-__all__ = ["Optimizer", "FunctionalOptimizer", "hyperparams_of", "split_state"]
+__all__ = ["Optimizer", "FunctionalOptimizer", "hyperparams_of", "with_group_hyperparams", "check_not_optax",
+           "split_state"]
 
 
 def hyperparams_of(tx: GradientTransformation) -> dict[str, float]:
@@ -35,16 +36,72 @@ def hyperparams_of(tx: GradientTransformation) -> dict[str, float]:
     return {_group_key(k): v for k, v in spec.args["hyperparams"].items()}
 
 
+def with_group_hyperparams(tx: Any, who: str = "tx") -> GradientTransformation:
+    """``tx`` in the form whose hyperparameters param groups and lr schedulers can set.
+
+    An alias (``zero.functional.sgd(0.1)`` ...) is rebuilt under `inject_hyperparams` with the
+    same arguments, so it steps the same; a transformation that already keeps its hyperparameters
+    in its state is returned as it is, and so is one that has none to offer. An Optax object is a
+    ``TypeError`` saying to wrap it with `from_optax`.
+    """
+    check_not_optax(tx, who)
+    if not hasattr(tx, "init") or not hasattr(tx, "update"):
+        raise TypeError(f"{who} must be a zero.functional GradientTransformation, got {type(tx).__name__}")
+    spec = getattr(tx, "spec", None)
+    if spec is not None and spec.factory is not None:
+        return inject_hyperparams(spec.factory)(**spec.args)
+    return tx
+
+
+def check_not_optax(obj: Any, who: str) -> None:
+    """``TypeError`` for an Optax transformation or factory where a zero.functional one is needed."""
+    module = getattr(obj, "__module__", "") or ""
+    if module.split(".")[0] != "optax" and type(obj).__module__.split(".")[0] != "optax":
+        return
+    if hasattr(obj, "init") and hasattr(obj, "update"):
+        raise TypeError(f"{who} is an Optax transformation ({type(obj).__name__}), which steps JAX arrays: "
+                        f"wrap it as zero.functional.from_optax({who}) to run it on torch tensors")
+    name = getattr(obj, "__name__", "factory")
+    raise TypeError(f"{who} is Optax's {name}, which builds transformations of JAX arrays: pass "
+                    f"zero.functional.from_optax(optax.{name}(...)), or zero.functional's own {name} if it has one")
+
+
 def _group_key(name: str) -> str:
     return "lr" if name == "learning_rate" else name
 
 
+def _check_group_settings(group: dict, known: dict, index: int) -> None:
+    """A group setting that looks like a hyperparameter the transformation does not keep would be
+    ignored: that is an error, naming it (other keys, e.g. a group's name, are left alone)."""
+    ignored = sorted(k for k, v in group.items() if k not in ("params", "tx") and k not in known
+                     and _looks_like_hyperparameter(v))
+    if ignored:
+        offer = f"its hyperparameters are {sorted(known)}" if known else "it keeps none in its state"
+        raise ValueError(f"param group {index} sets {ignored}, which its transformation would ignore: {offer}. "
+                         "Build it with zero.functional.inject_hyperparams(factory)(...) (or an alias, or "
+                         "optax.inject_hyperparams inside from_optax) to make a setting per group")
+
+
+def _looks_like_hyperparameter(value: Any) -> bool:
+    if isinstance(value, (list, tuple)):
+        return bool(value) and all(_looks_like_hyperparameter(v) for v in value)
+    return isinstance(value, (bool, int, float, torch.Tensor))
+
+
 def _sync_hyperparams(state: Any, group: dict) -> Any:
-    """Copy the group's values (set by the user or an lr scheduler) into the state."""
-    if not isinstance(state, InjectHyperparamsState):
+    """Copy the group's values (set by the user or an lr scheduler) into an injected state:
+    ours (floats) or Optax's through `from_optax` (0-d tensors, kept in their dtype)."""
+    hyperparams = getattr(state, "hyperparams", None)
+    if not isinstance(hyperparams, dict) or not hasattr(state, "_replace"):
         return state
-    hp = {k: float(group.get(_group_key(k), v)) for k, v in state.hyperparams.items()}
+    hp = {k: _like(v, group.get(_group_key(k), v)) for k, v in hyperparams.items()}
     return state._replace(hyperparams=hp)
+
+
+def _like(old: Any, value: Any) -> Any:
+    if isinstance(old, torch.Tensor):
+        return torch.as_tensor(value, dtype=old.dtype, device=old.device)
+    return float(value)
 
 
 def split_state(state: Any, n: int, parts: list[list[int]]) -> list[Any]:
@@ -122,16 +179,16 @@ class Optimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, params: Iterable, tx: GradientTransformation):
-        if not hasattr(tx, "update"):
-            raise TypeError(f"tx must be a GradientTransformation, got {type(tx).__name__}")
-        self._default_tx = tx
+        self._default_tx = with_group_hyperparams(tx)
         self._states: list[_StatesBySet] = []
-        super().__init__(params, hyperparams_of(tx))
+        super().__init__(params, hyperparams_of(self._default_tx))
 
     def add_param_group(self, param_group: dict) -> None:
         param_group = dict(param_group)
-        tx = param_group.pop("tx", self._default_tx)
-        for key, value in hyperparams_of(tx).items():
+        tx = with_group_hyperparams(param_group.pop("tx", self._default_tx), "a param group's 'tx'")
+        known = hyperparams_of(tx)
+        _check_group_settings(param_group, known, len(self.param_groups))
+        for key, value in known.items():
             param_group.setdefault(key, value)
         super().add_param_group(param_group)
         self._states.append(_StatesBySet(tx))
@@ -191,6 +248,7 @@ class FunctionalOptimizer:
         params = list(params)
         if not params and not _allow_empty_param_list:
             raise ValueError("FunctionalOptimizer got an empty parameter list")
+        tx = with_group_hyperparams(tx)
         self.params = params
         self.param_group = {"params": params, **hyperparams_of(tx)}
         self._states = _StatesBySet(tx, per_param)
