@@ -25,7 +25,7 @@ def test_accounting_for_a_small_model():
     assert r0.broadcast_bytes == (460, 440) and r1.broadcast_bytes == (440, 460)
     # all_gather per (device, dtype): fp32 blocks of max(400, 440), bf16 blocks of max(60, 0).
     assert r0.all_gather_bytes == r1.all_gather_bytes == (440 + 60, 440 + 60)
-    assert plan.imbalance == 928 / max(804, 1816 / 2)
+    assert plan.max_over_bound == 928 / max(804, 1816 / 2) and plan.max_over_mean == 928 / (1816 / 2)
 
 
 def test_torch_weighting_counts_frozen_params():
@@ -49,7 +49,7 @@ def test_presets_plan_and_render():
         ms = preset(name)
         assert len(ms) == count
         text = str(make_plan(ms, 8))
-        assert "imbalance" in text and "rank" in text
+        assert "busiest rank / mean" in text and "best possible" in text and "rank" in text
     assert 120e6 < sum(m.numel for m in preset("gpt2")) < 130e6
     assert 6.5e9 < sum(m.numel for m in preset("llama-7b")) < 6.9e9
 
@@ -92,3 +92,13 @@ def test_bad_inputs(call, words):
     with pytest.raises((ValueError, TypeError)) as info:
         call()
     assert words in str(info.value)
+
+
+def test_balance_is_reported_against_the_mean_and_against_the_best_possible():
+    metas = [ParamMeta("big", (10,)), ParamMeta("a", (5,)), ParamMeta("b", (5,))]
+    plan = make_plan(metas, 4)
+    assert plan.max_over_mean == 2.0, "the busiest rank holds the 10-element tensor, the mean is 5"
+    assert plan.max_over_bound == 1.0, "and no whole-tensor plan can do better"
+    data = json.loads(plan.to_json())
+    assert (data["max_over_mean"], data["max_over_bound"]) == (2.0, 1.0)
+    assert "busiest rank / mean 2.0000" in str(plan) and "best possible 1.0000" in str(plan)

@@ -38,7 +38,8 @@ class Plan:
     partition: Partition | None  # None for "flat"
     flat: FlatLayout | None  # only for "flat"
     ranks: tuple[RankCost, ...]
-    imbalance: float
+    max_over_mean: float  # the busiest rank's load / the mean load
+    max_over_bound: float  # the busiest rank's load / the best any plan could do (see make_plan)
     fingerprint: str
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -77,6 +78,13 @@ def make_plan(metas: Sequence[ParamMeta], world_size: int, strategy: str = "sort
     ``strategy``: one of ``PLAN_STRATEGIES``; ``weight``: ``"numel"`` or ``"state_bytes"``;
     ``optimizer``: a name from `zero.plans.accounting.OPTIMIZERS`, for the state accounting;
     ``alignment``: shard alignment in elements for ``"flat"``.
+
+    Balance is reported two ways, since they answer different questions: ``max_over_mean`` is
+    the busiest rank's load over the mean (how far from an even split: what memory per rank
+    costs), ``max_over_bound`` over the best any plan of this kind could do, which for
+    whole-tensor plans is at least the largest tensor (how far from optimal for this model:
+    1.0 can still mean 2x the mean when one tensor is half the model). A flat plan splits
+    elements, so its bound is the mean.
     """
     metas = tuple(check_metas(metas))
     if strategy not in PLAN_STRATEGIES:
@@ -87,15 +95,16 @@ def make_plan(metas: Sequence[ParamMeta], world_size: int, strategy: str = "sort
     if strategy == "flat":
         part, flat = None, flat_layout(metas, world_size, alignment)
         ranks = flat_costs(metas, flat, spec)
-        lower = sum(r.load for r in ranks) / world_size
+        mean = bound = sum(r.load for r in ranks) / world_size
     else:
         part, flat = partition(metas, world_size, strategy, weight, spec), None
         ranks = partition_costs(metas, part, spec)
         ws = weights(metas, weight, spec)
-        lower = max(max(ws), sum(ws) / world_size)
-    imbalance = max(r.load for r in ranks) / lower if lower else 1.0
+        mean = sum(ws) / world_size
+        bound = max(max(ws), mean)  # whole tensors: no rank can hold less than the largest one
+    busiest = max(r.load for r in ranks)
     plan = Plan(metas, world_size, strategy, weight, str(optimizer).lower(), alignment, part, flat,
-                ranks, imbalance, "")
+                ranks, busiest / mean if mean else 1.0, busiest / bound if bound else 1.0, "")
     return dataclasses.replace(plan, fingerprint=_fingerprint(plan))
 
 
@@ -123,5 +132,6 @@ def _payload(plan: Plan) -> dict:
                    "alignment": plan.alignment},
         "placement": placement,
         "ranks": [{**r.__dict__, "total_bytes": r.total_bytes} for r in plan.ranks],
-        "imbalance": plan.imbalance,
+        "max_over_mean": plan.max_over_mean,
+        "max_over_bound": plan.max_over_bound,
     }

@@ -15,7 +15,8 @@ def plan_table(plan, max_rows: int = 16):
     from rich.table import Table
 
     t = Table(title=f"{plan.strategy} on {plan.world_size} ranks, weight={plan.weight}, "
-                    f"optimizer={plan.optimizer}: imbalance {plan.imbalance:.4f}, "
+                    f"optimizer={plan.optimizer}: busiest rank / mean {plan.max_over_mean:.4f}, "
+                    f"/ best possible {plan.max_over_bound:.4f}, "
                     f"fingerprint {plan.fingerprint}")
     for col in ("rank", "params", "numel", "load", "state MiB", "total MiB", "padding MiB",
                 "bcast sent/recv MiB", "all_gather sent/recv MiB"):
@@ -39,12 +40,13 @@ def compare_table(plans: Sequence):
 
     first = plans[0]
     t = Table(title=f"{len(first.metas)} tensors on {first.world_size} ranks, optimizer={first.optimizer}")
-    for col in ("strategy", "weight", "imbalance", "max state MiB", "min state MiB",
+    for col in ("strategy", "weight", "max/mean", "max/best possible", "max state MiB", "min state MiB",
                 "max bcast sent MiB", "all_gather sent MiB", "padding MiB", "fingerprint"):
         t.add_column(col, justify="right")
     for p in plans:
         states = [r.state_bytes for r in p.ranks]
-        t.add_row(p.strategy, p.weight, f"{p.imbalance:.4f}", mib(max(states)), mib(min(states)),
+        t.add_row(p.strategy, p.weight, f"{p.max_over_mean:.4f}", f"{p.max_over_bound:.4f}",
+                  mib(max(states)), mib(min(states)),
                   mib(max(r.broadcast_bytes[0] for r in p.ranks)), mib(p.ranks[0].all_gather_bytes[0]),
                   mib(p.ranks[0].padding_bytes), p.fingerprint)
     return t
