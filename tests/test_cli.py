@@ -3,6 +3,9 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 from zero import Plan
 
@@ -43,3 +46,25 @@ def test_bad_arguments_fail_cleanly(tmp_path):
     assert res.returncode == 2 and "world_size must be >= 1, got 0" in res.stderr
     res = zero("plan", "--model", "nocolon", check=False)
     assert res.returncode == 2 and "module:attr" in res.stderr
+
+
+def test_user_errors_name_the_culprit(tmp_path):
+    (tmp_path / "mymod.py").write_text("from torch import nn\ndef build():\n    return nn.Linear(4, 4)\n")
+    console = [str(Path(sys.executable).parent / "zero")]  # the console script, run beside mymod.py
+    res = subprocess.run(console + ["plan", "--model", "mymod:build", "-w", "2"], capture_output=True, text=True,
+                         cwd=tmp_path)
+    assert res.returncode == 0 and "sorted_greedy on 2 ranks" in res.stdout, res.stderr
+    res = subprocess.run(console + ["plan", "--model", "mymod:nope"], capture_output=True, text=True, cwd=tmp_path)
+    assert res.returncode == 2 and "module 'mymod' has no attribute 'nope'" in res.stderr, res.stderr
+    truncated = tmp_path / "shapes.json"
+    truncated.write_text('{"w": [3, 4], "b": [')
+    res = zero("plan", "--shapes", str(truncated), check=False)
+    assert res.returncode == 2 and f"--shapes {truncated}: not valid JSON" in res.stderr, res.stderr
+    res = zero("plan", "--preset", "gpt2", "--compare", "--json", str(tmp_path / "x.json"), check=False)
+    assert res.returncode == 2 and "not allowed with argument" in res.stderr and not (tmp_path / "x.json").exists()
+
+
+@pytest.mark.parametrize("flag", ["--world-size", "--steps"])
+def test_demo_rejects_non_positive_counts(flag):
+    res = zero("demo", flag, "0", check=False)
+    assert res.returncode == 2 and "must be >= 1, got 0" in res.stderr, res.stderr

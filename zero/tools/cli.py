@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -29,9 +30,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--weight", choices=("numel", "state_bytes"), default="numel")
     p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adam")
     p.add_argument("--alignment", type=int, default=1, help="flat shard alignment (elements)")
-    p.add_argument("--compare", action="store_true", help="every strategy side by side")
+    out = p.add_mutually_exclusive_group()
+    out.add_argument("--compare", action="store_true", help="every strategy side by side (prints only)")
+    out.add_argument("--json", type=Path, help="save the plan as JSON here")
     p.add_argument("--rows", type=int, default=16, help="ranks shown in the table")
-    p.add_argument("--json", type=Path, help="save the plan as JSON here")
     sub.add_parser("demo", help="the ZeRO tutorial on 2 gloo ranks: ZeRO vs plain Adam (see zero demo -h)",
                    add_help=False)
     return parser
@@ -42,13 +44,24 @@ def load_metas(args: argparse.Namespace):
     if args.preset:
         return preset(args.preset)
     if args.shapes:
-        return param_metas(json.loads(args.shapes.read_text()))
+        try:
+            return param_metas(json.loads(args.shapes.read_text()))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--shapes {args.shapes}: not valid JSON ({e})") from None
     module_name, _, attr = args.model.partition(":")
     if not attr:
         raise ValueError(f"--model {args.model!r} must look like module:attr")
     import torch
 
-    obj = getattr(importlib.import_module(module_name), attr)
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # find modules beside the user, as `python -m` does
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"--model {args.model!r}: cannot import {module_name!r} ({e})") from None
+    if not hasattr(module, attr):
+        raise ValueError(f"--model {args.model!r}: module {module_name!r} has no attribute {attr!r}")
+    obj = getattr(module, attr)
     if not isinstance(obj, torch.nn.Module):
         with torch.device("meta"):  # plan a model of any size without allocating it
             obj = obj()

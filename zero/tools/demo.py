@@ -31,12 +31,23 @@ __all__ = ["main", "run_rank"]
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="zero demo", description=__doc__.split("\n\n")[0])
-    p.add_argument("-w", "--world-size", type=int, default=2)
-    p.add_argument("--layers", type=int, default=8, help="Linear layers (tutorial: 20)")
-    p.add_argument("--width", type=int, default=1000, help="features per layer (tutorial: 2000)")
+    p.add_argument("-w", "--world-size", type=positive_int, default=2)
+    p.add_argument("--layers", type=positive_int, default=8, help="Linear layers (tutorial: 20)")
+    p.add_argument("--width", type=positive_int, default=1000, help="features per layer (tutorial: 2000)")
     p.add_argument("--full", action="store_true", help="the tutorial's size: 20 x Linear(2000, 2000)")
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--steps", type=positive_int, default=3)
     return p
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an int >= 1, or a usage error naming the value."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an int") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def _peak_bytes(device: torch.device) -> int:
