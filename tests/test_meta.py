@@ -73,3 +73,13 @@ def test_duplicate_and_sparse_parameters():
         param_metas([{"params": [a, torch.zeros(1)]}, {"params": [a]}])
     with pytest.raises(ValueError, match="sparse"):
         param_metas([torch.zeros(3, 3).to_sparse()])
+
+
+def test_a_parameter_generator_with_jax_loaded_warns_nothing():
+    pytest.importorskip("jax", reason="the check needs jax imported")
+    import warnings
+
+    model = torch.nn.Linear(3, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert [m.shape for m in param_metas(model.parameters())] == [(2, 3), (2,)]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -176,7 +176,7 @@ def _is_jax_leaf(x: Any) -> bool:
 
 def _is_jax_tree(obj: Any) -> bool:
     jax = sys.modules.get("jax")
-    if jax is None or isinstance(obj, (str, bytes)):
+    if jax is None or isinstance(obj, (str, bytes, Iterator)):  # an iterator (model.parameters()) is no pytree
         return False
     leaves = jax.tree_util.tree_leaves(obj)
     return bool(leaves) and all(_is_jax_leaf(x) for x in leaves)
