@@ -9,3 +9,18 @@ def test_demo_runs_and_both_optimizers_end_equal(capsys):
     assert code == 0
     assert "identical across ranks and optimizers" in out
     assert "0.50x of plain Adam's" in out
+
+
+def test_under_torchrun_it_says_what_it_cannot_measure():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from zero.tools.launch import free_port
+
+    torchrun = Path(sys.executable).parent / "torchrun"
+    res = subprocess.run([str(torchrun), "--nproc_per_node=2", f"--master_port={free_port()}", "-m", "zero.tools.demo",
+                          "--layers", "2", "--width", "32", "--steps", "2"], capture_output=True, text=True, timeout=180)
+    out = " ".join(res.stdout.split())
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "peak memory not shown: under torchrun on CPU" in out and "identical across ranks" in out

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from zero.functional.base import EmptyState, GradientTransformation, check_non_negative, tree_leaves, tree_map
@@ -17,7 +19,7 @@ def clip(max_delta: float) -> GradientTransformation:
         lambda u, s, p=None: (tree_map(lambda g: g.clamp(-max_delta, max_delta), u), s))
 
 
-def global_norm(updates) -> torch.Tensor:
+def global_norm(updates: Any) -> torch.Tensor:
     """The L2 norm of all leaves together."""
     leaves = tree_leaves(updates)
     if not leaves:

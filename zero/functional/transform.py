@@ -6,6 +6,7 @@ mirrors the Optax function of the same name (``optax.<name>``) formula for formu
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import optree
@@ -207,7 +208,7 @@ def _scaled(tree, factor):
     return optree.tree_unflatten(treedef, torch._foreach_mul(leaves, factor) if leaves else [])
 
 
-def scale_by_schedule(step_size_fn) -> GradientTransformation:
+def scale_by_schedule(step_size_fn: Callable[[Any], float]) -> GradientTransformation:
     """Multiply updates by ``step_size_fn(count)`` (``optax.scale_by_schedule``)."""
     if not callable(step_size_fn):
         raise TypeError(f"step_size_fn must be callable, got {type(step_size_fn).__name__}")
@@ -219,7 +220,8 @@ def scale_by_schedule(step_size_fn) -> GradientTransformation:
     return GradientTransformation(lambda params: ScaleByScheduleState(count_zero()), update)
 
 
-def scale_by_learning_rate(learning_rate, *, flip_sign: bool = True) -> GradientTransformation:
+def scale_by_learning_rate(learning_rate: float | Callable[[Any], float] | None, *,
+                           flip_sign: bool = True) -> GradientTransformation:
     """Multiply by ``-learning_rate`` (a float or a schedule); ``optax.scale_by_learning_rate``."""
     if learning_rate is None:
         return identity()
@@ -394,7 +396,8 @@ def ema(decay: float, debias: bool = True, accumulator_dtype: torch.dtype | None
     return GradientTransformation(lambda p: EmaState(count_zero(), zeros_like(p, accumulator_dtype)), update)
 
 
-def add_decayed_weights(weight_decay=0.0, mask=None) -> GradientTransformation:
+def add_decayed_weights(weight_decay: float | Callable[[Any], float] = 0.0,
+                        mask: Any | None = None) -> GradientTransformation:
     """Add ``weight_decay * params`` (a float or schedule); ``optax.add_decayed_weights``."""
     check_non_negative("weight_decay", weight_decay)
     scheduled = callable(weight_decay)

@@ -70,19 +70,25 @@ def run_rank(rank: int, world_size: int, use_zero: bool, layers: int, width: int
     else:
         opt = torch.optim.Adam(ddp.parameters(), lr=0.01)
     gen = torch.Generator(device=device).manual_seed(rank)
-    peaks = []
+    # A NaN or inf gradient would make every param NaN (torch's semantics, kept): the scaler
+    # checks the (all-reduced, so equal on every rank) gradients and skips such a step everywhere.
+    scaler = torch.amp.GradScaler(device.type)
+    peaks, skipped = [], 0
     for _ in range(steps):
         x = torch.randn(20, width, generator=gen, device=device)
         labels = torch.randn(20, width, generator=gen, device=device)
         opt.zero_grad()
-        nn.functional.mse_loss(ddp(x), labels).backward()
+        scaler.scale(nn.functional.mse_loss(ddp(x), labels)).backward()
         peaks.append(_peak_bytes(device))
-        opt.step()  # the first step allocates the optimizer state: the tutorial's measurement
+        scale = scaler.get_scale()
+        scaler.step(opt)  # the first step allocates the optimizer state: the tutorial's measurement
+        scaler.update()
+        skipped += scaler.get_scale() < scale  # the scale backs off exactly when a step was skipped
         peaks.append(_peak_bytes(device))
     before, after = peaks[0], peaks[1]
     local = opt.optim if use_zero else opt
     state = state_nbytes(local)
-    return {"rank": rank, "zero": use_zero, "state_bytes": state, "peak_before_step": before,
+    return {"rank": rank, "zero": use_zero, "state_bytes": state, "peak_before_step": before, "skipped": skipped,
             "peak_after_step": after, "param_sum": float(sum(p.detach().sum() for p in model.parameters())),
             "device": str(device)}
 
@@ -113,27 +119,36 @@ def _report(runs: dict[bool, list[dict]], args) -> None:
 
     table = Table(title=f"{args.layers} x Linear({args.width}, {args.width}), Adam, {args.world_size} ranks, "
                         f"{args.steps} steps, {runs[True][0]['device']}")
-    for col in ("optimizer", "rank", "optimizer state", "peak before 1st step", "peak after", "param sum"):
+    for col in ("optimizer", "rank", "optimizer state", "peak before 1st step", "peak after",
+                "skipped", "param sum"):
         table.add_column(col, justify="right")
     peak = "max allocated" if runs[True][0]["device"].startswith("cuda") else "peak RSS"
     for use_zero in (True, False):
         for r in runs[use_zero]:
             table.add_row("ZeRO(Adam)" if use_zero else "Adam", str(r["rank"]),
-                          f"{r['state_bytes'] / 1e6:.1f} MB", f"{r['peak_before_step'] / 1e6:.0f} MB",
-                          f"{r['peak_after_step'] / 1e6:.0f} MB", f"{r['param_sum']:.6f}")
+                          f"{r['state_bytes'] / 1e6:.1f} MB", _mb(r["peak_before_step"]), _mb(r["peak_after_step"]),
+                          str(r["skipped"]), f"{r['param_sum']:.6f}")
     console = Console()
     console.print(table)
     z, a = runs[True], runs[False]
     same = len({r["param_sum"] for r in z + a}) == 1
-    console.print(f"memory: {peak}. Optimizer state per rank: "
-                  f"{max(r['state_bytes'] for r in z) / max(r['state_bytes'] for r in a):.2f}x of plain Adam's; "
-                  f"the first step() grows the peak by {_growth(z) / 1e6:.0f} MB with ZeRO vs "
+    ratio = max(r["state_bytes"] for r in z) / max(r["state_bytes"] for r in a)
+    if z[0]["peak_after_step"] is None:
+        growth = ("peak memory not shown: under torchrun on CPU both runs share each rank's process, so its "
+                  "peak RSS would mix them (`python -m zero demo` runs each in processes of its own).")
+    else:
+        growth = (f"the first step() grows the {peak} by {_growth(z) / 1e6:.0f} MB with ZeRO vs "
                   f"{_growth(a) / 1e6:.0f} MB without.")
+    console.print(f"Optimizer state per rank: {ratio:.2f}x of plain Adam's; {growth}")
     console.print("parameter sums: " + ("identical across ranks and optimizers" if same else "DIFFER"))
 
 
 def _growth(rows: list[dict]) -> int:
     return max(r["peak_after_step"] - r["peak_before_step"] for r in rows)
+
+
+def _mb(value: int | None) -> str:
+    return "n/a" if value is None else f"{value / 1e6:.0f} MB"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -159,6 +174,8 @@ def _main_torchrun(args) -> int:
         if backend == "nccl":
             torch.cuda.reset_peak_memory_stats()
         mine = run_rank(rank, world, use_zero, args.layers, args.width, args.steps)
+        if backend != "nccl":  # one process runs both: its peak RSS would hold the first run's too
+            mine["peak_before_step"] = mine["peak_after_step"] = None
         gathered = [None] * world
         dist.all_gather_object(gathered, mine)
         runs[use_zero] = gathered
