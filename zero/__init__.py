@@ -8,6 +8,7 @@ from zero.plans.accounting import OPTIMIZERS
 from zero.plans.accounting import state_bytes
 from zero.plans.ddp_buckets import assign_ddp_buckets
 from zero.plans.ddp_buckets import ddp_buckets
+from zero.plans.diff import diff_plans
 from zero.plans.layout import bucket_views
 from zero.plans.layout import flat_layout
 from zero.plans.layout import split_bucket
@@ -29,6 +30,7 @@ __all__ = [
     "assign_ddp_buckets",
     "bucket_views",
     "ddp_buckets",
+    "diff_plans",
     "flat_layout",
     "make_plan",
     "param_metas",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["plan_table", "compare_table", "render", "mib"]
+__all__ = ["plan_table", "compare_table", "diff_table", "render", "mib"]
 
 
 def mib(n: int) -> str:
@@ -50,6 +50,27 @@ def compare_table(plans: Sequence):
                   mib(max(r.broadcast_bytes[0] for r in p.ranks)), mib(p.ranks[0].all_gather_bytes[0]),
                   mib(p.ranks[0].padding_bytes), p.fingerprint)
     return t
+
+
+def diff_table(diff, max_rows: int = 16):
+    """The state each pair of ranks must move, then each rank's change in bytes."""
+    from rich.console import Group
+    from rich.table import Table
+
+    a, b = diff.a, diff.b
+    moves = Table(title=f"{a.strategy}/{a.weight} on {a.world_size} ranks -> {b.strategy}/{b.weight} on "
+                        f"{b.world_size}: {len(diff.changed)} of {len(a.metas)} params change placement, "
+                        f"{mib(diff.moved_bytes)} MiB of state moves")
+    for col in ("from rank (a)", "to rank (b)", "state MiB"):
+        moves.add_column(col, justify="right")
+    for src, dst, n in sorted(diff.moves, key=lambda m: -m[2])[:max_rows]:
+        moves.add_row(str(src), str(dst), mib(n))
+    deltas = Table(title="per-rank change (b - a)")
+    for col in ("rank", "state MiB", "total MiB"):
+        deltas.add_column(col, justify="right")
+    for r, state, total in diff.rank_deltas[:max_rows]:
+        deltas.add_row(str(r), mib(state), mib(total))
+    return Group(moves, deltas)
 
 
 def render(renderable, width: int = 160) -> str:

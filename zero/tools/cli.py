@@ -10,8 +10,9 @@ import sys
 from pathlib import Path
 
 from zero.plans.accounting import OPTIMIZERS
+from zero.plans.diff import diff_plans
 from zero.plans.meta import param_metas
-from zero.plans.plan import PLAN_STRATEGIES, make_plan
+from zero.plans.plan import PLAN_STRATEGIES, Plan, make_plan
 from zero.plans.presets import PRESETS, preset
 
 __all__ = ["main", "load_metas"]
@@ -25,6 +26,8 @@ def _parser() -> argparse.ArgumentParser:
     src.add_argument("--preset", choices=sorted(PRESETS), help="a built-in shape list")
     src.add_argument("--shapes", type=Path, help="JSON file: {name: shape} or {name: {shape, dtype, ...}}")
     src.add_argument("--model", help="module:attr naming an nn.Module or a factory (built on meta)")
+    src.add_argument("--diff", nargs=2, type=Path, metavar=("A.json", "B.json"),
+                     help="what changes from plan A to plan B (saved with --json): owners, state moved, costs")
     p.add_argument("-w", "--world-size", type=int, default=8)
     p.add_argument("--strategy", choices=PLAN_STRATEGIES, default="sorted_greedy")
     p.add_argument("--weight", choices=("numel", "state_bytes"), default="numel")
@@ -71,6 +74,10 @@ def load_metas(args: argparse.Namespace):
 def _plan(args: argparse.Namespace) -> int:
     from zero.plans.render import compare_table, render
 
+    if args.diff:
+        a, b = (Plan.from_json(_read(path)) for path in args.diff)
+        print(render(diff_plans(a, b).table(args.rows)))
+        return 0
     metas = load_metas(args)
     if args.compare:
         plans = [make_plan(metas, args.world_size, s, w, args.optimizer, args.alignment)
@@ -84,6 +91,13 @@ def _plan(args: argparse.Namespace) -> int:
         args.json.write_text(plan.to_json())
         print(f"saved {args.json}")
     return 0
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError as e:
+        raise ValueError(f"cannot read plan {path}: {e.strerror}") from None
 
 
 def main(argv: list[str] | None = None) -> int:

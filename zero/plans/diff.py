@@ -1,0 +1,114 @@
+"""What changes between two plans of the same model: owners, state that must move, per-rank costs.
+
+Plans may differ in strategy, weight or world size (a resharded checkpoint); they must describe
+the same parameters. Placement is compared element by element, so whole-parameter and flat
+plans compare alike: a parameter owned by rank 2 in one and split over ranks 0-1 in the other
+moves its state's elements from 2 to 0 and to 1.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from zero.plans.accounting import optimizer_state
+from zero.plans.meta import itemsize
+from zero.plans.plan import Plan
+
+__all__ = ["PlanDiff", "diff_plans", "placement"]
+
+Range = tuple[int, int, int]  # (rank, start, end): elements start:end of a flattened param
+
+
+@dataclass(frozen=True)
+class PlanDiff:
+    """``changed``: names of the params whose placement differs; ``moves``: ``(src, dst, bytes)``
+    of optimizer state that must travel from rank ``src`` of plan a to rank ``dst`` of plan b;
+    ``rank_deltas``: ``(rank, state bytes b - a, total bytes b - a)`` for every rank of either."""
+
+    a: Plan
+    b: Plan
+    changed: tuple[str, ...]
+    moves: tuple[tuple[int, int, int], ...]
+    rank_deltas: tuple[tuple[int, int, int], ...]
+
+    @property
+    def moved_bytes(self) -> int:
+        return sum(n for _, _, n in self.moves)
+
+    def table(self, max_rows: int = 16):
+        """A `rich` renderable: the moves and the per-rank deltas."""
+        from zero.plans.render import diff_table
+
+        return diff_table(self, max_rows)
+
+    def __str__(self) -> str:
+        from zero.plans.render import render
+
+        return render(self.table())
+
+
+def diff_plans(a: Plan, b: Plan) -> PlanDiff:
+    """Compare plan ``a`` (where the state is now) with plan ``b`` (where it will be).
+
+    State bytes per element are those of plan ``a``'s optimizer (``slots`` tensors in the
+    param's dtype); per-param scalars (Adam's ``step``) count once for each rank that receives
+    part of a param it held nothing of. Frozen params have no state and never move.
+    """
+    for plan, name in ((a, "a"), (b, "b")):
+        if not isinstance(plan, Plan):
+            raise TypeError(f"diff_plans: {name} must be a zero.Plan, got {type(plan).__name__}")
+    _check_same_params(a, b)
+    spec = optimizer_state(a.optimizer)
+    moves: dict[tuple[int, int], int] = defaultdict(int)
+    changed = []
+    for i, meta in enumerate(a.metas):
+        before, after = placement(a, i), placement(b, i)
+        if before != after:
+            changed.append(meta.name)
+        if not meta.requires_grad:
+            continue
+        per_element = spec.slots * itemsize(meta.dtype)
+        for src, dst, count in _overlaps(before, after):
+            if src != dst:
+                moves[(src, dst)] += count * per_element
+        held = {r for r, _, _ in before}
+        for dst in {r for r, _, _ in after} - held:
+            if spec.scalar_bytes:
+                moves[(min(held), dst)] += spec.scalar_bytes
+    return PlanDiff(a, b, tuple(changed), tuple((s, d, n) for (s, d), n in sorted(moves.items()) if n),
+                    _rank_deltas(a, b))
+
+
+def placement(plan: Plan, index: int) -> tuple[Range, ...]:
+    """Which ranks hold which elements of param ``index`` under ``plan``."""
+    if plan.flat is not None:
+        return tuple((s.rank, s.start, s.end) for s in plan.flat.segments(index))
+    return ((plan.partition.owner[index], 0, plan.metas[index].numel),)
+
+
+def _overlaps(before: tuple[Range, ...], after: tuple[Range, ...]):
+    for src, s0, s1 in before:
+        for dst, d0, d1 in after:
+            lo, hi = max(s0, d0), min(s1, d1)
+            if lo < hi:
+                yield src, dst, hi - lo
+
+
+def _check_same_params(a: Plan, b: Plan) -> None:
+    if len(a.metas) != len(b.metas):
+        raise ValueError(f"the plans are for different models: {len(a.metas)} params vs {len(b.metas)}")
+    for i, (x, y) in enumerate(zip(a.metas, b.metas)):
+        if x != y:
+            raise ValueError(f"the plans are for different models: param {i} is {x} in a but {y} in b")
+
+
+def _rank_deltas(a: Plan, b: Plan) -> tuple[tuple[int, int, int], ...]:
+    out = []
+    for r in range(max(a.world_size, b.world_size)):
+        ra = a.ranks[r] if r < a.world_size else None
+        rb = b.ranks[r] if r < b.world_size else None
+        state = (rb.state_bytes if rb else 0) - (ra.state_bytes if ra else 0)
+        total = (rb.total_bytes if rb else 0) - (ra.total_bytes if ra else 0)
+        out.append((r, state, total))
+    return tuple(out)
