@@ -102,3 +102,19 @@ def test_balance_is_reported_against_the_mean_and_against_the_best_possible():
     data = json.loads(plan.to_json())
     assert (data["max_over_mean"], data["max_over_bound"]) == (2.0, 1.0)
     assert "busiest rank / mean 2.0000" in str(plan) and "best possible 1.0000" in str(plan)
+
+
+def test_plots_draw_what_the_plan_says():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from zero.plans.plot import plot_balance
+
+    plan = make_plan(METAS, 2)
+    ax = plan.plot()
+    tops = [bar.get_y() + bar.get_height() for bar in ax.containers[-1]]
+    assert tops == pytest.approx([r.total_bytes / 2**20 for r in plan.ranks])
+    ax = plot_balance([make_plan(METAS, w, s) for w in (1, 2, 4) for s in ("sorted_greedy", "flat")])
+    assert len(ax.get_lines()) == 2
+    with pytest.raises(ValueError, match="against"):
+        plot_balance([plan], against="median")

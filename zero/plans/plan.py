@@ -65,6 +65,12 @@ class Plan:
 
         return plan_table(self, max_rows)
 
+    def plot(self, ax=None):
+        """Stacked bars of each rank's bytes (see `zero.plans.plot.plot_ranks`; needs matplotlib)."""
+        from zero.plans.plot import plot_ranks
+
+        return plot_ranks(self, ax)
+
     def __str__(self) -> str:
         from zero.plans.render import render
 
