@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from zero.backends.state_dict import state_nbytes
 from zero.tools.launch import free_port
 
-__all__ = ["main", "run_rank"]
+__all__ = ["main", "run_rank", "train_and_save", "load_and_train", "plain_training"]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -91,6 +91,56 @@ def run_rank(rank: int, world_size: int, use_zero: bool, layers: int, width: int
     return {"rank": rank, "zero": use_zero, "state_bytes": state, "peak_before_step": before, "skipped": skipped,
             "peak_after_step": after, "param_sum": float(sum(p.detach().sum() for p in model.parameters())),
             "device": str(device)}
+
+
+def _tutorial_model(layers: int, width: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: range, width: int) -> None:
+    """Steps on data that depends on the step only: every rank (and world size) sees the same."""
+    for step in steps:
+        gen = torch.Generator().manual_seed(step)
+        opt.zero_grad()
+        x, y = torch.randn(20, width, generator=gen), torch.randn(20, width, generator=gen)
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+
+def train_and_save(rank: int, world_size: int, path: str, steps: int, layers: int = 4, width: int = 64) -> float:
+    """One rank: ZeRO(Adam) for ``steps`` steps, then model + consolidated optimizer state saved
+    by rank 0 to ``path``; returns the params' sum."""
+    from zero.backends import ZeroRedundancyOptimizer
+
+    model = _tutorial_model(layers, width)
+    opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=0.01)
+    _train(model, opt, range(steps), width)
+    opt.consolidate_state_dict(to=0)
+    if rank == 0:
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
+    return float(sum(p.detach().sum() for p in model.parameters()))
+
+
+def load_and_train(rank: int, world_size: int, path: str, start: int, steps: int, layers: int = 4,
+                   width: int = 64) -> float:
+    """One rank: resume `train_and_save`'s checkpoint at this world size, train ``steps`` more."""
+    from zero.backends import ZeroRedundancyOptimizer
+
+    model = _tutorial_model(layers, width)
+    saved = torch.load(path)
+    model.load_state_dict(saved["model"])
+    opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=0.01)
+    opt.load_state_dict(saved["optimizer"])
+    _train(model, opt, range(start, start + steps), width)
+    return float(sum(p.detach().sum() for p in model.parameters()))
+
+
+def plain_training(steps: int, layers: int = 4, width: int = 64) -> float:
+    """The single-process reference: plain Adam on the same data; returns the params' sum."""
+    model = _tutorial_model(layers, width)
+    _train(model, torch.optim.Adam(model.parameters(), lr=0.01), range(steps), width)
+    return float(sum(p.detach().sum() for p in model.parameters()))
 
 
 def _spawned(rank, world_size, port, use_zero, args, results):

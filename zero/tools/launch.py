@@ -1,10 +1,24 @@
-"""Starting ranks on one machine: the demo, the benchmarks and the tests use the same helpers."""
+"""Starting ranks on one machine: the demo, the notebooks, the benchmarks and the tests use it.
+
+``run(fn, world_size, *args)`` returns ``fn(rank, world_size, *args)`` of every rank, in rank
+order, or raises with the failing rank's traceback. Each rank is a fresh process with a gloo
+process group on 127.0.0.1 (``backend="rpc"``: RPC workers ``worker0``... instead); ``fn`` must
+be importable (defined at module level, not in a notebook cell). A rank that hangs is killed
+when ``timeout`` runs out.
+"""
 
 from __future__ import annotations
 
+import datetime
+import os
+import queue
 import socket
+import time
+import traceback
 
-__all__ = ["free_port"]
+import torch.multiprocessing as mp
+
+__all__ = ["free_port", "run"]
 
 
 def free_port() -> int:
@@ -12,3 +26,69 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _worker(fn, rank, world_size, port, results, args, pg_timeout, backend):
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    try:
+        if backend == "rpc":
+            out = _rpc_worker(fn, rank, world_size, port, args, pg_timeout)
+        else:
+            if backend == "nccl":
+                torch.cuda.set_device(rank)
+            dist.init_process_group(backend, rank=rank, world_size=world_size,
+                                    timeout=datetime.timedelta(seconds=pg_timeout))
+            out = fn(rank, world_size, *args)
+        results.put((rank, True, out))
+    except BaseException:  # noqa: BLE001 - reported to the parent with its traceback
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _rpc_worker(fn, rank, world_size, port, args, rpc_timeout):
+    """RPC worker ``worker{rank}`` (TensorPipe); shutdown waits for every worker's outstanding calls."""
+    from torch.distributed import rpc
+
+    options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", rpc_timeout=rpc_timeout,
+                                              num_worker_threads=8)
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size, rpc_backend_options=options)
+    try:
+        return fn(rank, world_size, *args)
+    finally:
+        rpc.shutdown()
+
+
+def run(fn, world_size: int, *args, timeout: float = 240, pg_timeout: float = 60,
+        allow_exit: tuple[int, ...] = (), backend: str = "gloo") -> list:
+    """``fn(rank, world_size, *args)`` on every rank; ``allow_exit`` ranks may return no result."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, daemon=True,
+                         args=(fn, r, world_size, port, results, args, pg_timeout, backend))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    out, deadline = {}, time.monotonic() + timeout
+    try:
+        while len(out) < world_size - len(allow_exit):
+            try:
+                rank, ok, value = results.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                raise TimeoutError(f"{fn.__name__} on {world_size} ranks: no result after {timeout}s "
+                                   f"(ranks done: {sorted(out)})") from None
+            if not ok:
+                raise AssertionError(f"rank {rank} of {world_size} failed in {fn.__name__}:\n{value}")
+            out[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    return [out.get(r) for r in range(world_size)]
