@@ -65,11 +65,11 @@ class Plan:
 
         return plan_table(self, max_rows)
 
-    def plot(self, ax=None):
+    def plot(self, ax=None, **kwargs):
         """Stacked bars of each rank's bytes (see `zero.plans.plot.plot_ranks`; needs matplotlib)."""
         from zero.plans.plot import plot_ranks
 
-        return plot_ranks(self, ax)
+        return plot_ranks(self, ax, **kwargs)
 
     def __str__(self) -> str:
         from zero.plans.render import render

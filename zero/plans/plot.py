@@ -10,17 +10,21 @@ __all__ = ["plot_ranks", "plot_balance"]
 _PARTS = ("param_bytes", "grad_bytes", "state_bytes", "padding_bytes")
 
 
-def plot_ranks(plan: Any, ax: Any = None, max_ranks: int = 64) -> Any:
+def plot_ranks(plan: Any, ax: Any = None, max_ranks: int = 64, parts: Sequence[str] = _PARTS) -> Any:
     """Stacked bars of what each rank holds (params, grads, optimizer state, padding), in MiB.
 
-    Shows the first ``max_ranks`` ranks; returns the matplotlib ``Axes``.
+    ``parts`` picks the `RankCost` fields to stack (e.g. ``("state_bytes", "padding_bytes")``
+    for what sharding changes); shows the first ``max_ranks`` ranks; returns the ``Axes``.
     """
+    unknown = [p for p in parts if p not in _PARTS]
+    if unknown:
+        raise ValueError(f"unknown parts {unknown}; choose from {_PARTS}")
     import matplotlib.pyplot as plt
 
     ax = ax if ax is not None else plt.subplots(figsize=(8, 3))[1]
     ranks = plan.ranks[:max_ranks]
     bottom = [0.0] * len(ranks)
-    for part in _PARTS:
+    for part in parts:
         heights = [getattr(r, part) / 2**20 for r in ranks]
         ax.bar([r.rank for r in ranks], heights, bottom=bottom, label=part.removesuffix("_bytes"))
         bottom = [b + h for b, h in zip(bottom, heights)]
