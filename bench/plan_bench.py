@@ -49,12 +49,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--presets", nargs="+", default=["gpt2", "llama-7b", "moe-100k"])
     ap.add_argument("--worlds", nargs="+", type=int, default=[2, 8, 64, 256, 1024])
+    ap.add_argument("--plot", help="also draw the last preset's planning times against W to this PNG")
     args = ap.parse_args()
     torch_zero([torch.empty(3, device="meta", requires_grad=True)], 2)  # one-time warm-up
     table = Table(title="planning time (s) and busiest rank / best possible (imb); torch = its constructor")
     for col in ["model", "W", "torch ctor s", "sorted_greedy s", "ratio"] + \
                [f"{s} imb" for s in PLAN_STRATEGIES] + ["flat s", "make_plan s", "plan ratio"]:
         table.add_column(col, justify="right")
+    curves: dict[str, dict[str, list[float]]] = {}
     for name in args.presets:
         metas = preset(name)
         for w in args.worlds:
@@ -66,7 +68,16 @@ def main() -> None:
             table.add_row(name, str(w), f"{t_torch:.4f}", f"{t_ours:.4f}", f"{t_ours / t_torch:.3f}",
                           *[f"{x:.4f}" for x in imb], f"{t_flat:.3f}", f"{t_plan:.3f}", f"{t_plan / t_torch:.3f}")
             Console().print(f"{name} W={w}: torch {t_torch:.3f}s, ours {t_ours:.4f}s", style="dim")
+            curves.setdefault(name, {}).setdefault("torch ZeroRedundancyOptimizer()", []).append(t_torch)
+            curves[name].setdefault("zero.partition", []).append(t_ours)
+            curves[name].setdefault("zero.make_plan", []).append(t_plan)
     Console(width=200).print(table)
+    if args.plot:
+        from figure import lines
+
+        last = args.presets[-1]
+        lines(args.plot, f"planning {last} ({len(preset(last)):,} tensors)", args.worlds, curves[last],
+              "world size", "seconds (lower is better)")
 
 
 if __name__ == "__main__":

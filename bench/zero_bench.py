@@ -112,6 +112,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", type=str)
+    ap.add_argument("--plot", help="also draw the step times to this PNG")
     args = ap.parse_args()
     report = {"torch": torch.__version__, "steps": [], "consolidate": []}
     for name in MODELS:
@@ -119,6 +120,11 @@ def main() -> int:
     for impl in IMPLS:
         report["consolidate"] += _spawn(consolidate_worker, impl)
     _print(report)
+    if args.plot:
+        from figure import grouped_bars
+
+        grouped_bars(args.plot, "Adam step on 2 gloo ranks: zero vs torch's ZeroRedundancyOptimizer",
+                     {r["model"]: r["step_ms"] for r in report["steps"]}, "median ms per step")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

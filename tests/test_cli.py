@@ -68,3 +68,11 @@ def test_user_errors_name_the_culprit(tmp_path):
 def test_demo_rejects_non_positive_counts(flag):
     res = zero("demo", flag, "0", check=False)
     assert res.returncode == 2 and "must be >= 1, got 0" in res.stderr, res.stderr
+
+
+def test_version_and_bench():
+    assert zero("--version").stdout.startswith("zero ")
+    res = zero("bench", "plan", "--args", "--presets gpt2 --worlds 2")
+    assert "planning time" in res.stdout and "1 benchmark(s)" in res.stdout
+    res = zero("bench", "nope", check=False)
+    assert res.returncode == 2 and "unknown benchmark 'nope'" in res.stderr

@@ -19,7 +19,9 @@ __all__ = ["main", "load_metas"]
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="zero", description="Sharded-optimizer plans and demos.")
+    parser = argparse.ArgumentParser(prog="zero", description="zero: sharded optimizers whose plans are values. "
+                                     "Plan a model's sharding, run the ZeRO demo, or run the benchmarks.")
+    parser.add_argument("--version", action="version", version=f"zero {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="print the plan for a model's parameters")
     src = p.add_mutually_exclusive_group(required=True)
@@ -38,6 +40,8 @@ def _parser() -> argparse.ArgumentParser:
     out.add_argument("--json", type=Path, help="save the plan as JSON here")
     p.add_argument("--rows", type=int, default=16, help="ranks shown in the table")
     sub.add_parser("demo", help="the ZeRO tutorial on 2 gloo ranks: ZeRO vs plain Adam (see zero demo -h)",
+                   add_help=False)
+    sub.add_parser("bench", help="run the benchmark scripts of a source checkout (see zero bench -h)",
                    add_help=False)
     return parser
 
@@ -93,6 +97,15 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("zero")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def _read(path: Path) -> str:
     try:
         return path.read_text()
@@ -106,6 +119,14 @@ def main(argv: list[str] | None = None) -> int:
         from zero.tools.demo import main as demo  # torch loads only here, for the demo
 
         return demo(argv[1:])
+    if argv[:1] == ["bench"]:
+        from zero.tools.bench import main as bench
+
+        try:
+            return bench(argv[1:])
+        except ValueError as e:
+            print(f"zero bench: error: {e}", file=sys.stderr)
+            return 2
     args = _parser().parse_args(argv)
     try:
         return {"plan": _plan}[args.command](args)

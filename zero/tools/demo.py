@@ -207,9 +207,23 @@ def main(argv: list[str] | None = None) -> int:
         args.layers, args.width = 20, 2000
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: ranks exist already
         return _main_torchrun(args)
-    runs = {use_zero: _run_spawned(args, use_zero) for use_zero in (True, False)}
+    runs = _with_progress(args)
     _report(runs, args)
     return 0 if len({r["param_sum"] for rs in runs.values() for r in rs}) == 1 else 1
+
+
+def _with_progress(args) -> dict[bool, list[dict]]:
+    """Both runs, each in processes of its own, with a spinner and the time each takes."""
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    runs = {}
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), transient=True) as bar:
+        for use_zero in (True, False):
+            task = bar.add_task(f"{'ZeRO(Adam)' if use_zero else 'Adam'}: {args.layers} x Linear({args.width}, "
+                                f"{args.width}) on {args.world_size} ranks, {args.steps} steps", total=None)
+            runs[use_zero] = _run_spawned(args, use_zero)
+            bar.remove_task(task)
+    return runs
 
 
 def _main_torchrun(args) -> int:
