@@ -99,6 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=4)
     parser.add_argument("--optim", choices=sorted(OPTIMS), default="adam")
+    parser.add_argument("--plot", help="also draw the step times to this PNG")
     args = parser.parse_args(argv)
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
     ctx = mp.get_context("spawn")
@@ -117,6 +118,12 @@ def main(argv: list[str] | None = None) -> None:
     for threads in (1, args.threads):
         t, z = res[("torch", threads)], res[("zero", threads)]
         print(f"| {threads} | {1e3 * t:.2f} | {1e3 * z:.2f} | {z / t:.2f}x |")
+    if args.plot:
+        from figure import grouped_bars
+
+        grouped_bars(args.plot, f"RPC DistributedOptimizer.step ({args.optim}): zero vs torch",
+                     {f"{threads} trainer(s)": {impl: 1e3 * res[(impl, threads)] for impl in ("torch", "zero")}
+                      for threads in (1, args.threads)}, "median ms per step")
 
 
 if __name__ == "__main__":
