@@ -108,3 +108,11 @@ def test_state_dicts_load_with_weights_only(name):
         o.step()
     for a, b in zip(params, again.param_groups[0]["params"]):
         assert torch.equal(a, b), name
+
+
+def test_a_saved_state_of_another_kind_of_transformation_is_named():
+    p = torch.nn.Parameter(torch.ones(2))
+    bare = F.Optimizer([p], F.chain(F.scale_by_adam(), F.scale(-0.1)))
+    one_step(bare, p)
+    with pytest.raises(ValueError, match="does not fit its transformation"):
+        F.Optimizer([p], F.adam(0.1)).load_state_dict(bare.state_dict())

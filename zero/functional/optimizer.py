@@ -218,6 +218,12 @@ class Optimizer(torch.optim.Optimizer):
         if "tx_states" not in state_dict or len(state_dict["tx_states"]) != len(self.param_groups):
             raise ValueError("state_dict was not saved by a zero.functional.Optimizer with "
                              f"{len(self.param_groups)} param groups")
+        for k, (states, saved) in enumerate(zip(self._states, state_dict["tx_states"])):
+            injected = bool(hyperparams_of(states.tx))
+            if any(injected != isinstance(getattr(s, "hyperparams", None), dict) for s in saved.values()):
+                raise ValueError(f"param group {k}'s saved transformation state does not fit its transformation "
+                                 f"({'with' if injected else 'without'} injected hyperparameters): it was saved "
+                                 "with another transformation, or by a zero older than the per-group settings")
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "tx_states"})
         for group, states, saved in zip(self.param_groups, self._states, state_dict["tx_states"]):
             states.states, states._owner = {}, {}
