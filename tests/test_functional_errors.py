@@ -26,8 +26,8 @@ def one_step(opt, p, grad=1.0):
 def test_a_group_lr_drives_the_step_and_schedulers_work(make):
     p = torch.nn.Parameter(torch.ones(2))
     opt = F.Optimizer([{"params": [p], "lr": 100.0}], make())
-    assert torch.equal(one_step(opt, p), torch.full((2,), -99.0)), "the group's lr, not the factory's"
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5**step)
+    assert torch.equal(one_step(opt, p), torch.full((2,), -99.0)), "the group's lr, not the factory's"
     sched.step()
     assert opt.param_groups[0]["lr"] == 50.0
     assert torch.equal(one_step(opt, p), torch.full((2,), -149.0))
