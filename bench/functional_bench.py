@@ -1,9 +1,10 @@
-"""Adam step speed: zero.functional vs torch.optim, side by side in one run.
+"""Optimizer step speed: zero.functional vs torch.optim, side by side in one run.
 
 20M float32 elements in 200 tensors (uneven sizes). Reports ns/element, the implied memory
-traffic (Adam reads p, g, m, v and writes p, m, v: 28 bytes/element) against a measured copy
-bandwidth, and each path's time relative to torch's fused Adam.
-Usage: python bench/functional_bench.py [--elements 20e6] [--tensors 200] [--repeat 15]
+traffic (Adam reads p, g, m, v and writes p, m, v: 28 bytes/element; SGD with momentum reads
+p, g, b and writes p, b: 20) against a measured copy bandwidth, and each path's time relative
+to torch's fused kernel and to its foreach implementation.
+Usage: python bench/functional_bench.py [--rule adam|sgd] [--elements 20e6] [--tensors 200] [--repeat 15]
 """
 
 from __future__ import annotations
@@ -22,7 +23,11 @@ from rich.table import Table  # noqa: E402
 
 import zero.functional as F  # noqa: E402
 
-ADAM_BYTES = 28
+# rule -> (torch class, its options, the zero.functional alias, bytes moved per element)
+RULES = {
+    "adam": (torch.optim.Adam, {"lr": 1e-3}, lambda: F.adam(1e-3), 28),
+    "sgd": (torch.optim.SGD, {"lr": 1e-3, "momentum": 0.9}, lambda: F.sgd(1e-3, momentum=0.9), 20),
+}
 
 
 def make_params(elements: int, tensors: int, seed: int = 0) -> list[torch.Tensor]:
@@ -42,11 +47,11 @@ def timeit(fn, repeat: int) -> float:
     return statistics.median(times)
 
 
-def torch_step(params, grads, **kw):
+def torch_step(params, grads, cls, **kw):
     ps = [p.clone().requires_grad_() for p in params]
     for p, g in zip(ps, grads):
         p.grad = g
-    opt = torch.optim.Adam(ps, lr=1e-3, **kw)
+    opt = cls(ps, **kw)
     return opt.step
 
 
@@ -57,8 +62,7 @@ def ours_step(params, grads, tx):
     return F.Optimizer(ps, tx).step
 
 
-def pure_step(params, grads):
-    tx = F.adam(1e-3)
+def pure_step(params, grads, tx):
     box = {"params": [p.clone() for p in params]}
     box["state"] = tx.init(box["params"])
 
@@ -71,6 +75,7 @@ def pure_step(params, grads):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--rule", choices=sorted(RULES), default="adam")
     ap.add_argument("--elements", type=float, default=20e6)
     ap.add_argument("--tensors", type=int, default=200)
     ap.add_argument("--repeat", type=int, default=15)
@@ -83,28 +88,30 @@ def main() -> None:
     src, dst = torch.randn(n), torch.empty(n)
     copy_s = timeit(lambda: dst.copy_(src), args.repeat)
     copy_gbs = 8 * n / copy_s / 1e9  # a copy reads and writes 4 bytes per element
+    cls, options, alias, moved = RULES[args.rule]
+    name = cls.__name__
     paths = {
-        "torch Adam(fused=True)": torch_step(params, grads, fused=True),
-        "torch Adam(foreach=True)": torch_step(params, grads, foreach=True),
-        "zero Optimizer(adam)": ours_step(params, grads, F.adam(1e-3)),
-        "zero Optimizer(from_torch(Adam))": ours_step(params, grads, F.from_torch("Adam", lr=1e-3)),
-        "zero pure update + apply_updates": pure_step(params, grads),
+        f"torch {name}(fused=True)": torch_step(params, grads, cls, fused=True, **options),
+        f"torch {name}(foreach=True)": torch_step(params, grads, cls, foreach=True, **options),
+        f"zero Optimizer({args.rule})": ours_step(params, grads, alias()),
+        f"zero Optimizer(from_torch({name}))": ours_step(params, grads, F.from_torch(cls, **options)),
+        "zero pure update + apply_updates": pure_step(params, grads, alias()),
     }
-    results = {name: timeit(fn, args.repeat) for name, fn in paths.items()}
-    base = results["torch Adam(fused=True)"]
-    foreach = results["torch Adam(foreach=True)"]
-    table = Table(title=f"Adam step on {n / 1e6:.1f}M float32 elements in {len(params)} tensors, "
+    results = {path: timeit(fn, args.repeat) for path, fn in paths.items()}
+    base = results[f"torch {name}(fused=True)"]
+    foreach = results[f"torch {name}(foreach=True)"]
+    table = Table(title=f"{name}({options}) step on {n / 1e6:.1f}M float32 elements in {len(params)} tensors, "
                         f"{torch.get_num_threads()} threads; copy bandwidth {copy_gbs:.1f} GB/s")
-    for col in ("path", "ms/step", "ns/element", "GB/s (28 B/elem)", "x fused", "x foreach"):
+    for col in ("path", "ms/step", "ns/element", f"GB/s ({moved} B/elem)", "x fused", "x foreach"):
         table.add_column(col, justify="right")
-    for name, s in results.items():
-        table.add_row(name, f"{s * 1e3:.1f}", f"{s / n * 1e9:.3f}", f"{ADAM_BYTES * n / s / 1e9:.1f}",
+    for path, s in results.items():
+        table.add_row(path, f"{s * 1e3:.1f}", f"{s / n * 1e9:.3f}", f"{moved * n / s / 1e9:.1f}",
                       f"{s / base:.2f}", f"{s / foreach:.2f}")
     Console(width=160).print(table)
     if args.plot:
         from figure import grouped_bars
 
-        grouped_bars(args.plot, f"Adam step, {n / 1e6:.0f}M float32 elements in {len(params)} tensors (CPU)",
+        grouped_bars(args.plot, f"{name} step, {n / 1e6:.0f}M float32 elements in {len(params)} tensors (CPU)",
                      {"ms/step": {name: s * 1e3 for name, s in results.items()}}, "ms per step (lower is better)")
 
 

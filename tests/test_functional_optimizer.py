@@ -52,15 +52,24 @@ FUSED_CASES = {
                                                            foreach=False), None),
     "torch-adamw-amsgrad": (lambda: F.from_torch(torch.optim.AdamW, lr=0.01, amsgrad=True),
                             lambda ps: torch.optim.AdamW(ps, lr=0.01, amsgrad=True, foreach=False), None),
+    "sgd": (lambda: F.sgd(0.05), lambda ps: torch.optim.SGD(ps, lr=0.05, foreach=False), None),
+    "torch-sgd-nesterov-l2": (lambda: F.from_torch(torch.optim.SGD, lr=0.05, momentum=0.9, nesterov=True,
+                                                   weight_decay=0.1),
+                              lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.1,
+                                                         foreach=False), None),
+    "torch-sgd-dampening-maximize": (lambda: F.from_torch(torch.optim.SGD, lr=0.05, momentum=0.5, dampening=0.3,
+                                                          maximize=True),
+                                     lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.5, dampening=0.3,
+                                                                maximize=True, foreach=False), None),
 }
 
 
 @pytest.mark.parametrize("case", sorted(FUSED_CASES))
-def test_fused_kernel_path_equals_torch_single_tensor_adam(case, monkeypatch):
-    """The in-place path (torch's fused kernel) against torch's own for-loop Adam: independent code."""
+def test_fused_kernel_path_equals_torch_single_tensor_rule(case, monkeypatch):
+    """The in-place path (torch's fused kernel) against torch's own for-loop rule: independent code."""
     make, make_ref, lr_lambda = FUSED_CASES[case]
     calls = []
-    for name in ("_fused_adam_", "_fused_adamw_"):
+    for name in ("_fused_adam_", "_fused_adamw_", "_fused_sgd_"):
         kernel = getattr(torch, name)
         monkeypatch.setattr(torch, name, lambda *a, kernel=kernel, **k: calls.append(1) or kernel(*a, **k))
     m1, data = model_and_data()
@@ -76,6 +85,7 @@ def test_fused_kernel_path_equals_torch_single_tensor_adam(case, monkeypatch):
 
 def test_chains_without_a_kernel_step_by_their_update():
     assert F.nadam(0.01).inplace is None and F.adam(0.01, eps_root=1e-8).inplace is None
+    assert F.sgd(0.01, momentum=0.9).inplace is None, "Optax's trace is not torch's momentum buffer"
     assert F.adamw(0.01, mask=lambda p: [True] * len(p)).inplace is None
     assert F.chain(F.scale_by_adam(), F.scale(-0.01)).inplace is None, "scale is not scale_by_learning_rate"
 

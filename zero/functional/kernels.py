@@ -9,7 +9,8 @@ tests, so the two paths check each other.
 
 Kernels today: Adam and AdamW, in Optax's spelling (``adam``, ``adamw``) and torch's
 (`from_torch`: ``maximize`` as ``scale(-1)`` first, coupled weight decay before the moments,
-decoupled after, AMSGrad with torch's running maximum).
+decoupled after, AMSGrad with torch's running maximum); SGD, plain (``sgd`` without momentum)
+and torch's (`from_torch`: momentum with dampening and Nesterov, coupled decay, ``maximize``).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def fuse(links: Sequence[GradientTransformation]) -> InplaceStep | None:
     specs = [(i, tx.spec) for i, tx in enumerate(links) if tx.spec is None or tx.spec.name != "identity"]
     if any(spec is None for _, spec in specs):
         return None
-    return _adam_kernel(specs)
+    return _adam_kernel(specs) or _sgd_kernel(specs)
 
 
 def fusable(*lists: Sequence[torch.Tensor]) -> bool:
@@ -90,6 +91,43 @@ def _adam_kernel(specs: list[tuple[int, Spec]]) -> InplaceStep | None:
                    weight_decay=decay, eps=hyper["eps"], maximize=maximize)
         new = list(state)
         new[core_at] = adam._replace(count=count)
+        if callable(learning_rate):
+            new[lr_at] = lr_state._replace(count=count_inc(lr_state.count))
+        return tuple(new)
+
+    return inplace
+
+
+def _sgd_kernel(specs: list[tuple[int, Spec]]) -> InplaceStep | None:
+    """[scale(-1)] [add_decayed_weights] [torch_momentum] scale_by_learning_rate: torch's SGD."""
+    specs = list(specs)
+    maximize = _take(specs, "scale", lambda a: a["step_size"] == -1.0) is not None
+    decay = _take(specs, "add_decayed_weights", _plain_decay)
+    momentum = _take(specs, "torch_momentum")
+    lr = _take(specs, "scale_by_learning_rate", lambda a: a["flip_sign"])
+    if lr is None or specs:
+        return None
+    lr_at, learning_rate = lr[0], lr[1].args["learning_rate"]
+    weight_decay = decay[1].args["weight_decay"] if decay else 0.0
+    mom = momentum[1].args if momentum else {"momentum": 0.0, "dampening": 0.0, "nesterov": False}
+
+    @torch.no_grad()
+    def inplace(params: list, grads: list, state: tuple) -> tuple | None:
+        buffers = optree.tree_structure(params).flatten_up_to(state[momentum[0]].momentum_buffer) if momentum else []
+        if not fusable(params, grads, *([buffers] if momentum else [])):
+            return None
+        first = bool(momentum) and int(state[momentum[0]].count) == 0
+        lr_state = state[lr_at]
+        rate = float(learning_rate(lr_state.count) if callable(learning_rate) else learning_rate)
+        for idx in _by_device_and_dtype(params):
+            pick = lambda xs, idx=idx: [xs[i] for i in idx]  # noqa: E731
+            torch._fused_sgd_(pick(params), pick(grads), pick(buffers) if momentum else [],
+                              weight_decay=weight_decay, momentum=mom["momentum"], lr=rate,
+                              dampening=mom["dampening"], nesterov=mom["nesterov"], maximize=maximize,
+                              is_first_step=first)
+        new = list(state)
+        if momentum:
+            new[momentum[0]] = state[momentum[0]]._replace(count=count_inc(state[momentum[0]].count))
         if callable(learning_rate):
             new[lr_at] = lr_state._replace(count=count_inc(lr_state.count))
         return tuple(new)

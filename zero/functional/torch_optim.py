@@ -72,7 +72,8 @@ def _torch_momentum(momentum: float, dampening: float, nesterov: bool) -> Gradie
         out = tree_map(lambda g, b: g + momentum * b, updates, buf) if nesterov else buf
         return out, TorchMomentumState(count_inc(state.count), buf)
 
-    return GradientTransformation(lambda p: TorchMomentumState(count_zero(), zeros_like(p)), update)
+    spec = Spec("torch_momentum", {"momentum": momentum, "dampening": dampening, "nesterov": nesterov})
+    return GradientTransformation(lambda p: TorchMomentumState(count_zero(), zeros_like(p)), update, spec=spec)
 
 
 def _torch_amsgrad(b1: float, b2: float, eps: float) -> GradientTransformation:
