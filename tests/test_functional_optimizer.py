@@ -53,6 +53,8 @@ FUSED_CASES = {
     "torch-adamw-amsgrad": (lambda: F.from_torch(torch.optim.AdamW, lr=0.01, amsgrad=True),
                             lambda ps: torch.optim.AdamW(ps, lr=0.01, amsgrad=True, foreach=False), None),
     "sgd": (lambda: F.sgd(0.05), lambda ps: torch.optim.SGD(ps, lr=0.05, foreach=False), None),
+    "sgd-trace-nesterov": (lambda: F.sgd(0.05, momentum=0.9, nesterov=True),
+                           lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True, foreach=False), None),
     "torch-sgd-nesterov-l2": (lambda: F.from_torch(torch.optim.SGD, lr=0.05, momentum=0.9, nesterov=True,
                                                    weight_decay=0.1),
                               lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.1,
@@ -85,7 +87,8 @@ def test_fused_kernel_path_equals_torch_single_tensor_rule(case, monkeypatch):
 
 def test_chains_without_a_kernel_step_by_their_update():
     assert F.nadam(0.01).inplace is None and F.adam(0.01, eps_root=1e-8).inplace is None
-    assert F.sgd(0.01, momentum=0.9).inplace is None, "Optax's trace is not torch's momentum buffer"
+    bf16_trace = F.sgd(0.01, momentum=0.9, accumulator_dtype=torch.bfloat16)
+    assert bf16_trace.inplace is None, "a buffer of another dtype than its param: no kernel"
     assert F.adamw(0.01, mask=lambda p: [True] * len(p)).inplace is None
     assert F.chain(F.scale_by_adam(), F.scale(-0.01)).inplace is None, "scale is not scale_by_learning_rate"
 

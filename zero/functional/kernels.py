@@ -9,8 +9,9 @@ tests, so the two paths check each other.
 
 Kernels today: Adam and AdamW, in Optax's spelling (``adam``, ``adamw``) and torch's
 (`from_torch`: ``maximize`` as ``scale(-1)`` first, coupled weight decay before the moments,
-decoupled after, AMSGrad with torch's running maximum); SGD, plain (``sgd`` without momentum)
-and torch's (`from_torch`: momentum with dampening and Nesterov, coupled decay, ``maximize``).
+decoupled after, AMSGrad with torch's running maximum); SGD, Optax's (``sgd``, with or without
+``trace`` momentum) and torch's (`from_torch`: momentum with dampening and Nesterov, coupled
+decay, ``maximize``).
 """
 
 from __future__ import annotations
@@ -99,24 +100,33 @@ def _adam_kernel(specs: list[tuple[int, Spec]]) -> InplaceStep | None:
 
 
 def _sgd_kernel(specs: list[tuple[int, Spec]]) -> InplaceStep | None:
-    """[scale(-1)] [add_decayed_weights] [torch_momentum] scale_by_learning_rate: torch's SGD."""
+    """[scale(-1)] [add_decayed_weights] [torch_momentum | trace] scale_by_learning_rate: SGD.
+
+    Optax's ``trace`` is torch's momentum without dampening: its buffer starts at zero, so its
+    first step ``g + decay * 0`` is torch's first buffer, the gradient itself.
+    """
     specs = list(specs)
     maximize = _take(specs, "scale", lambda a: a["step_size"] == -1.0) is not None
     decay = _take(specs, "add_decayed_weights", _plain_decay)
-    momentum = _take(specs, "torch_momentum")
+    momentum = _take(specs, "torch_momentum") or _take(specs, "trace", lambda a: a["accumulator_dtype"] is None)
     lr = _take(specs, "scale_by_learning_rate", lambda a: a["flip_sign"])
     if lr is None or specs:
         return None
     lr_at, learning_rate = lr[0], lr[1].args["learning_rate"]
     weight_decay = decay[1].args["weight_decay"] if decay else 0.0
-    mom = momentum[1].args if momentum else {"momentum": 0.0, "dampening": 0.0, "nesterov": False}
+    mom = {"momentum": 0.0, "dampening": 0.0, "nesterov": False}
+    if momentum:
+        args = momentum[1].args
+        mom = (dict(args) if momentum[1].name == "torch_momentum" else
+               {"momentum": args["decay"], "dampening": 0.0, "nesterov": args["nesterov"]})
+    field = "momentum_buffer" if momentum and momentum[1].name == "torch_momentum" else "trace"
 
     @torch.no_grad()
     def inplace(params: list, grads: list, state: tuple) -> tuple | None:
-        buffers = optree.tree_structure(params).flatten_up_to(state[momentum[0]].momentum_buffer) if momentum else []
+        buffers = optree.tree_structure(params).flatten_up_to(getattr(state[momentum[0]], field)) if momentum else []
         if not fusable(params, grads, *([buffers] if momentum else [])):
             return None
-        first = bool(momentum) and int(state[momentum[0]].count) == 0
+        first = field == "momentum_buffer" and int(state[momentum[0]].count) == 0
         lr_state = state[lr_at]
         rate = float(learning_rate(lr_state.count) if callable(learning_rate) else learning_rate)
         for idx in _by_device_and_dtype(params):
@@ -126,7 +136,7 @@ def _sgd_kernel(specs: list[tuple[int, Spec]]) -> InplaceStep | None:
                               dampening=mom["dampening"], nesterov=mom["nesterov"], maximize=maximize,
                               is_first_step=first)
         new = list(state)
-        if momentum:
+        if field == "momentum_buffer":
             new[momentum[0]] = state[momentum[0]]._replace(count=count_inc(state[momentum[0]].count))
         if callable(learning_rate):
             new[lr_at] = lr_state._replace(count=count_inc(lr_state.count))

@@ -378,7 +378,8 @@ def trace(decay: float, nesterov: bool = False, accumulator_dtype: torch.dtype |
             new = tree_map(lambda t: t.to(accumulator_dtype), new)
         return out, TraceState(new)
 
-    return GradientTransformation(lambda p: TraceState(zeros_like(p, accumulator_dtype)), update)
+    spec = Spec("trace", {"decay": decay, "nesterov": nesterov, "accumulator_dtype": accumulator_dtype})
+    return GradientTransformation(lambda p: TraceState(zeros_like(p, accumulator_dtype)), update, spec=spec)
 
 
 def ema(decay: float, debias: bool = True, accumulator_dtype: torch.dtype | None = None) -> GradientTransformation:
