@@ -83,7 +83,7 @@ def _adam_kernel(specs: list[tuple[int, Spec]]) -> InplaceStep | None:
         if not fusable(params, grads, mu, nu, *([nu_max] if amsgrad else [])):
             return None
         count = count_inc(adam.count)
-        rate = float(learning_rate(lr_state.count) if callable(learning_rate) else learning_rate)
+        rate = _rate(learning_rate, lr_state)
         for idx in _by_device_and_dtype(params):
             pick = lambda xs, idx=idx: [xs[i] for i in idx]  # noqa: E731
             step = torch.tensor(float(count), device=params[idx[0]].device)
@@ -92,8 +92,7 @@ def _adam_kernel(specs: list[tuple[int, Spec]]) -> InplaceStep | None:
                    weight_decay=decay, eps=hyper["eps"], maximize=maximize)
         new = list(state)
         new[core_at] = adam._replace(count=count)
-        if callable(learning_rate):
-            new[lr_at] = lr_state._replace(count=count_inc(lr_state.count))
+        new[lr_at] = _advance(learning_rate, lr_state)
         return tuple(new)
 
     return inplace
@@ -128,7 +127,7 @@ def _sgd_kernel(specs: list[tuple[int, Spec]]) -> InplaceStep | None:
             return None
         first = field == "momentum_buffer" and int(state[momentum[0]].count) == 0
         lr_state = state[lr_at]
-        rate = float(learning_rate(lr_state.count) if callable(learning_rate) else learning_rate)
+        rate = _rate(learning_rate, lr_state)
         for idx in _by_device_and_dtype(params):
             pick = lambda xs, idx=idx: [xs[i] for i in idx]  # noqa: E731
             torch._fused_sgd_(pick(params), pick(grads), pick(buffers) if momentum else [],
@@ -138,11 +137,20 @@ def _sgd_kernel(specs: list[tuple[int, Spec]]) -> InplaceStep | None:
         new = list(state)
         if field == "momentum_buffer":
             new[momentum[0]] = state[momentum[0]]._replace(count=count_inc(state[momentum[0]].count))
-        if callable(learning_rate):
-            new[lr_at] = lr_state._replace(count=count_inc(lr_state.count))
+        new[lr_at] = _advance(learning_rate, lr_state)
         return tuple(new)
 
     return inplace
+
+
+def _rate(learning_rate: Any, lr_state: Any) -> float:
+    """The learning rate of this step: the number, or the schedule at the lr link's count."""
+    return float(learning_rate(lr_state.count) if callable(learning_rate) else learning_rate)
+
+
+def _advance(learning_rate: Any, lr_state: Any) -> Any:
+    """The lr link's state after a step (a schedule counts steps; a constant keeps no state)."""
+    return lr_state._replace(count=count_inc(lr_state.count)) if callable(learning_rate) else lr_state
 
 
 def _by_device_and_dtype(tensors: Sequence[torch.Tensor]) -> list[list[int]]:

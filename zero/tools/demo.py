@@ -12,19 +12,17 @@ optimizer, then compares per-rank optimizer state, peak memory, and the final pa
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import resource
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from zero.backends.state_dict import state_nbytes
-from zero.tools.launch import free_port
+from zero.tools import launch
 
 __all__ = ["main", "run_rank", "train_and_save", "load_and_train", "plain_training"]
 
@@ -62,8 +60,7 @@ def run_rank(rank: int, world_size: int, use_zero: bool, layers: int, width: int
 
     on_gpu = dist.get_backend() == "nccl"
     device = torch.device("cuda", rank % torch.cuda.device_count()) if on_gpu else torch.device("cpu")
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)]).to(device)
+    model = _tutorial_model(layers, width).to(device)
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     if use_zero:
         opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam, lr=0.01)
@@ -143,24 +140,11 @@ def plain_training(steps: int, layers: int = 4, width: int = 64) -> float:
     return float(sum(p.detach().sum() for p in model.parameters()))
 
 
-def _spawned(rank, world_size, port, use_zero, args, results):
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world_size))
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    backend = "nccl" if torch.cuda.device_count() >= world_size else "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(minutes=5))
-    try:
-        results.put(run_rank(rank, world_size, use_zero, args.layers, args.width, args.steps))
-    finally:
-        dist.destroy_process_group()
-
-
 def _run_spawned(args, use_zero: bool) -> list[dict]:
-    port = free_port()
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    mp.start_processes(_spawned, args=(args.world_size, port, use_zero, args, results),
-                       nprocs=args.world_size, start_method="spawn")
-    return sorted((results.get() for _ in range(args.world_size)), key=lambda r: r["rank"])
+    """One run, each rank in a process of its own (NCCL with a GPU per rank, else gloo)."""
+    backend = "nccl" if torch.cuda.device_count() >= args.world_size else "gloo"
+    return launch.run(run_rank, args.world_size, use_zero, args.layers, args.width, args.steps, backend=backend,
+                      timeout=3600, pg_timeout=300, threads=max(1, (os.cpu_count() or 2) // args.world_size))
 
 
 def _report(runs: dict[bool, list[dict]], args) -> None:

@@ -28,11 +28,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn, rank, world_size, port, results, args, pg_timeout, backend):
+def _worker(fn, rank, world_size, port, results, args, pg_timeout, backend, threads):
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     try:
         if backend == "rpc":
@@ -65,13 +65,16 @@ def _rpc_worker(fn, rank, world_size, port, args, rpc_timeout):
 
 
 def run(fn, world_size: int, *args, timeout: float = 240, pg_timeout: float = 60,
-        allow_exit: tuple[int, ...] = (), backend: str = "gloo") -> list:
-    """``fn(rank, world_size, *args)`` on every rank; ``allow_exit`` ranks may return no result."""
+        allow_exit: tuple[int, ...] = (), backend: str = "gloo", threads: int = 1) -> list:
+    """``fn(rank, world_size, *args)`` on every rank; ``allow_exit`` ranks may return no result.
+
+    Each rank uses ``threads`` CPU threads (1 by default: ranks share the machine's cores).
+    """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, daemon=True,
-                         args=(fn, r, world_size, port, results, args, pg_timeout, backend))
+                         args=(fn, r, world_size, port, results, args, pg_timeout, backend, threads))
              for r in range(world_size)]
     for p in procs:
         p.start()
