@@ -15,7 +15,8 @@ import torch
 from zero.functional import GradientTransformation, Optimizer, inject_hyperparams
 from zero.functional.optimizer import check_not_optax
 
-__all__ = ["make_local_optimizer", "local_groups", "copy_hyperparams", "is_functional", "check_state_keys"]
+__all__ = ["make_local_optimizer", "local_groups", "copy_hyperparams", "is_functional", "check_state_keys",
+           "per_element_keys", "check_shardable"]
 
 
 def make_local_optimizer(optimizer_class: Any, groups: list[dict], defaults: dict) -> torch.optim.Optimizer:
@@ -88,16 +89,33 @@ def check_state_keys(saved: dict, optim: torch.optim.Optimizer) -> None:
                                  f"optimizer, {_saved_by(group)} judging by its settings, not by {name}")
 
 
+def per_element_keys(optim: torch.optim.Optimizer) -> set[str] | None:
+    """The state keys a torch optimizer keeps shaped like the param (not per-param scalars such as
+    ``step``), found as `check_state_keys` finds them; None when it cannot tell (functional ones)."""
+    if is_functional(optim) or not optim.param_groups:
+        return None
+    probed = _probe(type(optim), optim.param_groups[0])
+    if probed is None:
+        return None
+    return {k for k, v in probed.items() if isinstance(v, torch.Tensor) and v.shape == (2,)}
+
+
 def _state_keys(cls: type, group: dict) -> set[str] | None:
+    probed = _probe(cls, group)
+    return None if probed is None else set(probed)
+
+
+def _probe(cls: type, group: dict) -> dict | None:
+    """The state ``cls`` keeps for a two-element param after one step with ``group``'s settings."""
     accepted = inspect.signature(cls).parameters
-    p = torch.zeros(1, requires_grad=True)
+    p = torch.zeros(2, requires_grad=True)
     try:
         probe = cls([p], **{k: v for k, v in group.items() if k in accepted and k != "params"})
-        p.grad = torch.zeros(1)
+        p.grad = torch.zeros(2)
         probe.step()
     except (RuntimeError, ValueError, TypeError):  # e.g. capturable=True needs CUDA: cannot tell here
         return None
-    return set(probe.state[p])
+    return dict(probe.state[p])
 
 
 def _saved_by(group: dict) -> str:
@@ -111,3 +129,27 @@ def _saved_by(group: dict) -> str:
         return len(keys & options) / len(keys | options)
 
     return f"torch.optim.{max(classes, key=overlap).__name__}"
+
+
+# Rules that need a whole tensor at once, which a flat plan's 1-D shards cannot give them.
+_NOT_ELEMENTWISE = ("LBFGS", "SparseAdam", "Adafactor", "Muon")
+
+
+def check_shardable(optimizer_class: Any) -> None:
+    """``ValueError`` when a flat plan cannot run ``optimizer_class``: a ``torch.optim`` class whose
+    rule is not element-wise, or an Optax transformation (`from_optax`), whose rule zero cannot
+    see into. Whole-param plans run both."""
+    name = getattr(optimizer_class, "__name__", "")
+    if isinstance(optimizer_class, type) and name in _NOT_ELEMENTWISE:
+        raise ValueError(f"torch.optim.{name} needs whole tensors (its rule is not element-wise), so it cannot "
+                         "step a flat plan's shards: use a whole-param plan (strategy='sorted_greedy')")
+    if isinstance(optimizer_class, GradientTransformation) and _mentions(optimizer_class, "from_optax"):
+        raise ValueError("a from_optax transformation runs Optax's own code, which cannot be told that it steps "
+                         "pieces of tensors: use a whole-param plan, or zero.functional's own rule")
+
+
+def _mentions(tx: Any, name: str) -> bool:
+    spec = getattr(tx, "spec", None)
+    if spec is None:
+        return False
+    return spec.name == name or any(_mentions(link, name) for link in spec.args.get("links", ()))

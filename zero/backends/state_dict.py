@@ -20,26 +20,34 @@ import torch
 from zero.plans.checks import check_int
 from zero.plans.shards import LocalIndices, group_ranges, local_order
 
-__all__ = ["to_global", "to_local", "check_compatible", "state_nbytes"]
+__all__ = ["to_global", "to_local", "assemble", "local_dict", "check_compatible", "state_nbytes"]
 
 
 def to_global(shards: Sequence[dict], indices: Sequence[LocalIndices], param_groups: list[dict],
               owner: Sequence[int]) -> dict[str, Any]:
     """Merge each rank's local ``state_dict()`` into the global one (``indices``: `local_indices`)."""
     state: dict[int, Any] = {}
-    tx_states = []
     for shard, per_group in zip(shards, indices):
         flat_local = [j for g in shard["param_groups"] for j in g["params"]]
         for j, i in zip(flat_local, local_order(per_group)):
             if j in shard["state"]:
                 state[i] = shard["state"][j]
-        if "tx_states" in shard:
-            tx_states.append(shard["tx_states"])
+    return assemble(state, shards, param_groups, list(owner))
+
+
+def assemble(state: dict[int, Any], shards: Sequence[dict], param_groups: list[dict], placement: Any) -> dict:
+    """The global state dict of per-param ``state`` (global indices), with the groups' settings.
+
+    `zero.functional` local states (``tx_states``) cannot be split per param: they travel per
+    rank, with the ``placement`` they reload onto (``owner``: the partition's owners, or a flat
+    plan's fingerprint).
+    """
     ranges = group_ranges([len(g["params"]) for g in param_groups])
     groups = [{**_settings(g), "params": list(r)} for g, r in zip(param_groups, ranges)]
     out: dict[str, Any] = {"state": dict(sorted(state.items())), "param_groups": groups}
+    tx_states = [shard["tx_states"] for shard in shards if "tx_states" in shard]
     if tx_states:
-        out["tx_states"], out["owner"] = tx_states, list(owner)
+        out["tx_states"], out["owner"] = tx_states, placement
     return out
 
 
@@ -67,14 +75,22 @@ def check_compatible(state_dict: Any, params: Sequence[torch.Tensor], group_size
 
 def to_local(state_dict: dict, per_group: LocalIndices, rank: int, owner: Sequence[int]) -> dict[str, Any]:
     """This rank's local ``state_dict`` out of a global one (its owned params, local indices)."""
-    ranges = group_ranges([len(idx) for idx in per_group])
-    groups = [{**_settings(g), "params": list(r)} for g, r in zip(state_dict["param_groups"], ranges)]
     state = {j: state_dict["state"][i] for j, i in enumerate(local_order(per_group)) if i in state_dict["state"]}
+    return local_dict(state, [len(idx) for idx in per_group], state_dict, rank, list(owner))
+
+
+def local_dict(state: dict[int, Any], group_sizes: Sequence[int], state_dict: dict, rank: int,
+               placement: Any) -> dict[str, Any]:
+    """A local ``state_dict`` of ``state`` (local indices) and the global one's group settings."""
+    ranges = group_ranges(group_sizes)
+    groups = [{**_settings(g), "params": list(r)} for g, r in zip(state_dict["param_groups"], ranges)]
     local: dict[str, Any] = {"state": state, "param_groups": groups}
     if "tx_states" in state_dict:
-        if list(state_dict["owner"]) != list(owner) or rank >= len(state_dict["tx_states"]):
+        saved = state_dict["owner"]
+        if (list(saved) if isinstance(saved, (list, tuple)) else saved) != placement \
+                or rank >= len(state_dict["tx_states"]):
             raise ValueError("this state_dict holds zero.functional transformation states, which reload only onto "
-                             "the same world size and ownership they were saved with; use a torch.optim class as "
+                             "the same plan and world size they were saved with; use a torch.optim class as "
                              "optimizer_class to reshard state")
         local["tx_states"] = state_dict["tx_states"][rank]
     return local

@@ -1,13 +1,16 @@
-"""`ZeroRedundancyOptimizer`: torch's ZeRO-1 optimizer, as a wiring of plans and collectives.
+"""`ZeroRedundancyOptimizer`: torch's ZeRO-1 optimizer, as the executor of a `zero.Plan`.
 
-Construction: params -> `zero.param_metas` -> `zero.partition` (ownership) -> a local optimizer
-over the owned params -> `ParamSync` executing `zero.bucket_views`. A step runs the local
-optimizer, then all-gathers the updated params. The class keeps only the partition, the local
-optimizer and the sync buffers; every placement decision is the plan layer's.
+Construction: params -> `zero.param_metas` -> a `zero.Plan` (given, or made from ``strategy``) ->
+a local optimizer over what the plan gives this rank -> the sync that writes every replica.
+Whole-param plans: the owned params, synced by `ParamSync` (`zero.bucket_views`). Flat plans:
+one 1-D shard per flat buffer, synced by `FlatShards`. A step runs the local optimizer, then the
+sync. The class keeps only the plan, the local optimizer and the sync buffers; every placement
+decision is the plan layer's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -19,13 +22,17 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
 from zero.backends import comm
-from zero.backends.local_optimizer import check_state_keys, copy_hyperparams, local_groups, make_local_optimizer
+from zero.backends.flat import FlatShards, flat_to_global, flat_to_local
+from zero.backends.local_optimizer import (check_shardable, check_state_keys, copy_hyperparams, is_functional,
+                                           local_groups, make_local_optimizer, per_element_keys)
 from zero.backends.state_dict import check_compatible, to_global, to_local
 from zero.backends.sync import ParamSync
+from zero.functional import sharding
 from zero.plans.checks import checksum
 from zero.plans.layout import bucket_views
-from zero.plans.meta import param_groups, param_metas
-from zero.plans.partition import STRATEGIES, check_rank, partition
+from zero.plans.meta import ParamMeta, param_groups, param_metas
+from zero.plans.partition import check_rank
+from zero.plans.plan import PLAN_STRATEGIES, Plan, make_plan
 from zero.plans.shards import local_indices
 
 __all__ = ["ZeroRedundancyOptimizer"]
@@ -36,9 +43,10 @@ logger = logging.getLogger(__name__)
 class ZeroRedundancyOptimizer(Optimizer, Joinable):
     """Shard any optimizer's state across a process group (ZeRO stage 1); a drop-in for torch's.
 
-    Each rank keeps the full model but steps, and holds state for, only the params it owns; the
-    updated params are then all-gathered, one collective per (device, dtype) rather than one
-    broadcast per param. Params of several dtypes and devices may be mixed.
+    Each rank keeps the full model but steps, and holds state for, only what the plan gives it:
+    whole params (torch's way), or with a flat plan an equal slice of every flat buffer of params.
+    The updated params are then all-gathered, one collective per (device, dtype) (per flat
+    buffer) rather than one broadcast per param. Params of several dtypes and devices may be mixed.
 
     Args:
         params: tensors or param-group dicts (each group keeps its own hyperparameters).
@@ -46,21 +54,26 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             or a `zero.functional` factory such as ``zero.functional.adam``.
         process_group: the group to shard over (default: the world).
         parameters_as_bucket_view: make params views into per-(device, dtype, rank) buckets,
-            so the all-gather writes them in place and no copies are made.
+            so the all-gather writes them in place and no copies are made. Flat plans always
+            keep params as views into their flat buffers.
         overlap_with_ddp: not yet supported (raises ``NotImplementedError``).
-        strategy: the `zero.partition` strategy; ``"sorted_greedy"`` (default) is torch's.
+        plan: the `zero.Plan` to execute, made by `zero.make_plan` for exactly these params
+            (``zero.param_metas(params)``) and this world size, on every rank alike.
+        strategy: shorthand for ``plan=zero.make_plan(zero.param_metas(params), world_size,
+            strategy)``; ``"sorted_greedy"`` (torch's) when neither is given. ``"flat"`` shards
+            elements (DeepSpeed's ZeRO-1): balanced to the element, for element-wise rules.
         sync_chunk_mb: without bucket views, the scratch each all-gather may use, in MiB.
         **defaults: hyperparameters for the local optimizer (``lr=...``).
     """
 
     def __init__(self, params: Iterable, optimizer_class: Any, process_group: Any = None,
                  parameters_as_bucket_view: bool = False, overlap_with_ddp: bool = False, *,
-                 strategy: str = "sorted_greedy", sync_chunk_mb: float = 16, **defaults: Any):
+                 plan: Plan | None = None, strategy: str | None = None, sync_chunk_mb: float = 16,
+                 **defaults: Any):
         if overlap_with_ddp:
             raise NotImplementedError("overlap_with_ddp=True (stepping inside DDP's comm hook) is not implemented "
                                       "yet; use overlap_with_ddp=False and call step() after backward()")
-        if strategy not in STRATEGIES:
-            raise ValueError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
+        _check_plan_arguments(plan, strategy)
         self.process_group = comm.resolve_group(process_group, "ZeroRedundancyOptimizer")
         if not isinstance(sync_chunk_mb, (int, float)) or sync_chunk_mb <= 0:
             raise ValueError(f"sync_chunk_mb must be a positive number, got {sync_chunk_mb!r}")
@@ -74,26 +87,33 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self.world_size = comm.group_size(self.process_group)
         self.rank = comm.group_rank(self.process_group)
         self.parameters_as_bucket_view = bool(parameters_as_bucket_view)
-        self._strategy, self._chunk_bytes = strategy, int(sync_chunk_mb * 2**20)
+        self._chunk_bytes = int(sync_chunk_mb * 2**20)
         self._all_params = [p for g in self.param_groups for p in g["params"]]
         self._default_device = self._all_params[0].device
-        self._replan()
+        self._metas = param_metas(self.param_groups)
+        self.plan = plan if plan is not None else make_plan(self._metas, self.world_size, strategy or "sorted_greedy")
+        check_plan(self.plan, self._metas, self.world_size)
+        if self.plan.flat is not None:
+            check_shardable(optimizer_class)
+        self._sync: ParamSync | FlatShards | None = None
+        self._build_sync()
         self.optim = make_local_optimizer(optimizer_class, self._local_groups(), defaults)
         self._pull_hyperparams()
-        self._sync: ParamSync | None = None
-        self._build_sync()
         self._consolidated: list[dict] | None = None
         self._steps = 0
         self._ready = True
 
-    # -- planning (delegated to the plan layer) --------------------------------------------------
+    # -- the plan and its execution --------------------------------------------------------------
 
-    def _replan(self) -> None:
-        self._metas = param_metas(self.param_groups)
-        self._partition = partition(self._metas, self.world_size, self._strategy)
-        self._indices = local_indices(self._metas, self._partition, len(self.param_groups))
+    @property
+    def partition(self):
+        """The `zero.Partition` this optimizer executes (owner of each param, in ``param_groups``
+        order); None under a flat plan, whose placement is ``plan.flat``."""
+        return self.plan.partition
 
     def _local_groups(self) -> list[dict]:
+        if self.plan.flat is not None:
+            return self._sync.local_groups(self.param_groups)
         return local_groups(self.param_groups, self._indices[self.rank], self._all_params)
 
     # The outer param_groups are the truth users and lr schedulers write; the local optimizer's
@@ -106,58 +126,101 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         copy_hyperparams(self.optim.param_groups, self.param_groups)
 
     def _build_sync(self) -> None:
+        """(Re)build the sync for the current trainable params (they may change between steps)."""
+        self._metas = param_metas(self.param_groups)
+        self._trainable = checksum([m.requires_grad for m in self._metas])
+        if self.plan.flat is not None:
+            if self._sync is not None:
+                raise ValueError("params were frozen or unfrozen after building a flat plan's optimizer; a flat "
+                                 "plan packs the trainable params at construction: build the optimizer again "
+                                 "(moving its state_dict), or use a whole-param plan")
+            self._sync = FlatShards(self._all_params, self._metas, self.plan.flat, self.rank, self.process_group)
+            return
         if self._sync is not None:
             self._sync.release()
-        self._metas = param_metas(self.param_groups)  # requires_grad may have changed since _replan
-        layout = bucket_views(self._metas, self._partition)
-        self._params_checksum = checksum([(m.shape, m.dtype, m.requires_grad) for m in self._metas])
+        self._indices = local_indices(self._metas, self.plan.partition, len(self.param_groups))
+        layout = bucket_views(self._metas, self.plan.partition)
         self._sync = ParamSync(self._all_params, layout, self.rank, self.process_group,
                                self.parameters_as_bucket_view, self._chunk_bytes)
 
-    @property
-    def partition(self):
-        """The `zero.Partition` this optimizer executes (owner of each param, in ``param_groups`` order)."""
-        return self._partition
+    def _sharding(self) -> sharding.Sharding:
+        """The pieces of whole params this rank's local params are, for rules over whole tensors."""
+        def reduce(t: torch.Tensor) -> torch.Tensor:
+            t = t.to(self._comm_device())
+            comm.all_reduce_sum(t, self.process_group)
+            return t.cpu()
+
+        if self.plan.flat is not None:
+            return self._sync.sharding(reduce)
+        pieces = {id(p): sharding.Pieces((i,), (p.numel(),))
+                  for i, p in enumerate(self._all_params) if self.plan.partition.owner[i] == self.rank}
+        return sharding.Sharding(pieces, tuple(p.dtype for p in self._all_params), reduce)
 
     # -- torch.optim.Optimizer protocol ----------------------------------------------------------
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group on every rank (a collective): old params keep their owners and state."""
+        """Add a group on every rank (a collective): old params keep their owners and state.
+
+        The plan is made again with its own strategy and settings for the params with the new
+        group; a strategy that would move existing params, and any flat plan, is a ``ValueError``.
+        """
         if not self._ready:
             return super().add_param_group(param_group)
         param_group = _normalise_params([param_group])[0]  # type and sparsity errors, before any collective
         shapes = [(tuple(p.shape), str(p.dtype), p.requires_grad) for p in param_group["params"]]
         new_group = (shapes, {k: v for k, v in param_group.items() if k != "params"})
         self._check_in("add_param_group", checksum(new_group))()
-        old_owner = self._partition.owner
+        if self.plan.flat is not None:
+            raise ValueError("add_param_group cannot extend a flat plan (its buffers would be packed again): "
+                             "build the optimizer with every group, or use a whole-param plan")
+        old_owner = self.plan.partition.owner
         super().add_param_group(param_group)
         self._all_params.extend(param_group["params"])
-        self._replan()
-        if self._partition.owner[:len(old_owner)] != old_owner:
-            raise ValueError(f"strategy {self._strategy!r} moves existing params when a group is added; "
+        p = self.plan
+        self.plan = make_plan(param_metas(self.param_groups), self.world_size, p.strategy, p.weight, p.optimizer,
+                              p.alignment)
+        if self.plan.partition.owner[:len(old_owner)] != old_owner:
+            raise ValueError(f"strategy {p.strategy!r} moves existing params when a group is added; "
                              "use 'sorted_greedy' or 'greedy' with add_param_group")
+        self._build_sync()
         self.optim.add_param_group(self._local_groups()[-1])
         self._pull_hyperparams()
-        self._build_sync()
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:
-        """Step the owned params with the local optimizer, then all-gather every updated param."""
+        """Step what this rank holds with the local optimizer, then all-gather every updated param."""
         Join.notify_join_context(self)
         if any(p.requires_grad != m.requires_grad for p, m in zip(self._all_params, self._metas)):
             logger.info("trainable params changed; rebuilding the sync buckets")
             self._build_sync()
         verify = self._check_in("step")
         self._push_hyperparams()
-        if closure is None:
-            loss = self.optim.step(**kwargs)
-        else:
-            with torch.enable_grad():
-                loss = self.optim.step(closure=closure, **kwargs)
+        loss = self._step_local(closure, **kwargs)
         verify()
         self._steps += 1
         self._sync.sync()
         return loss
+
+    def _step_local(self, closure: Callable[[], float] | None, **kwargs: Any) -> float | None:
+        loss = None
+        if self.plan.flat is not None:  # the shards' gradients are copies: take them after the closure ran
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            closure = None
+            self._sync.load_grads()
+        rules = sharding.installed(self._sharding()) if is_functional(self.optim) else contextlib.nullcontext()
+        try:
+            with rules:
+                if closure is None:
+                    out = self.optim.step(**kwargs)
+                else:
+                    with torch.enable_grad():
+                        out = self.optim.step(closure=closure, **kwargs)
+            return loss if loss is not None else out
+        finally:
+            if self.plan.flat is not None:
+                self._sync.clear_grads()
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather every rank's shard of the state onto rank ``to`` (call on all ranks).
@@ -187,13 +250,18 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if self._consolidated is None:
             raise RuntimeError(f"the optimizer state has not been consolidated on rank {self.rank}: call "
                                f"consolidate_state_dict(to={self.rank}) on all ranks before state_dict()")
-        return to_global(self._consolidated, self._indices, self.param_groups, self._partition.owner)
+        if self.plan.flat is None:
+            return to_global(self._consolidated, self._indices, self.param_groups, self.plan.partition.owner)
+        return flat_to_global(self._consolidated, self.plan, self.param_groups, per_element_keys(self.optim))
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         """Load a global state dict (ours at any world size, torch's, or a plain optimizer's)."""
         check_compatible(saved, self._all_params, [len(g["params"]) for g in self.param_groups])
         check_state_keys(saved, self.optim)
-        mine = to_local(saved, self._indices[self.rank], self.rank, self._partition.owner)
+        if self.plan.flat is None:
+            mine = to_local(saved, self._indices[self.rank], self.rank, self.plan.partition.owner)
+        else:
+            mine = flat_to_local(saved, self.plan, self.rank, per_element_keys(self.optim))
         self.optim.load_state_dict(mine)  # torch's own rules place each state tensor on its device
         self._pull_hyperparams()
 
@@ -214,8 +282,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def _check_in(self, what: str, argument: int = 0):
         """Start the check that every rank is in the same call on the same optimizer (see `comm.check_in`)."""
         groups = [(len(g["params"]), {k: v for k, v in g.items() if k != "params"}) for g in self.param_groups]
-        fields = {"steps taken": self._steps, "params (shapes, dtypes, requires_grad)": self._params_checksum,
-                  "param groups (sizes and settings such as lr)": checksum(groups),
+        fields = {"steps taken": self._steps, "param groups (sizes and settings such as lr)": checksum(groups),
+                  "plan (its fingerprint: params, groups, placement)": int(self.plan.fingerprint[:15], 16),
+                  "trainable params (requires_grad)": self._trainable,
                   "the call's argument (to=, or the new group)": argument}
         return comm.check_in(what, fields, self.process_group, self._comm_device())
 
@@ -233,6 +302,31 @@ class _ZeroJoinHook(JoinHook):
         # A joined rank still owns params: step them with the (shadowed, all-reduced) gradients
         # and take part in the all-gather, as the ranks with inputs do.
         self.zero.step()
+
+
+def _check_plan_arguments(plan: Any, strategy: Any) -> None:
+    if plan is not None and not isinstance(plan, Plan):
+        raise TypeError(f"plan must be a zero.Plan (from zero.make_plan or Plan.from_json), got {type(plan).__name__}")
+    if plan is not None and strategy is not None:
+        raise ValueError(f"pass plan= or strategy=, not both (the plan's strategy is {plan.strategy!r})")
+    if strategy is not None and strategy not in PLAN_STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; choose one of {PLAN_STRATEGIES}")
+
+
+def check_plan(plan: Plan, metas: list[ParamMeta], world_size: int) -> None:
+    """``ValueError`` when ``plan`` was made for other params (naming the first that differs) or
+    another world size. Names may differ: a plan made from ``model`` names params by attribute."""
+    if plan.world_size != world_size:
+        raise ValueError(f"the plan is for {plan.world_size} ranks but the process group has {world_size}")
+    if len(plan.metas) != len(metas):
+        raise ValueError(f"the plan is for {len(plan.metas)} params but the optimizer got {len(metas)}: "
+                         "make it with zero.make_plan(zero.param_metas(params), ...) for these params")
+    fields = ("shape", "dtype", "device", "group", "requires_grad")
+    for i, (planned, given) in enumerate(zip(plan.metas, metas)):
+        for field in fields:
+            if getattr(planned, field) != getattr(given, field):
+                raise ValueError(f"the plan was made for other params: param {i} ({planned.name!r} in the plan) has "
+                                 f"{field} {getattr(planned, field)!r} in the plan but {getattr(given, field)!r} here")
 
 
 def _normalise_params(params: Any) -> list[dict]:

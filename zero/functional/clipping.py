@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from zero.functional import sharding
 from zero.functional.base import EmptyState, GradientTransformation, check_non_negative, tree_leaves, tree_map
 
 __all__ = ["clip", "clip_by_global_norm", "global_norm"]
@@ -20,11 +21,8 @@ def clip(max_delta: float) -> GradientTransformation:
 
 
 def global_norm(updates: Any) -> torch.Tensor:
-    """The L2 norm of all leaves together."""
-    leaves = tree_leaves(updates)
-    if not leaves:
-        return torch.zeros(())
-    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(leaves)))
+    """The L2 norm of all leaves together (of the whole model's, under a sharded optimizer)."""
+    return sharding.global_norm(tree_leaves(updates))
 
 
 def clip_by_global_norm(max_norm: float) -> GradientTransformation:

@@ -69,17 +69,18 @@ def from_optax(optax_tx: Any) -> GradientTransformation:
     return GradientTransformation(init, update, spec=_injected_spec(optax_tx))
 
 
-def _injected_spec(optax_tx: Any) -> Spec | None:
-    """The hyperparameters of ``optax.inject_hyperparams(...)(...)``, which Optax keeps only in
-    its state: read from a state made for no params (None for any other transformation)."""
+def _injected_spec(optax_tx: Any) -> Spec:
+    """Names the bridge (sharded backends cannot see into Optax's code), with the hyperparameters
+    of ``optax.inject_hyperparams(...)(...)``, which Optax keeps only in its state: read from a
+    state made for no params (none for any other transformation)."""
     try:
         state = optax_tx.init({})
     except Exception:  # noqa: BLE001 - an Optax transformation that needs params has no injected values
-        return None
+        state = None
     hyperparams = getattr(state, "hyperparams", None)
     if not isinstance(hyperparams, dict) or not hasattr(state, "inner_state"):
-        return None
-    return Spec("inject_hyperparams", {"hyperparams": {k: float(v) for k, v in hyperparams.items()}})
+        hyperparams = {}
+    return Spec("from_optax", {"hyperparams": {k: float(v) for k, v in hyperparams.items()}})
 
 
 @functools.cache

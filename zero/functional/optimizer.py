@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from zero.functional import sharding
 from zero.functional.base import GradientTransformation, inplace_step, tree_map
 from zero.functional.wrappers import inject_hyperparams
 
@@ -31,7 +32,7 @@ def hyperparams_of(tx: GradientTransformation) -> dict[str, float]:
     """The torch-group view (``lr`` ...) of the hyperparameters ``tx`` keeps in its state
     (those of `inject_hyperparams`, read from its spec; none for other transformations)."""
     spec = getattr(tx, "spec", None)
-    if spec is None or spec.name != "inject_hyperparams":
+    if spec is None or spec.name not in ("inject_hyperparams", "from_optax"):
         return {}
     return {_group_key(k): v for k, v in spec.args["hyperparams"].items()}
 
@@ -166,7 +167,8 @@ class _StatesBySet:
             self._owner.update(dict.fromkeys(idx, idx))
         if group is not None:
             state = _sync_hyperparams(state, group)
-        self.states[idx] = inplace_step(self.tx, params, grads, state)
+        with sharding.stepping(params):
+            self.states[idx] = inplace_step(self.tx, params, grads, state)
 
 
 class Optimizer(torch.optim.Optimizer):
@@ -201,7 +203,7 @@ class Optimizer(torch.optim.Optimizer):
                 loss = closure()
         for group, states in zip(self.param_groups, self._states):
             idx = tuple(i for i, p in enumerate(group["params"]) if p.grad is not None)
-            if idx:
+            if idx or sharding.active():  # sharded rules make collectives: every rank steps every group
                 params = [group["params"][i] for i in idx]
                 grads = [p.grad for p in params]
                 if any(g.is_sparse for g in grads):

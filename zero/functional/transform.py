@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
+from zero.functional import sharding
 from zero.functional.base import (
     NO_PARAMS_MSG,
     EmptyState,
@@ -312,25 +313,31 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99, mu_dtype: torch.dtype | Non
     return GradientTransformation(init, update)
 
 
-def _safe_norm(x, min_norm):
-    norm = torch.linalg.vector_norm(x)
+def _safe(norm, min_norm):
     return torch.where(norm <= min_norm, torch.as_tensor(min_norm, dtype=norm.dtype), norm)
 
 
 def scale_by_trust_ratio(min_norm: float = 0.0, trust_coefficient: float = 1.0,
                          eps: float = 0.0) -> GradientTransformation:
-    """Scale each tensor's update by ``|param| / |update|`` (LARS/LAMB; ``optax.scale_by_trust_ratio``)."""
+    """Scale each tensor's update by ``|param| / |update|`` (LARS/LAMB; ``optax.scale_by_trust_ratio``).
+
+    The norms are of whole tensors, also when a sharded optimizer steps pieces of them
+    (`zero.functional.sharding`).
+    """
 
     def update(updates, state, params=None):
         if params is None:
             raise ValueError(NO_PARAMS_MSG)
+        u_leaves, treedef = optree.tree_flatten(updates)
+        p_leaves = treedef.flatten_up_to(params)
+        p_norms, u_norms = sharding.tensor_norms(p_leaves), sharding.tensor_norms(u_leaves)
 
-        def one(u, p):
-            p_norm, u_norm = _safe_norm(p, min_norm), _safe_norm(u, min_norm)
+        def one(u, p_norm, u_norm):
+            p_norm, u_norm = _safe(p_norm, min_norm), _safe(u_norm, min_norm)
             ratio = trust_coefficient * p_norm / (u_norm + eps)
             return u * torch.where((p_norm == 0) | (u_norm == 0), torch.ones_like(ratio), ratio).to(u.dtype)
 
-        return tree_map(one, updates, params), state
+        return optree.tree_unflatten(treedef, list(map(one, u_leaves, p_norms, u_norms))), state
 
     return GradientTransformation(lambda params: EmptyState(), update)
 

@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from zero.functional import sharding
 from zero.functional.base import (
     GradientTransformation,
     Spec,
@@ -125,7 +126,7 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int) 
         return ApplyIfFiniteState(count_zero(), torch.tensor(True), count_zero(), inner.init(params))
 
     def update(updates, state, params=None):
-        finite = all(bool(torch.isfinite(g).all()) for g in tree_leaves(updates))
+        finite = sharding.all_finite(tree_leaves(updates))
         notfinite = count_zero() if finite else count_inc(state.notfinite_count)
         if finite or int(notfinite) > max_consecutive_errors:
             updates, inner_state = inner.update(updates, state.inner_state, params)

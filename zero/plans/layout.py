@@ -15,7 +15,7 @@ from zero.plans.meta import ParamMeta, itemsize
 from zero.plans.partition import Partition, check_metas, check_rank, check_world_size
 
 __all__ = ["Bucket", "BucketLayout", "bucket_views", "split_bucket", "Piece", "row_chunks", "SyncRows",
-           "sync_rows", "Segment", "FlatBuffer", "FlatLayout", "flat_layout"]
+           "sync_rows", "Segment", "ShardPiece", "FlatBuffer", "FlatLayout", "flat_layout"]
 
 
 @dataclass(frozen=True)
@@ -174,15 +174,18 @@ class Segment:
 
 @dataclass(frozen=True)
 class FlatBuffer:
-    """All trainable params of one (device, dtype), packed and padded into equal shards.
+    """All trainable params of one param group and (device, dtype), packed and padded into
+    equal shards.
 
     ``params[k]`` occupies ``offsets[k]:offsets[k] + numel`` of the buffer; rank ``r`` owns
     ``r * shard_numel:(r + 1) * shard_numel``; ``segments[k]`` says which ranks hold which
-    elements of ``params[k]``.
+    elements of ``params[k]``. One buffer per group, because a rank steps its shard of a buffer
+    as one tensor, with one group's settings.
     """
 
     device: str
     dtype: str
+    group: int
     params: tuple[int, ...]
     offsets: tuple[int, ...]
     numel: int
@@ -194,10 +197,30 @@ class FlatBuffer:
     def padding(self) -> int:
         return self.padded_numel - self.numel
 
+    def pieces(self, rank: int) -> tuple[ShardPiece, ...]:
+        """The pieces of params in ``rank``'s shard, in shard order (padding, if any, follows them)."""
+        out = []
+        for i, off, segs in zip(self.params, self.offsets, self.segments):
+            for s in segs:
+                if s.rank == rank:
+                    out.append(ShardPiece(i, s.start, s.end, off + s.start - rank * self.shard_numel))
+        return tuple(out)
+
+
+@dataclass(frozen=True)
+class ShardPiece:
+    """Elements ``start:end`` of parameter ``param`` (flattened) sit at ``offset`` of a rank's shard."""
+
+    param: int
+    start: int
+    end: int
+    offset: int
+
 
 @dataclass(frozen=True)
 class FlatLayout:
-    """Element-level shards (DeepSpeed ZeRO-1/2): every rank owns an equal slice of each buffer."""
+    """Element-level shards (DeepSpeed ZeRO-1/2): every rank owns an equal slice of each buffer,
+    and the buffers are keyed by (param group, device, dtype)."""
 
     world_size: int
     alignment: int
@@ -217,7 +240,7 @@ class FlatLayout:
 
 
 def flat_layout(metas: Sequence[ParamMeta], world_size: int, alignment: int = 1) -> FlatLayout:
-    """Pack trainable params per (device, dtype) into buffers padded to ``world_size * alignment``.
+    """Pack trainable params per (group, device, dtype) into buffers padded to ``world_size * alignment``.
 
     ``alignment`` (elements) makes every shard boundary a multiple of it, e.g. 128 bytes / itemsize
     for aligned NCCL transfers.
@@ -225,10 +248,10 @@ def flat_layout(metas: Sequence[ParamMeta], world_size: int, alignment: int = 1)
     metas = check_metas(metas)
     check_world_size(world_size)
     check_int("alignment", alignment, 1)
-    by_key: dict[tuple[str, str], list[int]] = {}
+    by_key: dict[tuple[int, str, str], list[int]] = {}
     for i, m in enumerate(metas):
         if m.requires_grad:
-            by_key.setdefault(_key(m), []).append(i)
+            by_key.setdefault((m.group, *_key(m)), []).append(i)
     buffers = tuple(_flat_buffer(metas, key, idx, world_size, alignment) for key, idx in by_key.items())
     return FlatLayout(world_size, alignment, buffers)
 
@@ -241,7 +264,8 @@ def _flat_buffer(metas, key, idx, world_size, alignment) -> FlatBuffer:
     padded = max(quantum, math.ceil(total / quantum) * quantum)
     shard = padded // world_size
     segments = tuple(_segments(off, n, shard) for off, n in zip(offsets, numels))
-    return FlatBuffer(key[0], key[1], tuple(idx), tuple(offsets[:-1]), total, padded, shard, segments)
+    group, device, dtype = key
+    return FlatBuffer(device, dtype, group, tuple(idx), tuple(offsets[:-1]), total, padded, shard, segments)
 
 
 def _segments(offset: int, numel: int, shard: int) -> tuple[Segment, ...]:

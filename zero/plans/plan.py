@@ -118,7 +118,7 @@ def _fingerprint(plan: Plan) -> str:
     """A stable hash of the plan's inputs and placement (everything else derives from them)."""
     metas = [(m.name, m.shape, m.dtype, m.device, m.group, m.requires_grad) for m in plan.metas]
     placement = (plan.partition.order if plan.partition else
-                 [(b.device, b.dtype, b.params, b.padded_numel) for b in plan.flat.buffers])
+                 [(b.group, b.device, b.dtype, b.params, b.padded_numel) for b in plan.flat.buffers])
     blob = json.dumps([_FORMAT, metas, plan.world_size, plan.strategy, plan.weight, plan.optimizer,
                        plan.alignment, placement], separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
@@ -128,7 +128,7 @@ def _payload(plan: Plan) -> dict:
     """Everything a plan says, as JSON-able data."""
     placement = ({"owner": list(plan.partition.owner),
                   "order": [list(o) for o in plan.partition.order]} if plan.partition else
-                 {"flat": [{"device": b.device, "dtype": b.dtype, "params": list(b.params),
+                 {"flat": [{"group": b.group, "device": b.device, "dtype": b.dtype, "params": list(b.params),
                             "offsets": list(b.offsets), "numel": b.numel,
                             "padded_numel": b.padded_numel} for b in plan.flat.buffers]})
     return {

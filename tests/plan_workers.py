@@ -1,0 +1,190 @@
+"""Per-rank bodies of the plan-execution tests: `ZeroRedundancyOptimizer(plan=...)` against one process.
+
+Every body trains the model twice on the same gradients (each rank's own, all-reduced and
+averaged, as DDP leaves them): once sharded by the plan, once by one optimizer over all params.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import zero
+import zero.functional as zf
+from zero.backends import ZeroRedundancyOptimizer as Zero
+from zero.backends import comm
+from zero.backends.state_dict import state_nbytes
+from zero.plans.plan import PLAN_STRATEGIES
+from zero_workers import ddp_grads, set_grads
+
+RULES = {
+    "adamw": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1), "adamw"),
+    "sgd_nesterov": (torch.optim.SGD, dict(lr=1e-2, momentum=0.9, nesterov=True, weight_decay=1e-3), "sgd_momentum"),
+    "clip_adamw": (zf.chain(zf.clip_by_global_norm(1.0), zf.adamw(1e-2, weight_decay=0.1)), {}, None),
+    "lamb": (zf.lamb(1e-2, weight_decay=0.01), {}, None),
+}
+
+
+def make_model(seed: int = 0, dtype=torch.float64, mixed: bool = False) -> nn.Module:
+    """Uneven sizes; the 40x64 weight (2560 elements) is over half the model; one bias is frozen.
+
+    ``mixed``: the 2nd and 4th layers in bfloat16, the rest in ``dtype``.
+    """
+    torch.manual_seed(seed)
+    layers = [nn.Linear(7, 33), nn.Linear(33, 5), nn.Linear(5, 64), nn.Linear(64, 40), nn.Linear(40, 3)]
+    model = nn.Sequential(*[lay.to(torch.bfloat16 if mixed and i % 2 else dtype) for i, lay in enumerate(layers)])
+    model[1].bias.requires_grad_(False)
+    return model
+
+
+def groups_of(model: nn.Module, functional: bool) -> list[dict]:
+    """Two groups; for torch classes the second at half the learning rate (a hand-built chain
+    keeps no per-group settings)."""
+    first = [*model[0].parameters(), *model[1].parameters()]
+    rest = [p for layer in model[2:] for p in layer.parameters()]
+    return [{"params": first}, {"params": rest} if functional else {"params": rest, "lr": 5e-3}]
+
+
+def reference(name: str, groups: list[dict]) -> torch.optim.Optimizer:
+    rule, kwargs, _ = RULES[name]
+    if isinstance(rule, type):
+        return rule(groups, **kwargs)
+    return zf.Optimizer(groups, rule)
+
+
+class Counting:
+    """Counts the param all-gathers and the all-reduces a step issues (not the int64 check-in)."""
+
+    def __init__(self):
+        self.gathers = self.reduces = 0
+        self._orig = comm.all_gather_rows, comm.all_reduce_sum
+
+    def __enter__(self):
+        gather, reduce = self._orig
+
+        def counted_gather(rows, *args, **kwargs):
+            self.gathers += rows.dtype != torch.int64
+            return gather(rows, *args, **kwargs)
+
+        def counted_reduce(t, *args, **kwargs):
+            self.reduces += 1
+            return reduce(t, *args, **kwargs)
+
+        comm.all_gather_rows, comm.all_reduce_sum = counted_gather, counted_reduce
+        return self
+
+    def __exit__(self, *exc):
+        comm.all_gather_rows, comm.all_reduce_sum = self._orig
+
+
+def train_pair(rank: int, world_size: int, name: str, plan_of, steps: int, mixed: bool = False) -> dict:
+    """Train ours under ``plan_of(metas, world_size)`` and one process side by side; report the largest
+    relative difference, whether bf16 params are bit-equal, state bytes and collectives per step."""
+    ours_m, ref_m = make_model(mixed=mixed), make_model(mixed=mixed)
+    rule, kwargs, accounting = RULES[name]
+    functional = not isinstance(rule, type)
+    groups = groups_of(ours_m, functional)
+    plan = plan_of(zero.param_metas(groups), world_size)
+    ours = Zero(groups, rule, plan=plan, **kwargs)
+    ref = reference(name, groups_of(ref_m, functional))
+    worst, counts = 0.0, []
+    for step in range(steps):
+        grads = ddp_grads(list(ours_m.parameters()), step, rank, world_size)
+        set_grads(ours_m, grads)
+        set_grads(ref_m, grads)
+        with Counting() as c:
+            ours.step()
+        counts.append((c.gathers, c.reduces))
+        ref.step()
+        worst = max(worst, _worst(ours_m, ref_m))
+    bf16_equal = all(torch.equal(a, b) for a, b in zip(ours_m.parameters(), ref_m.parameters())
+                     if a.dtype == torch.bfloat16)
+    return {"worst": worst, "bf16_equal": bf16_equal, "counts": counts, "state_bytes": state_nbytes(ours.optim),
+            "plan_state_bytes": zero.make_plan(plan.metas, world_size, plan.strategy, plan.weight,
+                                               accounting or "sgd").ranks[rank].state_bytes,
+            "buffers": len(plan.flat.buffers) if plan.flat else None}
+
+
+def _worst(a: nn.Module, b: nn.Module) -> float:
+    out = 0.0
+    for x, y in zip(a.parameters(), b.parameters()):
+        if x.dtype == torch.float64:
+            out = max(out, float(((x - y).abs() / y.abs().clamp_min(1e-12)).max().detach()))
+    return out
+
+
+def flat(metas, world_size):
+    return zero.make_plan(metas, world_size, "flat")
+
+
+def flat_matrix(rank: int, world_size: int, steps: int = 20) -> dict:
+    return {name: train_pair(rank, world_size, name, flat, steps) for name in RULES}
+
+
+def flat_mixed(rank: int, world_size: int, steps: int = 12) -> dict:
+    return {name: train_pair(rank, world_size, name, flat, steps, mixed=True) for name in ("adamw", "clip_adamw")}
+
+
+def every_strategy(rank: int, world_size: int, steps: int = 6) -> dict:
+    out = {}
+    for strategy in PLAN_STRATEGIES:
+        for weight in ("numel", "state_bytes"):
+            def plan_of(metas, ws, s=strategy, w=weight):
+                made = zero.make_plan(metas, ws, s, w, "adamw")
+                return zero.Plan.from_json(made.to_json())  # a reloaded plan runs as the made one
+            out[strategy, weight] = train_pair(rank, world_size, "adamw", plan_of, steps)
+    out["clip_whole"] = train_pair(rank, world_size, "clip_adamw", lambda m, ws: zero.make_plan(m, ws), steps)
+    return out
+
+
+def different_plans(rank: int, world_size: int) -> dict:
+    """Rank 0 executes a flat plan, the others sorted_greedy: the first step must say so on every rank."""
+    model = make_model()
+    groups = groups_of(model, False)
+    strategy = "flat" if rank == 0 else "sorted_greedy"
+    opt = Zero(groups, torch.optim.AdamW, plan=zero.make_plan(zero.param_metas(groups), world_size, strategy), lr=1e-2)
+    set_grads(model, ddp_grads(list(model.parameters()), 0, rank, world_size))
+    try:
+        opt.step()
+    except ValueError as e:
+        return {"message": str(e)}
+    return {"message": None}
+
+
+def reshard_leg(rank: int, world_size: int, strategy: str, load_from: str | None, save_to: str,
+                start: int, steps: int) -> dict:
+    """Train ``steps`` steps from ``start`` under ``strategy``, resuming from ``load_from``; save the global state."""
+    model = make_model()
+    if load_from:
+        saved = torch.load(load_from, weights_only=True)
+        model.load_state_dict(saved["model"])
+    groups = groups_of(model, False)
+    opt = Zero(groups, torch.optim.AdamW, strategy=strategy, lr=1e-2, weight_decay=0.1)
+    if load_from:
+        opt.load_state_dict(saved["optim"])
+    for step in range(start, start + steps):
+        set_grads(model, fixed_grads(list(model.parameters()), step))
+        opt.step()
+    opt.consolidate_state_dict(to=0)
+    if rank == 0:
+        state = opt.state_dict()
+        plain = torch.optim.AdamW(groups_of(make_model(), False), lr=1e-2, weight_decay=0.1)
+        plain.load_state_dict(state)  # the plain torch format, loadable by torch's own class
+        torch.save({"model": model.state_dict(), "optim": state}, save_to)
+    dist.barrier()
+    return {"params": [p.detach().numpy().copy() for p in model.parameters()]}
+
+
+def fixed_grads(params: list[torch.Tensor], step: int) -> list:
+    gen = torch.Generator().manual_seed(step)
+    return [torch.randn(p.shape, generator=gen, dtype=p.dtype) if p.requires_grad else None for p in params]
+
+
+def single_process(steps: int) -> list[torch.Tensor]:
+    model = make_model()
+    opt = torch.optim.AdamW(groups_of(model, False), lr=1e-2, weight_decay=0.1)
+    for step in range(steps):
+        set_grads(model, fixed_grads(list(model.parameters()), step))
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]

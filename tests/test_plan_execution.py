@@ -1,0 +1,158 @@
+"""`ZeroRedundancyOptimizer` executes the `zero.Plan` it is given: every strategy, flat shards,
+whole-tensor rules over shards, and checkpoints that move between plans and world sizes."""
+
+import pytest
+import torch
+from torch import nn
+
+import plan_workers as w
+import zero
+import zero.functional as zf
+from distributed import run_ranks
+from zero.backends import ZeroRedundancyOptimizer as Zero
+
+TORCH_RULES = ("adamw", "sgd_nesterov")
+# all-reduces per step: one per group (2) for the global norm; two per group for LAMB's norms
+REDUCES = {"adamw": 0, "sgd_nesterov": 0, "clip_adamw": 2, "lamb": 4}
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_flat_plans_match_one_process(world_size):
+    """20 steps of AdamW, SGD(Nesterov), clip_by_global_norm + AdamW and LAMB on float64 params of
+    uneven sizes (one larger than total / W), two groups and a frozen bias."""
+    results = run_ranks(w.flat_matrix, world_size, timeout=240)
+    for rank, by_rule in enumerate(results):
+        for name, r in by_rule.items():
+            assert r["worst"] <= 1e-9, f"{name} rank {rank}: relative difference {r['worst']}"
+            assert r["counts"] == [(r["buffers"], REDUCES[name])] * 20, f"{name}: collectives per step"
+            if name in TORCH_RULES:
+                assert r["state_bytes"] == r["plan_state_bytes"], f"{name} rank {rank}: state bytes differ from the plan"
+    sizes = [by_rule["adamw"]["state_bytes"] for by_rule in results]
+    assert max(sizes) - min(sizes) <= 4 * 2, f"flat state is balanced to the element: {sizes}"
+
+
+def test_flat_plans_with_bf16_and_float64_params():
+    results = run_ranks(w.flat_mixed, 3, timeout=180)
+    for rank, by_rule in enumerate(results):
+        for name, r in by_rule.items():
+            assert r["bf16_equal"] and r["worst"] <= 1e-9, f"{name} rank {rank}: {r['worst']}"
+            assert r["buffers"] == 4, "one buffer per (group, dtype)"
+
+
+def test_every_strategy_and_weight_runs_from_a_reloaded_plan():
+    results = run_ranks(w.every_strategy, 3, timeout=240)
+    for rank, by_case in enumerate(results):
+        for case, r in by_case.items():
+            assert r["worst"] <= 1e-9, f"{case} rank {rank}: {r['worst']}"
+            if case != "clip_whole":
+                assert r["state_bytes"] == r["plan_state_bytes"], f"{case} rank {rank}"
+        # Clipping by the global norm inside a whole-param ZeRO: one all-reduce per group and step.
+        assert by_case["clip_whole"]["counts"][0] == (1, 2)
+    loads = {case: [by_case[case]["state_bytes"] for by_case in results] for case in results[0]}
+    assert max(loads["flat", "numel"]) < max(loads["sorted_greedy", "numel"]), "flat balances what whole params cannot"
+
+
+def test_ranks_executing_different_plans_fail_in_the_first_step():
+    results = run_ranks(w.different_plans, 2, pg_timeout=20, timeout=90)
+    for r in results:
+        assert r["message"] and "differ in plan (its fingerprint" in r["message"], r
+
+
+def test_reshard_flat_3_to_whole_2_to_flat_4_continues_bit_identically(tmp_path):
+    """Checkpoints are plain torch.optim state dicts (each leg loads one into torch.optim.AdamW)."""
+    legs = [(3, "flat"), (2, "sorted_greedy"), (4, "flat")]
+    load = None
+    for k, (world_size, strategy) in enumerate(legs):
+        save = str(tmp_path / f"leg{k}.pt")
+        results = run_ranks(w.reshard_leg, world_size, strategy, load, save, 4 * k, 4, timeout=120)
+        load = save
+    expected = w.single_process(12)
+    for r in results:
+        for got, want in zip(r["params"], expected):
+            assert torch.equal(torch.from_numpy(got), want)
+
+
+# -- errors at the boundary (one gloo rank, in process) ------------------------------------------
+
+def _params():
+    torch.manual_seed(0)
+    return list(nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2)).parameters())
+
+
+@pytest.mark.usefixtures("one_rank")
+@pytest.mark.parametrize("make, error, match", [
+    (lambda ps: dict(plan="flat"), TypeError, "plan must be a zero.Plan"),
+    (lambda ps: dict(plan=zero.make_plan(zero.param_metas(ps), 1), strategy="flat"), ValueError, "not both"),
+    (lambda ps: dict(plan=zero.make_plan(zero.param_metas(ps), 2)), ValueError, "for 2 ranks"),
+    (lambda ps: dict(plan=zero.make_plan(zero.param_metas(ps[:3]), 1)), ValueError, "for 3 params"),
+    (lambda ps: dict(plan=zero.make_plan(zero.param_metas([ps[0], ps[2], ps[1], ps[3]]), 1)), ValueError,
+     r"param 1 \('1' in the plan\) has shape \(2, 4\) in the plan but \(4,\) here"),
+    (lambda ps: dict(plan=zero.make_plan(zero.param_metas([{"params": ps[:2]}, {"params": ps[2:]}]), 1)),
+     ValueError, "param 2 .* has group 1 in the plan but 0"),
+])
+def test_a_plan_for_other_params_is_refused(make, error, match):
+    ps = _params()
+    with pytest.raises(error, match=match):
+        Zero(ps, torch.optim.SGD, lr=0.1, **make(ps))
+
+
+@pytest.mark.usefixtures("one_rank")
+@pytest.mark.parametrize("rule, match", [
+    (torch.optim.LBFGS, "LBFGS needs whole tensors"),
+    (torch.optim.SparseAdam, "SparseAdam needs whole tensors"),
+])
+def test_flat_plans_refuse_rules_that_need_whole_tensors(rule, match):
+    with pytest.raises(ValueError, match=match):
+        Zero(_params(), rule, strategy="flat")
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_flat_plans_refuse_optax_code():
+    optax = pytest.importorskip("optax")
+    tx = zf.chain(zf.clip(1.0), zf.from_optax(optax.adam(1e-2)))
+    with pytest.raises(ValueError, match="from_optax transformation runs Optax's own code"):
+        Zero(_params(), tx, strategy="flat")
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_flat_plan_errors_after_construction():
+    ps = _params()
+    opt = Zero(ps, torch.optim.AdamW, strategy="flat", lr=0.1)
+    with pytest.raises(ValueError, match="cannot extend a flat plan"):
+        opt.add_param_group({"params": [nn.Parameter(torch.ones(2))]})
+    for p in ps:
+        p.grad = torch.ones_like(p)
+    ps[3].grad = None
+    with pytest.raises(ValueError, match=r"param 3 has no gradient but others in its flat buffer"):
+        opt.step()
+    ps[3].grad = torch.ones_like(ps[3])
+    opt.step()
+    ps[1].requires_grad_(False)
+    with pytest.raises(ValueError, match="frozen or unfrozen after building a flat plan"):
+        opt.step()
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_flat_params_are_views_of_the_buffers_and_a_step_writes_them():
+    ps = _params()
+    before = [p.detach().clone() for p in ps]
+    opt = Zero(ps, torch.optim.SGD, strategy="flat", lr=0.5)
+    assert all(torch.equal(p, b) for p, b in zip(ps, before)), "packing keeps the values"
+    for p in ps:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert all(torch.equal(p, b - 0.5) for p, b in zip(ps, before))
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_functional_state_under_a_flat_plan_reloads_onto_the_same_plan_only():
+    ps = _params()
+    opt = Zero(ps, zf.adam(1e-2), strategy="flat")
+    for p in ps:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    opt.consolidate_state_dict()
+    saved = opt.state_dict()
+    Zero(_params(), zf.adam(1e-2), strategy="flat").load_state_dict(saved)
+    with pytest.raises(ValueError, match="same plan and world size"):
+        Zero(_params(), zf.adam(1e-2)).load_state_dict(saved)

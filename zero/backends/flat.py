@@ -1,0 +1,164 @@
+"""Element-level ZeRO: executes a `zero.FlatLayout` (a plan made with ``strategy="flat"``).
+
+Per buffer of the layout (one per param group, device and dtype) the trainable params become
+views into one flat tensor. This rank's local optimizer steps one 1-D tensor per buffer: its
+shard of it, itself a view, so the step writes straight into the params. Its gradient is a
+shard-sized tensor, filled with the pieces of the params' gradients that fall in the shard (or
+written there directly by a reduce-scatter). After the step one all-gather per buffer writes
+every rank's shard into every replica, in place. State per rank is exactly the plan's: one set
+per buffer, shaped like the shard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from zero.backends import comm
+from zero.backends.state_dict import assemble, local_dict
+from zero.functional.sharding import Pieces, Sharding
+from zero.plans.layout import FlatBuffer, FlatLayout
+from zero.plans.meta import ParamMeta
+from zero.plans.plan import Plan
+
+__all__ = ["FlatShards", "flat_to_global", "flat_to_local"]
+
+
+class FlatShards:
+    """The flat buffers of ``layout``, this rank's shard of each, and their sync."""
+
+    def __init__(self, params: Sequence[torch.Tensor], metas: Sequence[ParamMeta], layout: FlatLayout,
+                 rank: int, group: Any):
+        self.params, self.metas, self.layout, self.rank, self.group = list(params), metas, layout, rank, group
+        self.flats = [self._allocate(b) for b in layout.buffers]
+        self.shards = [f[rank * b.shard_numel:(rank + 1) * b.shard_numel].detach()
+                       for f, b in zip(self.flats, layout.buffers)]
+        self._grads = [torch.zeros_like(s) for s in self.shards]
+        self._pieces = [b.pieces(rank) for b in layout.buffers]
+
+    def _allocate(self, buf: FlatBuffer) -> torch.Tensor:
+        example = self.params[buf.params[0]]
+        flat = torch.zeros(buf.padded_numel, dtype=example.dtype, device=example.device)
+        with torch.no_grad():
+            for i, off in zip(buf.params, buf.offsets):
+                p = self.params[i]
+                view = flat[off:off + p.numel()]
+                view.copy_(p.detach().reshape(-1))
+                p.data = view.view_as(p)
+        return flat
+
+    def local_groups(self, param_groups: list[dict]) -> list[dict]:
+        """Every group's settings, with this rank's shards of that group's buffers as its params."""
+        return [{**{k: v for k, v in g.items() if k != "params"},
+                 "params": [s for s, b in zip(self.shards, self.layout.buffers) if b.group == k]}
+                for k, g in enumerate(param_groups)]
+
+    def sharding(self, reduce) -> Sharding:
+        """What `zero.functional.sharding` needs: the pieces of whole params each shard holds."""
+        pieces = {id(s): Pieces(tuple(p.param for p in ps), tuple(p.end - p.start for p in ps))
+                  for s, ps in zip(self.shards, self._pieces)}
+        return Sharding(pieces, tuple(p.dtype for p in self.params), reduce)
+
+    @torch.no_grad()
+    def load_grads(self) -> None:
+        """Give each shard the gradient pieces that fall in it (None where its buffer has none)."""
+        for shard, grad, buf, pieces in zip(self.shards, self._grads, self.layout.buffers, self._pieces):
+            have = [self.params[i].grad is not None for i in buf.params]
+            if not any(have):
+                shard.grad = None
+                continue
+            if not all(have):
+                missing = self.metas[buf.params[have.index(False)]].name
+                raise ValueError(f"param {missing} has no gradient but others in its flat buffer (param group "
+                                 f"{buf.group}, {buf.dtype}) do: a flat plan steps whole buffers. Give it a "
+                                 "gradient (e.g. zero_grad(set_to_none=False)), freeze it before building the "
+                                 "optimizer, or use a whole-param plan")
+            if pieces:
+                src = [self.params[p.param].grad.reshape(-1)[p.start:p.end] for p in pieces]
+                torch._foreach_copy_([grad[p.offset:p.offset + p.end - p.start] for p in pieces], src)
+            shard.grad = grad
+
+    def clear_grads(self) -> None:
+        for shard in self.shards:
+            shard.grad = None
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        """One all-gather per buffer: every rank's shard into every replica, in place."""
+        for flat, buf in zip(self.flats, self.layout.buffers):
+            comm.all_gather_rows(flat.view(self.layout.world_size, buf.shard_numel), self.rank, self.group)
+
+    def release(self) -> None:
+        """Give the params their own storage again (the optimizer is being rebuilt)."""
+        with torch.no_grad():
+            for buf in self.layout.buffers:
+                for i in buf.params:
+                    self.params[i].data = self.params[i].data.clone()
+
+
+def local_buffer_order(layout: FlatLayout, n_groups: int) -> list[int]:
+    return [bi for k in range(n_groups) for bi, b in enumerate(layout.buffers) if b.group == k]
+
+
+def flat_to_global(shards: Sequence[dict], plan: Plan, param_groups: list[dict],
+                   per_element: set[str] | None) -> dict[str, Any]:
+    """The global (plain ``torch.optim``) state dict out of every rank's local one.
+
+    ``per_element``: the state keys shaped like the param (None: those with dimensions); the
+    rest (``step`` ...) are equal on every rank and copied to every param of the buffer.
+    """
+    layout, metas = plan.flat, plan.metas
+    state: dict[int, dict] = {}
+    for j, bi in enumerate(local_buffer_order(layout, len(param_groups))):
+        buf = layout.buffers[bi]
+        held = [shard["state"].get(j) for shard in shards]
+        if not all(held):
+            continue
+        for key, value in held[0].items():
+            if _is_per_element(key, value, per_element):
+                full = torch.cat([h[key].reshape(-1) for h in held])
+                for i, off in zip(buf.params, buf.offsets):
+                    state.setdefault(i, {})[key] = full[off:off + metas[i].numel].view(metas[i].shape).clone()
+            else:
+                for i in buf.params:
+                    state.setdefault(i, {})[key] = value.clone() if isinstance(value, torch.Tensor) else value
+    return assemble(state, shards, param_groups, plan.fingerprint)
+
+
+def flat_to_local(saved: dict, plan: Plan, rank: int, per_element: set[str] | None) -> dict[str, Any]:
+    """This rank's local state dict (one entry per shard) cut out of a global one."""
+    layout, metas = plan.flat, plan.metas
+    order = local_buffer_order(layout, len(saved["param_groups"]))
+    state: dict[int, dict] = {}
+    for j, bi in enumerate(order):
+        st = _shard_state(layout.buffers[bi], saved["state"], metas, rank, per_element)
+        if st:
+            state[j] = st
+    sizes = [sum(layout.buffers[bi].group == k for bi in order) for k in range(len(saved["param_groups"]))]
+    return local_dict(state, sizes, saved, rank, plan.fingerprint)
+
+
+def _shard_state(buf: FlatBuffer, saved_state: dict, metas: Sequence[ParamMeta], rank: int,
+                 per_element: set[str] | None) -> dict:
+    held = [(i, off, saved_state[i]) for i, off in zip(buf.params, buf.offsets) if saved_state.get(i)]
+    if not held:
+        return {}
+    lo, hi = rank * buf.shard_numel, (rank + 1) * buf.shard_numel
+    st = {}
+    for key, value in held[0][2].items():
+        if _is_per_element(key, value, per_element):
+            full = torch.zeros(buf.padded_numel, dtype=value.dtype, device=value.device)
+            for i, off, s in held:
+                full[off:off + metas[i].numel] = s[key].reshape(-1)
+            st[key] = full[lo:hi].clone()
+        else:
+            st[key] = value.clone() if isinstance(value, torch.Tensor) else value
+    return st
+
+
+def _is_per_element(key: str, value: Any, per_element: set[str] | None) -> bool:
+    if not isinstance(value, torch.Tensor):
+        return False
+    return key in per_element if per_element is not None else value.dim() > 0
