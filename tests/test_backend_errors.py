@@ -81,7 +81,7 @@ def test_state_dict_from_a_different_model():
         opt.load_state_dict({"params": []})
 
 
-def test_functional_state_reloads_only_onto_the_same_ownership():
+def test_functional_state_reloads_only_onto_the_same_plan():
     model = nn.Linear(3, 2)
     opt = Zero(model.parameters(), zf.adam, learning_rate=0.1)
     for p in model.parameters():
@@ -90,7 +90,7 @@ def test_functional_state_reloads_only_onto_the_same_ownership():
     opt.consolidate_state_dict()
     sd = opt.state_dict()
     opt.load_state_dict(sd)  # same ownership: fine
-    with pytest.raises(ValueError, match="same world size and ownership"):
+    with pytest.raises(ValueError, match="same plan and world size"):
         opt.load_state_dict({**sd, "owner": [1, 0]})
 
 
