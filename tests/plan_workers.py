@@ -6,6 +6,8 @@ averaged, as DDP leaves them): once sharded by the plan, once by one optimizer o
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -188,3 +190,71 @@ def single_process(steps: int) -> list[torch.Tensor]:
         set_grads(model, fixed_grads(list(model.parameters()), step))
         opt.step()
     return [p.detach().clone() for p in model.parameters()]
+
+
+def _batch(step: int, rank: int, micro: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(10_000 * step + 100 * rank + micro)
+    return torch.randn(6, 7, generator=gen, dtype=torch.float64)
+
+
+class CountingBytes:
+    """Bytes each rank puts into the gradient reduce-scatters and the param all-gathers of a step."""
+
+    def __init__(self):
+        self.reduce_scatter = self.all_gather = 0
+        self._orig = comm.reduce_scatter_sum, comm.all_gather_rows
+
+    def __enter__(self):
+        rs, ag = self._orig
+
+        def counted_rs(out, rows, group):
+            self.reduce_scatter += rows.numel() * rows.element_size()
+            return rs(out, rows, group)
+
+        def counted_ag(rows, *args):
+            if rows.dtype != torch.int64:
+                self.all_gather += rows.numel() * rows.element_size()
+            return ag(rows, *args)
+
+        comm.reduce_scatter_sum, comm.all_gather_rows = counted_rs, counted_ag
+        return self
+
+    def __exit__(self, *exc):
+        comm.reduce_scatter_sum, comm.all_gather_rows = self._orig
+
+
+def _iteration(model, opt, no_sync, step: int, rank: int, micro: int, counter=None) -> int | None:
+    """One step; returns what ``counter`` counted as reduce-scattered by the end of backward."""
+    for m in range(micro):
+        with no_sync() if m < micro - 1 else contextlib.nullcontext():
+            model(_batch(step, rank, m)).square().mean().backward()
+    during_backward = counter.reduce_scatter if counter else None
+    opt.step()
+    opt.zero_grad()
+    return during_backward
+
+
+def reduce_scatter_vs_ddp(rank: int, world_size: int, name: str, steps: int = 6, micro: int = 1,
+                          bucket_numel: int | None = 700) -> dict:
+    """Ours (flat plan, gradients reduce-scattered, no DDP) against DDP + one optimizer over all params,
+    each rank on its own data, ``micro`` micro-batches per step (all but the last under no_sync)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ours_m, ref_m = make_model(seed=rank), make_model(seed=0)  # ours starts from rank 0's params by broadcast
+    rule, kwargs, _ = RULES[name]
+    functional = not isinstance(rule, type)
+    groups = groups_of(ours_m, functional)
+    plan = zero.make_plan(zero.param_metas(groups), world_size, "flat", bucket_numel=bucket_numel)
+    ours = Zero(groups, rule, plan=plan, reduce_scatter_grads=True, **kwargs)
+    ddp = DDP(ref_m, bucket_cap_mb=0.005)
+    ref = reference(name, groups_of(ref_m, functional))
+    worst, moved = 0.0, []
+    for step in range(steps):
+        with CountingBytes() as c:
+            in_backward = _iteration(ours_m, ours, ours.no_sync, step, rank, micro, c)
+        _iteration(ddp, ref, ddp.no_sync, step, rank, micro)
+        moved.append((c.reduce_scatter, c.all_gather, in_backward))
+        worst = max(worst, _worst(ours_m, ref_m))
+    model_bytes = sum(p.numel() * p.element_size() for p in ours_m.parameters() if p.requires_grad)
+    return {"worst": worst, "moved": moved, "model_bytes": model_bytes, "buffers": len(plan.flat.buffers),
+            "padded_bytes": sum(b.padded_numel * 8 for b in plan.flat.buffers)}

@@ -156,3 +156,50 @@ def test_functional_state_under_a_flat_plan_reloads_onto_the_same_plan_only():
     Zero(_params(), zf.adam(1e-2), strategy="flat").load_state_dict(saved)
     with pytest.raises(ValueError, match="same plan and world size"):
         Zero(_params(), zf.adam(1e-2)).load_state_dict(saved)
+
+
+# -- gradients reduce-scattered into the shards, in place of DDP -------------------------------
+
+@pytest.mark.parametrize("world_size, name", [(2, "adamw"), (3, "lamb"), (3, "sgd_nesterov")])
+def test_reduce_scattered_gradients_match_ddp(world_size, name):
+    """Each rank on its own data, two micro-batches per step (the first under no_sync), several
+    flat buffers: params equal DDP + one optimizer, and an iteration moves 2x the model: each rank
+    puts the padded model's bytes into the reduce-scatters and into the all-gathers, nothing else.
+    Every reduce-scatter starts during backward (each buffer as soon as its gradients are in)."""
+    results = run_ranks(w.reduce_scatter_vs_ddp, world_size, name, 6, 2, timeout=180)
+    for rank, r in enumerate(results):
+        assert r["worst"] <= 1e-9, f"rank {rank}: {r['worst']}"
+        assert r["buffers"] >= 4
+        assert r["moved"] == [(r["padded_bytes"], r["padded_bytes"], r["padded_bytes"])] * 6, r["moved"]
+        assert r["padded_bytes"] - r["model_bytes"] < r["buffers"] * world_size * 8, "padding only"
+
+
+def _trained(opt, ps, backward_twice=False, use_last_bias=True):
+    x = torch.randn(5, 3)
+    out = ps[2] @ torch.tanh(ps[0] @ x.T + ps[1][:, None])
+    loss = (out + ps[3][:, None] if use_last_bias else out).square().mean()
+    loss.backward(retain_graph=backward_twice)
+    if backward_twice:
+        loss.backward()
+    opt.step()
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_reduce_scattered_gradients_errors():
+    with pytest.raises(ValueError, match="reduce_scatter_grads=True needs a flat plan"):
+        Zero(_params(), torch.optim.SGD, reduce_scatter_grads=True, lr=0.1)
+    ps = _params()
+    opt = Zero(ps, torch.optim.SGD, strategy="flat", reduce_scatter_grads=True, lr=0.1)
+    _trained(opt, ps)  # one iteration is fine
+    with pytest.raises(RuntimeError, match="second gradient after its buffer was reduced.*no_sync"):
+        _trained(opt, ps, backward_twice=True)
+    opt.zero_grad()
+    with pytest.raises(ValueError, match="param 3 got no gradient in this iteration"):
+        _trained(opt, ps, use_last_bias=False)
+    opt.zero_grad()
+    _trained(opt, ps)  # and the next iteration is fine again
+    with pytest.raises(NotImplementedError, match="Join with reduce_scatter_grads"):
+        opt.join_hook()
+    with pytest.raises(RuntimeError, match="no_sync.. is for reduce_scatter_grads"):
+        with Zero(_params(), torch.optim.SGD, lr=0.1).no_sync():
+            pass

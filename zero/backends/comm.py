@@ -19,10 +19,11 @@ import torch.distributed as dist
 from torch.distributed import DistStoreError
 
 __all__ = ["resolve_group", "group_rank", "group_size", "global_rank", "in_group", "all_gather_rows", "broadcast_from",
-           "all_reduce_sum", "check_in", "new_subgroup", "send_tree", "recv_tree"]
+           "all_reduce_sum", "reduce_scatter_sum", "check_in", "new_subgroup", "send_tree", "recv_tree"]
 
 # torch 2.13 renamed all_gather_into_tensor; keep working on the 2.x releases before it.
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def resolve_group(process_group: Any, who: str) -> Any:
@@ -56,6 +57,12 @@ def in_group(group: Any) -> bool:
 
 def all_reduce_sum(tensor: torch.Tensor, group: Any) -> None:
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+
+
+def reduce_scatter_sum(output: torch.Tensor, rows: torch.Tensor, group: Any) -> Any:
+    """Start summing ``rows`` (``[world_size * n]``) over the ranks, rank ``r`` receiving elements
+    ``r * n:(r + 1) * n`` of the sum in ``output``; returns the work to ``wait()`` on."""
+    return _REDUCE_SCATTER(output, rows, op=dist.ReduceOp.SUM, group=group, async_op=True)
 
 
 def new_subgroup(parent: Any, blocks: tuple[tuple[int, ...], ...]) -> Any:

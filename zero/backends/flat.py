@@ -80,6 +80,16 @@ class FlatShards:
                 torch._foreach_copy_([grad[p.offset:p.offset + p.end - p.start] for p in pieces], src)
             shard.grad = grad
 
+    def use_reduced_grads(self) -> None:
+        """Step the shards with their reduce-scattered gradients (`GradShards` wrote them)."""
+        for shard, grad in zip(self.shards, self._grads):
+            shard.grad = grad
+
+    @property
+    def grads(self) -> list[torch.Tensor]:
+        """Each shard's gradient tensor, where a reduce-scatter writes it."""
+        return self._grads
+
     def clear_grads(self) -> None:
         for shard in self.shards:
             shard.grad = None

@@ -23,16 +23,17 @@ from torch.optim import Optimizer
 
 from zero.backends import comm
 from zero.backends.flat import FlatShards, flat_to_global, flat_to_local
+from zero.backends.grad_shards import GradShards
 from zero.backends.local_optimizer import (check_shardable, check_state_keys, copy_hyperparams, is_functional,
                                            local_groups, make_local_optimizer, per_element_keys)
 from zero.backends.state_dict import check_compatible, to_global, to_local
 from zero.backends.sync import ParamSync
 from zero.functional import sharding
 from zero.plans.checks import checksum
-from zero.plans.layout import bucket_views
+from zero.plans.layout import FLAT_BUCKET_NUMEL, bucket_views
 from zero.plans.meta import ParamMeta, param_groups, param_metas
 from zero.plans.partition import check_rank
-from zero.plans.plan import PLAN_STRATEGIES, Plan, make_plan
+from zero.plans.plan import PLAN_STRATEGIES, Plan, check_plan, make_plan
 from zero.plans.shards import local_indices
 
 __all__ = ["ZeroRedundancyOptimizer"]
@@ -61,7 +62,13 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             (``zero.param_metas(params)``) and this world size, on every rank alike.
         strategy: shorthand for ``plan=zero.make_plan(zero.param_metas(params), world_size,
             strategy)``; ``"sorted_greedy"`` (torch's) when neither is given. ``"flat"`` shards
-            elements (DeepSpeed's ZeRO-1): balanced to the element, for element-wise rules.
+            elements (DeepSpeed's ZeRO-1): balanced to the element, for element-wise rules, in
+            buffers of at most ``zero.plans.layout.FLAT_BUCKET_NUMEL`` elements.
+        reduce_scatter_grads: average the gradients here, in place of DDP (flat plans only): each
+            rank receives only its shards' gradients, by one reduce-scatter per flat buffer that
+            starts during backward, so an iteration moves 2x the model (DDP + ZeRO: 3x). Params
+            are broadcast from rank 0 at construction, as DDP does; grads live in flat buffers
+            (``zero_grad`` zeroes them in place); accumulate micro-batches inside `no_sync`.
         sync_chunk_mb: without bucket views, the scratch each all-gather may use, in MiB.
         **defaults: hyperparameters for the local optimizer (``lr=...``).
     """
@@ -69,7 +76,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def __init__(self, params: Iterable, optimizer_class: Any, process_group: Any = None,
                  parameters_as_bucket_view: bool = False, overlap_with_ddp: bool = False, *,
                  plan: Plan | None = None, strategy: str | None = None, sync_chunk_mb: float = 16,
-                 **defaults: Any):
+                 reduce_scatter_grads: bool = False, **defaults: Any):
         if overlap_with_ddp:
             raise NotImplementedError("overlap_with_ddp=True (stepping inside DDP's comm hook) is not implemented "
                                       "yet; use overlap_with_ddp=False and call step() after backward()")
@@ -91,12 +98,16 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._all_params = [p for g in self.param_groups for p in g["params"]]
         self._default_device = self._all_params[0].device
         self._metas = param_metas(self.param_groups)
-        self.plan = plan if plan is not None else make_plan(self._metas, self.world_size, strategy or "sorted_greedy")
+        self.plan = plan if plan is not None else _default_plan(self._metas, self.world_size, strategy)
         check_plan(self.plan, self._metas, self.world_size)
         if self.plan.flat is not None:
             check_shardable(optimizer_class)
+        elif reduce_scatter_grads:
+            raise ValueError("reduce_scatter_grads=True needs a flat plan (strategy='flat'): whole-param plans "
+                             "leave every rank the full gradients, as DDP does")
         self._sync: ParamSync | FlatShards | None = None
         self._build_sync()
+        self._grad_shards = self._reduce_scatter_grads() if reduce_scatter_grads else None
         self.optim = make_local_optimizer(optimizer_class, self._local_groups(), defaults)
         self._pull_hyperparams()
         self._consolidated: list[dict] | None = None
@@ -142,6 +153,31 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         layout = bucket_views(self._metas, self.plan.partition)
         self._sync = ParamSync(self._all_params, layout, self.rank, self.process_group,
                                self.parameters_as_bucket_view, self._chunk_bytes)
+
+    def _reduce_scatter_grads(self) -> GradShards:
+        with torch.no_grad():  # start from rank 0's params, as DDP does
+            for flat in self._sync.flats:
+                comm.broadcast_from(flat, 0, self.process_group)
+            for p, m in zip(self._all_params, self._metas):
+                if not m.requires_grad:
+                    comm.broadcast_from(p.data, 0, self.process_group)
+        return GradShards(self._all_params, self._metas, self.plan.flat, self._sync.grads, self.process_group)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As torch's; with ``reduce_scatter_grads`` the grads stay views of the flat gradient
+        buffers, zeroed in place (a fresh grad would be copied into them by the next backward)."""
+        if self._grad_shards is None:
+            return super().zero_grad(set_to_none)
+        self._grad_shards.zero_grads()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """With ``reduce_scatter_grads``: backward passes inside only accumulate (as ``DDP.no_sync``);
+        the first backward after it reduces the sum."""
+        if self._grad_shards is None:
+            raise RuntimeError("no_sync() is for reduce_scatter_grads=True; with DDP use ddp_model.no_sync()")
+        with self._grad_shards.no_sync():
+            yield
 
     def _sharding(self) -> sharding.Sharding:
         """The pieces of whole params this rank's local params are, for rules over whole tensors."""
@@ -208,7 +244,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 with torch.enable_grad():
                     loss = closure()
             closure = None
-            self._sync.load_grads()
+            if self._grad_shards is None:
+                self._sync.load_grads()
+            else:
+                self._grad_shards.finish(self.world_size)
+                self._sync.use_reduced_grads()
         rules = sharding.installed(self._sharding()) if is_functional(self.optim) else contextlib.nullcontext()
         try:
             with rules:
@@ -269,6 +309,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
         """Shadow the step's collectives on ranks that ran out of inputs (see ``torch...Join``)."""
+        if self._grad_shards is not None:
+            raise NotImplementedError("Join with reduce_scatter_grads=True: a joined rank would have to shadow "
+                                      "the gradients' reduce-scatters too; use DDP + Join for uneven inputs")
         return _ZeroJoinHook(self)
 
     @property
@@ -304,6 +347,12 @@ class _ZeroJoinHook(JoinHook):
         self.zero.step()
 
 
+def _default_plan(metas: list[ParamMeta], world_size: int, strategy: str | None) -> Plan:
+    if strategy == "flat":
+        return make_plan(metas, world_size, "flat", bucket_numel=FLAT_BUCKET_NUMEL)
+    return make_plan(metas, world_size, strategy or "sorted_greedy")
+
+
 def _check_plan_arguments(plan: Any, strategy: Any) -> None:
     if plan is not None and not isinstance(plan, Plan):
         raise TypeError(f"plan must be a zero.Plan (from zero.make_plan or Plan.from_json), got {type(plan).__name__}")
@@ -311,22 +360,6 @@ def _check_plan_arguments(plan: Any, strategy: Any) -> None:
         raise ValueError(f"pass plan= or strategy=, not both (the plan's strategy is {plan.strategy!r})")
     if strategy is not None and strategy not in PLAN_STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {PLAN_STRATEGIES}")
-
-
-def check_plan(plan: Plan, metas: list[ParamMeta], world_size: int) -> None:
-    """``ValueError`` when ``plan`` was made for other params (naming the first that differs) or
-    another world size. Names may differ: a plan made from ``model`` names params by attribute."""
-    if plan.world_size != world_size:
-        raise ValueError(f"the plan is for {plan.world_size} ranks but the process group has {world_size}")
-    if len(plan.metas) != len(metas):
-        raise ValueError(f"the plan is for {len(plan.metas)} params but the optimizer got {len(metas)}: "
-                         "make it with zero.make_plan(zero.param_metas(params), ...) for these params")
-    fields = ("shape", "dtype", "device", "group", "requires_grad")
-    for i, (planned, given) in enumerate(zip(plan.metas, metas)):
-        for field in fields:
-            if getattr(planned, field) != getattr(given, field):
-                raise ValueError(f"the plan was made for other params: param {i} ({planned.name!r} in the plan) has "
-                                 f"{field} {getattr(planned, field)!r} in the plan but {getattr(given, field)!r} here")
 
 
 def _normalise_params(params: Any) -> list[dict]:

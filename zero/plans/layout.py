@@ -15,7 +15,7 @@ from zero.plans.meta import ParamMeta, itemsize
 from zero.plans.partition import Partition, check_metas, check_rank, check_world_size
 
 __all__ = ["Bucket", "BucketLayout", "bucket_views", "split_bucket", "Piece", "row_chunks", "SyncRows",
-           "sync_rows", "Segment", "ShardPiece", "FlatBuffer", "FlatLayout", "flat_layout"]
+           "sync_rows", "Segment", "ShardPiece", "FlatBuffer", "FLAT_BUCKET_NUMEL", "FlatLayout", "flat_layout"]
 
 
 @dataclass(frozen=True)
@@ -217,14 +217,23 @@ class ShardPiece:
     offset: int
 
 
+FLAT_BUCKET_NUMEL = 1 << 22  # 16 MiB of float32 per flat buffer: DDP's 25 MiB buckets, rounded
+
+
 @dataclass(frozen=True)
 class FlatLayout:
-    """Element-level shards (DeepSpeed ZeRO-1/2): every rank owns an equal slice of each buffer,
-    and the buffers are keyed by (param group, device, dtype)."""
+    """Element-level shards (DeepSpeed ZeRO-1/2): every rank owns an equal slice of each buffer.
+
+    Buffers hold one (param group, device, dtype) each, and at most ``bucket_numel`` elements
+    (unless one param alone is larger) when that is set, so that gradients can be reduced buffer
+    by buffer while backward runs. They come in the order a backward pass completes them: the
+    buffer of the last-registered params first.
+    """
 
     world_size: int
     alignment: int
     buffers: tuple[FlatBuffer, ...]
+    bucket_numel: int | None = None
 
     def segments(self, index: int) -> tuple[Segment, ...]:
         """Where parameter ``metas[index]`` lives; empty for frozen or empty parameters."""
@@ -239,21 +248,42 @@ class FlatLayout:
         return sum(b.shard_numel for b in self.buffers)
 
 
-def flat_layout(metas: Sequence[ParamMeta], world_size: int, alignment: int = 1) -> FlatLayout:
+def flat_layout(metas: Sequence[ParamMeta], world_size: int, alignment: int = 1,
+                bucket_numel: int | None = None) -> FlatLayout:
     """Pack trainable params per (group, device, dtype) into buffers padded to ``world_size * alignment``.
 
     ``alignment`` (elements) makes every shard boundary a multiple of it, e.g. 128 bytes / itemsize
-    for aligned NCCL transfers.
+    for aligned NCCL transfers. ``bucket_numel`` caps a buffer's elements (a larger param gets
+    a buffer of its own): gradients reduce-scatter per buffer, so smaller buffers start sooner.
     """
     metas = check_metas(metas)
     check_world_size(world_size)
     check_int("alignment", alignment, 1)
+    if bucket_numel is not None:
+        check_int("bucket_numel", bucket_numel, 1)
     by_key: dict[tuple[int, str, str], list[int]] = {}
     for i, m in enumerate(metas):
         if m.requires_grad:
             by_key.setdefault((m.group, *_key(m)), []).append(i)
-    buffers = tuple(_flat_buffer(metas, key, idx, world_size, alignment) for key, idx in by_key.items())
-    return FlatLayout(world_size, alignment, buffers)
+    chunks = [(key, idx) for key, members in by_key.items() for idx in _cut(metas, members, bucket_numel)]
+    chunks.sort(key=lambda chunk: -chunk[1][0])  # backward completes a buffer when its first param is ready
+    buffers = tuple(_flat_buffer(metas, key, idx, world_size, alignment) for key, idx in chunks)
+    return FlatLayout(world_size, alignment, buffers, bucket_numel)
+
+
+def _cut(metas: Sequence[ParamMeta], members: list[int], cap: int | None) -> list[list[int]]:
+    """Consecutive runs of ``members`` of at most ``cap`` elements, cut from the last param back."""
+    if cap is None:
+        return [members]
+    runs: list[list[int]] = []
+    size = cap
+    for i in reversed(members):
+        if size + metas[i].numel > cap and size:
+            runs.append([])
+            size = 0
+        runs[-1].insert(0, i)
+        size += metas[i].numel
+    return runs
 
 
 def _flat_buffer(metas, key, idx, world_size, alignment) -> FlatBuffer:

@@ -19,7 +19,7 @@ from zero.plans.layout import FlatLayout, flat_layout
 from zero.plans.meta import ParamMeta
 from zero.plans.partition import STRATEGIES, Partition, check_metas, partition
 
-__all__ = ["Plan", "make_plan", "PLAN_STRATEGIES"]
+__all__ = ["Plan", "make_plan", "check_plan", "PLAN_STRATEGIES"]
 
 PLAN_STRATEGIES = STRATEGIES + ("flat",)
 _FORMAT = 1
@@ -35,6 +35,7 @@ class Plan:
     weight: str
     optimizer: str
     alignment: int
+    bucket_numel: int | None  # flat buffers' cap (None: one per group, device and dtype)
     partition: Partition | None  # None for "flat"
     flat: FlatLayout | None  # only for "flat"
     ranks: tuple[RankCost, ...]
@@ -53,7 +54,8 @@ class Plan:
             raise ValueError(f"unsupported plan format {data.get('format')!r} (expected {_FORMAT})")
         inputs = data["inputs"]
         plan = make_plan([ParamMeta.from_dict(m) for m in inputs["metas"]], inputs["world_size"],
-                         inputs["strategy"], inputs["weight"], inputs["optimizer"], inputs["alignment"])
+                         inputs["strategy"], inputs["weight"], inputs["optimizer"], inputs["alignment"],
+                         inputs.get("bucket_numel"))
         if plan.fingerprint != data["fingerprint"]:
             raise ValueError(f"plan fingerprint {data['fingerprint']} does not match the recomputed "
                              f"{plan.fingerprint}: the file was edited or zero's planner changed")
@@ -78,12 +80,14 @@ class Plan:
 
 
 def make_plan(metas: Sequence[ParamMeta], world_size: int, strategy: str = "sorted_greedy",
-              weight: str = "numel", optimizer: str = "adam", alignment: int = 1) -> Plan:
+              weight: str = "numel", optimizer: str = "adam", alignment: int = 1,
+              bucket_numel: int | None = None) -> Plan:
     """Partition (or flat-shard) ``metas`` over ``world_size`` ranks and account for the result.
 
     ``strategy``: one of ``PLAN_STRATEGIES``; ``weight``: ``"numel"`` or ``"state_bytes"``;
     ``optimizer``: a name from `zero.plans.accounting.OPTIMIZERS`, for the state accounting;
-    ``alignment``: shard alignment in elements for ``"flat"``.
+    ``alignment``: shard alignment in elements for ``"flat"``; ``bucket_numel``: for ``"flat"``,
+    the most elements per flat buffer (see `zero.flat_layout`).
 
     Balance is reported two ways, since they answer different questions: ``max_over_mean`` is
     the busiest rank's load over the mean (how far from an even split: what memory per rank
@@ -99,7 +103,7 @@ def make_plan(metas: Sequence[ParamMeta], world_size: int, strategy: str = "sort
         raise ValueError(f"make_plan takes weight 'numel' or 'state_bytes', got {weight!r}")
     spec = optimizer_state(optimizer)
     if strategy == "flat":
-        part, flat = None, flat_layout(metas, world_size, alignment)
+        part, flat = None, flat_layout(metas, world_size, alignment, bucket_numel)
         ranks = flat_costs(metas, flat, spec)
         mean = bound = sum(r.load for r in ranks) / world_size
     else:
@@ -109,9 +113,25 @@ def make_plan(metas: Sequence[ParamMeta], world_size: int, strategy: str = "sort
         mean = sum(ws) / world_size
         bound = max(max(ws), mean)  # whole tensors: no rank can hold less than the largest one
     busiest = max(r.load for r in ranks)
-    plan = Plan(metas, world_size, strategy, weight, str(optimizer).lower(), alignment, part, flat,
+    plan = Plan(metas, world_size, strategy, weight, str(optimizer).lower(), alignment, bucket_numel, part, flat,
                 ranks, busiest / mean if mean else 1.0, busiest / bound if bound else 1.0, "")
     return dataclasses.replace(plan, fingerprint=_fingerprint(plan))
+
+
+def check_plan(plan: Plan, metas: Sequence[ParamMeta], world_size: int) -> None:
+    """``ValueError`` when ``plan`` was made for other params (naming the first that differs) or
+    another world size. Names may differ: a plan made from ``model`` names params by attribute."""
+    if plan.world_size != world_size:
+        raise ValueError(f"the plan is for {plan.world_size} ranks but the process group has {world_size}")
+    if len(plan.metas) != len(metas):
+        raise ValueError(f"the plan is for {len(plan.metas)} params but the optimizer got {len(metas)}: "
+                         "make it with zero.make_plan(zero.param_metas(params), ...) for these params")
+    fields = ("shape", "dtype", "device", "group", "requires_grad")
+    for i, (planned, given) in enumerate(zip(plan.metas, metas)):
+        for field in fields:
+            if getattr(planned, field) != getattr(given, field):
+                raise ValueError(f"the plan was made for other params: param {i} ({planned.name!r} in the plan) has "
+                                 f"{field} {getattr(planned, field)!r} in the plan but {getattr(given, field)!r} here")
 
 
 def _fingerprint(plan: Plan) -> str:
@@ -120,7 +140,7 @@ def _fingerprint(plan: Plan) -> str:
     placement = (plan.partition.order if plan.partition else
                  [(b.group, b.device, b.dtype, b.params, b.padded_numel) for b in plan.flat.buffers])
     blob = json.dumps([_FORMAT, metas, plan.world_size, plan.strategy, plan.weight, plan.optimizer,
-                       plan.alignment, placement], separators=(",", ":"))
+                       plan.alignment, plan.bucket_numel, placement], separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -135,7 +155,7 @@ def _payload(plan: Plan) -> dict:
         "format": _FORMAT,
         "inputs": {"metas": [m.to_dict() for m in plan.metas], "world_size": plan.world_size,
                    "strategy": plan.strategy, "weight": plan.weight, "optimizer": plan.optimizer,
-                   "alignment": plan.alignment},
+                   "alignment": plan.alignment, "bucket_numel": plan.bucket_numel},
         "placement": placement,
         "ranks": [{**r.__dict__, "total_bytes": r.total_bytes} for r in plan.ranks],
         "max_over_mean": plan.max_over_mean,

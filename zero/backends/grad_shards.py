@@ -1,0 +1,113 @@
+"""Gradients reduce-scattered into a flat plan's shards during backward, in place of DDP.
+
+DDP + ZeRO-1 moves about 3x the model per iteration: DDP all-reduces every gradient (2x), then
+the optimizer all-gathers the updated params (1x). But a rank steps only its shard, so it needs
+only its shard of the averaged gradients: one reduce-scatter (1x), and the iteration moves 2x,
+as plain DDP does.
+
+Each trainable param's ``.grad`` is a view into a flat gradient buffer laid out as the plan's
+param buffers, so backward accumulates straight into it. A post-accumulate-grad hook counts the
+params of each buffer; when all have their gradient, the buffer's reduce-scatter starts
+(asynchronously, while backward goes on), its output being the shard's gradient. Buffers start
+in the plan's order on every rank, so every rank issues the same collectives in the same order;
+`finish` (called by ``step()``) starts any left and waits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from zero.backends import comm
+from zero.plans.layout import FlatLayout
+from zero.plans.meta import ParamMeta
+
+__all__ = ["GradShards"]
+
+
+class GradShards:
+    """Per flat buffer, a gradient buffer the params' grads view, reduce-scattered into ``outputs``."""
+
+    def __init__(self, params: Sequence[torch.Tensor], metas: Sequence[ParamMeta], layout: FlatLayout,
+                 outputs: Sequence[torch.Tensor], group: Any):
+        self.params, self.metas, self.layout, self.outputs, self.group = list(params), metas, layout, outputs, group
+        self.buffers = [torch.zeros(b.padded_numel, dtype=o.dtype, device=o.device)
+                        for b, o in zip(layout.buffers, outputs)]
+        self._views: dict[int, tuple[int, torch.Tensor]] = {}
+        for bi, (buf, flat) in enumerate(zip(layout.buffers, self.buffers)):
+            for i, off in zip(buf.params, buf.offsets):
+                self._views[i] = (bi, flat[off:off + self.metas[i].numel].view(self.metas[i].shape))
+        self._hooks = [self.params[i].register_post_accumulate_grad_hook(self._ready) for i in self._views]
+        self._index = {id(self.params[i]): i for i in self._views}
+        self._syncing = True
+        self._reset()
+        self.zero_grads()
+
+    def _reset(self) -> None:
+        for work in getattr(self, "_works", ()):
+            work.wait()  # a reduction started before an error: let it finish before its buffer is reused
+        self._seen = [set() for _ in self.layout.buffers]
+        self._works: list[Any] = []
+
+    def zero_grads(self) -> None:
+        """Zero the gradient buffers in place, the params' grads viewing them again; an iteration
+        that failed half way is dropped."""
+        self._reset()
+        with torch.no_grad():
+            for flat in self.buffers:
+                flat.zero_()
+        for i, (_, view) in self._views.items():
+            self.params[i].grad = view
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients without reducing them (all micro-batches but the last)."""
+        self._syncing = False
+        try:
+            yield
+        finally:
+            self._syncing = True
+
+    def _ready(self, param: torch.Tensor) -> None:
+        i = self._index[id(param)]
+        bi, view = self._views[i]
+        if param.grad is not view:  # zero_grad(set_to_none=True) ran: backward made a fresh grad
+            with torch.no_grad():
+                view.copy_(param.grad)
+            param.grad = view
+        if not self._syncing:
+            return
+        if len(self._works) > bi:
+            raise RuntimeError(f"param {self.metas[i].name} got a second gradient after its buffer was reduced: "
+                               "call step() after each backward, or accumulate inside optimizer.no_sync()")
+        self._seen[bi].add(i)
+        while len(self._works) < len(self.buffers) and self._complete(len(self._works)):
+            self._start(len(self._works))
+
+    def _complete(self, bi: int) -> bool:
+        return len(self._seen[bi]) == len(self.layout.buffers[bi].params)
+
+    def _start(self, bi: int) -> None:
+        self._works.append(comm.reduce_scatter_sum(self.outputs[bi], self.buffers[bi], self.group))
+
+    def finish(self, world_size: int) -> None:
+        """Start the reductions backward did not, wait for all, and average: ``outputs`` are then
+        this rank's shards of the mean gradient."""
+        for bi in range(len(self._works), len(self.buffers)):
+            missing = [i for i in self.layout.buffers[bi].params if i not in self._seen[bi]]
+            if missing:
+                self._reset()
+                raise ValueError(f"param {self.metas[missing[0]].name} got no gradient in this iteration: with "
+                                 "reduce_scatter_grads=True every trainable param needs one (as DDP without "
+                                 "find_unused_parameters); freeze it before building the optimizer")
+            self._start(bi)
+        self._reset()  # waits for every reduction
+        with torch.no_grad():
+            torch._foreach_div_(list(self.outputs), float(world_size))
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
