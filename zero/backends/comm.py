@@ -80,19 +80,20 @@ def new_subgroup(parent: Any, blocks: tuple[tuple[int, ...], ...]) -> Any:
     return mine
 
 
-def all_gather_rows(rows: torch.Tensor, rank: int, group: Any) -> None:
+def all_gather_rows(rows: torch.Tensor, rank: int, group: Any, async_op: bool = False) -> list[Any]:
     """In place: every rank's ``rows[rank]`` ends up in ``rows[r]`` of every other rank.
 
     ``rows`` is a contiguous ``[world_size, n]`` tensor. NCCL all-gathers in place. Gloo's
     all-gather stages the whole output in a temporary as large as ``rows``, so above
     ``_GLOO_STAGING`` elements it broadcasts each row from its owner instead (in place, no
-    temporary; the same bytes on the wire).
+    temporary; the same bytes on the wire). ``async_op``: return the works to ``wait()`` on.
     """
     if dist.get_backend(group) == "gloo" and rows.numel() > _GLOO_STAGING:
-        for r in range(rows.shape[0]):
-            dist.broadcast(rows[r], src=global_rank(group, r), group=group)
+        works = [dist.broadcast(rows[r], src=global_rank(group, r), group=group, async_op=async_op)
+                 for r in range(rows.shape[0])]
     else:
-        _ALL_GATHER(rows.view(-1), rows[rank], group=group)
+        works = [_ALL_GATHER(rows.view(-1), rows[rank], group=group, async_op=async_op)]
+    return works if async_op else []
 
 
 _GLOO_STAGING = 1 << 16

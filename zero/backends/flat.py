@@ -80,10 +80,10 @@ class FlatShards:
                 torch._foreach_copy_([grad[p.offset:p.offset + p.end - p.start] for p in pieces], src)
             shard.grad = grad
 
-    def use_reduced_grads(self) -> None:
-        """Step the shards with their reduce-scattered gradients (`GradShards` wrote them)."""
-        for shard, grad in zip(self.shards, self._grads):
-            shard.grad = grad
+    def use_reduced_grads(self, only: int | None = None) -> None:
+        """Step the shards (or shard ``only``) with their reduce-scattered gradients."""
+        for k, (shard, grad) in enumerate(zip(self.shards, self._grads)):
+            shard.grad = grad if only is None or k == only else None
 
     @property
     def grads(self) -> list[torch.Tensor]:
@@ -97,8 +97,13 @@ class FlatShards:
     @torch.no_grad()
     def sync(self) -> None:
         """One all-gather per buffer: every rank's shard into every replica, in place."""
-        for flat, buf in zip(self.flats, self.layout.buffers):
-            comm.all_gather_rows(flat.view(self.layout.world_size, buf.shard_numel), self.rank, self.group)
+        for k in range(len(self.flats)):
+            self.start_sync(k, async_op=False)
+
+    def start_sync(self, k: int, async_op: bool = True) -> list[Any]:
+        """Start buffer ``k``'s all-gather; returns the works to wait on."""
+        rows = self.flats[k].view(self.layout.world_size, self.layout.buffers[k].shard_numel)
+        return comm.all_gather_rows(rows, self.rank, self.group, async_op)
 
     def release(self) -> None:
         """Give the params their own storage again (the optimizer is being rebuilt)."""

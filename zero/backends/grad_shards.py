@@ -43,19 +43,20 @@ class GradShards:
         self._hooks = [self.params[i].register_post_accumulate_grad_hook(self._ready) for i in self._views]
         self._index = {id(self.params[i]): i for i in self._views}
         self._syncing = True
-        self._reset()
+        self.end_iteration()
         self.zero_grads()
 
-    def _reset(self) -> None:
-        for work in getattr(self, "_works", ()):
-            work.wait()  # a reduction started before an error: let it finish before its buffer is reused
+    def end_iteration(self) -> None:
+        """Forget this iteration (after waiting for any reduction still running)."""
+        for bi in range(len(getattr(self, "_works", ()))):
+            self._wait_once(bi)  # a reduction started before an error: let it finish before its buffer is reused
         self._seen = [set() for _ in self.layout.buffers]
         self._works: list[Any] = []
 
     def zero_grads(self) -> None:
         """Zero the gradient buffers in place, the params' grads viewing them again; an iteration
         that failed half way is dropped."""
-        self._reset()
+        self.end_iteration()
         with torch.no_grad():
             for flat in self.buffers:
                 flat.zero_()
@@ -96,17 +97,34 @@ class GradShards:
     def finish(self, world_size: int) -> None:
         """Start the reductions backward did not, wait for all, and average: ``outputs`` are then
         this rank's shards of the mean gradient."""
+        self.start_rest()
+        for bi in range(len(self.buffers)):
+            self.wait(bi, world_size)
+        self.end_iteration()
+
+    def start_rest(self) -> None:
+        """Start, in order, the reductions backward did not (every param must have its gradient)."""
         for bi in range(len(self._works), len(self.buffers)):
             missing = [i for i in self.layout.buffers[bi].params if i not in self._seen[bi]]
             if missing:
-                self._reset()
+                self.end_iteration()
                 raise ValueError(f"param {self.metas[missing[0]].name} got no gradient in this iteration: with "
                                  "reduce_scatter_grads=True every trainable param needs one (as DDP without "
                                  "find_unused_parameters); freeze it before building the optimizer")
             self._start(bi)
-        self._reset()  # waits for every reduction
+
+    def wait(self, bi: int, world_size: int) -> None:
+        """Wait for buffer ``bi``'s reduction and average it (after `start_rest`)."""
+        self._wait_once(bi)
         with torch.no_grad():
-            torch._foreach_div_(list(self.outputs), float(world_size))
+            self.outputs[bi].div_(world_size)
+
+    def _wait_once(self, bi: int) -> None:
+        # Gloo's reduce-scatter copies its result into the output on every wait(): a second wait
+        # would undo the averaging.
+        if self._works[bi] is not None:
+            self._works[bi].wait()
+            self._works[bi] = None
 
     def remove(self) -> None:
         for hook in self._hooks:

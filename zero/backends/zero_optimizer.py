@@ -231,8 +231,12 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             self._build_sync()
         verify = self._check_in("step")
         self._push_hyperparams()
+        if self._grad_shards is not None and not is_functional(self.optim) and closure is None and not kwargs:
+            self._step_pipelined(verify)
+            self._steps += 1
+            return None
         loss = self._step_local(closure, **kwargs)
-        verify()
+        verify()  # before any param moves: ranks that diverged get a ValueError, not mismatched collectives
         self._steps += 1
         self._sync.sync()
         return loss
@@ -261,6 +265,26 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         finally:
             if self.plan.flat is not None:
                 self._sync.clear_grads()
+
+    def _step_pipelined(self, verify: Callable[[], None]) -> None:
+        """Reduce-scattered gradients with an element-wise torch rule: buffer by buffer, wait for
+        its gradients, step its shard, start its all-gather, so each buffer's compute hides
+        the next one's communication."""
+        shards, works = self._grad_shards, []
+        try:
+            shards.start_rest()
+            for k in range(len(self._sync.shards)):
+                shards.wait(k, self.world_size)
+                self._sync.use_reduced_grads(only=k)
+                self.optim.step()
+                if k == 0:
+                    verify()
+                works += self._sync.start_sync(k)
+        finally:
+            shards.end_iteration()
+            self._sync.clear_grads()
+            for work in works:
+                work.wait()
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather every rank's shard of the state onto rank ``to`` (call on all ranks).
