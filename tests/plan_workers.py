@@ -11,6 +11,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 from torch import nn
+from zero_workers import ddp_grads, set_grads
 
 import zero
 import zero.functional as zf
@@ -18,7 +19,6 @@ from zero.backends import ZeroRedundancyOptimizer as Zero
 from zero.backends import comm
 from zero.backends.state_dict import state_nbytes
 from zero.plans.plan import PLAN_STRATEGIES
-from zero_workers import ddp_grads, set_grads
 
 RULES = {
     "adamw": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1), "adamw"),

@@ -24,8 +24,15 @@ from torch.optim import Optimizer
 from zero.backends import comm
 from zero.backends.flat import FlatShards, flat_to_global, flat_to_local
 from zero.backends.grad_shards import GradShards
-from zero.backends.local_optimizer import (check_shardable, check_state_keys, copy_hyperparams, is_functional,
-                                           local_groups, make_local_optimizer, per_element_keys)
+from zero.backends.local_optimizer import (
+    check_shardable,
+    check_state_keys,
+    copy_hyperparams,
+    is_functional,
+    local_groups,
+    make_local_optimizer,
+    per_element_keys,
+)
 from zero.backends.state_dict import check_compatible, to_global, to_local
 from zero.backends.sync import ParamSync
 from zero.functional import sharding

@@ -23,7 +23,6 @@ import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
