@@ -59,6 +59,13 @@ def test_large_world_table_elides_middle_ranks():
     assert "..." in text and "255" in text
 
 
+def test_a_bucketed_flat_plan_round_trips_through_json():
+    plan = make_plan(METAS, 3, "flat", bucket_numel=8)
+    again = Plan.from_json(plan.to_json())
+    assert again == plan and again.flat.bucket_numel == 8 and len(again.flat.buffers) > 1
+    assert again.fingerprint != make_plan(METAS, 3, "flat").fingerprint, "the cap is part of the plan"
+
+
 def test_from_json_detects_tampering():
     text = make_plan(METAS, 3).to_json()
     data = json.loads(text)

@@ -52,9 +52,9 @@ def test_contiguous_keeps_order_and_is_optimal_among_block_splits(ms, w):
         assert blocks > w
 
 
-@given(metas(), world_sizes, st.integers(1, 8))
-def test_flat_segments_tile_each_buffer(ms, w, alignment):
-    layout = flat_layout(ms, w, alignment)
+@given(metas(), world_sizes, st.integers(1, 8), st.none() | st.integers(1, 4000))
+def test_flat_segments_tile_each_buffer(ms, w, alignment, bucket_numel):
+    layout = flat_layout(ms, w, alignment, bucket_numel)
     for buf in layout.buffers:
         assert buf.padded_numel % (w * alignment) == 0 and buf.padded_numel >= buf.numel
         assert buf.shard_numel * w == buf.padded_numel
@@ -68,8 +68,15 @@ def test_flat_segments_tile_each_buffer(ms, w, alignment):
         covered.sort()
         assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))  # no gaps, no overlap
         assert (covered[0][0] if covered else 0) == 0 and (covered[-1][1] if covered else 0) == buf.numel
+        assert len({(ms[i].group, ms[i].device, ms[i].dtype) for i in buf.params}) == 1, "one key per buffer"
+        assert bucket_numel is None or buf.numel <= bucket_numel or len(buf.params) == 1
+        for rank in range(w):  # a shard's pieces are packed from its start, padding after them
+            pieces = buf.pieces(rank)
+            assert [p.offset for p in pieces] == [sum(q.end - q.start for q in pieces[:k]) for k in range(len(pieces))]
     trainable = sorted(i for i, m in enumerate(ms) if m.requires_grad)
     assert sorted(i for b in layout.buffers for i in b.params) == trainable
+    firsts = [b.params[0] for b in layout.buffers]
+    assert firsts == sorted(firsts, reverse=True), "in the order backward completes them"
 
 
 @given(metas(), world_sizes)
