@@ -153,6 +153,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                                  "plan packs the trainable params at construction: build the optimizer again "
                                  "(moving its state_dict), or use a whole-param plan")
             self._sync = FlatShards(self._all_params, self._metas, self.plan.flat, self.rank, self.process_group)
+            self._rules = self._sharding()
             return
         if self._sync is not None:
             self._sync.release()
@@ -160,6 +161,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         layout = bucket_views(self._metas, self.plan.partition)
         self._sync = ParamSync(self._all_params, layout, self.rank, self.process_group,
                                self.parameters_as_bucket_view, self._chunk_bytes)
+        self._rules = self._sharding()
 
     def _reduce_scatter_grads(self) -> GradShards:
         with torch.no_grad():  # start from rank 0's params, as DDP does
@@ -187,7 +189,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             yield
 
     def _sharding(self) -> sharding.Sharding:
-        """The pieces of whole params this rank's local params are, for rules over whole tensors."""
+        """The pieces of whole params this rank's local params are, for rules over whole tensors
+        (made with the sync, which decides what the local params are)."""
         def reduce(t: torch.Tensor) -> torch.Tensor:
             t = t.to(self._comm_device())
             comm.all_reduce_sum(t, self.process_group)
@@ -260,7 +263,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             else:
                 self._grad_shards.finish(self.world_size)
                 self._sync.use_reduced_grads()
-        rules = sharding.installed(self._sharding()) if is_functional(self.optim) else contextlib.nullcontext()
+        rules = sharding.installed(self._rules) if is_functional(self.optim) else contextlib.nullcontext()
         try:
             with rules:
                 if closure is None:
