@@ -6,6 +6,8 @@ It takes plans from `zero` and transformations from `zero.functional` and runs c
 from zero.backends.averagers import HierarchicalModelAverager
 from zero.backends.averagers import PeriodicModelAverager
 from zero.backends.averagers import average_parameters
+from zero.backends.overlap import hook_with_zero_step
+from zero.backends.overlap import hook_with_zero_step_interleaved
 from zero.backends.post_localsgd import PostLocalSGDOptimizer
 from zero.backends.post_localsgd import register_post_local_sgd_hook
 from zero.backends.rpc_optimizer import DistributedOptimizer
@@ -18,5 +20,7 @@ __all__ = [
     "PostLocalSGDOptimizer",
     "ZeroRedundancyOptimizer",
     "average_parameters",
+    "hook_with_zero_step",
+    "hook_with_zero_step_interleaved",
     "register_post_local_sgd_hook",
 ]

@@ -99,9 +99,10 @@ def all_gather_rows(rows: torch.Tensor, rank: int, group: Any, async_op: bool = 
 _GLOO_STAGING = 1 << 16
 
 
-def broadcast_from(tensor: torch.Tensor, owner: int, group: Any) -> None:
-    """In place: ``tensor`` on group rank ``owner`` overwrites it on every other rank."""
-    dist.broadcast(tensor, src=global_rank(group, owner), group=group)
+def broadcast_from(tensor: torch.Tensor, owner: int, group: Any, async_op: bool = False) -> Any:
+    """In place: ``tensor`` on group rank ``owner`` overwrites it on every other rank (``async_op``:
+    returns the work to wait on)."""
+    return dist.broadcast(tensor, src=global_rank(group, owner), group=group, async_op=async_op)
 
 
 def check_in(what: str, fields: Mapping[str, int], group: Any, device: torch.device) -> Callable[[], None]:

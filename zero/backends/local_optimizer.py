@@ -19,13 +19,15 @@ __all__ = ["make_local_optimizer", "local_groups", "copy_hyperparams", "is_funct
            "per_element_keys", "check_shardable"]
 
 
-def make_local_optimizer(optimizer_class: Any, groups: list[dict], defaults: dict) -> torch.optim.Optimizer:
+def make_local_optimizer(optimizer_class: Any, groups: list[dict], defaults: dict,
+                         per_param: bool = False) -> torch.optim.Optimizer:
     """Build the local optimizer over ``groups`` (this rank's share of every param group).
 
     ``optimizer_class`` is a ``torch.optim.Optimizer`` subclass (built with ``**defaults``), a
     `GradientTransformation` (``defaults`` must be empty), or a factory such as
     ``zero.functional.adam``: it is wrapped in `inject_hyperparams` so each group's values (``lr``
-    for ``learning_rate``) and lr schedulers reach it.
+    for ``learning_rate``) and lr schedulers reach it. ``per_param``: a transformation steps the
+    params in changing sets (see `zero.functional.FunctionalOptimizer`).
     """
     check_not_optax(optimizer_class, "optimizer_class")
     if isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer):
@@ -34,13 +36,13 @@ def make_local_optimizer(optimizer_class: Any, groups: list[dict], defaults: dic
         if defaults:
             raise TypeError(f"optimizer_class is a GradientTransformation, so it takes no keyword "
                             f"hyperparameters; got {sorted(defaults)}")
-        return Optimizer(groups, optimizer_class)
+        return Optimizer(groups, optimizer_class, per_param=per_param)
     if callable(optimizer_class) and not isinstance(optimizer_class, type):
         tx = inject_hyperparams(optimizer_class)(**defaults)
         if not isinstance(tx, GradientTransformation):
             raise TypeError(f"optimizer_class {optimizer_class!r} returned {type(tx).__name__}, "
                             "not a GradientTransformation")
-        return Optimizer(groups, tx)
+        return Optimizer(groups, tx, per_param=per_param)
     raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass or a zero.functional "
                     f"transformation or factory, got {optimizer_class!r}")
 

@@ -37,6 +37,7 @@ from zero.backends.state_dict import check_compatible, to_global, to_local
 from zero.backends.sync import ParamSync
 from zero.functional import sharding
 from zero.plans.checks import checksum
+from zero.plans.ddp_buckets import ddp_bucket_partition
 from zero.plans.layout import FLAT_BUCKET_NUMEL, bucket_views
 from zero.plans.meta import ParamMeta, param_groups, param_metas
 from zero.plans.partition import check_rank
@@ -64,7 +65,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         parameters_as_bucket_view: make params views into per-(device, dtype, rank) buckets,
             so the all-gather writes them in place and no copies are made. Flat plans always
             keep params as views into their flat buffers.
-        overlap_with_ddp: not yet supported (raises ``NotImplementedError``).
+        overlap_with_ddp: step inside DDP's comm hook, bucket by bucket, while backward runs:
+            register ``zero.backends.hook_with_zero_step(allreduce_hook, ddp, optimizer)`` (or the
+            interleaved one) on the DDP model, whose buckets then decide ownership; ``step()`` in
+            the loop is a no-op. Whole-param plans only.
         plan: the `zero.Plan` to execute, made by `zero.make_plan` for exactly these params
             (``zero.param_metas(params)``) and this world size, on every rank alike.
         strategy: shorthand for ``plan=zero.make_plan(zero.param_metas(params), world_size,
@@ -84,9 +88,6 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                  parameters_as_bucket_view: bool = False, overlap_with_ddp: bool = False, *,
                  plan: Plan | None = None, strategy: str | None = None, sync_chunk_mb: float = 16,
                  reduce_scatter_grads: bool = False, **defaults: Any):
-        if overlap_with_ddp:
-            raise NotImplementedError("overlap_with_ddp=True (stepping inside DDP's comm hook) is not implemented "
-                                      "yet; use overlap_with_ddp=False and call step() after backward()")
         _check_plan_arguments(plan, strategy)
         self.process_group = comm.resolve_group(process_group, "ZeroRedundancyOptimizer")
         if not isinstance(sync_chunk_mb, (int, float)) or sync_chunk_mb <= 0:
@@ -107,15 +108,20 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._metas = param_metas(self.param_groups)
         self.plan = plan if plan is not None else _default_plan(self._metas, self.world_size, strategy)
         check_plan(self.plan, self._metas, self.world_size)
+        self._overlap, self._attached = bool(overlap_with_ddp), False
         if self.plan.flat is not None:
             check_shardable(optimizer_class)
+            if self._overlap:
+                raise ValueError("overlap_with_ddp=True steps whole params as DDP's buckets arrive: use a "
+                                 "whole-param plan (flat plans reduce-scatter instead: reduce_scatter_grads=True)")
         elif reduce_scatter_grads:
             raise ValueError("reduce_scatter_grads=True needs a flat plan (strategy='flat'): whole-param plans "
                              "leave every rank the full gradients, as DDP does")
         self._sync: ParamSync | FlatShards | None = None
         self._build_sync()
         self._grad_shards = self._reduce_scatter_grads() if reduce_scatter_grads else None
-        self.optim = make_local_optimizer(optimizer_class, self._local_groups(), defaults)
+        self._optimizer_class, self._defaults = optimizer_class, defaults
+        self.optim = make_local_optimizer(optimizer_class, self._local_groups(), defaults, per_param=self._overlap)
         self._pull_hyperparams()
         self._consolidated: list[dict] | None = None
         self._steps = 0
@@ -132,6 +138,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def _local_groups(self) -> list[dict]:
         if self.plan.flat is not None:
             return self._sync.local_groups(self.param_groups)
+        if self._overlap:  # stepped inside backward: the local optimizer's params (and their .grad)
+            # are stand-ins sharing the params' storage, so DDP's and autograd's grads stay untouched
+            self._stand_ins = {i: self._all_params[i].detach() for i in self.plan.partition.params_of(self.rank)}
+            return local_groups(self.param_groups, self._indices[self.rank],
+                                [self._stand_ins.get(i, p) for i, p in enumerate(self._all_params)])
         return local_groups(self.param_groups, self._indices[self.rank], self._all_params)
 
     # The outer param_groups are the truth users and lr schedulers write; the local optimizer's
@@ -188,6 +199,59 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         with self._grad_shards.no_sync():
             yield
 
+    # -- stepping inside DDP's comm hook (zero.backends.overlap) ---------------------------------
+
+    def _attach_to_ddp(self, bucket_cap_mb: float, shard_buckets: bool) -> None:
+        """Own params by DDP's buckets (before the first step), rebuilding the local optimizer."""
+        if self._attached or self._steps:
+            raise ValueError("this optimizer is already stepping inside a DDP comm hook (or has stepped): "
+                             "register hook_with_zero_step once, before training")
+        part = ddp_bucket_partition(self._metas, self.world_size, bucket_cap_mb, shard_buckets)
+        self.plan = self.plan.with_partition(part)
+        self._build_sync()
+        self.optim = make_local_optimizer(self._optimizer_class, self._local_groups(), self._defaults, per_param=True)
+        self._pull_hyperparams()
+        self._rules = self._overlap_rules()
+        self._attached = True
+
+    def _overlap_rules(self) -> sharding.Sharding:
+        def refuse(t: torch.Tensor) -> torch.Tensor:
+            raise ValueError("this rule needs the whole model's gradients (a global norm, a finiteness check ...), "
+                             "but overlap_with_ddp=True steps one DDP bucket at a time: use overlap_with_ddp=False")
+
+        pieces = {id(p): sharding.Pieces((i,), (p.numel(),)) for i, p in self._stand_ins.items()}
+        return sharding.Sharding(pieces, tuple(p.dtype for p in self._all_params), refuse, every_group=False)
+
+    def _step_bucket(self, indices: list[int], grads: list[torch.Tensor]) -> None:
+        """Step the params of one reduced DDP bucket that this rank owns."""
+        mine = [(self._stand_ins[i], g) for i, g in zip(indices, grads)
+                if i in self._stand_ins and self._all_params[i].requires_grad]
+        if not mine:
+            return
+        for stand_in, g in mine:
+            stand_in.grad = g.view_as(stand_in)
+        try:
+            rules = sharding.installed(self._rules) if is_functional(self.optim) else contextlib.nullcontext()
+            with rules:
+                self.optim.step()
+        finally:
+            for stand_in, _ in mine:
+                stand_in.grad = None
+
+    def _broadcast_params(self, indices: list[int]) -> list[Any]:
+        """Start sending each trainable param of a bucket from its owner (interleaved hook)."""
+        owner = self.plan.partition.owner
+        return [comm.broadcast_from(self._all_params[i].data, owner[i], self.process_group, async_op=True)
+                for i in indices if self._all_params[i].requires_grad]
+
+    def _end_overlapped_step(self, synced: bool) -> None:
+        if any(p.requires_grad != m.requires_grad for p, m in zip(self._all_params, self._metas)):
+            raise ValueError("params were frozen or unfrozen after the comm hook was registered: with "
+                             "overlap_with_ddp=True build the optimizer and the hook again")
+        if not synced:
+            self._sync.sync()
+        self._steps += 1
+
     def _sharding(self) -> sharding.Sharding:
         """The pieces of whole params this rank's local params are, for rules over whole tensors
         (made with the sync, which decides what the local params are)."""
@@ -236,6 +300,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:
         """Step what this rank holds with the local optimizer, then all-gather every updated param."""
         Join.notify_join_context(self)
+        if self._overlap:
+            return self._overlapped_step(closure)
         if any(p.requires_grad != m.requires_grad for p, m in zip(self._all_params, self._metas)):
             logger.info("trainable params changed; rebuilding the sync buckets")
             self._build_sync()
@@ -250,6 +316,16 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._steps += 1
         self._sync.sync()
         return loss
+
+    def _overlapped_step(self, closure: Callable[[], float] | None) -> float | None:
+        """With overlap_with_ddp the step ran inside backward: only a closure (which runs backward) is left."""
+        if not self._attached:
+            raise RuntimeError("overlap_with_ddp=True: register zero.backends.hook_with_zero_step(hook, ddp, "
+                               "optimizer) on the DDP model before training; the step then runs inside backward")
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()
 
     def _step_local(self, closure: Callable[[], float] | None, **kwargs: Any) -> float | None:
         loss = None
@@ -343,6 +419,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
         """Shadow the step's collectives on ranks that ran out of inputs (see ``torch...Join``)."""
+        if self._overlap:
+            raise NotImplementedError("Join with overlap_with_ddp=True: a joined rank runs DDP's shadow all-reduces "
+                                      "outside backward, where the hook cannot step; use overlap_with_ddp=False")
         if self._grad_shards is not None:
             raise NotImplementedError("Join with reduce_scatter_grads=True: a joined rank would have to shadow "
                                       "the gradients' reduce-scatters too; use DDP + Join for uneven inputs")

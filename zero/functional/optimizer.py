@@ -180,9 +180,10 @@ class Optimizer(torch.optim.Optimizer):
     ``torch.optim.lr_scheduler``, take effect at the next step.
     """
 
-    def __init__(self, params: Iterable, tx: GradientTransformation):
+    def __init__(self, params: Iterable, tx: GradientTransformation, *, per_param: bool = False):
         self._default_tx = with_group_hyperparams(tx)
         self._states: list[_StatesBySet] = []
+        self._per_param = per_param  # see FunctionalOptimizer: params may step in changing sets
         super().__init__(params, hyperparams_of(self._default_tx))
 
     def add_param_group(self, param_group: dict) -> None:
@@ -193,7 +194,7 @@ class Optimizer(torch.optim.Optimizer):
         for key, value in known.items():
             param_group.setdefault(key, value)
         super().add_param_group(param_group)
-        self._states.append(_StatesBySet(tx))
+        self._states.append(_StatesBySet(tx, self._per_param))
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -203,7 +204,7 @@ class Optimizer(torch.optim.Optimizer):
                 loss = closure()
         for group, states in zip(self.param_groups, self._states):
             idx = tuple(i for i, p in enumerate(group["params"]) if p.grad is not None)
-            if idx or sharding.active():  # sharded rules make collectives: every rank steps every group
+            if idx or sharding.every_group():  # sharded rules make collectives: every rank steps every group
                 params = [group["params"][i] for i in idx]
                 grads = [p.grad for p in params]
                 if any(g.is_sparse for g in grads):

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Pieces", "Sharding", "installed", "active", "global_norm", "tensor_norms", "all_finite"]
+__all__ = ["Pieces", "Sharding", "installed", "every_group", "global_norm", "tensor_norms", "all_finite"]
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,7 @@ class Sharding:
     pieces: Mapping[int, Pieces]
     dtypes: tuple[torch.dtype, ...]
     reduce: Callable[[torch.Tensor], torch.Tensor]
+    every_group: bool = True  # the ranks' reductions pair up only if each steps every group
 
     @property
     def n_tensors(self) -> int:
@@ -77,8 +78,10 @@ def installed(sharding: Sharding) -> Iterator[None]:
         _SHARDING.reset(token)
 
 
-def active() -> bool:
-    return _SHARDING.get() is not None
+def every_group() -> bool:
+    """Whether a sharded step must step every param group, even one with no gradients here."""
+    sharding = _SHARDING.get()
+    return sharding is not None and sharding.every_group
 
 
 @contextlib.contextmanager

@@ -11,9 +11,10 @@ from collections.abc import Sequence
 
 from zero.plans.checks import check_int
 from zero.plans.meta import ParamMeta
-from zero.plans.partition import check_metas, check_world_size
+from zero.plans.partition import Partition, check_metas, check_world_size
 
-__all__ = ["assign_ddp_buckets", "ddp_buckets", "DEFAULT_BUCKET_CAP_MB", "FIRST_BUCKET_BYTES"]
+__all__ = ["assign_ddp_buckets", "ddp_buckets", "ddp_bucket_partition", "DEFAULT_BUCKET_CAP_MB",
+           "FIRST_BUCKET_BYTES"]
 
 DEFAULT_BUCKET_CAP_MB = 25
 FIRST_BUCKET_BYTES = 1024 * 1024  # DDP's small first bucket (its _DEFAULT_FIRST_BUCKET_BYTES)
@@ -114,3 +115,26 @@ def _bucket_by_size(metas, order, limits) -> list[list[int]]:
     closed += sorted((acc[0], acc[1]) for acc in open_.values() if acc[1])
     return [idx for _, idx in closed]
 
+
+
+def ddp_bucket_partition(metas: Sequence[ParamMeta], world_size: int, bucket_cap_mb: float | None = None,
+                         shard_buckets: bool = False) -> Partition:
+    """Ownership of each param for stepping inside DDP's comm hook, from DDP's buckets.
+
+    Each (predicted) bucket's params go to ranks as `assign_ddp_buckets` says: whole buckets
+    round-robin, or with ``shard_buckets`` runs of each bucket balanced over the ranks. Ownership
+    stays with the param when DDP rebuilds its buckets, so no state ever moves; frozen params go
+    to rank 0 (they never step). The local order is registration order, group by group.
+    """
+    metas = check_metas(metas)
+    buckets = ddp_buckets(metas, bucket_cap_mb)
+    owner = [0] * len(metas)
+    for rank, slices in enumerate(assign_ddp_buckets([[metas[i].numel for i in b] for b in buckets],
+                                                     world_size, shard_buckets) if buckets else []):
+        for b, (offset, count) in slices.items():
+            for i in buckets[b][offset:offset + count]:
+                owner[i] = rank
+    order = tuple(tuple(i for i in range(len(metas)) if owner[i] == r) for r in range(world_size))
+    loads = tuple(sum(metas[i].numel for i in idx) for idx in order)
+    strategy = "ddp_buckets_sharded" if shard_buckets else "ddp_buckets"
+    return Partition(world_size, strategy, "numel", tuple(owner), order, loads)

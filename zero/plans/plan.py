@@ -43,6 +43,21 @@ class Plan:
     max_over_bound: float  # the busiest rank's load / the best any plan could do (see make_plan)
     fingerprint: str
 
+    def with_partition(self, part: Partition) -> Plan:
+        """This plan's params placed by another whole-param ``part`` (e.g. `ddp_bucket_partition`),
+        costed and fingerprinted anew."""
+        if len(part.owner) != len(self.metas) or part.world_size != self.world_size:
+            raise ValueError("the partition is for other params or another world size")
+        spec = optimizer_state(self.optimizer)
+        ranks = partition_costs(self.metas, part, spec)
+        mean = sum(r.load for r in ranks) / self.world_size
+        busiest = max(r.load for r in ranks)
+        plan = dataclasses.replace(self, strategy=part.strategy, partition=part, flat=None, ranks=ranks,
+                                   max_over_mean=busiest / mean if mean else 1.0,
+                                   max_over_bound=busiest / max(max(m.numel for m in self.metas), mean)
+                                   if mean else 1.0)
+        return dataclasses.replace(plan, fingerprint=_fingerprint(plan))
+
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(_payload(self) | {"fingerprint": self.fingerprint}, indent=indent)
 

@@ -1,0 +1,151 @@
+"""Per-rank bodies of the overlap tests: ZeRO stepping inside DDP's comm hook against DDP + one optimizer."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import zero.functional as zf
+from zero.backends import ZeroRedundancyOptimizer as Zero
+from zero.backends import hook_with_zero_step, hook_with_zero_step_interleaved
+
+RULES = {
+    "sgd": (torch.optim.SGD, dict(lr=1e-2, momentum=0.9, weight_decay=1e-3)),
+    "adamw": (zf.from_torch(torch.optim.AdamW, lr=1e-2, weight_decay=0.1), {}),
+    "chain": (zf.chain(zf.add_decayed_weights(1e-3), zf.scale_by_adam(), zf.scale(-1e-2)), {}),
+}
+HOOKS = {"plain": hook_with_zero_step, "interleaved": hook_with_zero_step_interleaved}
+
+
+class Net(nn.Sequential):
+    """Linear layers with tanh, each fed in its own dtype (``mixed``: every other layer bfloat16)."""
+
+    def forward(self, x):
+        for layer in self:
+            x = torch.tanh(layer(x.to(layer.weight.dtype)))
+        return x.double()
+
+
+def make_model(seed: int = 0, dtype=torch.float64, mixed: bool = False) -> nn.Module:
+    torch.manual_seed(seed)
+    layers = [nn.Linear(7, 33), nn.Linear(33, 40), nn.Linear(40, 64), nn.Linear(64, 5)]
+    return Net(*[lay.to(torch.bfloat16 if mixed and i % 2 else dtype) for i, lay in enumerate(layers)])
+
+
+def _loss(model: nn.Module, step: int, rank: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    return model(torch.randn(6, 7, generator=gen, dtype=torch.float64)).square().mean()
+
+
+def _groups(model: nn.Module, torch_class: bool) -> list[dict]:
+    first = list(model[:2].parameters())
+    rest = list(model[2:].parameters())
+    return [{"params": first}, {"params": rest, "lr": 5e-3} if torch_class else {"params": rest}]
+
+
+def overlap_vs_ddp(rank: int, world_size: int, name: str, hook: str, shard_buckets: bool, static_graph: bool,
+                   as_view: bool, steps: int = 6, mixed: bool = False, find_unused: bool = False) -> dict:
+    """Worst relative difference of the float64 params after each of ``steps`` iterations, and
+    whether every param (bf16 ones too) equals the reference's to the bit at the end."""
+    rule, kwargs = RULES[name]
+    torch_class = isinstance(rule, type)
+    ours_m, ref_m = make_model(mixed=mixed), make_model(mixed=mixed)
+    ddp_kw = dict(bucket_cap_mb=0.004, static_graph=static_graph, gradient_as_bucket_view=as_view,
+                  find_unused_parameters=find_unused)
+    ours_ddp, ref_ddp = DDP(ours_m, **ddp_kw), DDP(ref_m, **ddp_kw)
+    zero = Zero(_groups(ours_m, torch_class), rule, overlap_with_ddp=True, **kwargs)
+    ours_ddp.register_comm_hook(None, HOOKS[hook](allreduce_hook, ours_ddp, zero, shard_buckets))
+    ref = (rule(_groups(ref_m, True), **kwargs) if torch_class else zf.Optimizer(_groups(ref_m, False), rule))
+    worst = []
+    for step in range(steps):
+        _loss(ours_ddp, step, rank).backward()
+        zero.step()  # a no-op: the step ran inside backward
+        zero.zero_grad()
+        _loss(ref_ddp, step, rank).backward()
+        ref.step()
+        ref.zero_grad()
+        worst.append(max(float(((a - b).abs() / b.abs().clamp_min(1e-12)).max().detach())
+                         for a, b in zip(ours_m.parameters(), ref_m.parameters()) if a.dtype == torch.float64))
+    equal = all(torch.equal(a, b) for a, b in zip(ours_m.parameters(), ref_m.parameters()))
+    return {"worst": worst, "equal": equal, "owners": list(zero.partition.owner)}
+
+
+def matrix(rank: int, world_size: int) -> dict:
+    out = {}
+    for hook in HOOKS:
+        for shard in (False, True):
+            for static in (False, True):
+                for view in (False, True):
+                    out[hook, shard, static, view] = overlap_vs_ddp(rank, world_size, "sgd", hook, shard, static, view)
+    return out
+
+
+def rules(rank: int, world_size: int) -> dict:
+    """from_torch(AdamW) and a zero.functional chain; SGD with bf16 + float64 params; find_unused_parameters."""
+    out = {name: overlap_vs_ddp(rank, world_size, name, "plain", True, False, False) for name in ("adamw", "chain")}
+    out["mixed"] = overlap_vs_ddp(rank, world_size, "sgd", "interleaved", False, False, True, mixed=True)
+    out["find_unused"] = overlap_vs_ddp(rank, world_size, "adamw", "plain", False, False, False, find_unused=True)
+    return out
+
+
+def checkpoint_between_modes(rank: int, world_size: int, path: str) -> dict:
+    """3 overlapped iterations, consolidate, load into a non-overlapped ZeRO, 3 more; against DDP + SGD for 6."""
+    rule, kwargs = RULES["sgd"]
+    ours_m, ref_m = make_model(), make_model()
+    ours_ddp, ref_ddp = DDP(ours_m, bucket_cap_mb=0.004), DDP(ref_m, bucket_cap_mb=0.004)
+    zero = Zero(_groups(ours_m, True), rule, overlap_with_ddp=True, **kwargs)
+    ours_ddp.register_comm_hook(None, hook_with_zero_step(allreduce_hook, ours_ddp, zero))
+    ref = rule(_groups(ref_m, True), **kwargs)
+    for step in range(3):
+        _loss(ours_ddp, step, rank).backward()
+        zero.zero_grad()
+        _loss(ref_ddp, step, rank).backward()
+        ref.step()
+        ref.zero_grad()
+    zero.consolidate_state_dict(to=0)
+    saved = zero.state_dict() if rank == 0 else None
+    box = [saved]
+    dist.broadcast_object_list(box, src=0)
+    plain_ddp = DDP(ours_m, bucket_cap_mb=0.004)
+    after = Zero(_groups(ours_m, True), rule, **kwargs)
+    after.load_state_dict(box[0])
+    for step in range(3, 6):
+        _loss(plain_ddp, step, rank).backward()
+        after.step()
+        after.zero_grad()
+        _loss(ref_ddp, step, rank).backward()
+        ref.step()
+        ref.zero_grad()
+    return {"equal": all(torch.equal(a, b) for a, b in zip(ours_m.parameters(), ref_m.parameters())),
+            "torch_format": sorted(box[0]["state"][0])}
+
+
+def no_cycle(rank: int, world_size: int) -> dict:
+    model = make_model()
+    ddp = DDP(model)
+    zero = Zero(model.parameters(), torch.optim.SGD, overlap_with_ddp=True, lr=0.1)
+    ddp.register_comm_hook(None, hook_with_zero_step(allreduce_hook, ddp, zero))
+    _loss(ddp, 0, rank).backward()
+    ref = weakref.ref(ddp)
+    del ddp
+    gc.collect()
+    return {"ddp_freed": ref() is None}
+
+
+def global_norm_rule(rank: int, world_size: int) -> dict:
+    """clip_by_global_norm needs every bucket at once: the backward that steps it must say so."""
+    model = make_model()
+    ddp = DDP(model)
+    zero = Zero(model.parameters(), zf.chain(zf.clip_by_global_norm(1.0), zf.sgd(0.1)), overlap_with_ddp=True)
+    ddp.register_comm_hook(None, hook_with_zero_step(allreduce_hook, ddp, zero))
+    try:
+        _loss(ddp, 0, rank).backward()
+    except RuntimeError as e:
+        return {"message": str(e)}
+    return {"message": None}
