@@ -1,13 +1,13 @@
 """The optimizer step inside DDP's comm hook (`overlap_with_ddp=True`), on gloo, from the first iteration."""
 
+import overlap_workers as w
 import pytest
 import torch
+from distributed import run_ranks
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-import overlap_workers as w
 import zero
-from distributed import run_ranks
 from zero.backends import ZeroRedundancyOptimizer as Zero
 from zero.backends import hook_with_zero_step
 
