@@ -276,9 +276,9 @@ def _cut(metas: Sequence[ParamMeta], members: list[int], cap: int | None) -> lis
     if cap is None:
         return [members]
     runs: list[list[int]] = []
-    size = cap
+    size = 0
     for i in reversed(members):
-        if size + metas[i].numel > cap and size:
+        if not runs or (size + metas[i].numel > cap and size):
             runs.append([])
             size = 0
         runs[-1].insert(0, i)
