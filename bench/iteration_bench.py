@@ -2,7 +2,9 @@
 
 - ``ddp+adam``: DDP + ``torch.optim.Adam`` (every rank steps everything);
 - ``ddp+torch_zero``: DDP + torch's ``ZeroRedundancyOptimizer``;
-- ``ddp+zero``: DDP + zero's, whole-param plan (torch's ownership);
+- ``ddp+zero``: DDP + zero's, whole-param plan (torch's ownership), stepping after backward;
+- ``ddp+zero_overlap`` / ``ddp+zero_overlap_il``: DDP + zero's with ``overlap_with_ddp=True``,
+  stepping inside DDP's comm hook (`hook_with_zero_step` / its interleaved form);
 - ``zero_flat_rs``: no DDP; zero's flat plan with ``reduce_scatter_grads=True``;
 - ``fsdp2``: ``fully_shard(reshard_after_forward=False)`` per layer and on the root (ZeRO-2).
 
@@ -34,10 +36,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zero
 from zero.backends import ZeroRedundancyOptimizer as Zero
-from zero.backends import comm
+from zero.backends import comm, hook_with_zero_step, hook_with_zero_step_interleaved
 from zero.tools.launch import run
 
-SYSTEMS = ("ddp+adam", "ddp+torch_zero", "ddp+zero", "zero_flat_rs", "fsdp2")
+SYSTEMS = ("ddp+adam", "ddp+torch_zero", "ddp+zero", "ddp+zero_overlap", "ddp+zero_overlap_il", "zero_flat_rs",
+           "fsdp2")
+OVERLAP_HOOKS = {"ddp+zero_overlap": hook_with_zero_step, "ddp+zero_overlap_il": hook_with_zero_step_interleaved}
 
 
 def _model(layers: int, width: int) -> nn.Module:
@@ -60,6 +64,10 @@ def build(system: str, layers: int, width: int, bucket_mb: float, count_hook=Non
         plan = zero.make_plan(zero.param_metas(model), dist.get_world_size(), "flat", bucket_numel=numel)
         return model, Zero(model.parameters(), torch.optim.Adam, plan=plan, reduce_scatter_grads=True, lr=1e-4)
     ddp = DDP(model, bucket_cap_mb=bucket_mb)
+    if system in OVERLAP_HOOKS:
+        opt = Zero(model.parameters(), torch.optim.Adam, overlap_with_ddp=True, lr=1e-4)
+        ddp.register_comm_hook(None, OVERLAP_HOOKS[system](count_hook or allreduce_hook, ddp, opt))
+        return ddp, opt
     if count_hook is not None:
         ddp.register_comm_hook(None, count_hook)
     if system == "ddp+adam":
@@ -177,12 +185,14 @@ def _print(results: list[dict], args) -> None:
 
     table = Table(title=f"forward + backward + Adam step, {args.layers} x Linear({args.width},{args.width}), "
                         f"2 gloo ranks, 1 thread each, {args.bucket_mb} MB buckets (rank 0; median of {args.iters})")
-    for col in ("system", "ms / iteration", "vs ddp+adam", "vs ddp+torch_zero", "moved (x model)",
+    table.add_column("system", no_wrap=True)
+    for col in ("ms / iteration", "vs ddp+adam", "vs ddp+zero", "vs ddp+torch_zero", "moved (x model)",
                 "Adam state rank 0 (MB)"):
         table.add_column(col, justify="right")
     r = results[0]
     for s in SYSTEMS:
         table.add_row(s, f"{r['ms'][s]:.1f}", f"{r['ms'][s] / r['ms']['ddp+adam']:.2f}x",
+                      f"{r['ms'][s] / r['ms']['ddp+zero']:.2f}x",
                       f"{r['ms'][s] / r['ms']['ddp+torch_zero']:.2f}x", f"{r['moved'][s]:.3f}",
                       f"{r['state'][s] / 1e6:.2f}")
     Console().print(table)
