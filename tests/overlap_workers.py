@@ -149,3 +149,39 @@ def global_norm_rule(rank: int, world_size: int) -> dict:
     except RuntimeError as e:
         return {"message": str(e)}
     return {"message": None}
+
+
+def torch_scenario(rank: int, world_size: int) -> dict:
+    """The scenario of torch's own overlap test (``_test_ddp_zero_overlap``: Linear(1000, 2000),
+    Linear(2000, 500), SGD(lr 0.01, momentum 0.9, weight decay 0.001), 5 inputs, loss = sum),
+    for its 16 combinations, but with no warm-up iterations: ours must match DDP + SGD from the
+    first. Returns, per combination, whether the params equal the reference's within torch's
+    default float32 tolerances, and whether they moved at all."""
+    import copy
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1000, 2000), nn.Linear(2000, 500))
+    inputs = [torch.randn(1, 1000) for _ in range(5)]
+    sgd = dict(lr=0.01, momentum=0.9, weight_decay=0.001)
+    out = {}
+    for hook in HOOKS:
+        for shard in (False, True):
+            for static in (False, True):
+                for view in (False, True):
+                    ours = DDP(copy.deepcopy(model), gradient_as_bucket_view=view, static_graph=static)
+                    zero = Zero(ours.parameters(), torch.optim.SGD, overlap_with_ddp=True, **sgd)
+                    ours.register_comm_hook(None, HOOKS[hook](allreduce_hook, ours, zero, shard_buckets=shard))
+                    ref = DDP(copy.deepcopy(model), gradient_as_bucket_view=view, static_graph=static)
+                    local = torch.optim.SGD(ref.parameters(), **sgd)
+                    before = [p.detach().clone() for p in ours.parameters()]
+                    for x in inputs:
+                        zero.zero_grad()
+                        ours(x).sum().backward()
+                        local.zero_grad()
+                        ref(x).sum().backward()
+                        local.step()
+                    close = all(torch.allclose(a, b, rtol=1.3e-6, atol=1e-5)
+                                for a, b in zip(ours.parameters(), ref.parameters()))
+                    moved = any(not torch.equal(a, b) for a, b in zip(ours.parameters(), before))
+                    out[hook, shard, static, view] = (close, moved)
+    return out

@@ -92,3 +92,12 @@ def test_ownership_follows_ddp_buckets_as_a_plan():
         assert {whole.owner[i] for i in idx} == {b % 2}
     split = ddp_bucket_partition(metas, 2, bucket_cap_mb=1, shard_buckets=True)  # one bucket, split
     assert set(split.owner) == {0, 1} and split.strategy == "ddp_buckets_sharded"
+
+
+def test_torch_overlap_scenario_counted_from_the_first_iteration():
+    """torch's own `test_ddp_zero_overlap` scenario, its 16 combinations, on CPU/gloo (which torch
+    disables), without the 2-3 warm-up iterations torch's version needs before it updates."""
+    for rank, by_case in enumerate(run_ranks(w.torch_scenario, 2, timeout=300)):
+        assert len(by_case) == 16
+        for case, (close, moved) in by_case.items():
+            assert close and moved, f"{case} rank {rank}: equal to DDP + SGD {close}, params moved {moved}"
