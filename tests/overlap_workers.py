@@ -185,3 +185,30 @@ def torch_scenario(rank: int, world_size: int) -> dict:
                     moved = any(not torch.equal(a, b) for a, b in zip(ours.parameters(), before))
                     out[hook, shard, static, view] = (close, moved)
     return out
+
+
+def join_uneven(rank: int, world_size: int, hook: str) -> dict:
+    """Rank r gets 3 + r inputs, under Join([ddp, zero]); DDP + SGD on the rank with the most inputs
+    is the reference. Every rank's params must equal it (a joined rank keeps stepping what it owns)."""
+    from torch.distributed.algorithms.join import Join
+
+    rule, kwargs = RULES["sgd"]
+    ours_m, ref_m = make_model(), make_model()
+    ours_ddp, ref_ddp = DDP(ours_m, bucket_cap_mb=0.004), DDP(ref_m, bucket_cap_mb=0.004)
+    zero = Zero(ours_m.parameters(), rule, overlap_with_ddp=True, **kwargs)
+    ours_ddp.register_comm_hook(None, HOOKS[hook](allreduce_hook, ours_ddp, zero))
+    ref = rule(ref_m.parameters(), **kwargs)
+    with Join([ours_ddp, zero]):
+        for step in range(3 + rank):
+            _loss(ours_ddp, step, rank).backward()
+            zero.step()
+            zero.zero_grad()
+    with Join([ref_ddp]):
+        for step in range(3 + rank):
+            _loss(ref_ddp, step, rank).backward()
+            ref.step()
+            ref.zero_grad()
+    last = world_size - 1
+    params = [p.detach().clone() for p in (ref_m if rank == last else ours_m).parameters()]
+    dist.broadcast_object_list(box := [params], src=last)
+    return {"equal": all(torch.allclose(a, b, rtol=1e-12, atol=0) for a, b in zip(ours_m.parameters(), box[0]))}

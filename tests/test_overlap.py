@@ -42,6 +42,12 @@ def test_a_checkpoint_moves_from_overlapped_to_plain_zero():
     assert results[0]["torch_format"] == ["momentum_buffer"], "the plain torch.optim format"
 
 
+@pytest.mark.parametrize("hook", ["plain", "interleaved"])
+def test_join_with_uneven_inputs(hook):
+    results = run_ranks(w.join_uneven, 3, hook, timeout=120)
+    assert all(r["equal"] for r in results), results
+
+
 def test_the_hook_keeps_no_reference_to_ddp():
     assert all(r["ddp_freed"] for r in run_ranks(w.no_cycle, 2, timeout=90))
 
@@ -75,8 +81,6 @@ def test_overlap_errors():
     hook_with_zero_step(allreduce_hook, ddp, opt)
     with pytest.raises(ValueError, match="register hook_with_zero_step once"):
         hook_with_zero_step(allreduce_hook, ddp, opt)
-    with pytest.raises(NotImplementedError, match="Join with overlap_with_ddp=True"):
-        opt.join_hook()
     with pytest.raises(ValueError, match="whole-param plan"):
         Zero(model.parameters(), torch.optim.SGD, overlap_with_ddp=True, strategy="flat", lr=0.1)
 

@@ -66,6 +66,8 @@ class _ZeroStepHook:
         self._in_backward = False
 
     def __call__(self, state: Any, bucket: Any) -> torch.futures.Future:
+        if torch._C._current_graph_task_id() == -1:
+            return self._shadow(state, bucket)
         if not self._in_backward:  # the first bucket of this backward pass
             self._in_backward = True
             self._zero._push_hyperparams()
@@ -79,6 +81,21 @@ class _ZeroStepHook:
         fut.wait()
         self._step(bucket, indices, fut.value())
         self._works += self._zero._broadcast_params(indices)
+        return fut
+
+    def _shadow(self, state: Any, bucket: Any) -> torch.futures.Future:
+        """Outside backward: a rank that ran out of inputs shadows DDP's all-reduces (``Join``). It
+        still owns params: it steps them with the others' averaged gradients and takes part in
+        the param sync, so every replica stays equal."""
+        self._zero._push_hyperparams()
+        indices = [self._index[id(p)] for p in bucket.parameters()]
+        fut = self._hook(state, bucket)
+        fut.wait()
+        self._step(bucket, indices, fut.value())
+        if self._interleaved:
+            self._works += self._zero._broadcast_params(indices)
+        if bucket.is_last():
+            self._end_of_backward()
         return fut
 
     def _step(self, bucket: Any, indices: list[int], reduced: Any) -> torch.Tensor:

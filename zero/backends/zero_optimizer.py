@@ -419,9 +419,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
         """Shadow the step's collectives on ranks that ran out of inputs (see ``torch...Join``)."""
-        if self._overlap:
-            raise NotImplementedError("Join with overlap_with_ddp=True: a joined rank runs DDP's shadow all-reduces "
-                                      "outside backward, where the hook cannot step; use overlap_with_ddp=False")
+        if self._overlap:  # the comm hook steps and syncs while DDP's join hook shadows the all-reduces
+            return JoinHook()
         if self._grad_shards is not None:
             raise NotImplementedError("Join with reduce_scatter_grads=True: a joined rank would have to shadow "
                                       "the gradients' reduce-scatters too; use DDP + Join for uneven inputs")
