@@ -43,7 +43,8 @@ def test_a_param_repeated_across_groups():
     (dict(optimizer_class=3), TypeError, "optimizer_class must be"),
     (dict(optimizer_class=zf.sgd(0.1), lr=0.1), TypeError, "takes no keyword hyperparameters"),
     (dict(optimizer_class=torch.optim.SGD, lr=0.1, strategy="random"), ValueError, "unknown strategy 'random'"),
-    (dict(optimizer_class=torch.optim.SGD, lr=0.1, overlap_with_ddp=True), NotImplementedError, "overlap_with_ddp"),
+    (dict(optimizer_class=torch.optim.SGD, lr=0.1, overlap_with_ddp=True, strategy="flat"), ValueError,
+     "overlap_with_ddp=True steps whole params"),
     (dict(optimizer_class=torch.optim.SGD, lr=0.1, sync_chunk_mb=0), ValueError, "sync_chunk_mb"),
 ])
 def test_bad_options(kwargs, error, match):

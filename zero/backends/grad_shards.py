@@ -16,7 +16,7 @@ in the plan's order on every rank, so every rank issues the same collectives in 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -25,7 +25,7 @@ from zero.backends import comm
 from zero.plans.layout import FlatLayout
 from zero.plans.meta import ParamMeta
 
-__all__ = ["GradShards"]
+__all__ = ["GradShards", "ReduceScatterSteps"]
 
 
 class GradShards:
@@ -129,3 +129,52 @@ class GradShards:
     def remove(self) -> None:
         for hook in self._hooks:
             hook.remove()
+
+
+class ReduceScatterSteps:
+    """`ZeroRedundancyOptimizer`'s side of ``reduce_scatter_grads=True`` (flat plans)."""
+
+    def _reduce_scatter_grads(self) -> GradShards:
+        with torch.no_grad():  # start from rank 0's params, as DDP does
+            for flat in self._sync.flats:
+                comm.broadcast_from(flat, 0, self.process_group)
+            for p, m in zip(self._all_params, self._metas):
+                if not m.requires_grad:
+                    comm.broadcast_from(p.data, 0, self.process_group)
+        return GradShards(self._all_params, self._metas, self.plan.flat, self._sync.grads, self.process_group)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As torch's; with ``reduce_scatter_grads`` the grads stay views of the flat gradient
+        buffers, zeroed in place (a fresh grad would be copied into them by the next backward)."""
+        if self._grad_shards is None:
+            return super().zero_grad(set_to_none)
+        self._grad_shards.zero_grads()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """With ``reduce_scatter_grads``: backward passes inside only accumulate (as ``DDP.no_sync``);
+        the first backward after it reduces the sum."""
+        if self._grad_shards is None:
+            raise RuntimeError("no_sync() is for reduce_scatter_grads=True; with DDP use ddp_model.no_sync()")
+        with self._grad_shards.no_sync():
+            yield
+
+    def _step_pipelined(self, verify: Callable[[], None]) -> None:
+        """Reduce-scattered gradients with an element-wise torch rule: buffer by buffer, wait for
+        its gradients, step its shard, start its all-gather, so each buffer's compute hides
+        the next one's communication."""
+        shards, works = self._grad_shards, []
+        try:
+            shards.start_rest()
+            for k in range(len(self._sync.shards)):
+                shards.wait(k, self.world_size)
+                self._sync.use_reduced_grads(only=k)
+                self.optim.step()
+                if k == 0:
+                    verify()
+                works += self._sync.start_sync(k)
+        finally:
+            shards.end_iteration()
+            self._sync.clear_grads()
+            for work in works:
+                work.wait()

@@ -15,6 +15,7 @@ the optimizer, never the DDP model, so no reference cycle keeps DDP alive.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -22,7 +23,12 @@ from typing import Any
 import torch
 from torch.autograd import Variable
 
-__all__ = ["hook_with_zero_step", "hook_with_zero_step_interleaved"]
+from zero.backends import comm
+from zero.backends.local_optimizer import is_functional, make_local_optimizer
+from zero.functional import sharding
+from zero.plans.ddp_buckets import ddp_bucket_partition
+
+__all__ = ["hook_with_zero_step", "hook_with_zero_step_interleaved", "OverlapSteps"]
 
 
 def hook_with_zero_step(hook: Callable, ddp: Any, zero: Any, shard_buckets: bool = False) -> Callable:
@@ -112,6 +118,72 @@ class _ZeroStepHook:
             work.wait()
         self._works = []
         self._zero._end_overlapped_step(synced=self._interleaved)
+
+
+class OverlapSteps:
+    """`ZeroRedundancyOptimizer`'s side of ``overlap_with_ddp=True``: what the hook calls on it."""
+
+    def _attach_to_ddp(self, bucket_cap_mb: float, shard_buckets: bool) -> None:
+        """Own params by DDP's buckets (before the first step), rebuilding the local optimizer."""
+        if self._attached or self._steps:
+            raise ValueError("this optimizer is already stepping inside a DDP comm hook (or has stepped): "
+                             "register hook_with_zero_step once, before training")
+        part = ddp_bucket_partition(self._metas, self.world_size, bucket_cap_mb, shard_buckets)
+        self.plan = self.plan.with_partition(part)
+        self._build_sync()
+        self.optim = make_local_optimizer(self._optimizer_class, self._local_groups(), self._defaults, per_param=True)
+        self._pull_hyperparams()
+        self._rules = self._overlap_rules()
+        self._attached = True
+
+    def _overlap_rules(self) -> sharding.Sharding:
+        def refuse(t: torch.Tensor) -> torch.Tensor:
+            raise ValueError("this rule needs the whole model's gradients (a global norm, a finiteness check ...), "
+                             "but overlap_with_ddp=True steps one DDP bucket at a time: use overlap_with_ddp=False")
+
+        pieces = {id(p): sharding.Pieces((i,), (p.numel(),)) for i, p in self._stand_ins.items()}
+        return sharding.Sharding(pieces, tuple(p.dtype for p in self._all_params), refuse, every_group=False)
+
+    def _step_bucket(self, indices: list[int], grads: list[torch.Tensor]) -> None:
+        """Step the params of one reduced DDP bucket that this rank owns."""
+        mine = [(self._stand_ins[i], g) for i, g in zip(indices, grads)
+                if i in self._stand_ins and self._all_params[i].requires_grad]
+        if not mine:
+            return
+        for stand_in, g in mine:
+            stand_in.grad = g.view_as(stand_in)
+        try:
+            rules = sharding.installed(self._rules) if is_functional(self.optim) else contextlib.nullcontext()
+            with rules:
+                self.optim.step()
+        finally:
+            for stand_in, _ in mine:
+                stand_in.grad = None
+
+    def _broadcast_params(self, indices: list[int]) -> list[Any]:
+        """Start sending each trainable param of a bucket from its owner (interleaved hook)."""
+        owner = self.plan.partition.owner
+        return [comm.broadcast_from(self._all_params[i].data, owner[i], self.process_group, async_op=True)
+                for i in indices if self._all_params[i].requires_grad]
+
+    def _end_overlapped_step(self, synced: bool) -> None:
+        if any(p.requires_grad != m.requires_grad for p, m in zip(self._all_params, self._metas)):
+            raise ValueError("params were frozen or unfrozen after the comm hook was registered: with "
+                             "overlap_with_ddp=True build the optimizer and the hook again")
+        if not synced:
+            self._sync.sync()
+        self._steps += 1
+
+    def _overlapped_step(self, closure: Callable[[], float] | None) -> float | None:
+        """With overlap_with_ddp the step ran inside backward: only a closure (which runs backward) is left."""
+        if not self._attached:
+            raise RuntimeError("overlap_with_ddp=True: register zero.backends.hook_with_zero_step(hook, ddp, "
+                               "optimizer) on the DDP model before training; the step then runs inside backward")
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()
+
 
 
 def _check_same_params(ddp: Any, zero: Any) -> None:

@@ -23,7 +23,7 @@ from torch.optim import Optimizer
 
 from zero.backends import comm
 from zero.backends.flat import FlatShards, flat_to_global, flat_to_local
-from zero.backends.grad_shards import GradShards
+from zero.backends.grad_shards import ReduceScatterSteps
 from zero.backends.local_optimizer import (
     check_shardable,
     check_state_keys,
@@ -33,11 +33,11 @@ from zero.backends.local_optimizer import (
     make_local_optimizer,
     per_element_keys,
 )
+from zero.backends.overlap import OverlapSteps
 from zero.backends.state_dict import check_compatible, to_global, to_local
 from zero.backends.sync import ParamSync
 from zero.functional import sharding
 from zero.plans.checks import checksum
-from zero.plans.ddp_buckets import ddp_bucket_partition
 from zero.plans.layout import FLAT_BUCKET_NUMEL, bucket_views
 from zero.plans.meta import ParamMeta, param_groups, param_metas
 from zero.plans.partition import check_rank
@@ -49,7 +49,7 @@ __all__ = ["ZeroRedundancyOptimizer"]
 logger = logging.getLogger(__name__)
 
 
-class ZeroRedundancyOptimizer(Optimizer, Joinable):
+class ZeroRedundancyOptimizer(OverlapSteps, ReduceScatterSteps, Optimizer, Joinable):
     """Shard any optimizer's state across a process group (ZeRO stage 1); a drop-in for torch's.
 
     Each rank keeps the full model but steps, and holds state for, only what the plan gives it:
@@ -174,84 +174,6 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                                self.parameters_as_bucket_view, self._chunk_bytes)
         self._rules = self._sharding()
 
-    def _reduce_scatter_grads(self) -> GradShards:
-        with torch.no_grad():  # start from rank 0's params, as DDP does
-            for flat in self._sync.flats:
-                comm.broadcast_from(flat, 0, self.process_group)
-            for p, m in zip(self._all_params, self._metas):
-                if not m.requires_grad:
-                    comm.broadcast_from(p.data, 0, self.process_group)
-        return GradShards(self._all_params, self._metas, self.plan.flat, self._sync.grads, self.process_group)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """As torch's; with ``reduce_scatter_grads`` the grads stay views of the flat gradient
-        buffers, zeroed in place (a fresh grad would be copied into them by the next backward)."""
-        if self._grad_shards is None:
-            return super().zero_grad(set_to_none)
-        self._grad_shards.zero_grads()
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        """With ``reduce_scatter_grads``: backward passes inside only accumulate (as ``DDP.no_sync``);
-        the first backward after it reduces the sum."""
-        if self._grad_shards is None:
-            raise RuntimeError("no_sync() is for reduce_scatter_grads=True; with DDP use ddp_model.no_sync()")
-        with self._grad_shards.no_sync():
-            yield
-
-    # -- stepping inside DDP's comm hook (zero.backends.overlap) ---------------------------------
-
-    def _attach_to_ddp(self, bucket_cap_mb: float, shard_buckets: bool) -> None:
-        """Own params by DDP's buckets (before the first step), rebuilding the local optimizer."""
-        if self._attached or self._steps:
-            raise ValueError("this optimizer is already stepping inside a DDP comm hook (or has stepped): "
-                             "register hook_with_zero_step once, before training")
-        part = ddp_bucket_partition(self._metas, self.world_size, bucket_cap_mb, shard_buckets)
-        self.plan = self.plan.with_partition(part)
-        self._build_sync()
-        self.optim = make_local_optimizer(self._optimizer_class, self._local_groups(), self._defaults, per_param=True)
-        self._pull_hyperparams()
-        self._rules = self._overlap_rules()
-        self._attached = True
-
-    def _overlap_rules(self) -> sharding.Sharding:
-        def refuse(t: torch.Tensor) -> torch.Tensor:
-            raise ValueError("this rule needs the whole model's gradients (a global norm, a finiteness check ...), "
-                             "but overlap_with_ddp=True steps one DDP bucket at a time: use overlap_with_ddp=False")
-
-        pieces = {id(p): sharding.Pieces((i,), (p.numel(),)) for i, p in self._stand_ins.items()}
-        return sharding.Sharding(pieces, tuple(p.dtype for p in self._all_params), refuse, every_group=False)
-
-    def _step_bucket(self, indices: list[int], grads: list[torch.Tensor]) -> None:
-        """Step the params of one reduced DDP bucket that this rank owns."""
-        mine = [(self._stand_ins[i], g) for i, g in zip(indices, grads)
-                if i in self._stand_ins and self._all_params[i].requires_grad]
-        if not mine:
-            return
-        for stand_in, g in mine:
-            stand_in.grad = g.view_as(stand_in)
-        try:
-            rules = sharding.installed(self._rules) if is_functional(self.optim) else contextlib.nullcontext()
-            with rules:
-                self.optim.step()
-        finally:
-            for stand_in, _ in mine:
-                stand_in.grad = None
-
-    def _broadcast_params(self, indices: list[int]) -> list[Any]:
-        """Start sending each trainable param of a bucket from its owner (interleaved hook)."""
-        owner = self.plan.partition.owner
-        return [comm.broadcast_from(self._all_params[i].data, owner[i], self.process_group, async_op=True)
-                for i in indices if self._all_params[i].requires_grad]
-
-    def _end_overlapped_step(self, synced: bool) -> None:
-        if any(p.requires_grad != m.requires_grad for p, m in zip(self._all_params, self._metas)):
-            raise ValueError("params were frozen or unfrozen after the comm hook was registered: with "
-                             "overlap_with_ddp=True build the optimizer and the hook again")
-        if not synced:
-            self._sync.sync()
-        self._steps += 1
-
     def _sharding(self) -> sharding.Sharding:
         """The pieces of whole params this rank's local params are, for rules over whole tensors
         (made with the sync, which decides what the local params are)."""
@@ -317,16 +239,6 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._sync.sync()
         return loss
 
-    def _overlapped_step(self, closure: Callable[[], float] | None) -> float | None:
-        """With overlap_with_ddp the step ran inside backward: only a closure (which runs backward) is left."""
-        if not self._attached:
-            raise RuntimeError("overlap_with_ddp=True: register zero.backends.hook_with_zero_step(hook, ddp, "
-                               "optimizer) on the DDP model before training; the step then runs inside backward")
-        if closure is None:
-            return None
-        with torch.enable_grad():
-            return closure()
-
     def _step_local(self, closure: Callable[[], float] | None, **kwargs: Any) -> float | None:
         loss = None
         if self.plan.flat is not None:  # the shards' gradients are copies: take them after the closure ran
@@ -351,26 +263,6 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         finally:
             if self.plan.flat is not None:
                 self._sync.clear_grads()
-
-    def _step_pipelined(self, verify: Callable[[], None]) -> None:
-        """Reduce-scattered gradients with an element-wise torch rule: buffer by buffer, wait for
-        its gradients, step its shard, start its all-gather, so each buffer's compute hides
-        the next one's communication."""
-        shards, works = self._grad_shards, []
-        try:
-            shards.start_rest()
-            for k in range(len(self._sync.shards)):
-                shards.wait(k, self.world_size)
-                self._sync.use_reduced_grads(only=k)
-                self.optim.step()
-                if k == 0:
-                    verify()
-                works += self._sync.start_sync(k)
-        finally:
-            shards.end_iteration()
-            self._sync.clear_grads()
-            for work in works:
-                work.wait()
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather every rank's shard of the state onto rank ``to`` (call on all ranks).
