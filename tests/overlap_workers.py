@@ -18,6 +18,7 @@ from zero.backends import hook_with_zero_step, hook_with_zero_step_interleaved
 RULES = {
     "sgd": (torch.optim.SGD, dict(lr=1e-2, momentum=0.9, weight_decay=1e-3)),
     "adamw": (zf.from_torch(torch.optim.AdamW, lr=1e-2, weight_decay=0.1), {}),
+    "torch_adamw": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
     "chain": (zf.chain(zf.add_decayed_weights(1e-3), zf.scale_by_adam(), zf.scale(-1e-2)), {}),
 }
 HOOKS = {"plain": hook_with_zero_step, "interleaved": hook_with_zero_step_interleaved}
@@ -87,8 +88,10 @@ def matrix(rank: int, world_size: int) -> dict:
 
 
 def rules(rank: int, world_size: int) -> dict:
-    """from_torch(AdamW) and a zero.functional chain; SGD with bf16 + float64 params; find_unused_parameters."""
-    out = {name: overlap_vs_ddp(rank, world_size, name, "plain", True, False, False) for name in ("adamw", "chain")}
+    """from_torch(AdamW), torch's AdamW and a zero.functional chain; SGD with bf16 + float64 params;
+    find_unused_parameters."""
+    out = {name: overlap_vs_ddp(rank, world_size, name, "plain", True, False, False)
+           for name in ("adamw", "torch_adamw", "chain")}
     out["mixed"] = overlap_vs_ddp(rank, world_size, "sgd", "interleaved", False, False, True, mixed=True)
     out["find_unused"] = overlap_vs_ddp(rank, world_size, "adamw", "plain", False, False, False, find_unused=True)
     return out
