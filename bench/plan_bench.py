@@ -18,7 +18,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from tests.torch_reference import torch_zero  # noqa: E402
-from zero import make_plan, partition  # noqa: E402
+from zero import make_plan, param_metas, partition  # noqa: E402
 from zero.plans.plan import PLAN_STRATEGIES  # noqa: E402
 from zero.plans.presets import preset  # noqa: E402
 
@@ -45,10 +45,47 @@ def torch_constructor_seconds(metas, world_size: int) -> float:
     return seconds
 
 
+def metas_sources(metas) -> dict[str, object]:
+    """The same model three ways a user holds it: a shape mapping, a meta-device module, a JAX
+    pytree of ShapeDtypeStructs (the last only when JAX is installed)."""
+    shapes = {m.name: m.shape for m in metas}
+    with torch.device("meta"):
+        module = torch.nn.ParameterDict({n.replace(".", "_"): torch.nn.Parameter(torch.empty(s))
+                                         for n, s in shapes.items()})
+    sources = {"shapes": shapes, "meta module": module}
+    try:
+        import jax
+    except ImportError:
+        return sources
+    sources["jax pytree"] = {n: jax.ShapeDtypeStruct(s, jax.numpy.float32) for n, s in shapes.items()}
+    return sources
+
+
+def metas_table(name: str, worlds: list[int]) -> Table:
+    """param_metas + make_plan from each source, against torch's constructor at each W."""
+    metas = preset(name)
+    sources = metas_sources(metas)
+    table = Table(title=f"{name}: zero.param_metas(x) + make_plan vs torch's constructor ({len(metas):,} tensors)")
+    for col in ["source", "metas s", "us/param"] + [f"W={w} ratio" for w in worlds]:
+        table.add_column(col, justify="right")
+    t_torch = {w: torch_constructor_seconds(metas, w) for w in worlds}
+    t_plan = {w: timed(lambda w=w: make_plan(metas, w), repeat=3)[0] for w in worlds}
+    table.add_row("torch ctor s", "", "", *[f"{t_torch[w]:.3f}" for w in worlds])
+    table.add_row("make_plan s", "", "", *[f"{t_plan[w]:.3f}" for w in worlds])
+    for label, source in sources.items():
+        t_metas, got = timed(lambda s=source: param_metas(s), repeat=3)
+        assert sorted(m.numel for m in got) == sorted(m.numel for m in metas), label  # dicts sort keys
+        table.add_row(label, f"{t_metas:.3f}", f"{t_metas / len(metas) * 1e6:.2f}",
+                      *[f"{(t_metas + t_plan[w]) / t_torch[w]:.3f}" for w in worlds])
+    return table
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--presets", nargs="+", default=["gpt2", "llama-7b", "moe-100k"])
     ap.add_argument("--worlds", nargs="+", type=int, default=[2, 8, 64, 256, 1024])
+    ap.add_argument("--metas", default="moe-100k",
+                    help="the preset whose metadata is timed from shapes, a module and a pytree ('' to skip)")
     ap.add_argument("--plot", help="also draw the last preset's planning times against W to this PNG")
     args = ap.parse_args()
     torch_zero([torch.empty(3, device="meta", requires_grad=True)], 2)  # one-time warm-up
@@ -72,6 +109,8 @@ def main() -> None:
             curves[name].setdefault("zero.partition", []).append(t_ours)
             curves[name].setdefault("zero.make_plan", []).append(t_plan)
     Console(width=200).print(table)
+    if args.metas:
+        Console(width=200).print(metas_table(args.metas, args.worlds))
     if args.plot:
         from figure import lines
 

@@ -83,3 +83,54 @@ def test_a_parameter_generator_with_jax_loaded_warns_nothing():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert [m.shape for m in param_metas(model.parameters())] == [(2, 3), (2,)]
+
+
+def test_a_meta_is_an_immutable_value_whose_sizes_follow_its_fields():
+    m = ParamMeta("w", [3, 4], "bfloat16", group=1)
+    assert (m.shape, m.numel, m.nbytes) == ((3, 4), 12, 24)
+    same = ParamMeta("w", (3, 4), "bfloat16", "cpu", 1, True)
+    assert m == same and hash(m) == hash(same)
+    assert m != ParamMeta("w", (3, 4), "bfloat16", group=0)
+    moved = m._replace(shape=(5,), dtype="float64")
+    assert (moved.numel, moved.nbytes, moved.group) == (5, 40, 1), "replacing fields recomputes the sizes"
+    with pytest.raises(AttributeError):
+        m.shape = (1,)
+    assert repr(m) == "ParamMeta(name='w', shape=(3, 4), dtype='bfloat16', device='cpu', group=1, requires_grad=True)"
+    assert ParamMeta.from_dict(m.to_dict()) == m
+    with pytest.raises(TypeError, match=re.escape("parameter 'x': shape[1] must be an int, got 2.0")):
+        ParamMeta("x", (3, 2.0))
+    with pytest.raises(TypeError, match="group must be an int"):
+        ParamMeta("x", (3,), group=True)
+
+
+def test_every_input_kind_gives_the_same_metas():
+    jax = pytest.importorskip("jax", reason="JAX is the optional zero[jax] extra")
+    shapes = {f"l{i}": (i % 5 + 1, 3) for i in range(50)} | {"b": (7,)}
+    with torch.device("meta"):
+        module = nn.ParameterDict({k: nn.Parameter(torch.empty(v)) for k, v in shapes.items()})
+    tree = {k: jax.ShapeDtypeStruct(v, jax.numpy.float32) for k, v in shapes.items()}
+
+    def by_name(metas):  # a ParameterDict and a JAX dict both list their keys sorted
+        return {m.name.strip("[']"): (m.shape, m.dtype, m.numel, m.nbytes) for m in metas}
+
+    plain = by_name(param_metas(shapes))
+    assert len(plain) == 51 and by_name(param_metas(module)) == plain == by_name(param_metas(tree))
+    assert {m.device for m in param_metas(module)} == {"meta"} == {m.device for m in param_metas(tree)}
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_gc_paused_restores_the_collector(enabled):
+    import gc
+
+    from zero.plans.meta import gc_paused
+
+    (gc.enable if enabled else gc.disable)()
+    try:
+        with gc_paused():
+            assert not gc.isenabled()
+        assert gc.isenabled() is enabled
+        with pytest.raises(RuntimeError), gc_paused():
+            raise RuntimeError
+        assert gc.isenabled() is enabled
+    finally:
+        gc.enable()

@@ -110,6 +110,19 @@ def test_plan_json_round_trip_and_determinism(ms, w, strategy, weight):
     assert plan.max_over_mean >= plan.max_over_bound >= 1.0 - 1e-12
 
 
+@given(metas(), world_sizes, st.data())
+def test_fingerprint_changes_with_every_field_of_every_meta(ms, w, data):
+    plan = make_plan(ms, w, "contiguous")  # placement by position: a changed size may keep it
+    i = data.draw(st.integers(0, len(ms) - 1))
+    field, value = data.draw(st.sampled_from([
+        ("name", ms[i].name + "x"), ("shape", ms[i].shape + (1,)),
+        ("dtype", "float64" if ms[i].dtype != "float64" else "float16"),
+        ("device", ms[i].device + "x"), ("group", ms[i].group + 1), ("requires_grad", not ms[i].requires_grad)]))
+    changed = list(ms)
+    changed[i] = ms[i]._replace(**{field: value})
+    assert make_plan(changed, w, "contiguous").fingerprint != plan.fingerprint, (field, value)
+
+
 def test_fingerprint_is_equal_across_hash_seeds():
     code = ("from zero import make_plan, ParamMeta; "
             "ms = [ParamMeta(f'p{i}', (i % 7 + 1, 3), ['float32', 'bfloat16'][i % 2], "

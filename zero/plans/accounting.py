@@ -26,9 +26,11 @@ class OptimizerState:
     scalar_bytes: int = 0
 
     def bytes_for(self, meta: ParamMeta) -> int:
-        if not meta.requires_grad:
-            return 0
-        return self.slots * meta.nbytes + self.scalar_bytes
+        return self.bytes_of(meta.nbytes, 1) if meta.requires_grad else 0
+
+    def bytes_of(self, nbytes: int, count: int) -> int:
+        """State of ``count`` trainable params holding ``nbytes`` between them."""
+        return self.slots * nbytes + self.scalar_bytes * count
 
 
 OPTIMIZERS: dict[str, OptimizerState] = {

@@ -46,13 +46,14 @@ def partition_costs(metas, part: Partition, spec) -> tuple[RankCost, ...]:
     key_of = {k: j for j, k in enumerate(keys)}
     w = part.world_size
     per_key = [[0] * w for _ in keys]  # trainable bytes each rank owns, per (device, dtype)
-    numel, state = [0] * w, [0] * w
-    for i, m in enumerate(metas):
+    numel, nbytes, count = [0] * w, [0] * w, [0] * w
+    for m, r in zip(metas, part.owner):
         if m.requires_grad:
-            r = part.owner[i]
-            per_key[key_of[(m.device, m.dtype)]][r] += m.nbytes
+            per_key[key_of[m.device, m.dtype]][r] += m.nbytes
             numel[r] += m.numel
-            state[r] += spec.bytes_for(m)
+            nbytes[r] += m.nbytes
+            count[r] += 1
+    state = [spec.bytes_of(b, c) for b, c in zip(nbytes, count)]  # spec.bytes_for, summed per rank
     bcast, gather = _sync(per_key, w)
     return tuple(RankCost(r, len(part.params_of(r)), numel[r], part.loads[r], param_bytes, grad_bytes,
                           state[r], 0, bcast[r], gather[r]) for r in range(w))

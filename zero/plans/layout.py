@@ -278,7 +278,7 @@ def _cut(metas: Sequence[ParamMeta], members: list[int], cap: int | None) -> lis
     runs: list[list[int]] = []
     size = 0
     for i in reversed(members):
-        if not runs or (size + metas[i].numel > cap and size):
+        if not runs or size + metas[i].numel > cap:  # an over-cap param gets a run of its own
             runs.append([])
             size = 0
         runs[-1].insert(0, i)
