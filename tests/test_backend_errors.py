@@ -45,7 +45,12 @@ def test_a_param_repeated_across_groups():
     (dict(optimizer_class=torch.optim.SGD, lr=0.1, strategy="random"), ValueError, "unknown strategy 'random'"),
     (dict(optimizer_class=torch.optim.SGD, lr=0.1, overlap_with_ddp=True, strategy="flat"), ValueError,
      "overlap_with_ddp=True steps whole params"),
-    (dict(optimizer_class=torch.optim.SGD, lr=0.1, sync_chunk_mb=0), ValueError, "sync_chunk_mb"),
+    (dict(optimizer_class=torch.optim.SGD, lr=0.1, sync_chunk_mb=0, parameters_as_bucket_view=False), ValueError,
+     "sync_chunk_mb must be a positive number, got 0"),
+    (dict(optimizer_class=torch.optim.SGD, lr=0.1, sync_chunk_mb=4), ValueError,
+     "sync_chunk_mb=4 sizes the scratch rows of parameters_as_bucket_view=False"),
+    (dict(optimizer_class=torch.optim.SGD, lr=0.1, parameters_as_bucket_view=1), TypeError,
+     "parameters_as_bucket_view must be None, True or False, got 1"),
 ])
 def test_bad_options(kwargs, error, match):
     with pytest.raises(error, match=match):
@@ -147,10 +152,11 @@ def test_fused_adam_state_reloads_where_the_kernel_needs_it():
 
 
 @pytest.mark.parametrize("bucket_view, expected", [(False, {"all_gather_rows": 1, "broadcast_from": 1}),
-                                                    (True, {"all_gather_rows": 1})])
+                                                    (True, {"all_gather_rows": 1}), (None, {"all_gather_rows": 1})])
 def test_collectives_per_step(bucket_view, expected, monkeypatch):
     """Without bucket views the large weight is broadcast on its own and the rest packed into one
-    row collective; with them everything is one row collective. Counted as the step runs."""
+    row collective; with them, and by default while the rows do not pad (one rank: never),
+    everything is one row collective. Counted as the step runs."""
     from zero.backends import comm
 
     calls = []
@@ -214,3 +220,29 @@ def test_optax_factories_say_to_wrap_them():
     optax = pytest.importorskip("optax", reason="needs the zero[jax] extra")
     with pytest.raises(TypeError, match=r"from_optax\(optax.adamw"):
         Zero(params(), optax.adamw, learning_rate=1e-3)
+
+
+@pytest.mark.parametrize("options", [{}, {"parameters_as_bucket_view": True}, {"strategy": "flat"}])
+@pytest.mark.parametrize("move", ["data", "to"])
+def test_params_given_new_storage_after_construction_are_named(options, move):
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    opt = Zero(model.parameters(), torch.optim.SGD, lr=0.1, **options)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()  # the views are intact: no error
+    if move == "data":
+        model[1].weight.data = model[1].weight.data.clone()
+        culprit = 2
+    else:
+        model.to(torch.float64).to(torch.float32)
+        culprit = 0
+    with pytest.raises(ValueError, match=rf"params\[{culprit}\] was given new storage after the optimizer was built"):
+        opt.step()
+
+
+def test_own_storage_params_may_be_replaced():
+    model = nn.Linear(3, 2)
+    opt = Zero(model.parameters(), torch.optim.SGD, lr=0.1, parameters_as_bucket_view=False)
+    model.weight.data = model.weight.data.clone()
+    model.weight.grad = torch.ones_like(model.weight)
+    opt.step()

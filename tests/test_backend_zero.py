@@ -7,12 +7,17 @@ from distributed import run_ranks
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_matches_torch_zero_and_single_process(world_size):
-    """Adam, AdamW, SGD(momentum, maximize) x bucket views off/on: see `zero_workers.torch_parity`."""
+    """Adam, AdamW, SGD(momentum, maximize) x parameters_as_bucket_view None (the default: small
+    params are row views, large ones go direct) / False / True: see `zero_workers.torch_parity`."""
     results = run_ranks(w.torch_parity_matrix, world_size)
     for config in results[0]:
         for rank, by_config in enumerate(results):
             r = by_config[config]
             assert r["gathers"] == [1] * 24, f"{config}: one param all-gather per step for one dtype"
+            bucket_view = config[1]
+            expected = [("row" if n < 150 else "own") if bucket_view is None else "row" if bucket_view else "own"
+                        for n in r["numels"]]
+            assert r["storage"] == expected, f"{config}: where the params live (row views or their own storage)"
             assert r["state_bytes"] == r["plan_state_bytes"], f"{config} rank {rank}: state bytes differ from the plan"
         total = sum(by_config[config]["state_bytes"] for by_config in results)
         assert max(by_config[config]["state_bytes"] for by_config in results) < total, "state is sharded"

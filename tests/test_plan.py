@@ -125,3 +125,21 @@ def test_plots_draw_what_the_plan_says():
     assert len(ax.get_lines()) == 2
     with pytest.raises(ValueError, match="against"):
         plot_balance([plan], against="median")
+
+
+def test_default_rows_pack_every_param_unless_they_would_pad_too_much():
+    from zero import bucket_views, sync_rows
+    from zero.plans.layout import row_padding
+
+    even = [ParamMeta("a", (1000,)), ParamMeta("b", (1000,)), ParamMeta("c", (10,)), ParamMeta("d", (10,))]
+    layout = bucket_views(even, make_plan(even, 2).partition)
+    assert row_padding(layout.at(("cpu", "float32"))) == 0
+    (rows,) = sync_rows(layout, 500, None, pad_limit=1 / 16)
+    assert rows.direct == () and rows.chunk == 1010, "even rows: one collective carries every param"
+    uneven = even[:2] + [ParamMeta("big", (3000,))]
+    layout = bucket_views(uneven, make_plan(uneven, 2).partition)
+    assert row_padding(layout.at(("cpu", "float32"))) == 2 * 3000 - 5000
+    (rows,) = sync_rows(layout, 500, None, pad_limit=1 / 16)
+    assert sorted(i for _, i in rows.direct) == [0, 1, 2] and rows.chunk == 0, "padding 20%: large params go alone"
+    (rows,) = sync_rows(layout, 500, None, pad_limit=0.25)
+    assert rows.direct == () and rows.chunk == 3000

@@ -7,6 +7,7 @@ ours, torch's own `ZeroRedundancyOptimizer`, and a single-process optimizer over
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 
@@ -16,6 +17,7 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 
 import zero
+import zero.backends.sync
 import zero.functional as zf
 from zero.backends import ZeroRedundancyOptimizer as Zero
 from zero.backends import comm
@@ -105,8 +107,37 @@ class CountingGather:
 
 
 def torch_parity_matrix(rank: int, world_size: int) -> dict:
-    """`torch_parity` for every torch config, bucket views off and on, in one set of processes."""
-    return {(name, bv): torch_parity(rank, world_size, name, bv) for name in TORCH_CONFIGS for bv in (False, True)}
+    """`torch_parity` for every torch config and every ``parameters_as_bucket_view``, in one set of
+    processes. For None (ours only) params of 150 elements or more go direct whenever the rows
+    would pad at all: the tiny model's 1013 elements never split evenly over 2, 3 or 4 ranks, so
+    it mixes the default path's row views and direct broadcasts."""
+    out = {}
+    sync = zero.backends.sync
+    for name in TORCH_CONFIGS:
+        for bv in (None, False, True):
+            direct, limit = (150, 0.0) if bv is None else (sync.DIRECT_NUMEL, sync.PAD_LIMIT)
+            with patched(sync, "DIRECT_NUMEL", direct), patched(sync, "PAD_LIMIT", limit):
+                out[name, bv] = torch_parity(rank, world_size, name, bv)
+    return out
+
+
+@contextlib.contextmanager
+def patched(module, name: str, value):
+    old = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, old)
+
+
+def storage_of(ours: Zero) -> list[str]:
+    """Per trainable param: "row" if it is a view into the optimizer's sync rows, else "own"."""
+    rows = [r for r in ours._sync._rows if r is not None]
+
+    def inside(p):
+        return any(r.data_ptr() <= p.data_ptr() < r.data_ptr() + r.numel() * r.element_size() for r in rows)
+    return ["row" if inside(p) else "own" for p in ours._all_params if p.requires_grad]
 
 
 def torch_parity(rank: int, world_size: int, name: str, bucket_view: bool, steps: int = 24) -> dict:
@@ -114,8 +145,9 @@ def torch_parity(rank: int, world_size: int, name: str, bucket_view: bool, steps
     cls, kw = TORCH_CONFIGS[name]
     ours_m, theirs_m, ref_m = make_model(), make_model(), make_model()
     ours = Zero(groups_of(ours_m), cls, parameters_as_bucket_view=bucket_view, **kw)
-    theirs = TorchZero(groups_of(theirs_m), cls, parameters_as_bucket_view=bucket_view, **kw)
+    theirs = TorchZero(groups_of(theirs_m), cls, parameters_as_bucket_view=bool(bucket_view), **kw)
     ref = cls(groups_of(ref_m), **kw)
+    storage = storage_of(ours)
     frozen = [m[1].weight for m in (ours_m, theirs_m, ref_m)]
     gathers = []
     for step in range(steps):
@@ -134,7 +166,8 @@ def torch_parity(rank: int, world_size: int, name: str, bucket_view: bool, steps
         assert_params(ours_m, ref_m, exact=False, what=f"step {step} vs single process")
         assert same_on_every_rank(ours_m), f"step {step}: replicas differ across ranks"
     plan = zero.make_plan(zero.param_metas(ours.param_groups), world_size, optimizer=name)
-    return {"gathers": gathers, "state_bytes": state_nbytes(ours.optim),
+    return {"gathers": gathers, "state_bytes": state_nbytes(ours.optim), "storage": storage,
+            "numels": [p.numel() for p in ours._all_params],
             "plan_state_bytes": plan.ranks[rank].state_bytes,
             **_checkpoint_parity(rank, ours, ours_m, theirs, ref, ref_m, cls, kw, bucket_view)}
 
@@ -174,7 +207,8 @@ def functional_parity(rank: int, world_size: int, steps: int = 20) -> dict:
     """A zero.functional factory and a chain as the local optimizer, vs one process, chunked sync."""
     out = {}
     ours_m, ref_m = make_model(), make_model()
-    ours = Zero(groups_of(ours_m), zf.adamw, learning_rate=1e-2, weight_decay=0.1, sync_chunk_mb=2**-10)
+    ours = Zero(groups_of(ours_m), zf.adamw, learning_rate=1e-2, weight_decay=0.1, parameters_as_bucket_view=False,
+                sync_chunk_mb=2**-10)
     ref = zf.Optimizer(groups_of(ref_m), zf.inject_hyperparams(zf.adamw)(learning_rate=1e-2, weight_decay=0.1))
     out["factory_groups_lr"] = [g["lr"] for g in ours.param_groups]
     tx = zf.chain(zf.add_decayed_weights(1e-3), zf.scale_by_adam(), zf.scale_by_learning_rate(1e-2))

@@ -120,8 +120,7 @@ def check_in(what: str, fields: Mapping[str, int], group: Any, device: torch.dev
     rank, size = group_rank(group), group_size(group)
     tag = _next_tag(group, what)
     values = [_CALLS[what], *fields.values()]
-    rows = torch.zeros(size, len(values), dtype=torch.int64, device=device)
-    rows[rank] = torch.tensor(values, dtype=torch.int64)
+    rows = torch.tensor([values] * size, dtype=torch.int64, device=device)  # others' rows are overwritten
     work = _ALL_GATHER(rows.view(-1), rows[rank], group=group, async_op=True)
 
     def verify() -> None:

@@ -18,6 +18,7 @@ import torch
 
 from zero.backends import comm
 from zero.backends.state_dict import assemble, local_dict
+from zero.backends.sync import ViewWatch
 from zero.functional.sharding import Pieces, Sharding
 from zero.plans.layout import FlatBuffer, FlatLayout
 from zero.plans.meta import ParamMeta
@@ -37,6 +38,7 @@ class FlatShards:
                        for f, b in zip(self.flats, layout.buffers)]
         self._grads = [torch.zeros_like(s) for s in self.shards]
         self._pieces = [b.pieces(rank) for b in layout.buffers]
+        self.watch = ViewWatch(self.params, [i for b in layout.buffers for i in b.params])
 
     def _allocate(self, buf: FlatBuffer) -> torch.Tensor:
         example = self.params[buf.params[0]]

@@ -167,7 +167,7 @@ class OverlapSteps:
                 for i in indices if self._all_params[i].requires_grad]
 
     def _end_overlapped_step(self, synced: bool) -> None:
-        if any(p.requires_grad != m.requires_grad for p, m in zip(self._all_params, self._metas)):
+        if self._trainability_changed():
             raise ValueError("params were frozen or unfrozen after the comm hook was registered: with "
                              "overlap_with_ddp=True build the optimizer and the hook again")
         if not synced:

@@ -2,12 +2,17 @@
 
 For each (device, dtype) the ranks' packed params form the rows of one ``[world_size, chunk]``
 tensor moved by `comm.all_gather_rows`, instead of one broadcast per parameter (torch's default).
+Params of ``DIRECT_NUMEL`` elements or more may instead be broadcast straight from their owner
+into every replica's own storage. Three ways, by ``parameters_as_bucket_view``:
 
-- ``bucket_view=True``: the rows *are* the storage; trainable params are views into their
-  owner's row (torch's ``parameters_as_bucket_view``), so the collective writes them directly.
-- ``bucket_view=False``: params keep their own storage. Large params (``DIRECT_NUMEL``
-  elements or more) are broadcast straight from their owner into every replica, with no copy;
-  the small ones, where latency dominates, are packed into scratch rows chunk by chunk.
+- ``None`` (the default): packed params are views into the rows (the rows *are* their storage),
+  so the collective writes them in place, with no copies. Every param is packed while the rows
+  (each as wide as the widest) pad by at most ``PAD_LIMIT``; beyond that, large params go direct
+  and the padding is paid on small params only (whole-tensor plans of big models at large world
+  sizes leave many ranks nearly empty: rows as wide as the largest tensor would be huge).
+- ``True`` (torch's ``parameters_as_bucket_view``): every trainable param is a view into a row.
+- ``False``: params keep their own storage. Large ones go direct; the small ones are packed into
+  scratch rows chunk by chunk, copied in and out (at most ``chunk_bytes`` of scratch).
 """
 
 from __future__ import annotations
@@ -20,29 +25,32 @@ import torch
 from zero.backends import comm
 from zero.plans.layout import BucketLayout, Piece, SyncRows, sync_rows
 
-__all__ = ["ParamSync", "DIRECT_NUMEL"]
+__all__ = ["ParamSync", "ViewWatch", "DIRECT_NUMEL", "PAD_LIMIT"]
 
 DIRECT_NUMEL = 1 << 18  # 1 MiB of float32: from here one broadcast beats a pack and an unpack
+PAD_LIMIT = 1 / 16  # the default packs every param while rows pad by at most this fraction
 
 
 class ParamSync:
     """Moves every updated param from its owner to all ranks, as ``layout`` places them."""
 
     def __init__(self, params: Sequence[torch.Tensor], layout: BucketLayout, rank: int, group: Any,
-                 bucket_view: bool, chunk_bytes: int):
-        self.params, self.rank, self.group, self.bucket_view = list(params), rank, group, bucket_view
-        plans = sync_rows(layout) if bucket_view else sync_rows(layout, DIRECT_NUMEL, chunk_bytes)
-        self.plans = plans
-        self._rows = [self._allocate(p, layout.world_size) for p in plans]
+                 bucket_view: bool | None, chunk_bytes: int):
+        self.params, self.rank, self.group = list(params), rank, group
+        self.views = bucket_view is not False  # packed params are views into the rows
+        self.plans = sync_rows(layout, None if bucket_view else DIRECT_NUMEL, None if self.views else chunk_bytes,
+                               PAD_LIMIT if bucket_view is None else None)
+        self._rows = [self._allocate(p, layout.world_size) for p in self.plans]
+        self.watch = ViewWatch(self.params, self._viewed() if self.views else [])
 
     @torch.no_grad()
     def sync(self) -> None:
         for plan, rows in zip(self.plans, self._rows):
             for c in range(len(plan.pieces[0]) if plan.chunk else 0):
-                if not self.bucket_view:
+                if not self.views:
                     self._copy(plan.pieces[self.rank][c], rows[self.rank], to_rows=True)
                 comm.all_gather_rows(rows, self.rank, self.group)
-                if not self.bucket_view:
+                if not self.views:
                     for r, per_chunk in enumerate(plan.pieces):
                         if r != self.rank:
                             self._copy(per_chunk[c], rows[r], to_rows=False)
@@ -51,7 +59,7 @@ class ParamSync:
 
     def release(self) -> None:
         """Give bucket-viewed params their own storage again (before a rebuild)."""
-        if self.bucket_view:
+        if self.views:
             with torch.no_grad():
                 for i in self._viewed():
                     self.params[i].data = self.params[i].data.clone()
@@ -61,7 +69,7 @@ class ParamSync:
             return None
         example = self.params[next(p.param for per_rank in plan.pieces for p in per_rank[0])]
         rows = torch.empty(world_size, plan.chunk, dtype=example.dtype, device=example.device)
-        if self.bucket_view:  # one chunk per row: each piece is a whole param
+        if self.views:  # one chunk per row: each piece is a whole param
             with torch.no_grad():
                 for r, per_rank in enumerate(plan.pieces):
                     for p in per_rank[0]:
@@ -81,3 +89,21 @@ class ParamSync:
         slots = [row[p.row_start:p.row_start + p.end - p.start] for p in pieces]
         dst, src = (slots, flat) if to_rows else (flat, slots)
         torch._foreach_copy_(dst, src)
+
+
+class ViewWatch:
+    """Tells when params that were made views into a sync's storage have been given other storage
+    (``param.data = ...``, ``module.to(...)``), which the sync would then no longer reach."""
+
+    def __init__(self, params: Sequence[torch.Tensor], indices: Sequence[int]):
+        self.params, self.indices = params, list(indices)
+        self.pointers = [params[i].data_ptr() for i in self.indices]
+
+    def check(self) -> None:
+        """``ValueError`` naming the first param whose storage moved (about 0.1 us per param)."""
+        if [self.params[i].data_ptr() for i in self.indices] == self.pointers:
+            return
+        i = next(i for i, ptr in zip(self.indices, self.pointers) if self.params[i].data_ptr() != ptr)
+        raise ValueError(f"params[{i}] was given new storage after the optimizer was built (param.data = ..., "
+                         "module.to(...)), so the optimizer's sync no longer writes it: build the optimizer "
+                         "after moving or casting the model")

@@ -62,8 +62,12 @@ class ZeroRedundancyOptimizer(OverlapSteps, ReduceScatterSteps, Optimizer, Joina
         optimizer_class: a ``torch.optim.Optimizer`` class, a `zero.functional` transformation,
             or a `zero.functional` factory such as ``zero.functional.adam``.
         process_group: the group to shard over (default: the world).
-        parameters_as_bucket_view: make params views into per-(device, dtype, rank) buckets,
-            so the all-gather writes them in place and no copies are made. Flat plans always
+        parameters_as_bucket_view: where the params' storage lives, so that the all-gather after
+            a step writes them in place. ``None`` (the default, and the fastest): params under 1
+            MiB become views into the rows that are all-gathered, and larger ones are broadcast
+            straight into their own storage; ``True``: every param is a view into its owner's
+            row (torch's bucket view); ``False``: params keep their own storage and small ones
+            are copied through scratch rows of at most ``sync_chunk_mb``. Flat plans always
             keep params as views into their flat buffers.
         overlap_with_ddp: step inside DDP's comm hook, bucket by bucket, while backward runs:
             register ``zero.backends.hook_with_zero_step(allreduce_hook, ddp, optimizer)`` (or the
@@ -80,18 +84,18 @@ class ZeroRedundancyOptimizer(OverlapSteps, ReduceScatterSteps, Optimizer, Joina
             starts during backward, so an iteration moves 2x the model (DDP + ZeRO: 3x). Params
             are broadcast from rank 0 at construction, as DDP does; grads live in flat buffers
             (``zero_grad`` zeroes them in place); accumulate micro-batches inside `no_sync`.
-        sync_chunk_mb: without bucket views, the scratch each all-gather may use, in MiB.
+        sync_chunk_mb: with ``parameters_as_bucket_view=False`` only, the scratch each all-gather
+            may use, in MiB (default 16).
         **defaults: hyperparameters for the local optimizer (``lr=...``).
     """
 
     def __init__(self, params: Iterable, optimizer_class: Any, process_group: Any = None,
-                 parameters_as_bucket_view: bool = False, overlap_with_ddp: bool = False, *,
-                 plan: Plan | None = None, strategy: str | None = None, sync_chunk_mb: float = 16,
+                 parameters_as_bucket_view: bool | None = None, overlap_with_ddp: bool = False, *,
+                 plan: Plan | None = None, strategy: str | None = None, sync_chunk_mb: float | None = None,
                  reduce_scatter_grads: bool = False, **defaults: Any):
         _check_plan_arguments(plan, strategy)
         self.process_group = comm.resolve_group(process_group, "ZeroRedundancyOptimizer")
-        if not isinstance(sync_chunk_mb, (int, float)) or sync_chunk_mb <= 0:
-            raise ValueError(f"sync_chunk_mb must be a positive number, got {sync_chunk_mb!r}")
+        _check_sync_chunk(sync_chunk_mb, parameters_as_bucket_view)
         params = _normalise_params(params)
         self._ready = False
         # A torch class's keyword defaults are group settings; a zero.functional factory's are its
@@ -101,8 +105,8 @@ class ZeroRedundancyOptimizer(OverlapSteps, ReduceScatterSteps, Optimizer, Joina
         Joinable.__init__(self)
         self.world_size = comm.group_size(self.process_group)
         self.rank = comm.group_rank(self.process_group)
-        self.parameters_as_bucket_view = bool(parameters_as_bucket_view)
-        self._chunk_bytes = int(sync_chunk_mb * 2**20)
+        self.parameters_as_bucket_view = parameters_as_bucket_view
+        self._chunk_bytes = int((sync_chunk_mb or 16) * 2**20)
         self._all_params = [p for g in self.param_groups for p in g["params"]]
         self._default_device = self._all_params[0].device
         self._metas = param_metas(self.param_groups)
@@ -157,7 +161,8 @@ class ZeroRedundancyOptimizer(OverlapSteps, ReduceScatterSteps, Optimizer, Joina
     def _build_sync(self) -> None:
         """(Re)build the sync for the current trainable params (they may change between steps)."""
         self._metas = param_metas(self.param_groups)
-        self._trainable = checksum([m.requires_grad for m in self._metas])
+        self._requires_grad = [m.requires_grad for m in self._metas]
+        self._trainable = checksum(self._requires_grad)
         if self.plan.flat is not None:
             if self._sync is not None:
                 raise ValueError("params were frozen or unfrozen after building a flat plan's optimizer; a flat "
@@ -173,6 +178,10 @@ class ZeroRedundancyOptimizer(OverlapSteps, ReduceScatterSteps, Optimizer, Joina
         self._sync = ParamSync(self._all_params, layout, self.rank, self.process_group,
                                self.parameters_as_bucket_view, self._chunk_bytes)
         self._rules = self._sharding()
+
+    def _trainability_changed(self) -> bool:
+        """Whether a param was frozen or unfrozen since the sync was built (read every step)."""
+        return [p.requires_grad for p in self._all_params] != self._requires_grad
 
     def _sharding(self) -> sharding.Sharding:
         """The pieces of whole params this rank's local params are, for rules over whole tensors
@@ -224,9 +233,10 @@ class ZeroRedundancyOptimizer(OverlapSteps, ReduceScatterSteps, Optimizer, Joina
         Join.notify_join_context(self)
         if self._overlap:
             return self._overlapped_step(closure)
-        if any(p.requires_grad != m.requires_grad for p, m in zip(self._all_params, self._metas)):
+        if self._trainability_changed():
             logger.info("trainable params changed; rebuilding the sync buckets")
             self._build_sync()
+        self._sync.watch.check()
         verify = self._check_in("step")
         self._push_hyperparams()
         if self._grad_shards is not None and not is_functional(self.optim) and closure is None and not kwargs:
@@ -364,6 +374,19 @@ def _check_plan_arguments(plan: Any, strategy: Any) -> None:
         raise ValueError(f"pass plan= or strategy=, not both (the plan's strategy is {plan.strategy!r})")
     if strategy is not None and strategy not in PLAN_STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {PLAN_STRATEGIES}")
+
+
+def _check_sync_chunk(sync_chunk_mb: Any, bucket_view: Any) -> None:
+    if bucket_view is not None and not isinstance(bucket_view, bool):
+        raise TypeError(f"parameters_as_bucket_view must be None, True or False, got {bucket_view!r}")
+    if sync_chunk_mb is None:
+        return
+    if isinstance(sync_chunk_mb, bool) or not isinstance(sync_chunk_mb, (int, float)) or sync_chunk_mb <= 0:
+        raise ValueError(f"sync_chunk_mb must be a positive number, got {sync_chunk_mb!r}")
+    if bucket_view is not False:
+        raise ValueError(f"sync_chunk_mb={sync_chunk_mb} sizes the scratch rows of parameters_as_bucket_view=False; "
+                         f"with parameters_as_bucket_view={bucket_view} the params are the rows and there is no "
+                         "scratch: drop sync_chunk_mb, or pass parameters_as_bucket_view=False")
 
 
 def _normalise_params(params: Any) -> list[dict]:

@@ -14,7 +14,7 @@ from zero.plans.checks import check_int
 from zero.plans.meta import ParamMeta, itemsize
 from zero.plans.partition import Partition, check_metas, check_rank, check_world_size
 
-__all__ = ["Bucket", "BucketLayout", "bucket_views", "split_bucket", "Piece", "row_chunks", "SyncRows",
+__all__ = ["Bucket", "BucketLayout", "bucket_views", "split_bucket", "Piece", "row_chunks", "row_padding", "SyncRows",
            "sync_rows", "Segment", "ShardPiece", "FlatBuffer", "FLAT_BUCKET_NUMEL", "FlatLayout", "flat_layout"]
 
 
@@ -142,17 +142,20 @@ class SyncRows:
 
 
 def sync_rows(layout: BucketLayout, direct_numel: int | None = None,
-              chunk_bytes: int | None = None) -> tuple[SyncRows, ...]:
+              chunk_bytes: int | None = None, pad_limit: float | None = None) -> tuple[SyncRows, ...]:
     """Per (device, dtype): which params are packed into rows, in which chunks, and which go alone.
 
     ``direct_numel=None`` packs everything (bucket views: the rows are the params' storage);
-    ``chunk_bytes=None`` sends each row whole, else the ``world_size`` rows of one chunk
-    together stay within ``chunk_bytes``.
+    otherwise params of ``direct_numel`` elements or more go alone. ``pad_limit``: only where
+    packing every param would pad the rows (each as wide as the widest) by more than
+    ``pad_limit`` times the elements they carry; rows that are nearly even are cheaper as one
+    collective than as one per large param. ``chunk_bytes=None`` sends each row whole, else the
+    ``world_size`` rows of one chunk together stay within ``chunk_bytes``.
     """
     out = []
     for key in layout.keys():
         buckets, direct = layout.at(key), ()
-        if direct_numel is not None:
+        if direct_numel is not None and (pad_limit is None or row_padding(buckets) > pad_limit * _numel(buckets)):
             split = [split_bucket(b, direct_numel) for b in buckets]
             buckets = tuple(packed for packed, _ in split)
             direct = tuple((b.rank, i) for b, (_, large) in zip(layout.at(key), split) for i in large)
@@ -161,6 +164,16 @@ def sync_rows(layout: BucketLayout, direct_numel: int | None = None,
         pieces = tuple(row_chunks(b, chunk, row) for b in buckets) if chunk else ()
         out.append(SyncRows(key[0], key[1], chunk, pieces, direct))
     return tuple(out)
+
+
+def row_padding(buckets: Sequence[Bucket]) -> int:
+    """Elements of padding when each of ``buckets`` (one key's, one per rank) fills a row as
+    wide as the widest."""
+    return len(buckets) * max(b.numel for b in buckets) - _numel(buckets)
+
+
+def _numel(buckets: Sequence[Bucket]) -> int:
+    return sum(b.numel for b in buckets)
 
 
 @dataclass(frozen=True)
