@@ -88,15 +88,19 @@ def test_flat_plan_is_perfectly_balanced(ms, w):
 
 
 @given(metas(), world_sizes, st.sampled_from(STRATEGIES))
-def test_bucket_offsets_are_contiguous(ms, w, strategy):
+def test_bucket_offsets_are_aligned_and_packed_in_order(ms, w, strategy):
+    from zero.plans.layout import ALIGN_BYTES
+
     p = partition(ms, w, strategy)
     layout = bucket_views(ms, p)
     for b in layout.buckets:
         assert list(b.params) == [i for i in p.params_of(b.rank)
                                   if ms[i].requires_grad and (ms[i].device, ms[i].dtype) == (b.device, b.dtype)]
-        ends = [o + ms[i].numel for o, i in zip(b.offsets, b.params)]
-        assert list(b.offsets) == ([0] + ends[:-1] if ends else [])
-        assert b.numel == (ends[-1] if ends else 0)
+        assert list(b.sizes) == [ms[i].numel for i in b.params]
+        quantum = max(1, ALIGN_BYTES // itemsize(b.dtype))
+        starts = list(b.offsets) + [b.numel]
+        assert all(o % quantum == 0 for o in starts), "every param (and the bucket's end) is aligned"
+        assert starts[0] == 0 and all(0 <= nxt - (o + n) < quantum for o, n, nxt in zip(starts, b.sizes, starts[1:]))
 
 
 @given(metas(), world_sizes, st.sampled_from(STRATEGIES + ("flat",)), st.sampled_from(["numel", "state_bytes"]))
@@ -151,8 +155,8 @@ def test_sync_rows_carry_every_trainable_element_once(ms, w, chunk_bytes, direct
             for pieces in per_chunk:
                 used = 0
                 for p in pieces:
-                    assert p.row_start == used, "pieces fill a chunk from its start, in order"
-                    used += p.end - p.start
+                    assert p.row_start >= used, "pieces lie in a chunk in order, without overlap"
+                    used = p.row_start + p.end - p.start
                     spans.setdefault(p.param, []).append((p.start, p.end))
                     assert partition(ms, w).owner[p.param] == rank
                 assert used <= plan.chunk

@@ -14,19 +14,25 @@ from zero.plans.checks import check_int
 from zero.plans.meta import ParamMeta, itemsize
 from zero.plans.partition import Partition, check_metas, check_rank, check_world_size
 
-__all__ = ["Bucket", "BucketLayout", "bucket_views", "split_bucket", "Piece", "row_chunks", "row_padding", "SyncRows",
+__all__ = ["ALIGN_BYTES", "Bucket", "BucketLayout", "bucket_views", "split_bucket", "Piece", "row_chunks",
+           "row_padding", "SyncRows",
            "sync_rows", "Segment", "ShardPiece", "FlatBuffer", "FLAT_BUCKET_NUMEL", "FlatLayout", "flat_layout"]
+
+
+ALIGN_BYTES = 64  # what torch's allocators give a tensor; see bucket_views
 
 
 @dataclass(frozen=True)
 class Bucket:
-    """One rank's flat bucket for one (device, dtype): ``params[k]`` lives at ``offsets[k]``."""
+    """One rank's flat bucket for one (device, dtype): ``params[k]`` holds ``sizes[k]`` elements
+    from ``offsets[k]``; ``numel`` is the bucket's length, alignment gaps included."""
 
     device: str
     dtype: str
     rank: int
     params: tuple[int, ...]
     offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
     numel: int
 
 
@@ -58,14 +64,19 @@ def split_bucket(bucket: Bucket, direct_numel: int) -> tuple[Bucket, tuple[int, 
     recomputed, order kept) and the indices of the large ones.
     """
     check_int("direct_numel", direct_numel, 1)
-    ends = list(bucket.offsets[1:]) + [bucket.numel]
-    numels = [end - off for off, end in zip(bucket.offsets, ends)]
-    small = [(i, n) for i, n in zip(bucket.params, numels) if n < direct_numel]
-    large = tuple(i for i, n in zip(bucket.params, numels) if n >= direct_numel)
-    offsets = _offsets([n for _, n in small])
-    packed = Bucket(bucket.device, bucket.dtype, bucket.rank, tuple(i for i, _ in small), tuple(offsets[:-1]),
-                    offsets[-1])
-    return packed, large
+    small = [(i, n) for i, n in zip(bucket.params, bucket.sizes) if n < direct_numel]
+    large = tuple(i for i, n in zip(bucket.params, bucket.sizes) if n >= direct_numel)
+    return _bucket(bucket.device, bucket.dtype, bucket.rank, [i for i, _ in small], [n for _, n in small]), large
+
+
+def _bucket(device: str, dtype: str, rank: int, params: list[int], sizes: list[int]) -> Bucket:
+    """Params packed in order, each from an offset of ``ALIGN_BYTES``, as a fresh tensor would be."""
+    quantum = max(1, ALIGN_BYTES // itemsize(dtype))
+    offsets, end = [], 0
+    for n in sizes:
+        offsets.append(end)
+        end += -(-n // quantum) * quantum
+    return Bucket(device, dtype, rank, tuple(params), tuple(offsets), tuple(sizes), end)
 
 
 @dataclass(frozen=True)
@@ -90,9 +101,8 @@ def row_chunks(bucket: Bucket, chunk_numel: int, row_numel: int) -> tuple[tuple[
         raise ValueError(f"row_numel {row_numel} is smaller than the bucket ({bucket.numel} elements)")
     n_chunks = max(1, math.ceil(row_numel / chunk_numel))
     chunks: list[list[Piece]] = [[] for _ in range(n_chunks)]
-    ends = list(bucket.offsets[1:]) + [bucket.numel]
-    for param, lo, hi in zip(bucket.params, bucket.offsets, ends):
-        pos = lo
+    for param, lo, n in zip(bucket.params, bucket.offsets, bucket.sizes):
+        pos, hi = lo, lo + n
         while pos < hi:
             c, within = divmod(pos, chunk_numel)
             take = min(hi - pos, chunk_numel - within)
@@ -105,7 +115,9 @@ def bucket_views(metas: Sequence[ParamMeta], part: Partition) -> BucketLayout:
     """Offsets of each trainable parameter inside its owner's bucket, per (device, dtype).
 
     Parameters appear in the order the owner's local optimizer receives them
-    (``part.params_of(rank)``), as torch lays out its buckets.
+    (``part.params_of(rank)``), as torch lays out its buckets. Each starts ``ALIGN_BYTES`` from
+    the bucket's start, as a tensor of its own would: CPU kernels pick their vector paths by
+    alignment, so a param viewed at an odd offset computes its forward with other roundings.
     """
     metas = check_metas(metas)
     if len(part.owner) != len(metas):
@@ -116,8 +128,7 @@ def bucket_views(metas: Sequence[ParamMeta], part: Partition) -> BucketLayout:
         for rank in range(part.world_size):
             idx = [i for i in part.params_of(rank)
                    if metas[i].requires_grad and _key(metas[i]) == (device, dtype)]
-            offsets = _offsets([metas[i].numel for i in idx])
-            buckets.append(Bucket(device, dtype, rank, tuple(idx), tuple(offsets[:-1]), offsets[-1]))
+            buckets.append(_bucket(device, dtype, rank, idx, [metas[i].numel for i in idx]))
     return BucketLayout(part.world_size, tuple(buckets))
 
 
