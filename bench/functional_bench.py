@@ -4,7 +4,8 @@
 traffic (Adam reads p, g, m, v and writes p, m, v: 28 bytes/element; SGD with momentum reads
 p, g, b and writes p, b: 20) against a measured copy bandwidth, and each path's time relative
 to torch's fused kernel and to its foreach implementation.
-Usage: python bench/functional_bench.py [--rule adam|sgd] [--elements 20e6] [--tensors 200] [--repeat 15]
+Usage: python bench/functional_bench.py [--rule adam|sgd|adamw|adagrad] [--elements 20e6]
+[--tensors 200] [--repeat 15]; ``--table`` times every rule on two shapes, every path, in one run.
 """
 
 from __future__ import annotations
@@ -27,7 +28,12 @@ import zero.functional as F  # noqa: E402
 RULES = {
     "adam": (torch.optim.Adam, {"lr": 1e-3}, lambda: F.adam(1e-3), 28),
     "sgd": (torch.optim.SGD, {"lr": 1e-3, "momentum": 0.9}, lambda: F.sgd(1e-3, momentum=0.9), 20),
+    "adamw": (torch.optim.AdamW, {"lr": 1e-3}, lambda: F.adamw(1e-3), 28),
+    "adagrad": (torch.optim.Adagrad, {"lr": 1e-2}, lambda: F.adagrad(1e-2), 20),
+    "rmsprop": (torch.optim.RMSprop, {"lr": 1e-2}, lambda: F.rmsprop(1e-2), 20),
 }
+FUSED = {"adam", "sgd", "adamw", "adagrad"}  # torch has a fused kernel (CPU and CUDA) for these
+SHAPES = {"200 uneven tensors, 20M elements": (20e6, 200), "2,000 small tensors, 2M elements": (2e6, 2000)}
 
 
 def make_params(elements: int, tensors: int, seed: int = 0) -> list[torch.Tensor]:
@@ -73,14 +79,58 @@ def pure_step(params, grads, tx):
     return step
 
 
+def table_paths(rule: str, params, grads) -> dict:
+    """The paths of the --table run: each is built only when timed, so one is in memory at a time."""
+    cls, options, alias, _ = RULES[rule]
+    name = cls.__name__
+    paths = {f"torch {name}()": lambda: torch_step(params, grads, cls, foreach=False, **options),
+             f"torch {name}(foreach=True)": lambda: torch_step(params, grads, cls, foreach=True, **options)}
+    if rule in FUSED:
+        paths[f"torch {name}(fused=True)"] = lambda: torch_step(params, grads, cls, fused=True, **options)
+    paths[f"zero from_torch({name})"] = lambda: ours_step(params, grads, F.from_torch(cls, **options))
+    paths[f"zero {rule} (Optax's)"] = lambda: ours_step(params, grads, alias())
+    paths[f"zero {rule}: pure update"] = lambda: pure_step(params, grads, alias())
+    return paths
+
+
+def run_table(repeat: int) -> None:
+    """Every rule x both shapes x every path: ms/step, ns/element, and ratios to torch's fastest."""
+    table = Table(title=f"optimizer step, float32 on CPU, {torch.get_num_threads()} threads; medians of {repeat}")
+    for col in ("rule", "model", "path", "ms/step", "ns/elem", "x torch's fastest", "x torch foreach",
+                "x copy limit"):
+        table.add_column(col, justify="right")
+    for shape, (elements, tensors) in SHAPES.items():
+        params = make_params(int(elements), tensors)
+        grads = [torch.randn_like(p) for p in params]
+        n = sum(p.numel() for p in params)
+        src, dst = torch.randn(n), torch.empty(n)
+        copy_s = timeit(lambda dst=dst, src=src: dst.copy_(src), repeat)  # 8 bytes/element: the physical limit
+        for rule in RULES:
+            moved = RULES[rule][3]
+            results = {path: timeit(make(), repeat) for path, make in table_paths(rule, params, grads).items()}
+            torch_times = {p: t for p, t in results.items() if p.startswith("torch")}
+            fastest = min(torch_times.values())
+            foreach = next(t for p, t in torch_times.items() if "foreach" in p)
+            for path, t in results.items():
+                table.add_row(rule, shape, path, f"{t * 1e3:.2f}", f"{t / n * 1e9:.2f}", f"{t / fastest:.2f}",
+                              f"{t / foreach:.2f}", f"{t / (copy_s * moved / 8):.2f}")
+            Console().print(f"{shape}: {rule} done", style="dim")
+    Console(width=200).print(table)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rule", choices=sorted(RULES), default="adam")
+    ap.add_argument("--rule", choices=sorted(FUSED), default="adam")
     ap.add_argument("--elements", type=float, default=20e6)
     ap.add_argument("--tensors", type=int, default=200)
     ap.add_argument("--repeat", type=int, default=15)
     ap.add_argument("--plot", help="also draw the ms/step of each path to this PNG")
+    ap.add_argument("--table", action="store_true",
+                    help="every rule x {200 uneven tensors, 2,000 small ones} x every path (issue #15's table)")
     args = ap.parse_args()
+    if args.table:
+        run_table(args.repeat)
+        return
     n = int(args.elements)
     params = make_params(n, args.tensors)
     grads = [torch.randn_like(p) for p in params]

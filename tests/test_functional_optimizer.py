@@ -1,5 +1,6 @@
 """zero.functional.Optimizer and FunctionalOptimizer: torch's optimizer protocol over transformations."""
 
+import importlib
 import io
 
 import pytest
@@ -63,17 +64,36 @@ FUSED_CASES = {
                                                           maximize=True),
                                      lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.5, dampening=0.3,
                                                                 maximize=True, foreach=False), None),
+    "torch-adagrad": (lambda: F.from_torch(torch.optim.Adagrad, lr=0.05),
+                      lambda ps: torch.optim.Adagrad(ps, lr=0.05, foreach=False), None),
+    "torch-adagrad-decays-maximize": (lambda: F.from_torch(torch.optim.Adagrad, lr=0.05, lr_decay=0.1, weight_decay=0.1,
+                                                           initial_accumulator_value=0.2, maximize=True),
+                                      lambda ps: torch.optim.Adagrad(ps, lr=0.05, lr_decay=0.1, weight_decay=0.1,
+                                                                     initial_accumulator_value=0.2, maximize=True,
+                                                                     foreach=False), None),
+    "torch-rmsprop": (lambda: F.from_torch(torch.optim.RMSprop, lr=0.01),
+                      lambda ps: torch.optim.RMSprop(ps, lr=0.01, foreach=False), None),
+    "torch-rmsprop-centered-momentum-l2-maximize": (
+        lambda: F.from_torch(torch.optim.RMSprop, lr=0.01, alpha=0.9, centered=True, momentum=0.8, weight_decay=0.1,
+                             maximize=True),
+        lambda ps: torch.optim.RMSprop(ps, lr=0.01, alpha=0.9, centered=True, momentum=0.8, weight_decay=0.1,
+                                       maximize=True, foreach=False), None),
 }
 
 
 @pytest.mark.parametrize("case", sorted(FUSED_CASES))
 def test_fused_kernel_path_equals_torch_single_tensor_rule(case, monkeypatch):
-    """The in-place path (torch's fused kernel) against torch's own for-loop rule: independent code."""
+    """The in-place path (torch's fused or multi-tensor kernel) against torch's own for-loop rule:
+    independent code."""
     make, make_ref, lr_lambda = FUSED_CASES[case]
     calls = []
-    for name in ("_fused_adam_", "_fused_adamw_", "_fused_sgd_"):
+    for name in ("_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adagrad_"):
         kernel = getattr(torch, name)
         monkeypatch.setattr(torch, name, lambda *a, kernel=kernel, **k: calls.append(1) or kernel(*a, **k))
+    module = importlib.import_module("torch.optim.rmsprop")
+    multi_tensor = module.rmsprop  # torch's reference calls it too, with foreach=False
+    monkeypatch.setattr(module, "rmsprop",
+                        lambda *a, **k: (calls.append(1) if k["foreach"] else None) or multi_tensor(*a, **k))
     m1, data = model_and_data()
     m2, _ = model_and_data()
     ref_opt = make_ref(list(m1.parameters()))

@@ -11,11 +11,13 @@ Kernels today: Adam and AdamW, in Optax's spelling (``adam``, ``adamw``) and tor
 (`from_torch`: ``maximize`` as ``scale(-1)`` first, coupled weight decay before the moments,
 decoupled after, AMSGrad with torch's running maximum); SGD, Optax's (``sgd``, with or without
 ``trace`` momentum) and torch's (`from_torch`: momentum with dampening and Nesterov, coupled
-decay, ``maximize``).
+decay, ``maximize``); Adagrad, torch's (`from_torch`: ``lr_decay``, coupled decay, ``maximize``); RMSprop on torch's
+multi-tensor implementation (no fused kernel exists), torch's and Optax's spelling alike.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,6 +29,7 @@ from zero.functional.base import GradientTransformation, Spec, count_inc
 __all__ = ["fuse", "fusable"]
 
 InplaceStep = Callable[[list, list, Any], Any]
+_TORCH_RMSPROP = importlib.import_module("torch.optim.rmsprop")  # torch.optim hides its submodules' names
 
 
 def fuse(links: Sequence[GradientTransformation]) -> InplaceStep | None:
@@ -34,7 +37,7 @@ def fuse(links: Sequence[GradientTransformation]) -> InplaceStep | None:
     specs = [(i, tx.spec) for i, tx in enumerate(links) if tx.spec is None or tx.spec.name != "identity"]
     if any(spec is None for _, spec in specs):
         return None
-    return _adam_kernel(specs) or _sgd_kernel(specs)
+    return _adam_kernel(specs) or _sgd_kernel(specs) or _adagrad_kernel(specs) or _rmsprop_kernel(specs)
 
 
 def fusable(*lists: Sequence[torch.Tensor]) -> bool:
@@ -138,6 +141,74 @@ def _sgd_kernel(specs: list[tuple[int, Spec]]) -> InplaceStep | None:
         if field == "momentum_buffer":
             new[momentum[0]] = state[momentum[0]]._replace(count=count_inc(state[momentum[0]].count))
         new[lr_at] = _advance(learning_rate, lr_state)
+        return tuple(new)
+
+    return inplace
+
+
+def _adagrad_kernel(specs: list[tuple[int, Spec]]) -> InplaceStep | None:
+    """[scale(-1)] [add_decayed_weights] torch_adagrad torch_adagrad_lr: `from_torch(Adagrad)`."""
+    specs = list(specs)
+    maximize = _take(specs, "scale", lambda a: a["step_size"] == -1.0) is not None
+    decay = _take(specs, "add_decayed_weights", _plain_decay)
+    core = _take(specs, "torch_adagrad")
+    lr = _take(specs, "torch_adagrad_lr")
+    if core is None or lr is None or specs:
+        return None
+    core_at, eps = core[0], core[1].args["eps"]
+    lr_at, hyper = lr[0], lr[1].args
+    weight_decay = decay[1].args["weight_decay"] if decay else 0.0
+
+    @torch.no_grad()
+    def inplace(params: list, grads: list, state: tuple) -> tuple | None:
+        sums = optree.tree_structure(params).flatten_up_to(state[core_at].sum_of_squares)
+        if not fusable(params, grads, sums):
+            return None
+        count = count_inc(state[lr_at].count)  # torch's step t, counted from 1
+        for idx in _by_device_and_dtype(params):
+            pick = lambda xs, idx=idx: [xs[i] for i in idx]  # noqa: E731
+            step = torch.tensor(float(count), device=params[idx[0]].device)
+            torch._fused_adagrad_(pick(params), pick(grads), pick(sums), [step] * len(idx), lr=hyper["lr"],
+                                  lr_decay=hyper["lr_decay"], weight_decay=weight_decay, eps=eps, maximize=maximize)
+        new = list(state)
+        new[lr_at] = state[lr_at]._replace(count=count)
+        return tuple(new)
+
+    return inplace
+
+
+def _rmsprop_kernel(specs: list[tuple[int, Spec]]) -> InplaceStep | None:
+    """[scale(-1)] [add_decayed_weights] (scale_by_rms | scale_by_stddev) [trace] scale_by_learning_rate
+    with torch's eps (outside the root, no bias correction, zero start): RMSprop, on torch's
+    multi-tensor (foreach) implementation, since torch has no fused kernel for it."""
+    specs = list(specs)
+    maximize = _take(specs, "scale", lambda a: a["step_size"] == -1.0) is not None
+    decay = _take(specs, "add_decayed_weights", _plain_decay)
+    torch_like = lambda a: not a["eps_in_sqrt"] and not a["bias_correction"] and a["initial_scale"] == 0  # noqa: E731
+    core = _take(specs, "scale_by_rms", torch_like) or _take(specs, "scale_by_stddev", torch_like)
+    momentum = _take(specs, "trace", lambda a: not a["nesterov"] and a["accumulator_dtype"] is None)
+    lr = _take(specs, "scale_by_learning_rate", lambda a: a["flip_sign"])
+    if core is None or lr is None or specs:
+        return None
+    core_at, centered, hyper = core[0], core[1].name == "scale_by_stddev", core[1].args
+    lr_at, learning_rate = lr[0], lr[1].args["learning_rate"]
+    weight_decay = decay[1].args["weight_decay"] if decay else 0.0
+
+    @torch.no_grad()
+    def inplace(params: list, grads: list, state: tuple) -> tuple | None:
+        treedef = optree.tree_structure(params)
+        square = treedef.flatten_up_to(state[core_at].nu)
+        mean = treedef.flatten_up_to(state[core_at].mu) if centered else []
+        buffers = treedef.flatten_up_to(state[momentum[0]].trace) if momentum else []
+        if not fusable(params, grads, square, *([mean] if centered else []), *([buffers] if momentum else [])):
+            return None
+        steps = [torch.zeros(())] * len(params)  # counted by torch's implementation, read by no rule here
+        _TORCH_RMSPROP.rmsprop(params, grads, square, mean, buffers, steps, foreach=True, maximize=maximize,
+                                    lr=_rate(learning_rate, state[lr_at]), alpha=hyper["decay"], eps=hyper["eps"],
+                                    weight_decay=weight_decay, momentum=momentum[1].args["decay"] if momentum else 0.0,
+                                    centered=centered)
+        new = list(state)
+        new[lr_at] = _advance(learning_rate, state[lr_at])
         return tuple(new)
 
     return inplace

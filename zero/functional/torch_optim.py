@@ -101,7 +101,14 @@ def _torch_adagrad(initial_accumulator_value: float, eps: float) -> GradientTran
         sos = tree_map(lambda g, s: s + g * g, updates, state.sum_of_squares)
         return tree_map(lambda g, s: g / (s.sqrt() + eps), updates, sos), T.ScaleByRssState(sos)
 
-    return GradientTransformation(lambda p: T.ScaleByRssState(full_like(p, initial_accumulator_value)), update)
+    return GradientTransformation(lambda p: T.ScaleByRssState(full_like(p, initial_accumulator_value)), update,
+                                  spec=Spec("torch_adagrad", {"eps": eps}))
+
+
+def _torch_adagrad_lr(lr: float, lr_decay: float) -> GradientTransformation:
+    """``torch.optim.Adagrad``'s step size: ``-lr / (1 + (t - 1) lr_decay)`` at step ``t``."""
+    tx = T.scale_by_schedule(lambda count: -lr / (1 + int(count) * lr_decay))
+    return tx._replace(spec=Spec("torch_adagrad_lr", {"lr": lr, "lr_decay": lr_decay}))
 
 
 def _torch_rprop(lr: float, etas: tuple[float, float], step_sizes: tuple[float, float]) -> GradientTransformation:
@@ -212,9 +219,8 @@ def _adamw(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=Fal
 
 def _adagrad(lr=1e-2, lr_decay=0.0, weight_decay=0.0, initial_accumulator_value=0.0, eps=1e-10, maximize=False):
     check_non_negative("lr_decay", lr_decay)
-    clr = T.scale_by_schedule(lambda count: -lr / (1 + int(count) * lr_decay))
     return chain(_negate(maximize), _decays(weight_decay, False)[0],
-                 _torch_adagrad(initial_accumulator_value, eps), clr)
+                 _torch_adagrad(initial_accumulator_value, eps), _torch_adagrad_lr(lr, lr_decay))
 
 
 def _adadelta(lr=1.0, rho=0.9, eps=1e-6, weight_decay=0.0, maximize=False):

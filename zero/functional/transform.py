@@ -257,7 +257,13 @@ def scale_by_rms(decay: float = 0.9, eps: float = 1e-8, initial_scale: float = 0
         out = tree_map(lambda g, v: _inv_root(v, eps, eps_in_sqrt) * g, updates, nu_hat)
         return out, (ScaleByRmsWithCountState(count, nu) if bias_correction else ScaleByRmsState(nu))
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, spec=Spec("scale_by_rms", _rms_args(decay, eps, initial_scale,
+                                                                                    eps_in_sqrt, bias_correction)))
+
+
+def _rms_args(decay, eps, initial_scale, eps_in_sqrt, bias_correction) -> dict:
+    return {"decay": decay, "eps": eps, "initial_scale": initial_scale, "eps_in_sqrt": eps_in_sqrt,
+            "bias_correction": bias_correction}
 
 
 def scale_by_stddev(decay: float = 0.9, eps: float = 1e-8, initial_scale: float = 0.0,
@@ -280,7 +286,8 @@ def scale_by_stddev(decay: float = 0.9, eps: float = 1e-8, initial_scale: float 
         new = ScaleByRStdDevWithCountState(count, mu, nu) if bias_correction else ScaleByRStdDevState(mu, nu)
         return out, new
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, spec=Spec("scale_by_stddev", _rms_args(decay, eps, initial_scale,
+                                                                                       eps_in_sqrt, bias_correction)))
 
 
 def scale_by_rss(initial_accumulator_value: float = 0.1, eps: float = 1e-7) -> GradientTransformation:
