@@ -183,27 +183,26 @@ def _group_params(params: Any, torch: Any) -> list:
 
 
 def _from_tensors(entries: list[tuple[str | None, Any, int]]) -> list[ParamMeta]:
-    _check_tensors(entries)
-    names: dict[tuple, tuple[str, str, int]] = {}  # per distinct (dtype, device), not per tensor
-    metas = []
-    for i, (name, t, group) in enumerate(entries):
-        key = (t.dtype, t.device)
-        if key not in names:
-            dtype = str(key[0]).removeprefix("torch.")
-            names[key] = (dtype, str(key[1]), itemsize(dtype))
-        dtype, device, size = names[key]
-        # A torch shape holds non-negative ints already: no need to check it again.
-        metas.append(_built(name if name is not None else str(i), tuple(t.shape), dtype, device, group,
-                            t.requires_grad, size))
-    return metas
+    tensors = [t for _, t, _ in entries]
+    _check_tensors(entries, tensors)
+    # Column by column: each attribute read is one tight loop, and dtype and device names are made
+    # once per distinct value. A torch shape holds non-negative ints already: no need to check it.
+    shapes = [tuple(t.shape) for t in tensors]
+    dtypes = [t.dtype for t in tensors]
+    devices = [t.device for t in tensors]
+    trainable = [t.requires_grad for t in tensors]
+    dtype_names = {d: str(d).removeprefix("torch.") for d in set(dtypes)}
+    sizes = {d: itemsize(name) for d, name in dtype_names.items()}
+    device_names = {d: str(d) for d in set(devices)}
+    return [_built(str(i) if name is None else name, shape, dtype_names[d], device_names[v], group, r, sizes[d])
+            for i, ((name, _, group), shape, d, v, r) in enumerate(zip(entries, shapes, dtypes, devices, trainable))]
 
 
-def _check_tensors(entries: list[tuple[str | None, Any, int]]) -> None:
+def _check_tensors(entries: list[tuple[str | None, Any, int]], tensors: list) -> None:
     """Every entry a dense tensor, none twice; checked in bulk, then searched for a culprit to name."""
     torch = sys.modules.get("torch")
-    tensors = [t for _, t, _ in entries]
-    if (torch is not None and all(isinstance(t, torch.Tensor) for t in tensors)
-            and len(set(map(id, tensors))) == len(tensors) and all(t.layout is torch.strided for t in tensors)):
+    if (torch is not None and all(issubclass(kind, torch.Tensor) for kind in set(map(type, tensors)))
+            and len(set(map(id, tensors))) == len(tensors) and {t.layout for t in tensors} <= {torch.strided}):
         return
     seen: dict[int, int] = {}
     for i, (name, t, _) in enumerate(entries):
