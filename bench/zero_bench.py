@@ -5,7 +5,7 @@ steps (grads fixed, a barrier before each); the four optimizers take turns step 
 hits all alike. Consolidation (``consolidate_state_dict`` + ``state_dict``) runs in fresh
 processes, one per implementation, so its peak-RSS growth is its own.
 
-    python bench/zero_bench.py [--steps 30] [--rounds 3] [--json out.json]
+    python bench/zero_bench.py [--steps 30] [--rounds 3] [--json out.json] [--check-in]
 """
 
 from __future__ import annotations
@@ -79,6 +79,33 @@ def step_worker(rank, port, name, steps, rounds, out):
     dist.destroy_process_group()
 
 
+def check_in_worker(rank, port, name, steps, rounds, out):
+    """What the per-step check-in costs: our default step as is, with its check-in waited for at
+    once, and with none (a test double; never do this in training), against torch's bucket view."""
+    _init(rank, port)
+    opts = {label: Zero(_model(*MODELS[name]).parameters(), torch.optim.Adam, lr=1e-3)
+            for label in ("zero (check-in overlapped)", "zero (check-in waited at once)", "zero (no check-in)")}
+    overlapped = opts["zero (check-in waited at once)"]._check_in
+
+    def at_once(*a, **k):
+        overlapped(*a, **k)()
+        return lambda: None
+
+    opts["zero (check-in waited at once)"]._check_in = at_once
+    opts["zero (no check-in)"]._check_in = lambda *a, **k: (lambda: None)
+    opts["torch bucket view"] = TorchZero(_model(*MODELS[name]).parameters(), torch.optim.Adam,
+                                          parameters_as_bucket_view=True, lr=1e-3)
+    for opt in opts.values():
+        _time_steps(opt, 3)
+    times = {key: [] for key in opts}
+    for _ in range(rounds * steps):
+        for key, opt in opts.items():
+            times[key] += _time_steps(opt, 1)
+    if rank == 0:
+        out.put({"model": name, "step_ms": {k: 1e3 * statistics.median(t) for k, t in times.items()}})
+    dist.destroy_process_group()
+
+
 def consolidate_worker(rank, port, impl, out):
     _init(rank, port)
     opt = IMPLS[impl](_model(*MODELS["8 x Linear(1024,1024)"]).parameters(), torch.optim.Adam, lr=1e-3)
@@ -115,7 +142,15 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", type=str)
     ap.add_argument("--plot", help="also draw the step times to this PNG")
+    ap.add_argument("--check-in", action="store_true", help="only measure what the per-step check-in costs")
     args = ap.parse_args()
+    if args.check_in:
+        from rich.console import Console
+
+        for name in MODELS:
+            for r in _spawn(check_in_worker, name, args.steps, args.rounds):
+                Console().print(r["model"], {k: round(v, 2) for k, v in r["step_ms"].items()})
+        return 0
     report = {"torch": torch.__version__, "steps": [], "consolidate": []}
     for name in MODELS:
         report["steps"] += _spawn(step_worker, name, args.steps, args.rounds)
