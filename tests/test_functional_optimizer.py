@@ -237,3 +237,25 @@ def test_split_state_cuts_per_param_lists_and_copies_the_rest():
     assert [t.shape for t in second[0].nu] == [(3,)]
     assert first[0].mu[0] is state[0].mu[0], "per-param tensors move, not copied"
     assert first[0].count is not second[0].count and first[0].count == state[0].count, "counters are copied apart"
+
+
+def test_the_kernel_path_notices_tensors_that_changed_dtype_between_steps():
+    """The kernels remember which tensors they checked; a param cast in place (``.data = ...``)
+    or a grad of another dtype must send the step down the update path, not into the kernel."""
+    torch.manual_seed(0)
+    ours = [torch.randn(5, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+    ref = [p.detach().clone().requires_grad_() for p in ours]
+    opt, ref_opt = F.Optimizer(ours, F.from_torch(torch.optim.SGD, lr=0.1, momentum=0.9)), \
+        torch.optim.SGD(ref, lr=0.1, momentum=0.9, foreach=False)
+    for step in range(4):
+        if step == 2:
+            for p in (ours[1], ref[1]):
+                p.data = p.data.float()
+        for a, b in zip(ours, ref):
+            a.grad = torch.ones_like(a) * (step + 1)
+            b.grad = a.grad.clone()
+        opt.step()
+        ref_opt.step()
+        for a, b in zip(ours, ref):
+            assert a.dtype == b.dtype
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
