@@ -259,3 +259,19 @@ def test_the_kernel_path_notices_tensors_that_changed_dtype_between_steps():
         for a, b in zip(ours, ref):
             assert a.dtype == b.dtype
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("make", [lambda: F.adam(0.1), lambda: F.from_torch(torch.optim.SGD, lr=0.1, momentum=0.9),
+                                  lambda: F.from_torch(torch.optim.Adagrad, lr=0.1)])
+def test_a_kernel_step_is_seen_by_autograd_as_an_inplace_change(make):
+    """As with torch.optim's for-loop step: a graph that saved a param before the step refuses
+    to run backward after it, rather than mixing old and new values."""
+    w = torch.randn(3, requires_grad=True)
+    opt = F.Optimizer([w], make())
+    w.grad = torch.ones(3)
+    opt.step()  # creates the state: from here on the kernel runs
+    saved = (w * w).sum()  # saves w for backward
+    w.grad = torch.ones(3)
+    opt.step()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        saved.backward()

@@ -129,6 +129,10 @@ def inplace_step(tx: GradientTransformation, params: list, grads: list, state: A
     if tx.inplace is not None:
         new_state = tx.inplace(params, grads, state)
         if new_state is not None:
+            # torch's fused kernels write params without telling autograd; a for-loop step does.
+            # Tell it, so a backward that saved a param before this step raises as with
+            # torch.optim's default step (e.g. several RPC trainers) instead of mixing values.
+            torch.autograd.graph.increment_version(params)
             return new_state
     updates, state = tx.update(grads, state, params)
     torch._foreach_add_(params, [u.to(p.dtype) for p, u in zip(params, updates)])
