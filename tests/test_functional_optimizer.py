@@ -78,6 +78,14 @@ FUSED_CASES = {
                              maximize=True),
         lambda ps: torch.optim.RMSprop(ps, lr=0.01, alpha=0.9, centered=True, momentum=0.8, weight_decay=0.1,
                                        maximize=True, foreach=False), None),
+    "torch-adamax-l2-maximize": (lambda: F.from_torch(torch.optim.Adamax, lr=0.05, weight_decay=0.1, maximize=True),
+                                 lambda ps: torch.optim.Adamax(ps, lr=0.05, weight_decay=0.1, maximize=True,
+                                                               foreach=False), None),
+    "adamax": (lambda: F.adamax(0.05), lambda ps: torch.optim.Adamax(ps, lr=0.05, foreach=False), None),
+    "torch-adadelta-l2-maximize": (lambda: F.from_torch(torch.optim.Adadelta, lr=0.5, weight_decay=0.1,
+                                                        maximize=True),
+                                   lambda ps: torch.optim.Adadelta(ps, lr=0.5, weight_decay=0.1, maximize=True,
+                                                                   foreach=False), None),
 }
 
 
@@ -90,10 +98,11 @@ def test_fused_kernel_path_equals_torch_single_tensor_rule(case, monkeypatch):
     for name in ("_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adagrad_"):
         kernel = getattr(torch, name)
         monkeypatch.setattr(torch, name, lambda *a, kernel=kernel, **k: calls.append(1) or kernel(*a, **k))
-    module = importlib.import_module("torch.optim.rmsprop")
-    multi_tensor = module.rmsprop  # torch's reference calls it too, with foreach=False
-    monkeypatch.setattr(module, "rmsprop",
-                        lambda *a, **k: (calls.append(1) if k["foreach"] else None) or multi_tensor(*a, **k))
+    for name in ("rmsprop", "adamax", "adadelta"):  # torch's reference calls them too, with foreach=False
+        module = importlib.import_module(f"torch.optim.{name}")
+        multi_tensor = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, f=multi_tensor, **k: (calls.append(1) if k["foreach"] else None)
+                            or f(*a, **k))
     m1, data = model_and_data()
     m2, _ = model_and_data()
     ref_opt = make_ref(list(m1.parameters()))

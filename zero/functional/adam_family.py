@@ -187,7 +187,7 @@ def scale_by_adamax(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Gr
         out = tree_map(lambda m, v: _debias(m, b1, count) / v, mu, nu)
         return out, ScaleByAdamState(count, mu, nu)
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, spec=Spec("scale_by_adamax", {"b1": b1, "b2": b2, "eps": eps}))
 
 
 def scale_by_belief(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-16, eps_root: float = 1e-16,

@@ -11,8 +11,9 @@ Kernels today: Adam and AdamW, in Optax's spelling (``adam``, ``adamw``) and tor
 (`from_torch`: ``maximize`` as ``scale(-1)`` first, coupled weight decay before the moments,
 decoupled after, AMSGrad with torch's running maximum); SGD, Optax's (``sgd``, with or without
 ``trace`` momentum) and torch's (`from_torch`: momentum with dampening and Nesterov, coupled
-decay, ``maximize``); Adagrad, torch's (`from_torch`: ``lr_decay``, coupled decay, ``maximize``); RMSprop on torch's
-multi-tensor implementation (no fused kernel exists), torch's and Optax's spelling alike.
+decay, ``maximize``); Adagrad, torch's (`from_torch`: ``lr_decay``, coupled decay, ``maximize``); RMSprop (torch's
+spelling), Adamax and Adadelta on torch's multi-tensor implementations (torch has no fused kernel
+for them).
 """
 
 from __future__ import annotations
@@ -29,7 +30,10 @@ from zero.functional.base import GradientTransformation, Spec, count_inc
 __all__ = ["fuse"]
 
 InplaceStep = Callable[[list, list, Any], Any]
-_TORCH_RMSPROP = importlib.import_module("torch.optim.rmsprop")  # torch.optim hides its submodules' names
+# torch.optim hides its submodules' names; their functions are torch's multi-tensor implementations
+_TORCH_RMSPROP = importlib.import_module("torch.optim.rmsprop")
+_TORCH_ADAMAX = importlib.import_module("torch.optim.adamax")
+_TORCH_ADADELTA = importlib.import_module("torch.optim.adadelta")
 
 
 def fuse(links: Sequence[GradientTransformation]) -> InplaceStep | None:
@@ -37,7 +41,8 @@ def fuse(links: Sequence[GradientTransformation]) -> InplaceStep | None:
     specs = [(i, tx.spec) for i, tx in enumerate(links) if tx.spec is None or tx.spec.name != "identity"]
     if any(spec is None for _, spec in specs):
         return None
-    return _adam_kernel(specs) or _sgd_kernel(specs) or _adagrad_kernel(specs) or _rmsprop_kernel(specs)
+    return (_adam_kernel(specs) or _sgd_kernel(specs) or _adagrad_kernel(specs) or _rmsprop_kernel(specs)
+            or _multi_tensor_kernel(specs, "scale_by_adamax") or _multi_tensor_kernel(specs, "scale_by_adadelta"))
 
 
 class _Placement:
@@ -254,6 +259,48 @@ def _rmsprop_kernel(specs: list[tuple[int, Spec]]) -> InplaceStep | None:
                                     weight_decay=weight_decay, momentum=momentum[1].args["decay"] if momentum else 0.0,
                                     centered=centered)
         new = list(state)
+        new[lr_at] = _advance(learning_rate, state[lr_at])
+        return tuple(new)
+
+    return inplace
+
+
+def _multi_tensor_kernel(specs: list[tuple[int, Spec]], core_name: str) -> InplaceStep | None:
+    """[scale(-1)] [add_decayed_weights] (scale_by_adamax | scale_by_adadelta) scale_by_learning_rate:
+    Adamax and Adadelta, torch's and Optax's spelling alike, on torch's multi-tensor implementations
+    (torch has no fused kernel for them)."""
+    specs = list(specs)
+    maximize = _take(specs, "scale", lambda a: a["step_size"] == -1.0) is not None
+    decay = _take(specs, "add_decayed_weights", _plain_decay)
+    core = _take(specs, core_name)
+    lr = _take(specs, "scale_by_learning_rate", lambda a: a["flip_sign"])
+    if core is None or lr is None or specs:
+        return None
+    core_at, hyper = core[0], core[1].args
+    lr_at, learning_rate = lr[0], lr[1].args["learning_rate"]
+    weight_decay = decay[1].args["weight_decay"] if decay else 0.0
+    placement = _Placement()
+
+    @torch.no_grad()
+    def inplace(params: list, grads: list, state: tuple) -> tuple | None:
+        treedef, core_state = optree.tree_structure(params), state[core_at]
+        first, second = ((core_state.mu, core_state.nu) if core_name == "scale_by_adamax" else
+                         (core_state.e_g, core_state.e_x))
+        first, second = treedef.flatten_up_to(first), treedef.flatten_up_to(second)
+        if placement(params, grads, first, second) is None:
+            return None
+        rate = _rate(learning_rate, state[lr_at])
+        new = list(state)
+        if core_name == "scale_by_adamax":  # torch counts each param's steps in a tensor it increments
+            steps = list(torch.full((len(params),), float(core_state.count)).unbind(0))
+            _TORCH_ADAMAX.adamax(params, grads, first, second, steps, foreach=True, maximize=maximize,
+                                 eps=hyper["eps"], beta1=hyper["b1"], beta2=hyper["b2"], lr=rate,
+                                 weight_decay=weight_decay)
+            new[core_at] = core_state._replace(count=count_inc(core_state.count))
+        else:
+            steps = [torch.zeros(())] * len(params)  # counted by torch, read by no rule here
+            _TORCH_ADADELTA.adadelta(params, grads, first, second, steps, foreach=True, lr=rate, rho=hyper["rho"],
+                                     eps=hyper["eps"], weight_decay=weight_decay, maximize=maximize)
         new[lr_at] = _advance(learning_rate, state[lr_at])
         return tuple(new)
 

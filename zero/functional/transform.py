@@ -378,7 +378,8 @@ def scale_by_adadelta(rho: float = 0.9, eps: float = 1e-6) -> GradientTransforma
         e_x = tree_map(lambda u, e: _moment(u, e, rho, 2), out, state.e_x)
         return out, ScaleByAdaDeltaState(e_g, e_x)
 
-    return GradientTransformation(lambda p: ScaleByAdaDeltaState(zeros_like(p), zeros_like(p)), update)
+    return GradientTransformation(lambda p: ScaleByAdaDeltaState(zeros_like(p), zeros_like(p)), update,
+                                  spec=Spec("scale_by_adadelta", {"rho": rho, "eps": eps}))
 
 
 def trace(decay: float, nesterov: bool = False, accumulator_dtype: torch.dtype | None = None) -> GradientTransformation:
