@@ -12,7 +12,7 @@ Kernels today: Adam and AdamW, in Optax's spelling (``adam``, ``adamw``) and tor
 decoupled after, AMSGrad with torch's running maximum); SGD, Optax's (``sgd``, with or without
 ``trace`` momentum) and torch's (`from_torch`: momentum with dampening and Nesterov, coupled
 decay, ``maximize``); Adagrad, torch's (`from_torch`: ``lr_decay``, coupled decay, ``maximize``); RMSprop (torch's
-spelling), Adamax and Adadelta on torch's multi-tensor implementations (torch has no fused kernel
+spelling), Adamax, Adadelta and Rprop on torch's multi-tensor implementations (torch has no fused kernel
 for them).
 """
 
@@ -34,6 +34,7 @@ InplaceStep = Callable[[list, list, Any], Any]
 _TORCH_RMSPROP = importlib.import_module("torch.optim.rmsprop")
 _TORCH_ADAMAX = importlib.import_module("torch.optim.adamax")
 _TORCH_ADADELTA = importlib.import_module("torch.optim.adadelta")
+_TORCH_RPROP = importlib.import_module("torch.optim.rprop")
 
 
 def fuse(links: Sequence[GradientTransformation]) -> InplaceStep | None:
@@ -42,7 +43,8 @@ def fuse(links: Sequence[GradientTransformation]) -> InplaceStep | None:
     if any(spec is None for _, spec in specs):
         return None
     return (_adam_kernel(specs) or _sgd_kernel(specs) or _adagrad_kernel(specs) or _rmsprop_kernel(specs)
-            or _multi_tensor_kernel(specs, "scale_by_adamax") or _multi_tensor_kernel(specs, "scale_by_adadelta"))
+            or _multi_tensor_kernel(specs, "scale_by_adamax") or _multi_tensor_kernel(specs, "scale_by_adadelta")
+            or _rprop_kernel(specs))
 
 
 class _Placement:
@@ -303,6 +305,31 @@ def _multi_tensor_kernel(specs: list[tuple[int, Spec]], core_name: str) -> Inpla
                                      eps=hyper["eps"], weight_decay=weight_decay, maximize=maximize)
         new[lr_at] = _advance(learning_rate, state[lr_at])
         return tuple(new)
+
+    return inplace
+
+
+def _rprop_kernel(specs: list[tuple[int, Spec]]) -> InplaceStep | None:
+    """[scale(-1)] torch_rprop scale(-1): `from_torch(Rprop)`, on torch's multi-tensor implementation."""
+    specs = list(specs)
+    maximize = _take(specs, "scale", lambda a: a["step_size"] == -1.0) is not None
+    core = _take(specs, "torch_rprop")
+    descend = _take(specs, "scale", lambda a: a["step_size"] == -1.0)
+    if core is None or descend is None or specs:
+        return None
+    core_at, (eta_minus, eta_plus), (lo, hi) = core[0], core[1].args["etas"], core[1].args["step_sizes"]
+    placement = _Placement()
+
+    @torch.no_grad()
+    def inplace(params: list, grads: list, state: tuple) -> tuple | None:
+        treedef, rprop = optree.tree_structure(params), state[core_at]
+        prevs, sizes = treedef.flatten_up_to(rprop.prev_updates), treedef.flatten_up_to(rprop.step_sizes)
+        if placement(params, grads, prevs, sizes) is None:
+            return None
+        steps = [torch.zeros(())] * len(params)  # counted by torch, read by no rule here
+        _TORCH_RPROP.rprop(params, grads, prevs, sizes, steps, foreach=True, maximize=maximize, step_size_min=lo,
+                           step_size_max=hi, etaminus=eta_minus, etaplus=eta_plus)
+        return state  # prevs and step sizes were updated in place, as torch keeps them
 
     return inplace
 

@@ -125,7 +125,8 @@ def _torch_rprop(lr: float, etas: tuple[float, float], step_sizes: tuple[float, 
         grads = tree_map(lambda g, s: torch.where(s < 0, torch.zeros_like(g), g), updates, prod)
         return tree_map(lambda g, st: g.sign() * st, grads, steps), T.ScaleByRpropState(steps, grads)
 
-    return GradientTransformation(lambda p: T.ScaleByRpropState(full_like(p, lr), zeros_like(p)), update)
+    spec = Spec("torch_rprop", {"etas": etas, "step_sizes": step_sizes})
+    return GradientTransformation(lambda p: T.ScaleByRpropState(full_like(p, lr), zeros_like(p)), update, spec=spec)
 
 
 class TorchNAdamState(NamedTuple):
