@@ -95,7 +95,7 @@ class ZeroRedundancyOptimizer(OverlapSteps, ReduceScatterSteps, Optimizer, Joina
                  reduce_scatter_grads: bool = False, **defaults: Any):
         _check_plan_arguments(plan, strategy)
         self.process_group = comm.resolve_group(process_group, "ZeroRedundancyOptimizer")
-        _check_sync_chunk(sync_chunk_mb, parameters_as_bucket_view)
+        _check_sync_options(sync_chunk_mb, parameters_as_bucket_view)
         params = _normalise_params(params)
         self._ready = False
         # A torch class's keyword defaults are group settings; a zero.functional factory's are its
@@ -376,7 +376,7 @@ def _check_plan_arguments(plan: Any, strategy: Any) -> None:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {PLAN_STRATEGIES}")
 
 
-def _check_sync_chunk(sync_chunk_mb: Any, bucket_view: Any) -> None:
+def _check_sync_options(sync_chunk_mb: Any, bucket_view: Any) -> None:
     if bucket_view is not None and not isinstance(bucket_view, bool):
         raise TypeError(f"parameters_as_bucket_view must be None, True or False, got {bucket_view!r}")
     if sync_chunk_mb is None:

@@ -11,9 +11,9 @@ Kernels today: Adam and AdamW, in Optax's spelling (``adam``, ``adamw``) and tor
 (`from_torch`: ``maximize`` as ``scale(-1)`` first, coupled weight decay before the moments,
 decoupled after, AMSGrad with torch's running maximum); SGD, Optax's (``sgd``, with or without
 ``trace`` momentum) and torch's (`from_torch`: momentum with dampening and Nesterov, coupled
-decay, ``maximize``); Adagrad, torch's (`from_torch`: ``lr_decay``, coupled decay, ``maximize``); RMSprop (torch's
-spelling), Adamax, Adadelta and Rprop on torch's multi-tensor implementations (torch has no fused kernel
-for them).
+decay, ``maximize``); Adagrad, torch's (`from_torch`: ``lr_decay``, coupled decay,
+``maximize``). RMSprop (torch's spelling), Adamax, Adadelta and Rprop run torch's multi-tensor
+implementations instead: torch has no fused kernel for them.
 """
 
 from __future__ import annotations
@@ -43,8 +43,7 @@ def fuse(links: Sequence[GradientTransformation]) -> InplaceStep | None:
     if any(spec is None for _, spec in specs):
         return None
     return (_adam_kernel(specs) or _sgd_kernel(specs) or _adagrad_kernel(specs) or _rmsprop_kernel(specs)
-            or _multi_tensor_kernel(specs, "scale_by_adamax") or _multi_tensor_kernel(specs, "scale_by_adadelta")
-            or _rprop_kernel(specs))
+            or _adamax_kernel(specs) or _adadelta_kernel(specs) or _rprop_kernel(specs))
 
 
 class _Placement:
@@ -98,6 +97,13 @@ def _take(specs: list[tuple[int, Spec]], name: str, accept: Callable[[dict], boo
     if specs and specs[0][1].name == name and accept(specs[0][1].args):
         return specs.pop(0)
     return None
+
+
+def _maximize_and_decay(specs: list[tuple[int, Spec]]) -> tuple[bool, float]:
+    """Pop torch's prefix of a rule: ``maximize`` as ``scale(-1)``, then coupled weight decay."""
+    maximize = _take(specs, "scale", lambda a: a["step_size"] == -1.0) is not None
+    decay = _take(specs, "add_decayed_weights", _plain_decay)
+    return maximize, decay[1].args["weight_decay"] if decay else 0.0
 
 
 def _plain_decay(args: dict) -> bool:
@@ -156,14 +162,12 @@ def _sgd_kernel(specs: list[tuple[int, Spec]]) -> InplaceStep | None:
     first step ``g + decay * 0`` is torch's first buffer, the gradient itself.
     """
     specs = list(specs)
-    maximize = _take(specs, "scale", lambda a: a["step_size"] == -1.0) is not None
-    decay = _take(specs, "add_decayed_weights", _plain_decay)
+    maximize, weight_decay = _maximize_and_decay(specs)
     momentum = _take(specs, "torch_momentum") or _take(specs, "trace", lambda a: a["accumulator_dtype"] is None)
     lr = _take(specs, "scale_by_learning_rate", lambda a: a["flip_sign"])
     if lr is None or specs:
         return None
     lr_at, learning_rate = lr[0], lr[1].args["learning_rate"]
-    weight_decay = decay[1].args["weight_decay"] if decay else 0.0
     mom = {"momentum": 0.0, "dampening": 0.0, "nesterov": False}
     if momentum:
         args = momentum[1].args
@@ -199,15 +203,13 @@ def _sgd_kernel(specs: list[tuple[int, Spec]]) -> InplaceStep | None:
 def _adagrad_kernel(specs: list[tuple[int, Spec]]) -> InplaceStep | None:
     """[scale(-1)] [add_decayed_weights] torch_adagrad torch_adagrad_lr: `from_torch(Adagrad)`."""
     specs = list(specs)
-    maximize = _take(specs, "scale", lambda a: a["step_size"] == -1.0) is not None
-    decay = _take(specs, "add_decayed_weights", _plain_decay)
+    maximize, weight_decay = _maximize_and_decay(specs)
     core = _take(specs, "torch_adagrad")
     lr = _take(specs, "torch_adagrad_lr")
     if core is None or lr is None or specs:
         return None
     core_at, eps = core[0], core[1].args["eps"]
     lr_at, hyper = lr[0], lr[1].args
-    weight_decay = decay[1].args["weight_decay"] if decay else 0.0
     placement = _Placement()
 
     @torch.no_grad()
@@ -234,8 +236,7 @@ def _rmsprop_kernel(specs: list[tuple[int, Spec]]) -> InplaceStep | None:
     with torch's eps (outside the root, no bias correction, zero start): RMSprop, on torch's
     multi-tensor (foreach) implementation, since torch has no fused kernel for it."""
     specs = list(specs)
-    maximize = _take(specs, "scale", lambda a: a["step_size"] == -1.0) is not None
-    decay = _take(specs, "add_decayed_weights", _plain_decay)
+    maximize, weight_decay = _maximize_and_decay(specs)
     torch_like = lambda a: not a["eps_in_sqrt"] and not a["bias_correction"] and a["initial_scale"] == 0  # noqa: E731
     core = _take(specs, "scale_by_rms", torch_like) or _take(specs, "scale_by_stddev", torch_like)
     momentum = _take(specs, "trace", lambda a: not a["nesterov"] and a["accumulator_dtype"] is None)
@@ -244,7 +245,6 @@ def _rmsprop_kernel(specs: list[tuple[int, Spec]]) -> InplaceStep | None:
         return None
     core_at, centered, hyper = core[0], core[1].name == "scale_by_stddev", core[1].args
     lr_at, learning_rate = lr[0], lr[1].args["learning_rate"]
-    weight_decay = decay[1].args["weight_decay"] if decay else 0.0
     placement = _Placement()
 
     @torch.no_grad()
@@ -257,9 +257,9 @@ def _rmsprop_kernel(specs: list[tuple[int, Spec]]) -> InplaceStep | None:
             return None
         steps = [torch.zeros(())] * len(params)  # counted by torch's implementation, read by no rule here
         _TORCH_RMSPROP.rmsprop(params, grads, square, mean, buffers, steps, foreach=True, maximize=maximize,
-                                    lr=_rate(learning_rate, state[lr_at]), alpha=hyper["decay"], eps=hyper["eps"],
-                                    weight_decay=weight_decay, momentum=momentum[1].args["decay"] if momentum else 0.0,
-                                    centered=centered)
+                               lr=_rate(learning_rate, state[lr_at]), alpha=hyper["decay"], eps=hyper["eps"],
+                               weight_decay=weight_decay, momentum=momentum[1].args["decay"] if momentum else 0.0,
+                               centered=centered)
         new = list(state)
         new[lr_at] = _advance(learning_rate, state[lr_at])
         return tuple(new)
@@ -267,46 +267,68 @@ def _rmsprop_kernel(specs: list[tuple[int, Spec]]) -> InplaceStep | None:
     return inplace
 
 
-def _multi_tensor_kernel(specs: list[tuple[int, Spec]], core_name: str) -> InplaceStep | None:
-    """[scale(-1)] [add_decayed_weights] (scale_by_adamax | scale_by_adadelta) scale_by_learning_rate:
-    Adamax and Adadelta, torch's and Optax's spelling alike, on torch's multi-tensor implementations
-    (torch has no fused kernel for them)."""
-    specs = list(specs)
-    maximize = _take(specs, "scale", lambda a: a["step_size"] == -1.0) is not None
-    decay = _take(specs, "add_decayed_weights", _plain_decay)
-    core = _take(specs, core_name)
-    lr = _take(specs, "scale_by_learning_rate", lambda a: a["flip_sign"])
-    if core is None or lr is None or specs:
+def _adamax_kernel(specs: list[tuple[int, Spec]]) -> InplaceStep | None:
+    """[scale(-1)] [add_decayed_weights] scale_by_adamax scale_by_learning_rate: Adamax, torch's
+    and Optax's spelling alike, on torch's multi-tensor implementation."""
+    rule = _lr_rule(specs, "scale_by_adamax")
+    if rule is None:
         return None
-    core_at, hyper = core[0], core[1].args
-    lr_at, learning_rate = lr[0], lr[1].args["learning_rate"]
-    weight_decay = decay[1].args["weight_decay"] if decay else 0.0
+    maximize, weight_decay, core_at, hyper, lr_at, learning_rate = rule
     placement = _Placement()
 
     @torch.no_grad()
     def inplace(params: list, grads: list, state: tuple) -> tuple | None:
-        treedef, core_state = optree.tree_structure(params), state[core_at]
-        first, second = ((core_state.mu, core_state.nu) if core_name == "scale_by_adamax" else
-                         (core_state.e_g, core_state.e_x))
-        first, second = treedef.flatten_up_to(first), treedef.flatten_up_to(second)
-        if placement(params, grads, first, second) is None:
+        treedef, adamax = optree.tree_structure(params), state[core_at]
+        mu, nu = treedef.flatten_up_to(adamax.mu), treedef.flatten_up_to(adamax.nu)
+        if placement(params, grads, mu, nu) is None:
             return None
-        rate = _rate(learning_rate, state[lr_at])
+        steps = list(torch.full((len(params),), float(adamax.count)).unbind(0))  # torch increments each
+        _TORCH_ADAMAX.adamax(params, grads, mu, nu, steps, foreach=True, maximize=maximize, eps=hyper["eps"],
+                             beta1=hyper["b1"], beta2=hyper["b2"], lr=_rate(learning_rate, state[lr_at]),
+                             weight_decay=weight_decay)
         new = list(state)
-        if core_name == "scale_by_adamax":  # torch counts each param's steps in a tensor it increments
-            steps = list(torch.full((len(params),), float(core_state.count)).unbind(0))
-            _TORCH_ADAMAX.adamax(params, grads, first, second, steps, foreach=True, maximize=maximize,
-                                 eps=hyper["eps"], beta1=hyper["b1"], beta2=hyper["b2"], lr=rate,
-                                 weight_decay=weight_decay)
-            new[core_at] = core_state._replace(count=count_inc(core_state.count))
-        else:
-            steps = [torch.zeros(())] * len(params)  # counted by torch, read by no rule here
-            _TORCH_ADADELTA.adadelta(params, grads, first, second, steps, foreach=True, lr=rate, rho=hyper["rho"],
-                                     eps=hyper["eps"], weight_decay=weight_decay, maximize=maximize)
+        new[core_at] = adamax._replace(count=count_inc(adamax.count))
         new[lr_at] = _advance(learning_rate, state[lr_at])
         return tuple(new)
 
     return inplace
+
+
+def _adadelta_kernel(specs: list[tuple[int, Spec]]) -> InplaceStep | None:
+    """[scale(-1)] [add_decayed_weights] scale_by_adadelta scale_by_learning_rate: Adadelta, on
+    torch's multi-tensor implementation."""
+    rule = _lr_rule(specs, "scale_by_adadelta")
+    if rule is None:
+        return None
+    maximize, weight_decay, core_at, hyper, lr_at, learning_rate = rule
+    placement = _Placement()
+
+    @torch.no_grad()
+    def inplace(params: list, grads: list, state: tuple) -> tuple | None:
+        treedef, adadelta = optree.tree_structure(params), state[core_at]
+        e_g, e_x = treedef.flatten_up_to(adadelta.e_g), treedef.flatten_up_to(adadelta.e_x)
+        if placement(params, grads, e_g, e_x) is None:
+            return None
+        steps = [torch.zeros(())] * len(params)  # counted by torch, read by no rule here
+        _TORCH_ADADELTA.adadelta(params, grads, e_g, e_x, steps, foreach=True, lr=_rate(learning_rate, state[lr_at]),
+                                 rho=hyper["rho"], eps=hyper["eps"], weight_decay=weight_decay, maximize=maximize)
+        new = list(state)
+        new[lr_at] = _advance(learning_rate, state[lr_at])
+        return tuple(new)
+
+    return inplace
+
+
+def _lr_rule(specs: list[tuple[int, Spec]], core_name: str):
+    """[scale(-1)] [add_decayed_weights] ``core_name`` scale_by_learning_rate, or None: (maximize,
+    weight decay, the core's position and arguments, the lr link's position and learning rate)."""
+    specs = list(specs)
+    maximize, weight_decay = _maximize_and_decay(specs)
+    core = _take(specs, core_name)
+    lr = _take(specs, "scale_by_learning_rate", lambda a: a["flip_sign"])
+    if core is None or lr is None or specs:
+        return None
+    return maximize, weight_decay, core[0], core[1].args, lr[0], lr[1].args["learning_rate"]
 
 
 def _rprop_kernel(specs: list[tuple[int, Spec]]) -> InplaceStep | None:
