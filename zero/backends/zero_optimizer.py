@@ -63,9 +63,10 @@ class ZeroRedundancyOptimizer(OverlapSteps, ReduceScatterSteps, Optimizer, Joina
             or a `zero.functional` factory such as ``zero.functional.adam``.
         process_group: the group to shard over (default: the world).
         parameters_as_bucket_view: where the params' storage lives, so that the all-gather after
-            a step writes them in place. ``None`` (the default, and the fastest): params under 1
-            MiB become views into the rows that are all-gathered, and larger ones are broadcast
-            straight into their own storage; ``True``: every param is a view into its owner's
+            a step writes them in place. ``None`` (the default, and the fastest): params become
+            views into the rows that are all-gathered, unless those rows would pad by more than
+            ``zero.backends.sync.PAD_LIMIT``; then params of 1 MiB or more are broadcast straight
+            into their own storage instead; ``True``: every param is a view into its owner's
             row (torch's bucket view); ``False``: params keep their own storage and small ones
             are copied through scratch rows of at most ``sync_chunk_mb``. Flat plans always
             keep params as views into their flat buffers.
