@@ -8,7 +8,7 @@ TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test test-optax lint bench clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV_FLAGS) $(VENV)
@@ -21,6 +21,10 @@ demo: $(STAMP)
 
 test: $(STAMP) lint
 	$(BIN)/python -m pytest -q
+
+# Optax's own test modules against zero.functional, with the Rosenbrock convergence runs `make test` leaves out.
+test-optax: $(STAMP)
+	ZERO_OPTAX_FULL=1 $(BIN)/python -m pytest -q tests/test_optax_suite.py tests/test_optax_convergence.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check zero tests bench

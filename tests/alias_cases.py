@@ -19,6 +19,25 @@ ALIASES = {
 }
 
 
+# Optax's other aliases (zero.functional.more_rules): the parity tests run them too.
+MORE_ALIASES = {
+    "adabelief": dict(learning_rate=LR, nesterov=True),
+    "amsgrad": dict(learning_rate=LR, bias_correction_nu=False),
+    "adamaxw": dict(learning_rate=LR, weight_decay=0.05),
+    "adan": dict(learning_rate=LR, weight_decay=0.01),
+    "fromage": dict(learning_rate=LR),
+    "lars": dict(learning_rate=LR, weight_decay=0.01, nesterov=True),
+    "novograd": dict(learning_rate=LR, weight_decay=0.01),
+    "optimistic_gradient_descent": dict(learning_rate=LR, alpha=0.7, beta=0.1),
+    "sign_sgd": dict(learning_rate=LR),
+    "signum": dict(learning_rate=LR, beta=0.8),
+    "yogi": dict(learning_rate=LR),
+    "optimistic_adam_v2": dict(learning_rate=LR, alpha=0.8, beta=0.3),
+    "nadamw": dict(learning_rate=LR, weight_decay=0.02),
+    "adafactor": dict(learning_rate=LR, min_dim_size_to_factor=2, momentum=0.9, weight_decay_rate=0.01),
+}
+
+
 def build(module, name: str, **extra):
     """``module.<name>(**ALIASES[name], **extra)`` for ``module`` zero.functional or optax."""
-    return getattr(module, name)(**ALIASES[name], **extra)
+    return getattr(module, name)(**(ALIASES | MORE_ALIASES)[name], **extra)

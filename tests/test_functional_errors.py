@@ -3,6 +3,7 @@ the rest fail at construction; Optax objects, torch state dicts and mismatched t
 every state dict loads under torch.load's default (weights_only=True)."""
 
 import io
+import re
 
 import pytest
 import torch
@@ -116,3 +117,51 @@ def test_a_saved_state_of_another_kind_of_transformation_is_named():
     one_step(bare, p)
     with pytest.raises(ValueError, match="does not fit its transformation"):
         F.Optimizer([p], F.adam(0.1)).load_state_dict(bare.state_dict())
+
+
+@pytest.mark.parametrize("make, name", [
+    (lambda: F.centralize(), "centralize"), (lambda: F.clip_by_block_rms(1.0), "clip_by_block_rms"),
+    (lambda: F.adaptive_grad_clip(0.1), "adaptive_grad_clip"), (lambda: F.novograd(0.1), "scale_by_novograd"),
+])
+def test_per_tensor_rules_refuse_pieces_of_tensors(make, name):
+    """A rank stepping half of a tensor (a flat plan) cannot centre or clip it by its own shape."""
+    from zero.functional import sharding
+
+    whole, half = torch.ones(2, 3), torch.ones(3)
+    pieces = {id(whole): sharding.Pieces((0,), (6,)), id(half): sharding.Pieces((1,), (3,))}
+    rules = sharding.Sharding(pieces, (torch.float32, torch.float32), lambda t: t, numels=(6, 6))
+    tx = make()
+    with sharding.installed(rules), sharding.stepping([whole]):
+        tx.update([whole], tx.init([whole]), [whole])  # a whole tensor steps
+    with sharding.installed(rules), sharding.stepping([half]), pytest.raises(ValueError, match=name):
+        tx.update([half], tx.init([half]), [half])
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda: F.scale_by_lion(mode="sharp"), "mode must be one of"),
+    (lambda: F.polyak_sgd(variant="sps-"), "variant must be 'sps' or 'sps+'"),
+    (lambda: F.apply_every(0), "k >= 1"),
+    (lambda: F.named_chain(("a", F.sgd(0.1)), ("a", F.adam(0.1))), "unique names"),
+    (lambda: F.piecewise_interpolate_schedule("cubic", 1.0), "'cosine' or 'linear'"),
+    (lambda: F.linear_onecycle_schedule(0, 1.0), "transition_steps > 0"),
+    (lambda: F.adam(0.1, mu_dtype="float99"), "mu_dtype must be a torch.dtype or a dtype name"),
+])
+def test_new_rules_name_bad_arguments_when_built(make, words):
+    with pytest.raises((ValueError, TypeError), match=re.escape(words)):
+        make()
+
+
+def test_extra_args_reach_the_links_that_take_them_and_no_others():
+    seen = []
+
+    def update(updates, state, params=None, *, loss, **extra_args):
+        seen.append(loss)
+        return updates, state
+
+    needs_loss = F.GradientTransformation(lambda p: (), update)
+    tx = F.chain(F.adam(0.1), needs_loss, F.scale(2.0))  # adam and scale take no extra args
+    p = torch.ones(2)
+    tx.update(p, tx.init(p), p, loss=3.0, ignored="x")
+    assert seen == [3.0]
+    with pytest.raises(TypeError, match="loss"):
+        needs_loss.update(p, (), p)  # the link itself still requires it

@@ -61,7 +61,8 @@ class FlatShards:
         """What `zero.functional.sharding` needs: the pieces of whole params each shard holds."""
         pieces = {id(s): Pieces(tuple(p.param for p in ps), tuple(p.end - p.start for p in ps))
                   for s, ps in zip(self.shards, self._pieces)}
-        return Sharding(pieces, tuple(p.dtype for p in self.params), reduce)
+        return Sharding(pieces, tuple(p.dtype for p in self.params), reduce,
+                        numels=tuple(p.numel() for p in self.params))
 
     @torch.no_grad()
     def load_grads(self) -> None:

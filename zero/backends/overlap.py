@@ -142,7 +142,8 @@ class OverlapSteps:
                              "but overlap_with_ddp=True steps one DDP bucket at a time: use overlap_with_ddp=False")
 
         pieces = {id(p): sharding.Pieces((i,), (p.numel(),)) for i, p in self._stand_ins.items()}
-        return sharding.Sharding(pieces, tuple(p.dtype for p in self._all_params), refuse, every_group=False)
+        return sharding.Sharding(pieces, tuple(p.dtype for p in self._all_params), refuse, every_group=False,
+                                 numels=tuple(p.numel() for p in self._all_params))
 
     def _step_bucket(self, indices: list[int], grads: list[torch.Tensor]) -> None:
         """Step the params of one reduced DDP bucket that this rank owns."""

@@ -196,7 +196,8 @@ class ZeroRedundancyOptimizer(OverlapSteps, ReduceScatterSteps, Optimizer, Joina
             return self._sync.sharding(reduce)
         pieces = {id(p): sharding.Pieces((i,), (p.numel(),))
                   for i, p in enumerate(self._all_params) if self.plan.partition.owner[i] == self.rank}
-        return sharding.Sharding(pieces, tuple(p.dtype for p in self._all_params), reduce)
+        return sharding.Sharding(pieces, tuple(p.dtype for p in self._all_params), reduce,
+                                 numels=tuple(p.numel() for p in self._all_params))
 
     # -- torch.optim.Optimizer protocol ----------------------------------------------------------
 

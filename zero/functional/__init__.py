@@ -14,9 +14,65 @@ from zero.functional.alias import radam
 from zero.functional.alias import rmsprop
 from zero.functional.alias import rprop
 from zero.functional.alias import sgd
+from zero.functional.more_rules import ScaleByOptimisticGradientState
+from zero.functional.more_rules import ScaleByNovogradState
+from zero.functional.more_rules import ScaleByAdanState
+from zero.functional.more_rules import scale_by_sign
+from zero.functional.more_rules import scale_by_optimistic_gradient
+from zero.functional.more_rules import scale_by_yogi
+from zero.functional.more_rules import scale_by_novograd
+from zero.functional.more_rules import scale_by_polyak
+from zero.functional.more_rules import scale_by_adan
+from zero.functional.more_rules import adabelief
+from zero.functional.more_rules import amsgrad
+from zero.functional.more_rules import adamaxw
+from zero.functional.more_rules import adan
+from zero.functional.more_rules import fromage
+from zero.functional.more_rules import lars
+from zero.functional.more_rules import noisy_sgd
+from zero.functional.more_rules import novograd
+from zero.functional.more_rules import optimistic_gradient_descent
+from zero.functional.more_rules import optimistic_adam
+from zero.functional.more_rules import optimistic_adam_v2
+from zero.functional.more_rules import nadamw
+from zero.functional.more_rules import polyak_sgd
+from zero.functional.more_rules import sign_sgd
+from zero.functional.more_rules import signum
+from zero.functional.more_rules import yogi
+from zero.functional.more_transforms import ZeroNansState
+from zero.functional.more_transforms import ApplyEvery
+from zero.functional.more_transforms import PartitionState
+from zero.functional.more_transforms import ConditionallyMaskState
+from zero.functional.more_transforms import ConditionallyTransformState
+from zero.functional.more_transforms import set_to_zero
+from zero.functional.more_transforms import stateless
+from zero.functional.more_transforms import stateless_with_tree_map
+from zero.functional.more_transforms import zero_nans
+from zero.functional.more_transforms import centralize
+from zero.functional.more_transforms import apply_every
+from zero.functional.more_transforms import named_chain
+from zero.functional.more_transforms import partition
+from zero.functional.more_transforms import conditionally_mask
+from zero.functional.more_transforms import conditionally_transform
+from zero.functional.more_transforms import skip_not_finite
+from zero.functional.more_transforms import skip_large_updates
+from zero.functional.more_transforms import clip_by_block_rms
+from zero.functional.more_transforms import adaptive_grad_clip
+from zero.functional.more_transforms import per_example_global_norm_clip
+from zero.functional.schedules import piecewise_interpolate_schedule
+from zero.functional.schedules import linear_onecycle_schedule
+from zero.functional.schedules import cosine_onecycle_schedule
+from zero.functional.schedules import sgdr_schedule
+from zero.functional.base import incremental_update
+from zero.functional.base import periodic_update
+from zero.functional.factorized import FactoredState
+from zero.functional.factorized import scale_by_factored_rms
+from zero.functional.factorized import scale_by_param_block_rms
+from zero.functional.factorized import adafactor
 from zero.functional.base import EmptyState
 from zero.functional.base import GradientTransformation
 from zero.functional.base import apply_updates
+from zero.functional.base import with_extra_args_support
 from zero.functional.combine import chain
 from zero.functional.base import identity
 from zero.functional.clipping import clip
@@ -38,14 +94,17 @@ from zero.functional.schedules import polynomial_schedule
 from zero.functional.schedules import warmup_cosine_decay_schedule
 from zero.functional.torch_optim import from_torch
 from zero.functional.wrappers import ApplyIfFiniteState
-from zero.functional.wrappers import InjectHyperparamsState
+from zero.functional.inject import InjectHyperparamsState
+from zero.functional.inject import InjectStatefulHyperparamsState
+from zero.functional.inject import WrappedSchedule
+from zero.functional.inject import WrappedScheduleState
 from zero.functional.wrappers import MaskedNode
 from zero.functional.wrappers import MaskedState
 from zero.functional.wrappers import MultiSteps
 from zero.functional.wrappers import MultiStepsState
 from zero.functional.wrappers import MultiTransformState
 from zero.functional.wrappers import apply_if_finite
-from zero.functional.wrappers import inject_hyperparams
+from zero.functional.inject import inject_hyperparams
 from zero.functional.wrappers import masked
 from zero.functional.wrappers import multi_transform
 from zero.functional.adam_family import ScaleByAdamState
@@ -86,23 +145,32 @@ from zero.functional.transform import add_noise
 
 __all__ = [
     "AddNoiseState",
+    "ApplyEvery",
     "ApplyIfFiniteState",
+    "ConditionallyMaskState",
+    "ConditionallyTransformState",
     "EmaState",
     "EmptyState",
+    "FactoredState",
     "FunctionalOptimizer",
     "GradientTransformation",
     "InjectHyperparamsState",
+    "InjectStatefulHyperparamsState",
     "MaskedNode",
     "MaskedState",
     "MultiSteps",
     "MultiStepsState",
     "MultiTransformState",
     "Optimizer",
+    "PartitionState",
     "ScaleByAdaDeltaState",
     "ScaleByAdamState",
+    "ScaleByAdanState",
     "ScaleByAmsgradState",
     "ScaleByBeliefState",
     "ScaleByLionState",
+    "ScaleByNovogradState",
+    "ScaleByOptimisticGradientState",
     "ScaleByRStdDevState",
     "ScaleByRStdDevWithCountState",
     "ScaleByRmsState",
@@ -112,36 +180,67 @@ __all__ = [
     "ScaleByScheduleState",
     "TraceState",
     "WeightDecaySchedule",
+    "WrappedSchedule",
+    "WrappedScheduleState",
+    "ZeroNansState",
+    "adabelief",
     "adadelta",
+    "adafactor",
     "adagrad",
     "adam",
     "adamax",
+    "adamaxw",
     "adamw",
+    "adan",
+    "adaptive_grad_clip",
     "add_decayed_weights",
     "add_noise",
+    "amsgrad",
+    "apply_every",
     "apply_if_finite",
     "apply_updates",
+    "centralize",
     "chain",
     "clip",
+    "clip_by_block_rms",
     "clip_by_global_norm",
+    "conditionally_mask",
+    "conditionally_transform",
     "constant_schedule",
     "cosine_decay_schedule",
+    "cosine_onecycle_schedule",
     "ema",
     "exponential_decay",
     "from_optax",
     "from_optax_state",
     "from_torch",
+    "fromage",
     "global_norm",
     "identity",
+    "incremental_update",
     "inject_hyperparams",
     "join_schedules",
     "lamb",
+    "lars",
+    "linear_onecycle_schedule",
     "linear_schedule",
     "lion",
     "masked",
     "multi_transform",
     "nadam",
+    "nadamw",
+    "named_chain",
+    "noisy_sgd",
+    "novograd",
+    "optimistic_adam",
+    "optimistic_adam_v2",
+    "optimistic_gradient_descent",
+    "partition",
+    "per_example_global_norm_clip",
+    "periodic_update",
     "piecewise_constant_schedule",
+    "piecewise_interpolate_schedule",
+    "polyak_sgd",
     "polynomial_schedule",
     "radam",
     "rmsprop",
@@ -150,22 +249,41 @@ __all__ = [
     "scale_by_adadelta",
     "scale_by_adam",
     "scale_by_adamax",
+    "scale_by_adan",
     "scale_by_amsgrad",
     "scale_by_belief",
+    "scale_by_factored_rms",
     "scale_by_learning_rate",
     "scale_by_lion",
+    "scale_by_novograd",
+    "scale_by_optimistic_gradient",
+    "scale_by_param_block_rms",
+    "scale_by_polyak",
     "scale_by_radam",
     "scale_by_rms",
     "scale_by_rprop",
     "scale_by_rss",
     "scale_by_schedule",
+    "scale_by_sign",
     "scale_by_stddev",
     "scale_by_trust_ratio",
+    "scale_by_yogi",
+    "set_to_zero",
     "sgd",
+    "sgdr_schedule",
+    "sign_sgd",
+    "signum",
+    "skip_large_updates",
+    "skip_not_finite",
     "split_state",
+    "stateless",
+    "stateless_with_tree_map",
     "to_optax_state",
     "trace",
     "warmup_cosine_decay_schedule",
+    "with_extra_args_support",
+    "yogi",
+    "zero_nans",
 ]
 
 

@@ -17,6 +17,7 @@ import torch
 from zero.functional.base import (
     GradientTransformation,
     Spec,
+    as_dtype,
     check_non_negative,
     check_unit,
     count_inc,
@@ -25,7 +26,7 @@ from zero.functional.base import (
     tree_map,
     zeros_like,
 )
-from zero.functional.transform import _debias, _moment
+from zero.functional.transform import _debias, _max, _moment
 
 __all__ = ["ScaleByAdamState", "ScaleByAmsgradState", "ScaleByBeliefState", "scale_by_adam", "scale_by_amsgrad",
            "scale_by_adamax", "scale_by_radam", "scale_by_belief"]
@@ -104,6 +105,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_roo
         ``scale_by_learning_rate`` (``adam``, ``adamw``, ``from_torch(torch.optim.Adam)``) the
         in-place step runs torch's fused Adam kernel (`zero.functional.kernels`).
     """
+    mu_dtype = as_dtype(mu_dtype, "mu_dtype")
     _check_betas(b1, b2, eps)
 
     def init(params):
@@ -125,13 +127,21 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_roo
     return GradientTransformation(init, update, spec=spec)
 
 
+def _floating(*lists):
+    """Integer tensors in the default float dtype (Optax's moments of integer params become float)."""
+    return [[t if t.is_floating_point() or t.is_complex() else t.to(torch.get_default_dtype()) for t in ts]
+            for ts in lists]
+
+
 def _adam_foreach(g, mu, nu, c, b1, b2, eps, eps_root, nesterov):
+    if not all(x.is_floating_point() or x.is_complex() for x in g):
+        g, mu, nu = _floating(g, mu, nu)
     # The first moment in the wider of its and the update's dtypes (mu_dtype=float32 with bf16
     # updates accumulates in float32), as Optax's type promotion does.
     wide = [torch.promote_types(m.dtype, x.dtype) for m, x in zip(mu, g)]
     mu = torch._foreach_lerp([m.to(d) for m, d in zip(mu, wide)], [x.to(d) for x, d in zip(g, wide)], 1 - b1)
     nu = torch._foreach_mul(nu, b2)
-    torch._foreach_addcmul_(nu, g, g, 1 - b2)
+    torch._foreach_addcmul_(nu, g, [x.conj() for x in g], 1 - b2)  # |g|^2 for complex updates
     bc1, bc2 = 1 - b1**c, 1 - b2**c
     # sqrt(v / bc2 + eps_root) = sqrt(v + eps_root bc2) / sqrt(bc2): the corrections fold into
     # scalars on the denominator, two passes over the moments fewer than applying them to tensors.
@@ -154,8 +164,11 @@ def _adam_foreach(g, mu, nu, c, b1, b2, eps, eps_root, nesterov):
 
 
 def scale_by_amsgrad(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0,
-                     mu_dtype: torch.dtype | None = None) -> GradientTransformation:
-    """AMSGrad: Adam with the running maximum of ``v_hat`` (``optax.scale_by_amsgrad``)."""
+                     mu_dtype: torch.dtype | None = None, bias_correction_mu: bool = True,
+                     bias_correction_nu: bool = True) -> GradientTransformation:
+    """AMSGrad: Adam with the running maximum of ``v_hat`` (``optax.scale_by_amsgrad``); each
+    moment is debiased unless its ``bias_correction_*`` is False."""
+    mu_dtype = as_dtype(mu_dtype, "mu_dtype")
     _check_betas(b1, b2, eps)
 
     def init(params):
@@ -166,8 +179,10 @@ def scale_by_amsgrad(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_
         mu = tree_map(lambda g, m: _moment(g, m, b1, 1), updates, state.mu)
         nu = tree_map(lambda g, v: _moment(g, v, b2, 2), updates, state.nu)
         count = count_inc(state.count)
-        nu_max = tree_map(lambda vm, v: torch.maximum(vm, _debias(v, b2, count)), state.nu_max, nu)
-        out = tree_map(lambda m, vm: _debias(m, b1, count) / (torch.sqrt(vm + eps_root) + eps), mu, nu_max)
+        debias = lambda t, decay, on: _debias(t, decay, count) if on else t
+        nu_max = tree_map(lambda vm, v: _max(vm, debias(v, b2, bias_correction_nu)), state.nu_max, nu)
+        out = tree_map(lambda m, vm: debias(m, b1, bias_correction_mu) / (torch.sqrt(vm + eps_root) + eps),
+                       mu, nu_max)
         return out, ScaleByAmsgradState(count, mu, nu, nu_max)
 
     return GradientTransformation(init, update)
@@ -183,7 +198,7 @@ def scale_by_adamax(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Gr
     def update(updates, state, params=None):
         count = count_inc(state.count)
         mu = tree_map(lambda g, m: _moment(g, m, b1, 1), updates, state.mu)
-        nu = tree_map(lambda g, v: torch.maximum(g.abs() + eps, b2 * v), updates, state.nu)
+        nu = tree_map(lambda g, v: _max(g.abs() + eps, b2 * v), updates, state.nu)
         out = tree_map(lambda m, v: _debias(m, b1, count) / v, mu, nu)
         return out, ScaleByAdamState(count, mu, nu)
 

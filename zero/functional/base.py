@@ -7,6 +7,8 @@ A `GradientTransformation` is a pair of pure functions: ``init(params) -> state`
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -14,7 +16,8 @@ import optree
 import torch
 
 __all__ = ["GradientTransformation", "Spec", "EmptyState", "identity", "apply_updates",
-           "inplace_step", "tree_map",
+           "inplace_step", "tree_map", "takes_extra_args", "incremental_update", "periodic_update", "update_with",
+           "with_extra_args_support", "as_dtype",
            "flatten_like", "check_structure", "tree_leaves", "zeros_like", "full_like", "count_zero", "count_inc",
            "NO_PARAMS_MSG", "check_positive", "check_unit", "check_non_negative"]
 
@@ -50,6 +53,51 @@ class GradientTransformation(NamedTuple):
     update: Callable[..., tuple[Any, Any]]
     inplace: Callable[[list, list, Any], Any] | None = None
     spec: Spec | None = None
+
+
+def takes_extra_args(tx: GradientTransformation) -> bool:
+    """Whether ``tx.update`` accepts extra keyword arguments (Optax's ``GradientTransformationExtraArgs``:
+    ``update(updates, state, params, **extra_args)``, e.g. ``value=`` for a line search)."""
+    return _has_var_keyword(tx.update)
+
+
+@functools.lru_cache(maxsize=1024)
+def _has_var_keyword(fn: Callable) -> bool:
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+
+
+def update_with(tx: GradientTransformation, updates: Any, state: Any, params: Any, extra_args: dict) -> tuple:
+    """``tx.update`` given the extra args when it takes them (combinators forward them this way, so a
+    link that ignores them never sees them, as Optax's ``with_extra_args_support``)."""
+    if extra_args and takes_extra_args(tx):
+        return tx.update(updates, state, params, **extra_args)
+    return tx.update(updates, state, params)
+
+
+def with_extra_args_support(tx: GradientTransformation) -> GradientTransformation:
+    """``tx`` with an ``update`` that accepts and ignores extra args (``optax.with_extra_args_support``)."""
+    if takes_extra_args(tx):
+        return tx
+
+    def update(updates, state, params=None, **extra_args):
+        return tx.update(updates, state, params)
+
+    return tx._replace(update=update)
+
+
+def as_dtype(value: Any, name: str = "dtype") -> torch.dtype | None:
+    """A dtype argument as torch takes it: ``None``, a ``torch.dtype``, or its name as NumPy and
+    Optax spell it (``"bfloat16"``, ``"float32"``)."""
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    dtype = getattr(torch, value, None) if isinstance(value, str) else None
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"{name} must be a torch.dtype or a dtype name such as 'bfloat16', got {value!r}")
+    return dtype
 
 
 class EmptyState(NamedTuple):
@@ -96,7 +144,8 @@ def tree_leaves(tree: Any) -> list:
     return optree.tree_leaves(tree)
 
 
-def zeros_like(tree: Any, dtype: torch.dtype | None = None) -> Any:
+def zeros_like(tree: Any, dtype: torch.dtype | str | None = None) -> Any:
+    dtype = as_dtype(dtype)
     return tree_map(lambda p: torch.zeros_like(p, dtype=dtype), tree)
 
 
@@ -141,7 +190,10 @@ def inplace_step(tx: GradientTransformation, params: list, grads: list, state: A
 
 @torch.no_grad()
 def apply_updates(params: Any, updates: Any) -> Any:
-    """``params + updates`` leaf by leaf, in each param's dtype (a new tree; inputs untouched)."""
+    """``params + updates`` leaf by leaf, in each param's dtype (a new tree; inputs untouched).
+    A ``None`` param stays ``None``, a ``None`` update leaves its param as it is."""
+    if params is None:
+        return None
     p_leaves, treedef = optree.tree_flatten(params)
     check_structure(updates, params)
     u_leaves = [u if u is None or u.dtype == p.dtype else u.to(p.dtype)
@@ -149,6 +201,18 @@ def apply_updates(params: Any, updates: Any) -> Any:
     if p_leaves and all(u is not None for u in u_leaves):
         return optree.tree_unflatten(treedef, torch._foreach_add(p_leaves, u_leaves))
     return optree.tree_unflatten(treedef, [p if u is None else p + u for p, u in zip(p_leaves, u_leaves)])
+
+
+def incremental_update(new_tensors: Any, old_tensors: Any, step_size: float) -> Any:
+    """``step_size * new + (1 - step_size) * old`` leaf by leaf, e.g. a target network's Polyak
+    average (``optax.incremental_update``); a ``None`` leaf of ``new_tensors`` stays ``None``."""
+    return optree.tree_map(lambda new, old: None if new is None else step_size * new + (1.0 - step_size) * old,
+                           new_tensors, old_tensors, none_is_leaf=True)
+
+
+def periodic_update(new_tensors: Any, old_tensors: Any, steps: Any, update_period: int) -> Any:
+    """``new_tensors`` every ``update_period`` steps, else ``old_tensors`` (``optax.periodic_update``)."""
+    return new_tensors if int(steps) % int(update_period) == 0 else old_tensors
 
 
 def check_positive(name: str, value: Any) -> None:

@@ -35,6 +35,8 @@ def _to_jax(x: Any) -> Any:
 def _to_torch(x: Any) -> Any:
     jax = _jax()
     if isinstance(x, jax.Array):
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            return x  # a PRNG key (e.g. optax.add_noise's) has no torch counterpart: it stays JAX's
         return torch.from_dlpack(x)
     return x
 
@@ -47,7 +49,8 @@ def from_optax(optax_tx: Any) -> GradientTransformation:
     """Run any Optax transformation on torch tensors.
 
     ``init`` and ``update`` take and return torch pytrees; the state keeps Optax's classes with
-    torch leaves. The update is ``jax.jit``-compiled once per tree structure (jit's cache).
+    torch leaves. Extra args of ``update`` (``value=``...) go to the Optax transformation. The
+    update is ``jax.jit``-compiled once per tree structure (jit's cache).
     """
     if not (hasattr(optax_tx, "init") and hasattr(optax_tx, "update")):
         raise TypeError(f"from_optax needs an Optax GradientTransformation, got {type(optax_tx).__name__}")
@@ -56,17 +59,28 @@ def from_optax(optax_tx: Any) -> GradientTransformation:
 
     @functools.cache
     def jitted():
-        return _jax().jit(optax_tx.update)
+        return _jax().jit(_extra_args_update(optax_tx))
 
     def init(params):
         return _map(_to_torch, optax_tx.init(_map(_to_jax, params)))
 
-    def update(updates, state, params=None):
+    def update(updates, state, params=None, **extra_args):
         args = (_map(_to_jax, updates), _map(_to_jax, state), None if params is None else _map(_to_jax, params))
-        new_updates, new_state = jitted()(*args)
+        arrays = {k: _to_jax(v) for k, v in extra_args.items() if isinstance(v, torch.Tensor)}
+        others = {k: v for k, v in extra_args.items() if k not in arrays}
+        # Extra args that are not arrays (a function, a flag) are static: compiled into the call.
+        step = _jax().jit(functools.partial(_extra_args_update(optax_tx), **others)) if others else jitted()
+        new_updates, new_state = step(*args, **arrays)
         return _map(_to_torch, new_updates), _map(_to_torch, new_state)
 
     return GradientTransformation(init, update, spec=_injected_spec(optax_tx))
+
+
+def _extra_args_update(optax_tx: Any):
+    """``optax_tx.update``, taking (and for a plain transformation ignoring) extra args."""
+    import optax
+
+    return optax.with_extra_args_support(optax_tx).update
 
 
 def _injected_spec(optax_tx: Any) -> Spec:

@@ -22,7 +22,7 @@ import torch
 
 from zero.functional import sharding
 from zero.functional.base import GradientTransformation, inplace_step, tree_map
-from zero.functional.wrappers import inject_hyperparams
+from zero.functional.inject import inject_hyperparams
 
 __all__ = ["Optimizer", "FunctionalOptimizer", "hyperparams_of", "with_group_hyperparams", "check_not_optax",
            "split_state"]
@@ -50,7 +50,8 @@ def with_group_hyperparams(tx: Any, who: str = "tx") -> GradientTransformation:
         raise TypeError(f"{who} must be a zero.functional GradientTransformation, got {type(tx).__name__}")
     spec = getattr(tx, "spec", None)
     if spec is not None and spec.factory is not None:
-        return inject_hyperparams(spec.factory)(**spec.args)
+        # float64 holds a Python float exactly: torch keeps group settings as Python numbers.
+        return inject_hyperparams(spec.factory, hyperparam_dtype=torch.float64)(**spec.args)
     return tx
 
 

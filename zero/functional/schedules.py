@@ -1,24 +1,41 @@
 """Optax's schedules: functions from a step count to a hyperparameter value.
 
 They take an int or a 0-d tensor and return a Python float, so a schedule can drive both a
-transformation and a torch param group's ``lr``.
+transformation and a torch param group's ``lr``. Given a tensor of counts they are elementwise,
+as Optax's, and return a tensor of values in the default dtype.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 
+import torch
+
 __all__ = ["Schedule", "constant_schedule", "linear_schedule", "polynomial_schedule",
            "cosine_decay_schedule", "exponential_decay", "warmup_cosine_decay_schedule",
-           "piecewise_constant_schedule", "join_schedules"]
+           "piecewise_constant_schedule", "join_schedules", "piecewise_interpolate_schedule",
+           "linear_onecycle_schedule", "cosine_onecycle_schedule", "sgdr_schedule"]
 
 Schedule = Callable[[int], float]
 
 
+def _elementwise(fn: Schedule) -> Schedule:
+    """``fn`` of a scalar count, also taking a tensor of counts (value by value)."""
+    @functools.wraps(fn)
+    def schedule(count):
+        if isinstance(count, torch.Tensor) and count.dim() > 0:
+            values = [float(fn(c)) for c in count.reshape(-1).tolist()]
+            return torch.tensor(values, dtype=torch.get_default_dtype()).reshape(count.shape)
+        return fn(count)
+
+    return schedule
+
+
 def constant_schedule(value: float) -> Schedule:
     """``value`` at every step (``optax.constant_schedule``)."""
-    return lambda count: value
+    return _elementwise(lambda count: value)
 
 
 def polynomial_schedule(init_value: float, end_value: float, power: float, transition_steps: int,
@@ -32,7 +49,7 @@ def polynomial_schedule(init_value: float, end_value: float, power: float, trans
         t = min(max(int(count) - transition_begin, 0), transition_steps)
         return (init_value - end_value) * (1 - t / transition_steps) ** power + end_value
 
-    return schedule
+    return _elementwise(schedule)
 
 
 def linear_schedule(init_value: float, end_value: float, transition_steps: int,
@@ -53,7 +70,7 @@ def cosine_decay_schedule(init_value: float, decay_steps: int, alpha: float = 0.
         cosine = 0.5 * (1 + math.cos(math.pi * t / decay_steps))
         return init_value * ((1 - alpha) * cosine**exponent + alpha)
 
-    return schedule
+    return _elementwise(schedule)
 
 
 def exponential_decay(init_value: float, transition_steps: int, decay_rate: float,
@@ -73,7 +90,7 @@ def exponential_decay(init_value: float, transition_steps: int, decay_rate: floa
         value = init_value if steps <= 0 else init_value * decay_rate**p
         return value if end_value is None else clip(value, end_value)
 
-    return schedule
+    return _elementwise(schedule)
 
 
 def join_schedules(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> Schedule:
@@ -90,7 +107,7 @@ def join_schedules(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> 
                 value = s(count - boundary)
         return value
 
-    return schedule
+    return _elementwise(schedule)
 
 
 def warmup_cosine_decay_schedule(init_value: float, peak_value: float, warmup_steps: int,
@@ -117,4 +134,76 @@ def piecewise_constant_schedule(init_value: float,
                 value *= scale
         return value
 
-    return schedule
+    return _elementwise(schedule)
+
+
+_INTERPOLATE = {
+    "linear": lambda start, end, pct: (end - start) * pct + start,
+    "cosine": lambda start, end, pct: end + (start - end) / 2.0 * (math.cos(math.pi * pct) + 1),
+}
+
+
+def piecewise_interpolate_schedule(interpolate_type: str, init_value: float,
+                                   boundaries_and_scales: dict[int, float] | None = None) -> Schedule:
+    """From boundary to boundary, interpolate (``"linear"`` or ``"cosine"``) between the values
+    ``init_value`` times the product of the scales so far (``optax.piecewise_interpolate_schedule``)."""
+    if interpolate_type not in _INTERPOLATE:
+        raise ValueError(f"interpolate_type must be 'cosine' or 'linear', got {interpolate_type!r}")
+    interpolate = _INTERPOLATE[interpolate_type]
+    items = sorted((boundaries_and_scales or {}).items())
+    if any(scale < 0 for _, scale in items):
+        raise ValueError(f"piecewise_interpolate_schedule needs non-negative scales, got {dict(items)}")
+    bounds = [0] + [b for b, _ in items]
+    values = [init_value]
+    for _, scale in items:
+        values.append(values[-1] * scale)
+
+    def schedule(count):
+        count = int(count)
+        if count >= bounds[-1]:
+            return values[-1]
+        for i in range(len(bounds) - 1):
+            if bounds[i] <= count < bounds[i + 1]:
+                pct = (count - bounds[i]) / max(bounds[i + 1] - bounds[i], 1)
+                return interpolate(values[i], values[i + 1], pct)
+        return 0.0  # a negative count, before every interval (Optax gives 0 there too)
+
+    return _elementwise(schedule)
+
+
+def _check_transition_steps(transition_steps: int, who: str) -> None:
+    if transition_steps <= 0:
+        raise ValueError(f"{who} needs transition_steps > 0, got {transition_steps!r}")
+
+
+def linear_onecycle_schedule(transition_steps: int, peak_value: float, pct_start: float = 0.3,
+                             pct_final: float = 0.85, div_factor: float = 25.0,
+                             final_div_factor: float = 1e4) -> Schedule:
+    """One cycle, linearly: up to ``peak_value`` by ``pct_start``, back down by ``pct_final``,
+    then to ``peak / (div_factor * final_div_factor)`` (``optax.linear_onecycle_schedule``)."""
+    _check_transition_steps(transition_steps, "linear_onecycle_schedule")
+    return piecewise_interpolate_schedule("linear", peak_value / div_factor, {
+        int(pct_start * transition_steps): div_factor,
+        int(pct_final * transition_steps): 1.0 / div_factor,
+        transition_steps: 1.0 / final_div_factor})
+
+
+def cosine_onecycle_schedule(transition_steps: int, peak_value: float, pct_start: float = 0.3,
+                             div_factor: float = 25.0, final_div_factor: float = 1e4) -> Schedule:
+    """One cycle with cosine ramps: up to ``peak_value`` by ``pct_start``, then down to
+    ``peak / (div_factor * final_div_factor)`` (``optax.cosine_onecycle_schedule``)."""
+    _check_transition_steps(transition_steps, "cosine_onecycle_schedule")
+    return piecewise_interpolate_schedule("cosine", peak_value / div_factor, {
+        int(pct_start * transition_steps): div_factor,
+        int(transition_steps): 1.0 / (div_factor * final_div_factor)})
+
+
+def sgdr_schedule(cosine_kwargs: Sequence[dict]) -> Schedule:
+    """Warm restarts: `warmup_cosine_decay_schedule` for each dict of arguments in turn, each
+    lasting its ``decay_steps`` (``optax.sgdr_schedule``)."""
+    schedules, boundaries, step = [], [], 0
+    for kwargs in cosine_kwargs:
+        schedules.append(warmup_cosine_decay_schedule(**kwargs))
+        step += kwargs["decay_steps"]
+        boundaries.append(step)
+    return join_schedules(schedules, boundaries[:-1])

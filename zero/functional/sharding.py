@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Pieces", "Sharding", "installed", "every_group", "global_norm", "tensor_norms", "all_finite"]
+__all__ = ["Pieces", "Sharding", "installed", "every_group", "global_norm", "tensor_norms", "all_finite",
+           "whole_tensors"]
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,7 @@ class Sharding:
     dtypes: tuple[torch.dtype, ...]
     reduce: Callable[[torch.Tensor], torch.Tensor]
     every_group: bool = True  # the ranks' reductions pair up only if each steps every group
+    numels: tuple[int, ...] = ()  # whole tensor t's number of elements (for `whole_tensors`)
 
     @property
     def n_tensors(self) -> int:
@@ -171,6 +173,23 @@ def _expand(norms: torch.Tensor, pc: Pieces, leaf: torch.Tensor) -> torch.Tensor
     out = torch.zeros(leaf.numel(), dtype=leaf.dtype, device=leaf.device)
     out[:pc.used] = torch.repeat_interleave(per_piece, lengths)
     return out.view(leaf.shape)
+
+
+def whole_tensors(leaves: Sequence[torch.Tensor], what: str) -> None:
+    """``ValueError`` unless every leaf is a whole tensor in its own shape: for rules that read a
+    tensor's shape or all its elements at once (``centralize``, ``adaptive_grad_clip``...), which a
+    rank stepping pieces of tensors (a flat plan) cannot run."""
+    found = _sharded(leaves, what)
+    if found is None:
+        return
+    sharding, pieces = found
+    for leaf, pc in zip(leaves, pieces):
+        whole = (len(pc.tensors) == 1 and sharding.numels and pc.lengths[0] == leaf.numel()
+                 == sharding.numels[pc.tensors[0]])
+        if not whole:
+            raise ValueError(f"{what} needs each tensor whole, but this sharded step holds pieces of tensors "
+                             "(a flat plan): use a whole-param plan (ZeroRedundancyOptimizer(..., plan=...) "
+                             "without flat buckets)")
 
 
 def all_finite(leaves: Sequence[torch.Tensor]) -> bool:

@@ -31,7 +31,7 @@ from zero.functional.base import (
     zeros_like,
 )
 from zero.functional.combine import chain
-from zero.functional.wrappers import inject_hyperparams
+from zero.functional.inject import inject_hyperparams
 
 __all__ = ["from_torch", "TORCH_CLASSES"]
 
@@ -287,4 +287,4 @@ def from_torch(optimizer_class: type | str, **defaults: Any) -> GradientTransfor
         if key in defaults:
             check_non_negative(key, defaults[key])
     factory(**defaults)  # validate now, not at the first init
-    return inject_hyperparams(factory)(**defaults)  # tuples (betas, etas) stay static
+    return inject_hyperparams(factory, hyperparam_dtype=torch.float64)(**defaults)  # tuples (betas, etas) stay static

@@ -18,6 +18,7 @@ from zero.functional.base import (
     EmptyState,
     GradientTransformation,
     Spec,
+    as_dtype,
     check_non_negative,
     check_positive,
     check_unit,
@@ -190,8 +191,14 @@ class WeightDecaySchedule(NamedTuple):
 
 
 def _moment(g, m, decay, order):
-    """``(1 - decay) * g**order + decay * m``."""
-    return (1 - decay) * (g if order == 1 else g * g) + decay * m
+    """``(1 - decay) * g**order + decay * m``; ``|g|**2`` for order 2, so complex updates give a
+    real (zero imaginary part) second moment, as Optax's ``abs_sq``."""
+    return (1 - decay) * (g if order == 1 else g * g.conj()) + decay * m
+
+
+def _max(a, b):
+    """Elementwise maximum of moments that are real, or complex with zero imaginary parts."""
+    return torch.maximum(a.real, b.real).to(torch.promote_types(a.dtype, b.dtype))
 
 
 def _debias(t, decay, count):
@@ -295,23 +302,40 @@ def scale_by_rss(initial_accumulator_value: float = 0.1, eps: float = 1e-7) -> G
     check_non_negative("initial_accumulator_value", initial_accumulator_value)
 
     def update(updates, state, params=None):
-        sos = tree_map(lambda g, t: g * g + t, updates, state.sum_of_squares)
-        out = tree_map(lambda g, t: torch.where(t > 0, torch.rsqrt(t + eps), 0.0) * g, updates, sos)
+        sos = tree_map(lambda g, t: g * g.conj() + t, updates, state.sum_of_squares)
+        out = tree_map(lambda g, t: torch.where(t.real > 0, torch.rsqrt(t + eps), 0.0) * g, updates, sos)
         return out, ScaleByRssState(sos)
 
     return GradientTransformation(lambda p: ScaleByRssState(full_like(p, initial_accumulator_value)), update)
 
 
-def scale_by_lion(b1: float = 0.9, b2: float = 0.99, mu_dtype: torch.dtype | None = None) -> GradientTransformation:
-    """Lion: the sign of an interpolation of momentum and update (``optax.scale_by_lion``)."""
+_LION_SIGNS = {
+    "hard": lambda x, beta: torch.sign(x),
+    "smooth": lambda x, beta: torch.tanh(beta * x),
+    "refined": lambda x, beta: torch.where(x.abs() < 1.0, x, torch.sign(x)),
+}
+
+
+def scale_by_lion(b1: float = 0.9, b2: float = 0.99, mu_dtype: torch.dtype | None = None,
+                  mode: str = "hard", smooth_beta: float = 1.0) -> GradientTransformation:
+    """Lion: the sign of an interpolation of momentum and update (``optax.scale_by_lion``).
+
+    ``mode`` picks the sign: ``"hard"`` (``sign``), ``"smooth"`` (``tanh(smooth_beta x)``) or
+    ``"refined"`` (``x`` where ``|x| < 1``, else its sign). An unknown mode is a ``ValueError``
+    here, where Optax raises it at the first update.
+    """
+    mu_dtype = as_dtype(mu_dtype, "mu_dtype")
     check_unit("b1", b1, closed=True)
     check_unit("b2", b2, closed=True)
+    if mode not in _LION_SIGNS:
+        raise ValueError(f"scale_by_lion mode must be one of {sorted(_LION_SIGNS)}, got {mode!r}")
+    sign = _LION_SIGNS[mode]
 
     def init(params):
         return ScaleByLionState(count_zero(), zeros_like(params, mu_dtype))
 
     def update(updates, state, params=None):
-        out = tree_map(lambda g, m: torch.sign((1 - b1) * g + b1 * m), updates, state.mu)
+        out = tree_map(lambda g, m: sign((1 - b1) * g + b1 * m, smooth_beta), updates, state.mu)
         # Accumulate in the wider dtype (mu_dtype=float32 with bf16 updates stays float32-exact).
         mu = tree_map(lambda g, m: _moment(g.to(torch.promote_types(g.dtype, m.dtype)), m, b2, 1).to(m.dtype),
                       updates, state.mu)
@@ -384,6 +408,7 @@ def scale_by_adadelta(rho: float = 0.9, eps: float = 1e-6) -> GradientTransforma
 
 def trace(decay: float, nesterov: bool = False, accumulator_dtype: torch.dtype | None = None) -> GradientTransformation:
     """Momentum: ``t = g + decay * t`` (``optax.trace``)."""
+    accumulator_dtype = as_dtype(accumulator_dtype, "accumulator_dtype")
     check_non_negative("decay", decay)
 
     def update(updates, state, params=None):
@@ -399,6 +424,7 @@ def trace(decay: float, nesterov: bool = False, accumulator_dtype: torch.dtype |
 
 def ema(decay: float, debias: bool = True, accumulator_dtype: torch.dtype | None = None) -> GradientTransformation:
     """Exponential moving average of updates (``optax.ema``)."""
+    accumulator_dtype = as_dtype(accumulator_dtype, "accumulator_dtype")
     check_unit("decay", decay, closed=True)
 
     def update(updates, state, params=None):
@@ -428,7 +454,9 @@ def add_decayed_weights(weight_decay: float | Callable[[Any], float] = 0.0,
         if not scheduled and weight_decay == 0.0:
             return updates, new_state
         s = weight_decay(state.count) if scheduled else weight_decay
-        return tree_map(lambda g, p: g + s * p, updates, params), new_state
+        # A None update (a leaf with no gradient) stays None, as in Optax.
+        decayed = optree.tree_map(lambda g, p: None if g is None else g + s * p, updates, params, none_is_leaf=True)
+        return decayed, new_state
 
     tx = GradientTransformation(init, update, spec=Spec("add_decayed_weights",
                                                         {"weight_decay": weight_decay, "mask": mask}))

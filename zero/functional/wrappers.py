@@ -1,12 +1,9 @@
-"""Transformations that wrap others: masking, per-label routing, NaN guards, accumulation and
-hyperparameters in the state (Optax's ``masked``, ``multi_transform``, ``apply_if_finite``,
-``MultiSteps``, ``inject_hyperparams``)."""
+"""Transformations that wrap others: masking, per-label routing, NaN guards and accumulation
+(Optax's ``masked``, ``multi_transform``, ``apply_if_finite``, ``MultiSteps``)."""
 
 from __future__ import annotations
 
-import functools
-import inspect
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -14,18 +11,17 @@ import torch
 from zero.functional import sharding
 from zero.functional.base import (
     GradientTransformation,
-    Spec,
+    as_dtype,
     count_inc,
     count_zero,
-    inplace_step,
     tree_leaves,
     tree_map,
+    update_with,
     zeros_like,
 )
 
 __all__ = ["MaskedNode", "MaskedState", "masked", "MultiTransformState", "multi_transform",
-           "ApplyIfFiniteState", "apply_if_finite", "MultiStepsState", "MultiSteps",
-           "InjectHyperparamsState", "inject_hyperparams"]
+           "ApplyIfFiniteState", "apply_if_finite", "MultiStepsState", "MultiSteps"]
 
 
 class MaskedNode(NamedTuple):
@@ -55,10 +51,11 @@ def masked(inner: GradientTransformation, mask: Any | Callable[[Any], Any]) -> G
     def init(params):
         return MaskedState(inner.init(_mask_tree(params, resolve(params))))
 
-    def update(updates, state, params=None):
+    def update(updates, state, params=None, **extra_args):
         mask_tree = resolve(updates)
         inner_params = None if params is None else _mask_tree(params, mask_tree)
-        new, inner_state = inner.update(_mask_tree(updates, mask_tree), state.inner_state, inner_params)
+        new, inner_state = update_with(inner, _mask_tree(updates, mask_tree), state.inner_state, inner_params,
+                                       extra_args)
         return tree_map(lambda m, n, old: n if m else old, mask_tree, new, updates), MaskedState(inner_state)
 
     return GradientTransformation(init, update)
@@ -90,11 +87,11 @@ def multi_transform(transforms: Mapping[Hashable, GradientTransformation],
         m = masks(params)
         return MultiTransformState({k: masked(tx, m[k]).init(params) for k, tx in transforms.items()})
 
-    def update(updates, state, params=None):
+    def update(updates, state, params=None, **extra_args):
         m = masks(updates)
         new_states = {}
         for k, tx in transforms.items():
-            updates, new_states[k] = masked(tx, m[k]).update(updates, state.inner_states[k], params)
+            updates, new_states[k] = masked(tx, m[k]).update(updates, state.inner_states[k], params, **extra_args)
         return updates, MultiTransformState(new_states)
 
     return GradientTransformation(init, update)
@@ -125,11 +122,11 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int) 
     def init(params):
         return ApplyIfFiniteState(count_zero(), torch.tensor(True), count_zero(), inner.init(params))
 
-    def update(updates, state, params=None):
+    def update(updates, state, params=None, **extra_args):
         finite = sharding.all_finite(tree_leaves(updates))
         notfinite = count_zero() if finite else count_inc(state.notfinite_count)
         if finite or int(notfinite) > max_consecutive_errors:
-            updates, inner_state = inner.update(updates, state.inner_state, params)
+            updates, inner_state = update_with(inner, updates, state.inner_state, params, extra_args)
         else:
             updates, inner_state = zeros_like(updates), state.inner_state
         total = state.total_notfinite if finite else count_inc(state.total_notfinite)
@@ -169,7 +166,8 @@ class MultiSteps:
         self._k = every_k_schedule if callable(every_k_schedule) else (lambda step: every_k_schedule)
         self._use_grad_mean = use_grad_mean
         self._skip = should_skip_update_fn
-        self._acc_dtype = accumulator_dtype
+        self._acc_dtype = as_dtype(accumulator_dtype, "accumulator_dtype")
+        self._out_dtypes: dict[tuple, Any] = {}
 
     @property
     def inner_opt(self) -> GradientTransformation:
@@ -180,7 +178,7 @@ class MultiSteps:
         return MultiStepsState(count_zero(), count_zero(), self._opt.init(params),
                                zeros_like(params, self._acc_dtype), skip_state)
 
-    def update(self, updates: Any, state: MultiStepsState, params: Any = None):
+    def update(self, updates: Any, state: MultiStepsState, params: Any = None, **extra_args):
         skip, skip_state = (False, ()) if self._skip is None else self._skip(updates, state.gradient_step, params)
         if bool(skip):
             return zeros_like(updates), state._replace(skip_state=skip_state)
@@ -190,94 +188,29 @@ class MultiSteps:
             acc = tree_map(lambda g, a: a + (g - a) / (n + 1), updates, state.acc_grads)
         else:
             acc = tree_map(lambda g, a: g + a, updates, state.acc_grads)
+        inner_updates = tree_map(lambda a, g: a.to(g.dtype), acc, updates)
         if n != k - 1:
             acc = tree_map(lambda a: a.to(self._acc_dtype), acc)
-            return zeros_like(updates), MultiStepsState(count_inc(state.mini_step), state.gradient_step,
-                                                        state.inner_opt_state, acc, skip_state)
-        final, inner_state = self._opt.update(tree_map(lambda a, g: a.to(g.dtype), acc, updates),
-                                              state.inner_opt_state, params)
+            zeros = self._zeros_like_inner(inner_updates, state.inner_opt_state, params, extra_args)
+            return zeros, MultiStepsState(count_inc(state.mini_step), state.gradient_step,
+                                          state.inner_opt_state, acc, skip_state)
+        final, inner_state = update_with(self._opt, inner_updates, state.inner_opt_state, params, extra_args)
         return final, MultiStepsState(count_zero(), count_inc(state.gradient_step), inner_state,
                                       zeros_like(acc, self._acc_dtype), skip_state)
+
+    def _zeros_like_inner(self, updates: Any, inner_state: Any, params: Any, extra_args: dict) -> Any:
+        """Zeros in the dtypes the inner optimizer's updates would have (Optax's mini-steps return
+        ``0 * inner_update``: f16 gradients with f32 params give f32 zeros under Adam). The dtypes
+        are learnt by one discarded inner step per combination of input dtypes."""
+        key = tuple(t.dtype for t in tree_leaves((updates, params)))
+        dtypes = self._out_dtypes.get(key)
+        if dtypes is None:
+            out, _ = update_with(self._opt, updates, inner_state, params, extra_args)
+            dtypes = self._out_dtypes[key] = tree_map(lambda u: u.dtype, out)
+        return tree_map(lambda u, d: torch.zeros_like(u, dtype=d), updates, dtypes)
 
     def has_updated(self, state: MultiStepsState) -> bool:
         return int(state.mini_step) == 0 and int(state.gradient_step) > 0
 
     def gradient_transformation(self) -> GradientTransformation:
         return GradientTransformation(self.init, self.update)
-
-
-class InjectHyperparamsState(NamedTuple):
-    """State of ``inject_hyperparams`` (``optax.InjectHyperparamsState``).
-
-    Fields:
-        count: steps taken, 0-d int32 (schedules are evaluated at it).
-        hyperparams: name -> current value (floats); set one to change it from the next step.
-        inner_state: the inner transformation's state.
-    """
-
-    count: torch.Tensor
-    hyperparams: dict
-    inner_state: Any
-
-
-def inject_hyperparams(inner_factory: Callable[..., GradientTransformation],
-                       static_args: str | Iterable[str] = ()) -> Callable[..., GradientTransformation]:
-    """Make a factory's numeric hyperparameters part of the state (mirrors ``optax.inject_hyperparams``).
-
-    ``inject_hyperparams(adam)(learning_rate=0.1)`` steps as ``adam(0.1)`` but keeps
-    ``state.hyperparams = {"learning_rate": 0.1, "b1": 0.9, ...}``, which can be read and set
-    between steps; a hyperparameter given as a schedule is evaluated at the step count and its
-    value stored there too. Numbers, bools and ``None`` in ``static_args`` (and every non-number)
-    stay fixed. `zero.functional.Optimizer` shows these values as param-group keys, so torch's lr
-    schedulers drive them.
-
-    The inner transformation is rebuilt only when the values change (the last few are kept), so
-    a run with fixed hyperparameters builds it once and keeps its fused kernel.
-    """
-    static = {static_args} if isinstance(static_args, str) else set(static_args)
-    signature = inspect.signature(inner_factory)
-    if not static <= set(signature.parameters):
-        raise ValueError(f"static_args {sorted(static)} are not all parameters of "
-                         f"{getattr(inner_factory, '__name__', inner_factory)}")
-
-    def wrapped(*args, **kwargs) -> GradientTransformation:
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        scheduled, numeric, other = {}, {}, {}
-        for name, value in bound.arguments.items():
-            if name in static or isinstance(value, bool) or value is None:
-                other[name] = value
-            elif callable(value):
-                scheduled[name] = value
-            elif isinstance(value, (int, float, torch.Tensor)):
-                numeric[name] = float(value)
-            else:
-                other[name] = value
-
-        @functools.lru_cache(maxsize=4)
-        def inner(values: tuple[tuple[str, float], ...]) -> GradientTransformation:
-            return inner_factory(**other, **dict(values))
-
-        def values(state):
-            hp = dict(state.hyperparams)
-            hp.update({k: float(f(state.count)) for k, f in scheduled.items()})
-            return hp
-
-        def init(params):
-            hp = numeric | {k: float(f(0)) for k, f in scheduled.items()}
-            return InjectHyperparamsState(count_zero(), hp, inner(tuple(hp.items())).init(params))
-
-        def update(updates, state, params=None):
-            hp = values(state)
-            updates, inner_state = inner(tuple(hp.items())).update(updates, state.inner_state, params)
-            return updates, InjectHyperparamsState(count_inc(state.count), hp, inner_state)
-
-        def inplace(params, grads, state):
-            hp = values(state)
-            inner_state = inplace_step(inner(tuple(hp.items())), params, grads, state.inner_state)
-            return InjectHyperparamsState(count_inc(state.count), hp, inner_state)
-
-        initial = numeric | {k: float(f(0)) for k, f in scheduled.items()}
-        return GradientTransformation(init, update, inplace, Spec("inject_hyperparams", {"hyperparams": initial}))
-
-    return wrapped

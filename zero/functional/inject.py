@@ -1,0 +1,200 @@
+"""Hyperparameters in the state: ``inject_hyperparams`` and stateful schedules (Optax's
+``optax.schedules._inject``).
+
+A hyperparameter given as a number lives in the state as a 0-d tensor that can be read and set
+between steps; one given as a schedule is evaluated each step, and a *stateful* schedule (an
+object with ``init()``, ``update(state, **extra_args)`` and ``__call__(state, **extra_args)``)
+also keeps a state there, fed by the extra args of ``update`` (a loss, say).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
+
+import torch
+
+from zero.functional.base import (
+    GradientTransformation,
+    Spec,
+    as_dtype,
+    count_inc,
+    count_zero,
+    inplace_step,
+    tree_leaves,
+    update_with,
+)
+
+__all__ = ["InjectHyperparamsState", "InjectStatefulHyperparamsState", "WrappedScheduleState", "WrappedSchedule",
+           "inject_hyperparams"]
+
+
+class InjectHyperparamsState(NamedTuple):
+    """The state ``inject_hyperparams`` had before stateful schedules (``optax.InjectHyperparamsState``,
+    which Optax keeps for old checkpoints); `inject_hyperparams` now returns
+    `InjectStatefulHyperparamsState`.
+
+    Fields:
+        count: steps taken, 0-d int32.
+        hyperparams: name -> current value.
+        inner_state: the inner transformation's state.
+    """
+
+    count: torch.Tensor
+    hyperparams: dict
+    inner_state: Any
+
+
+class InjectStatefulHyperparamsState(NamedTuple):
+    """State of ``inject_hyperparams`` (``optax.InjectStatefulHyperparamsState``).
+
+    Fields:
+        count: steps taken, 0-d int32.
+        hyperparams: name -> current value, a 0-d tensor (set a numeric one to change it from the
+            next step; a scheduled one is recomputed each step).
+        hyperparams_states: name -> the state of that hyperparameter's schedule.
+        inner_state: the inner transformation's state.
+    """
+
+    count: torch.Tensor
+    hyperparams: dict
+    hyperparams_states: dict
+    inner_state: Any
+
+
+class WrappedScheduleState(NamedTuple):
+    """State of `WrappedSchedule` (``optax.WrappedScheduleState``).
+
+    Fields:
+        count: steps taken, 0-d int32.
+    """
+
+    count: torch.Tensor
+
+
+class WrappedSchedule:
+    """A schedule of the step count as a stateful schedule (``optax.WrappedSchedule``)."""
+
+    def __init__(self, schedule_fn: Callable[[Any], Any]):
+        self.schedule_fn = schedule_fn
+
+    def init(self) -> WrappedScheduleState:
+        return WrappedScheduleState(count_zero())
+
+    def update(self, state: WrappedScheduleState, **extra_args) -> WrappedScheduleState:
+        return WrappedScheduleState(count_inc(state.count))
+
+    def __call__(self, state: WrappedScheduleState, **extra_args) -> Any:
+        return self.schedule_fn(state.count)
+
+
+def _is_stateful_schedule(value: Any) -> bool:
+    return callable(value) and callable(getattr(value, "init", None)) and callable(getattr(value, "update", None))
+
+
+def _params_dtype(params: Any) -> torch.dtype:
+    """The widest floating dtype of the params (Optax's ``tree.dtype(params, 'highest')``); the
+    default dtype when there are none or none are floating."""
+    dtypes = [p.dtype for p in tree_leaves(params) if isinstance(p, torch.Tensor)]
+    floating = [d if d.is_floating_point else torch.empty(0, dtype=d).real.dtype for d in dtypes if d.is_complex
+                or d.is_floating_point]
+    return functools.reduce(torch.promote_types, floating) if floating else torch.get_default_dtype()
+
+
+def _as_hyperparam(value: Any, dtype: torch.dtype) -> torch.Tensor:
+    """A hyperparameter as stored: a tensor keeps its dtype, a Python float takes ``dtype``, an
+    int stays an int (as Optax, which casts only weakly typed floats)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    return torch.tensor(value, dtype=dtype if isinstance(value, float) else None)
+
+
+def _split(bound: dict, static: set[str]) -> tuple[dict, dict, dict]:
+    """The factory's arguments as (scheduled, numeric, fixed)."""
+    scheduled, numeric, fixed = {}, {}, {}
+    for name, value in bound.items():
+        if name in static or isinstance(value, bool) or value is None:
+            fixed[name] = value
+        elif _is_stateful_schedule(value):
+            scheduled[name] = value
+        elif callable(value):
+            scheduled[name] = WrappedSchedule(value)
+        elif isinstance(value, int | float) or (isinstance(value, torch.Tensor) and value.dim() == 0):
+            numeric[name] = value
+        else:
+            fixed[name] = value
+    return scheduled, numeric, fixed
+
+
+def inject_hyperparams(inner_factory: Callable[..., GradientTransformation],
+                       static_args: str | Iterable[str] = (),
+                       hyperparam_dtype: torch.dtype | str | None = None) -> Callable[..., GradientTransformation]:
+    """Make a factory's numeric hyperparameters part of the state (mirrors ``optax.inject_hyperparams``).
+
+    ``inject_hyperparams(adam)(learning_rate=0.1)`` steps as ``adam(0.1)`` but keeps
+    ``state.hyperparams = {"learning_rate": tensor(0.1), "b1": tensor(0.9), ...}``, which can be
+    read and set between steps. A hyperparameter given as a schedule (a function of the step count,
+    or a stateful schedule, see the module) is evaluated each step and its value stored there too.
+    Bools, ``None``, non-numbers and the names in ``static_args`` stay fixed.
+
+    Float hyperparameters are kept in ``hyperparam_dtype``, by default the widest floating dtype of
+    the params (so bf16 params give bf16 hyperparameters, as in Optax); a tensor keeps its own
+    dtype. The inner transformation gets them as Python numbers. `zero.functional.Optimizer`
+    keeps them in float64 and shows them as param-group keys, so torch's lr schedulers drive them.
+
+    Extra args of ``update`` go to the stateful schedules and to the inner transformation if it
+    takes them. The inner transformation is rebuilt only when the values change (the last few are
+    kept), so a run with fixed hyperparameters builds it once and keeps its fused kernel.
+    """
+    static = {static_args} if isinstance(static_args, str) else set(static_args)
+    signature = inspect.signature(inner_factory)
+    if not static <= set(signature.parameters):
+        raise ValueError(f"static_args {sorted(static)} are not all parameters of "
+                         f"{getattr(inner_factory, '__name__', inner_factory)}")
+    hyperparam_dtype = as_dtype(hyperparam_dtype, "hyperparam_dtype")
+
+    @functools.wraps(inner_factory)
+    def wrapped(*args, **kwargs) -> GradientTransformation:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        scheduled, numeric, fixed = _split(bound.arguments, static)
+
+        @functools.lru_cache(maxsize=4)
+        def inner(values: tuple[tuple[str, Any], ...]) -> GradientTransformation:
+            return inner_factory(**fixed, **dict(values))
+
+        def build(hyperparams: dict) -> GradientTransformation:
+            return inner(tuple((k, v.item()) for k, v in hyperparams.items()))
+
+        def current(state, params, extra_args):
+            dtype = hyperparam_dtype or _params_dtype(params)
+            hp = {k: _as_hyperparam(v, dtype) for k, v in state.hyperparams.items()}
+            hp.update({k: _as_hyperparam(f(state.hyperparams_states[k], **extra_args), dtype)
+                       for k, f in scheduled.items()})
+            schedule_states = {k: f.update(state.hyperparams_states[k], **extra_args) for k, f in scheduled.items()}
+            return hp, schedule_states
+
+        def init(params):
+            dtype = hyperparam_dtype or _params_dtype(params)
+            schedule_states = {k: f.init() for k, f in scheduled.items()}
+            hp = {k: _as_hyperparam(v, dtype) for k, v in numeric.items()}
+            hp.update({k: _as_hyperparam(f(schedule_states[k]), dtype) for k, f in scheduled.items()})
+            return InjectStatefulHyperparamsState(count_zero(), hp, schedule_states, build(hp).init(params))
+
+        def update(updates, state, params=None, **extra_args):
+            hp, schedule_states = current(state, params, extra_args)
+            updates, inner_state = update_with(build(hp), updates, state.inner_state, params, extra_args)
+            return updates, InjectStatefulHyperparamsState(count_inc(state.count), hp, schedule_states, inner_state)
+
+        def inplace(params, grads, state):
+            hp, schedule_states = current(state, params, {})
+            inner_state = inplace_step(build(hp), params, grads, state.inner_state)
+            return InjectStatefulHyperparamsState(count_inc(state.count), hp, schedule_states, inner_state)
+
+        initial = {k: float(v) for k, v in numeric.items()}
+        initial.update({k: float(f(f.init())) for k, f in scheduled.items()})
+        return GradientTransformation(init, update, inplace, Spec("inject_hyperparams", {"hyperparams": initial}))
+
+    return wrapped
