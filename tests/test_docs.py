@@ -5,7 +5,7 @@ import importlib
 
 import pytest
 
-MODULES = ["zero.functional.alias", "zero.functional.more_rules", "zero.functional.factorized"]
+MODULES = ["zero.functional.alias", "zero.functional.more_aliases", "zero.functional.factorized"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -19,6 +19,7 @@ from zero.functional import transform as T
 from zero.functional.alias import ScalarOrSchedule, _alias
 from zero.functional.base import NO_PARAMS_MSG, EmptyState, GradientTransformation, count_inc, count_zero, tree_leaves
 from zero.functional.combine import chain
+from zero.functional.transform import abs_sq
 
 __all__ = ["FactoredState", "scale_by_factored_rms", "scale_by_param_block_rms", "adafactor"]
 
@@ -64,10 +65,6 @@ def _zero_moments(p: torch.Tensor, dims: tuple[int, int] | None) -> tuple[torch.
     return torch.zeros_like(p.sum(d0)), torch.zeros_like(p.sum(d1)), placeholder
 
 
-def _abs_sq(g: torch.Tensor) -> torch.Tensor:
-    return (g * g.conj()).real if g.is_complex() else g * g
-
-
 def scale_by_factored_rms(factored: bool = True, decay_rate: float = 0.8, step_offset: int = 0,
                           min_dim_size_to_factor: int = 128, epsilon: float = 1e-30,
                           decay_rate_fn: Callable[[int, float], Any] = _decay_rate_pow) -> GradientTransformation:
@@ -87,7 +84,7 @@ def scale_by_factored_rms(factored: bool = True, decay_rate: float = 0.8, step_o
     def one(g, v_row, v_col, v, p, decay):
         dims = _factored_dims(p.shape, factored, min_dim_size_to_factor)
         placeholder = torch.zeros(1, dtype=p.dtype, device=p.device)
-        g_sq = _abs_sq(g) + epsilon
+        g_sq = abs_sq(g) + epsilon
         if dims is None:
             new_v = (decay * v + (1.0 - decay) * g_sq).to(p.dtype)
             return g * new_v ** -0.5, placeholder, placeholder, new_v
@@ -120,7 +117,7 @@ def scale_by_param_block_rms(min_scale: float = 1e-3) -> GradientTransformation:
         if params is None:
             raise ValueError(NO_PARAMS_MSG)
         sharding.whole_tensors(tree_leaves(updates), "scale_by_param_block_rms")
-        scale = lambda p: torch.clamp(torch.sqrt(_abs_sq(p).mean()), min=min_scale)
+        scale = lambda p: torch.clamp(torch.sqrt(abs_sq(p).mean()), min=min_scale)
         return optree.tree_map(lambda u, p: u * scale(p), updates, params), state
 
     return GradientTransformation(lambda params: EmptyState(), update)

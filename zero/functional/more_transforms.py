@@ -1,5 +1,5 @@
 """Optax's other transformations on torch tensors: building blocks (``stateless``,
-``set_to_zero``, ``named_chain``, ``partition``), guards (``zero_nans``, ``conditionally_mask``,
+``set_to_zero``, ``named_chain``), guards (``zero_nans``, ``conditionally_mask``,
 ``conditionally_transform``, and the ``skip_*`` functions for `MultiSteps`), accumulation
 (``apply_every``) and clipping (``clip_by_block_rms``, ``adaptive_grad_clip``,
 ``per_example_global_norm_clip``).
@@ -9,7 +9,7 @@ Each mirrors the Optax function of the same name (same arguments and state field
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import optree
@@ -27,11 +27,11 @@ from zero.functional.base import (
     update_with,
     zeros_like,
 )
-from zero.functional.wrappers import masked
+from zero.functional.transform import abs_sq
 
-__all__ = ["ZeroNansState", "ApplyEvery", "PartitionState", "ConditionallyMaskState", "ConditionallyTransformState",
+__all__ = ["ZeroNansState", "ApplyEvery", "ConditionallyMaskState", "ConditionallyTransformState",
            "set_to_zero", "stateless", "stateless_with_tree_map", "zero_nans", "centralize", "apply_every",
-           "named_chain", "partition", "conditionally_mask", "conditionally_transform", "skip_not_finite",
+           "named_chain", "conditionally_mask", "conditionally_transform", "skip_not_finite",
            "skip_large_updates", "clip_by_block_rms", "adaptive_grad_clip", "per_example_global_norm_clip"]
 
 
@@ -55,16 +55,6 @@ class ApplyEvery(NamedTuple):
 
     count: torch.Tensor
     grad_acc: Any
-
-
-class PartitionState(NamedTuple):
-    """State of ``partition`` (``optax.PartitionState``).
-
-    Fields:
-        inner_states: label -> that label's transformation's (masked) state.
-    """
-
-    inner_states: dict
 
 
 class ConditionallyMaskState(NamedTuple):
@@ -167,32 +157,6 @@ def named_chain(*transforms: tuple[str, GradientTransformation]) -> GradientTran
     return GradientTransformation(init, update)
 
 
-def partition(transforms: Mapping[Hashable, GradientTransformation], param_labels: Any | Callable[[Any], Any], *,
-              mask_compatible_extra_args: bool = False) -> GradientTransformation:
-    """Route each leaf to ``transforms[label]`` by its label (``optax.partition``; the state is a
-    `PartitionState`). A label without a transformation is a ``ValueError`` naming it."""
-    def masks(tree):
-        labels = param_labels(tree) if callable(param_labels) else param_labels
-        missing = set(tree_leaves(labels)) - set(transforms)
-        if missing:
-            raise ValueError(f"labels {sorted(map(str, missing))} have no transformation; "
-                             f"transforms has {sorted(map(str, transforms))}")
-        return {k: tree_map(lambda lab, k=k: lab == k, labels) for k in transforms}
-
-    def init(params):
-        m = masks(params)
-        return PartitionState({k: masked(tx, m[k]).init(params) for k, tx in transforms.items()})
-
-    def update(updates, state, params=None, **extra_args):
-        m = masks(updates)
-        new_states = {}
-        for k, tx in transforms.items():
-            updates, new_states[k] = masked(tx, m[k]).update(updates, state.inner_states[k], params, **extra_args)
-        return updates, PartitionState(new_states)
-
-    return GradientTransformation(init, update)
-
-
 def _conditionally(inner, should_transform_fn, forward_extra_args, on_reject, make_state, read):
     def update(updates, state, params=None, **extra_args):
         step, inner_state = read(state)
@@ -241,15 +205,11 @@ def skip_large_updates(updates: Any, gradient_step: Any, params: Any,
     return skip, {"should_skip": skip, "norm_squared": torch.as_tensor(norm_sq)}
 
 
-def _abs_sq(x: torch.Tensor) -> torch.Tensor:
-    return (x * x.conj()).real if x.is_complex() else x * x
-
-
 def clip_by_block_rms(threshold: float) -> GradientTransformation:
     """Scale each update so its root mean square is at most ``threshold`` (``optax.clip_by_block_rms``)."""
     def update(updates, state, params=None):
         sharding.whole_tensors(tree_leaves(updates), "clip_by_block_rms")
-        return tree_map(lambda u: u / torch.clamp(torch.sqrt(_abs_sq(u).mean()) / threshold, min=1.0), updates), state
+        return tree_map(lambda u: u / torch.clamp(torch.sqrt(abs_sq(u).mean()) / threshold, min=1.0), updates), state
 
     return _stateless_tx(update)
 
@@ -267,7 +227,7 @@ def _unitwise_norm(x: torch.Tensor, axis: int | tuple[int, ...] | None) -> torch
             raise ValueError(f"adaptive_grad_clip expects params of 1 to 5 dimensions, got shape {tuple(x.shape)}: "
                              "pass axis= to name the reduction axes")
         axis = _UNIT_AXES[x.dim()]
-    squared = _abs_sq(x).sum(dim=axis, keepdim=True) if x.dim() else _abs_sq(x)
+    squared = abs_sq(x).sum(dim=axis, keepdim=True) if x.dim() else abs_sq(x)
     return torch.sqrt(squared).expand(x.shape)
 
 
@@ -295,7 +255,7 @@ def per_example_global_norm_clip(grads: Any, l2_norm_clip: float) -> tuple[Any, 
     leaves, treedef = optree.tree_flatten(grads)
     if not leaves or any(g.dim() == 0 for g in leaves) or len({g.shape[0] for g in leaves}) != 1:
         raise ValueError("per_example_global_norm_clip expects grads with a batch dimension in the 0th axis")
-    norms = torch.sqrt(sum(_abs_sq(g).reshape(g.shape[0], -1).sum(1) for g in leaves))
+    norms = torch.sqrt(sum(abs_sq(g).reshape(g.shape[0], -1).sum(1) for g in leaves))
     multipliers = torch.nan_to_num(torch.clamp(l2_norm_clip / norms, max=1.0), nan=1.0)
     clipped = [torch.tensordot(multipliers, g.to(torch.promote_types(g.dtype, multipliers.dtype)), dims=1)
                for g in leaves]

@@ -196,6 +196,11 @@ def _moment(g, m, decay, order):
     return (1 - decay) * (g if order == 1 else g * g.conj()) + decay * m
 
 
+def abs_sq(x: torch.Tensor) -> torch.Tensor:
+    """``|x|^2`` elementwise, real for complex ``x`` (Optax's ``numerics.abs_sq``)."""
+    return (x * x.conj()).real if x.is_complex() else x * x
+
+
 def _max(a, b):
     """Elementwise maximum of moments that are real, or complex with zero imaginary parts."""
     return torch.maximum(a.real, b.real).to(torch.promote_types(a.dtype, b.dtype))

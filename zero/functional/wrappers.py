@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any, NamedTuple
 
+import optree
 import torch
 
 from zero.functional import sharding
@@ -20,7 +21,8 @@ from zero.functional.base import (
     zeros_like,
 )
 
-__all__ = ["MaskedNode", "MaskedState", "masked", "MultiTransformState", "multi_transform",
+__all__ = ["MaskedNode", "MaskedState", "masked", "PartitionState", "partition", "MultiTransformState",
+           "multi_transform",
            "ApplyIfFiniteState", "apply_if_finite", "MultiStepsState", "MultiSteps"]
 
 
@@ -42,8 +44,11 @@ def _mask_tree(tree, mask_tree):
     return tree_map(lambda m, x: x if m else MaskedNode(), mask_tree, tree)
 
 
-def masked(inner: GradientTransformation, mask: Any | Callable[[Any], Any]) -> GradientTransformation:
-    """Apply ``inner`` only where ``mask`` (a tree of bools, or a function of params) is True."""
+def masked(inner: GradientTransformation, mask: Any | Callable[[Any], Any], *,
+           mask_compatible_extra_args: bool = False) -> GradientTransformation:
+    """Apply ``inner`` only where ``mask`` (a tree of bools, or a function of params) is True
+    (``optax.masked``). With ``mask_compatible_extra_args``, extra args shaped like the updates
+    are masked too before they reach ``inner``."""
 
     def resolve(tree):
         return mask(tree) if callable(mask) else mask
@@ -54,6 +59,10 @@ def masked(inner: GradientTransformation, mask: Any | Callable[[Any], Any]) -> G
     def update(updates, state, params=None, **extra_args):
         mask_tree = resolve(updates)
         inner_params = None if params is None else _mask_tree(params, mask_tree)
+        if mask_compatible_extra_args:
+            shape = optree.tree_structure(updates)
+            extra_args = {k: _mask_tree(v, mask_tree) if optree.tree_structure(v) == shape else v
+                          for k, v in extra_args.items()}
         new, inner_state = update_with(inner, _mask_tree(updates, mask_tree), state.inner_state, inner_params,
                                        extra_args)
         return tree_map(lambda m, n, old: n if m else old, mask_tree, new, updates), MaskedState(inner_state)
@@ -61,8 +70,9 @@ def masked(inner: GradientTransformation, mask: Any | Callable[[Any], Any]) -> G
     return GradientTransformation(init, update)
 
 
-class MultiTransformState(NamedTuple):
-    """State of ``multi_transform`` (``optax.MultiTransformState``).
+class PartitionState(NamedTuple):
+    """State of ``partition`` and ``multi_transform`` (``optax.PartitionState``, which Optax also
+    calls ``MultiTransformState``).
 
     Fields:
         inner_states: label -> that label's transformation's (masked) state.
@@ -71,9 +81,14 @@ class MultiTransformState(NamedTuple):
     inner_states: dict
 
 
-def multi_transform(transforms: Mapping[Hashable, GradientTransformation],
-                    param_labels: Any | Callable[[Any], Any]) -> GradientTransformation:
-    """Route each leaf to ``transforms[label]`` by its label in ``param_labels``."""
+MultiTransformState = PartitionState
+
+
+def partition(transforms: Mapping[Hashable, GradientTransformation], param_labels: Any | Callable[[Any], Any], *,
+              mask_compatible_extra_args: bool = False) -> GradientTransformation:
+    """Route each leaf to ``transforms[label]`` by its label in ``param_labels`` (a tree of labels
+    or a function of params returning one; ``optax.partition``, also ``multi_transform``). A label
+    without a transformation is a ``ValueError`` naming it."""
 
     def masks(tree):
         labels = param_labels(tree) if callable(param_labels) else param_labels
@@ -83,18 +98,24 @@ def multi_transform(transforms: Mapping[Hashable, GradientTransformation],
                              f"transforms has {sorted(map(str, transforms))}")
         return {k: tree_map(lambda lab, k=k: lab == k, labels) for k in transforms}
 
+    def route(tx, mask_tree):
+        return masked(tx, mask_tree, mask_compatible_extra_args=mask_compatible_extra_args)
+
     def init(params):
         m = masks(params)
-        return MultiTransformState({k: masked(tx, m[k]).init(params) for k, tx in transforms.items()})
+        return PartitionState({k: route(tx, m[k]).init(params) for k, tx in transforms.items()})
 
     def update(updates, state, params=None, **extra_args):
         m = masks(updates)
         new_states = {}
         for k, tx in transforms.items():
-            updates, new_states[k] = masked(tx, m[k]).update(updates, state.inner_states[k], params, **extra_args)
-        return updates, MultiTransformState(new_states)
+            updates, new_states[k] = route(tx, m[k]).update(updates, state.inner_states[k], params, **extra_args)
+        return updates, PartitionState(new_states)
 
     return GradientTransformation(init, update)
+
+
+multi_transform = partition
 
 
 class ApplyIfFiniteState(NamedTuple):
