@@ -122,6 +122,7 @@ def test_a_saved_state_of_another_kind_of_transformation_is_named():
 @pytest.mark.parametrize("make, name", [
     (lambda: F.centralize(), "centralize"), (lambda: F.clip_by_block_rms(1.0), "clip_by_block_rms"),
     (lambda: F.adaptive_grad_clip(0.1), "adaptive_grad_clip"), (lambda: F.novograd(0.1), "scale_by_novograd"),
+    (lambda: F.sm3(0.1), "scale_by_sm3"), (lambda: F.adafactor(0.1, min_dim_size_to_factor=2), "scale_by_factored_rms"),
 ])
 def test_per_tensor_rules_refuse_pieces_of_tensors(make, name):
     """A rank stepping half of a tensor (a flat plan) cannot centre or clip it by its own shape."""

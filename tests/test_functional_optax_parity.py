@@ -171,3 +171,24 @@ def test_schedules(make):
     ours, theirs = make(F), make(optax)
     for count in range(60):
         np.testing.assert_allclose(ours(count), float(theirs(jnp.asarray(count, jnp.int32))), rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("momentum", [0.9, 0.0])
+def test_sm3_matches_optax(momentum):
+    """SM3 keeps one accumulator per axis, so params need an axis (the shared tree has a scalar)."""
+    import jax.numpy as jnp
+    import torch
+
+    rng = np.random.default_rng(0)
+    shapes = {"w": (5, 7), "b": (7,), "t": (2, 3, 4)}
+    params = {k: rng.standard_normal(s) for k, s in shapes.items()}
+    tx, otx = F.sm3(LR, momentum), optax.sm3(LR, momentum)
+    tp, jp = {k: torch.tensor(v) for k, v in params.items()}, {k: jnp.asarray(v) for k, v in params.items()}
+    ts, js = tx.init(tp), otx.init(jp)
+    for step in range(40):
+        g = {k: rng.standard_normal(s) for k, s in shapes.items()}
+        tu, ts = tx.update({k: torch.tensor(v) for k, v in g.items()}, ts, tp)
+        ju, js = otx.update({k: jnp.asarray(v) for k, v in g.items()}, js, jp)
+        tp, jp = F.apply_updates(tp, tu), optax.apply_updates(jp, ju)
+        for k in shapes:
+            np.testing.assert_allclose(tp[k].numpy(), np.asarray(jp[k]), rtol=1e-9, atol=1e-12, err_msg=f"{k} {step}")

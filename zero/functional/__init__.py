@@ -69,6 +69,9 @@ from zero.functional.factorized import FactoredState
 from zero.functional.factorized import scale_by_factored_rms
 from zero.functional.factorized import scale_by_param_block_rms
 from zero.functional.factorized import adafactor
+from zero.functional.more_rules import ScaleBySM3State
+from zero.functional.more_rules import scale_by_sm3
+from zero.functional.more_aliases import sm3
 from zero.functional.base import EmptyState
 from zero.functional.base import GradientTransformation
 from zero.functional.base import apply_updates
@@ -177,6 +180,7 @@ __all__ = [
     "ScaleByRmsWithCountState",
     "ScaleByRpropState",
     "ScaleByRssState",
+    "ScaleBySM3State",
     "ScaleByScheduleState",
     "TraceState",
     "WeightDecaySchedule",
@@ -265,6 +269,7 @@ __all__ = [
     "scale_by_rss",
     "scale_by_schedule",
     "scale_by_sign",
+    "scale_by_sm3",
     "scale_by_stddev",
     "scale_by_trust_ratio",
     "scale_by_yogi",
@@ -275,6 +280,7 @@ __all__ = [
     "signum",
     "skip_large_updates",
     "skip_not_finite",
+    "sm3",
     "split_state",
     "stateless",
     "stateless_with_tree_map",

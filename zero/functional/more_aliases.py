@@ -21,12 +21,13 @@ from zero.functional.more_rules import (
     scale_by_optimistic_gradient,
     scale_by_polyak,
     scale_by_sign,
+    scale_by_sm3,
     scale_by_yogi,
 )
 
 __all__ = ["adabelief", "amsgrad", "adamaxw", "adan", "fromage", "lars", "noisy_sgd", "novograd",
            "optimistic_gradient_descent", "optimistic_adam", "optimistic_adam_v2", "nadamw", "polyak_sgd",
-           "sign_sgd", "signum", "yogi"]
+           "sign_sgd", "signum", "sm3", "yogi"]
 
 
 @_alias
@@ -512,3 +513,30 @@ def yogi(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, ep
     """
     return chain(scale_by_yogi(b1, b2, eps), T.scale_by_learning_rate(learning_rate))
 
+
+
+@_alias
+def sm3(learning_rate: float, momentum: float = 0.9) -> GradientTransformation:
+    r"""SM3: Adagrad-like steps whose second moment costs memory per axis, not per element.
+
+    .. math:: v_t = g_t^2 + \min_{axes} \mu_{t-1},\quad
+        m_t = \beta m_{t-1} + (1-\beta)\, g_t / \sqrt{v_t + \epsilon},\quad u_t = -\alpha m_t
+
+    Args:
+        learning_rate: a float; momentum: ``beta``.
+
+    Returns:
+        ``chain(scale_by_sm3(momentum), scale(-learning_rate))`` (``optax.sm3``).
+
+    Reference: Anil et al., Memory-Efficient Adaptive Optimization, 2019.
+
+    Example:
+        >>> import torch, zero.functional as F
+        >>> tx = F.sm3(0.1)
+        >>> p = torch.ones(2, 2)
+        >>> u, _ = tx.update(torch.full((2, 2), 2.0), tx.init(p), p)
+        >>> u
+        tensor([[-0.0100, -0.0100],
+                [-0.0100, -0.0100]])
+    """
+    return chain(scale_by_sm3(momentum), T.scale(-learning_rate))

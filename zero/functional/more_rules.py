@@ -7,8 +7,10 @@ and state fields) and is proven equal to it by ``tests/test_functional_optax_par
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
+import optree
 import torch
 
 from zero.functional import adam_family as A
@@ -30,7 +32,7 @@ from zero.functional.transform import _debias, _moment, abs_sq
 
 __all__ = ["ScaleByOptimisticGradientState", "ScaleByNovogradState", "ScaleByAdanState",
            "scale_by_sign", "scale_by_optimistic_gradient", "scale_by_yogi", "scale_by_novograd",
-           "scale_by_polyak", "scale_by_adan"]
+           "scale_by_polyak", "scale_by_adan", "ScaleBySM3State", "scale_by_sm3"]
 
 
 class ScaleByOptimisticGradientState(NamedTuple):
@@ -188,5 +190,59 @@ def scale_by_adan(b1: float = 0.98, b2: float = 0.92, b3: float = 0.99, eps: flo
         out = tree_map(lambda m, v, n: (_debias(m, b1, t) + (1 - b2) * _debias(v, b2, t))
                        / (torch.sqrt(_debias(n, b3, t) + eps_root) + eps), m, v, n)
         return out, ScaleByAdanState(m, v, n, updates, t)
+
+    return GradientTransformation(init, update)
+
+
+class ScaleBySM3State(NamedTuple):
+    """State of ``scale_by_sm3`` (``optax.ScaleBySM3State``).
+
+    Fields:
+        mu: per param, a list with one 1-D accumulator per axis (the maxima of the second moment
+            over the other axes).
+        nu: the momentum of the scaled updates, a pytree like the params.
+    """
+
+    mu: Any
+    nu: Any
+
+
+def _sm3_accumulate(g: torch.Tensor, covers: list[torch.Tensor], b2: float) -> torch.Tensor:
+    """The second moment: ``g^2`` plus the smallest of the axes' covers (the cover itself for a vector)."""
+    old_weight, new_weight = b2, (1.0 - b2) if b2 != 1.0 else 1.0
+    shaped = [c.reshape([1] * i + [g.shape[i]] + [1] * (g.dim() - i - 1)) for i, c in enumerate(covers)]
+    cover = shaped[0] if g.dim() < 2 else functools.reduce(torch.minimum, shaped)
+    return new_weight * g * g + old_weight * cover
+
+
+def _sm3_covers(accum: torch.Tensor) -> list[torch.Tensor]:
+    """Per axis, the maxima of ``accum`` over the other axes (a vector's own values)."""
+    if accum.dim() < 2:
+        return [accum]
+    return [accum.amax(dim=[d for d in range(accum.dim()) if d != i]) for i in range(accum.dim())]
+
+
+def scale_by_sm3(b1: float = 0.9, b2: float = 1.0, eps: float = 1e-8) -> GradientTransformation:
+    """SM3: a second moment kept as one accumulator per axis (memory ``sum`` of the dims, not
+    their product), then momentum ``b1`` (``optax.scale_by_sm3``). Real params of at least one
+    dimension, whole (not a flat plan's pieces)."""
+
+    def init(params):
+        for p in tree_leaves(params):
+            if p.is_complex() or p.dim() == 0:
+                raise ValueError(f"scale_by_sm3 needs real params of at least one dimension, got a {p.dtype} "
+                                 f"param of shape {tuple(p.shape)}")
+        mu = tree_map(lambda p: [torch.zeros(n, dtype=p.dtype, device=p.device) for n in p.shape], params)
+        return ScaleBySM3State(mu, zeros_like(params))
+
+    def update(updates, state, params=None):
+        g_leaves, treedef = optree.tree_flatten(updates)
+        sharding.whole_tensors(g_leaves, "scale_by_sm3")
+        covers, nus = treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.nu)
+        accums = [_sm3_accumulate(g, c, b2) for g, c in zip(g_leaves, covers)]
+        scaled = [g * torch.where(a > 0, torch.rsqrt(a + eps), 0.0) for g, a in zip(g_leaves, accums)]
+        nu = [_moment(u, n, b1, 1) for u, n in zip(scaled, nus)]
+        unflat = lambda xs: optree.tree_unflatten(treedef, xs)
+        return unflat(nu), ScaleBySM3State(unflat([_sm3_covers(a) for a in accums]), unflat(nu))
 
     return GradientTransformation(init, update)
