@@ -157,33 +157,33 @@ def named_chain(*transforms: tuple[str, GradientTransformation]) -> GradientTran
     return GradientTransformation(init, update)
 
 
-def _conditionally(inner, should_transform_fn, forward_extra_args, on_reject, make_state, read):
+def _conditionally(inner, should_transform_fn, forward_extra_args, on_reject, state_class):
+    """Both conditional wrappers: ``inner`` where the condition holds, ``on_reject(updates)`` (inner
+    state kept) elsewhere; ``state_class`` has ``step`` and ``inner_state`` fields (in either order)."""
     def update(updates, state, params=None, **extra_args):
-        step, inner_state = read(state)
-        condition = should_transform_fn(step, **(extra_args if forward_extra_args else {}))
-        if bool(condition):
+        inner_state = state.inner_state
+        if bool(should_transform_fn(state.step, **(extra_args if forward_extra_args else {}))):
             updates, inner_state = update_with(inner, updates, inner_state, params, extra_args)
         else:
             updates = on_reject(updates)
-        return updates, make_state(count_inc(step), inner_state)
+        return updates, state_class(step=count_inc(state.step), inner_state=inner_state)
 
-    return GradientTransformation(lambda params: make_state(count_zero(), inner.init(params)), update)
+    return GradientTransformation(lambda params: state_class(step=count_zero(), inner_state=inner.init(params)),
+                                  update)
 
 
 def conditionally_mask(inner: GradientTransformation, should_transform_fn: Callable[..., Any],
                        forward_extra_args: bool = False) -> GradientTransformation:
     """Apply ``inner`` at steps where ``should_transform_fn(step)`` holds, zero updates (state
     kept) elsewhere (``optax.conditionally_mask``)."""
-    return _conditionally(inner, should_transform_fn, forward_extra_args, zeros_like,
-                          lambda step, s: ConditionallyMaskState(step, s), lambda st: (st.step, st.inner_state))
+    return _conditionally(inner, should_transform_fn, forward_extra_args, zeros_like, ConditionallyMaskState)
 
 
 def conditionally_transform(inner: GradientTransformation, should_transform_fn: Callable[..., Any],
                             forward_extra_args: bool = False) -> GradientTransformation:
     """Apply ``inner`` at steps where ``should_transform_fn(step)`` holds, pass updates through
     elsewhere (``optax.conditionally_transform``)."""
-    return _conditionally(inner, should_transform_fn, forward_extra_args, lambda u: u,
-                          lambda step, s: ConditionallyTransformState(s, step), lambda st: (st.step, st.inner_state))
+    return _conditionally(inner, should_transform_fn, forward_extra_args, lambda u: u, ConditionallyTransformState)
 
 
 def skip_not_finite(updates: Any, gradient_step: Any, params: Any) -> tuple[torch.Tensor, dict]:

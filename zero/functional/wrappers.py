@@ -1,5 +1,5 @@
 """Transformations that wrap others: masking, per-label routing, NaN guards and accumulation
-(Optax's ``masked``, ``multi_transform``, ``apply_if_finite``, ``MultiSteps``)."""
+(Optax's ``masked``, ``partition`` alias ``multi_transform``, ``apply_if_finite``, ``MultiSteps``)."""
 
 from __future__ import annotations
 
