@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 from typing import Any, NamedTuple
 
-import optree
 import torch
 
 from zero.functional.base import (
@@ -22,11 +21,11 @@ from zero.functional.base import (
     check_unit,
     count_inc,
     count_zero,
-    flatten_like,
     tree_map,
     zeros_like,
 )
-from zero.functional.transform import _debias, _max, _moment
+from zero.functional.packing import foreach_map
+from zero.functional.transform import _debias, _max, _moment, _moments, sqrt
 
 __all__ = ["ScaleByAdamState", "ScaleByAmsgradState", "ScaleByBeliefState", "scale_by_adam", "scale_by_amsgrad",
            "scale_by_adamax", "scale_by_radam", "scale_by_belief"]
@@ -111,20 +110,22 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_roo
     def init(params):
         return ScaleByAdamState(count_zero(), zeros_like(params, mu_dtype), zeros_like(params))
 
-    def update(updates, state, params=None):
-        g, mu = flatten_like(updates, state.mu)
-        _, nu = flatten_like(updates, state.nu)
-        treedef = optree.tree_structure(updates)
-        count = count_inc(state.count)
-        out, mu, nu = _adam_foreach(g, mu, nu, int(count), b1, b2, eps, eps_root, nesterov)
-        if mu_dtype is not None:
-            mu = [m.to(mu_dtype) for m in mu]
-        unflat = lambda leaves: optree.tree_unflatten(treedef, leaves)
-        return unflat(out), ScaleByAdamState(count, unflat(mu), unflat(nu))
+    def scaled(factor=1.0):
+        def update(updates, state, params=None):
+            count = count_inc(state.count)
+
+            def rule(g, mu, nu):
+                out, mu, nu = _adam_foreach(g, mu, nu, int(count), b1, b2, eps, eps_root, nesterov, factor)
+                return out, (mu if mu_dtype is None else [m.to(mu_dtype) for m in mu]), nu
+
+            out, mu, nu = foreach_map(rule, updates, state.mu, state.nu, outputs=3)
+            return out, ScaleByAdamState(count, mu, nu)
+
+        return update
 
     spec = Spec("scale_by_adam", {"b1": b1, "b2": b2, "eps": eps, "eps_root": eps_root, "mu_dtype": mu_dtype,
                                   "nesterov": nesterov})
-    return GradientTransformation(init, update, spec=spec)
+    return GradientTransformation(init, scaled(), spec=spec, scaled=scaled)
 
 
 def _floating(*lists):
@@ -133,32 +134,28 @@ def _floating(*lists):
             for ts in lists]
 
 
-def _adam_foreach(g, mu, nu, c, b1, b2, eps, eps_root, nesterov):
+def _adam_foreach(g, mu, nu, c, b1, b2, eps, eps_root, nesterov, factor=1.0):
+    """Adam's update times ``factor`` (nonzero: it folds into the scalars), and the new moments."""
     if not all(x.is_floating_point() or x.is_complex() for x in g):
         g, mu, nu = _floating(g, mu, nu)
     # The first moment in the wider of its and the update's dtypes (mu_dtype=float32 with bf16
     # updates accumulates in float32), as Optax's type promotion does.
     wide = [torch.promote_types(m.dtype, x.dtype) for m, x in zip(mu, g)]
     mu = torch._foreach_lerp([m.to(d) for m, d in zip(mu, wide)], [x.to(d) for x, d in zip(g, wide)], 1 - b1)
-    nu = torch._foreach_mul(nu, b2)
-    torch._foreach_addcmul_(nu, g, [x.conj() for x in g], 1 - b2)  # |g|^2 for complex updates
+    nu = _moments(g, nu, b2, 2)  # |g|^2 for complex updates
     bc1, bc2 = 1 - b1**c, 1 - b2**c
     # sqrt(v / bc2 + eps_root) = sqrt(v + eps_root bc2) / sqrt(bc2): the corrections fold into
     # scalars on the denominator, two passes over the moments fewer than applying them to tensors.
-    if eps_root:
-        denom = torch._foreach_add(nu, eps_root * bc2)
-        torch._foreach_sqrt_(denom)
-    else:
-        denom = torch._foreach_sqrt(nu)
+    denom = sqrt(torch._foreach_add(nu, eps_root * bc2) if eps_root else nu)
     if nesterov:
         torch._foreach_mul_(denom, 1 / math.sqrt(bc2))
         torch._foreach_add_(denom, eps)
-        num = torch._foreach_mul(mu, b1 / (1 - b1 ** (c + 1)))
-        torch._foreach_add_(num, torch._foreach_mul(g, (1 - b1) / bc1))
+        num = torch._foreach_mul(mu, factor * b1 / (1 - b1 ** (c + 1)))
+        torch._foreach_add_(num, g, alpha=factor * (1 - b1) / bc1)
         out = torch._foreach_div(num, denom)
-    else:  # m_hat / (sqrt(v_hat) + eps) = m / (bc1 sqrt(v) / sqrt(bc2) + bc1 eps)
-        torch._foreach_mul_(denom, bc1 / math.sqrt(bc2))
-        torch._foreach_add_(denom, bc1 * eps)
+    else:  # c m_hat / (sqrt(v_hat) + eps) = m / ((bc1 sqrt(v) / sqrt(bc2) + bc1 eps) / c)
+        torch._foreach_mul_(denom, bc1 / math.sqrt(bc2) / factor)
+        torch._foreach_add_(denom, bc1 * eps / factor)
         out = torch._foreach_div(mu, denom)
     return out, mu, nu
 

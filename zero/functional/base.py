@@ -15,6 +15,8 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
+from zero.functional.packing import map_lists
+
 __all__ = ["GradientTransformation", "Spec", "EmptyState", "identity", "apply_updates",
            "inplace_step", "tree_map", "takes_extra_args", "incremental_update", "periodic_update", "update_with",
            "with_extra_args_support", "as_dtype",
@@ -46,13 +48,17 @@ class GradientTransformation(NamedTuple):
     same step on lists of tensors: ``inplace(params, grads, state)`` updates params and state
     tensors in place and returns the new state, or returns ``None`` when it cannot take these
     tensors (the caller then runs ``update``; see `inplace_step`). ``spec`` describes the
-    transformation (see `Spec`); ``None`` for one built by hand.
+    transformation (see `Spec`); ``None`` for one built by hand. ``scaled``, when set, maps a
+    nonzero number ``c`` to an ``update`` whose updates come out multiplied by ``c``: `chain`
+    runs a link followed by ``scale(c)`` (or a constant learning rate) as that one update, which
+    saves a pass over the updates.
     """
 
     init: Callable[[Any], Any]
     update: Callable[..., tuple[Any, Any]]
     inplace: Callable[[list, list, Any], Any] | None = None
     spec: Spec | None = None
+    scaled: Callable[[float], Callable[..., tuple[Any, Any]]] | None = None
 
 
 def takes_extra_args(tx: GradientTransformation) -> bool:
@@ -195,12 +201,15 @@ def apply_updates(params: Any, updates: Any) -> Any:
     if params is None:
         return None
     p_leaves, treedef = optree.tree_flatten(params)
-    check_structure(updates, params)
-    u_leaves = [u if u is None or u.dtype == p.dtype else u.to(p.dtype)
-                for p, u in zip(p_leaves, treedef.flatten_up_to(updates))]
-    if p_leaves and all(u is not None for u in u_leaves):
-        return optree.tree_unflatten(treedef, torch._foreach_add(p_leaves, u_leaves))
-    return optree.tree_unflatten(treedef, [p if u is None else p + u for p, u in zip(p_leaves, u_leaves)])
+    u_leaves, u_treedef = optree.tree_flatten(updates)
+    if u_treedef != treedef:
+        check_structure(updates, params)  # raises, naming the leaves that differ
+    return map_lists(_add_in_dtypes, treedef, [p_leaves, u_leaves])
+
+
+def _add_in_dtypes(ps: list, us: list) -> list:
+    """``p + u`` in each param's dtype."""
+    return torch._foreach_add(ps, [u if u.dtype == p.dtype else u.to(p.dtype) for p, u in zip(ps, us)])
 
 
 def incremental_update(new_tensors: Any, old_tensors: Any, step_size: float) -> Any:

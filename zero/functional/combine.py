@@ -21,6 +21,8 @@ def chain(*transformations: GradientTransformation) -> GradientTransformation:
         if not (hasattr(tx, "init") and hasattr(tx, "update")):
             raise TypeError(f"chain argument {i} is a {type(tx).__name__}, not a GradientTransformation")
 
+    steps = _folded(transformations)
+
     def init(params):
         return tuple(tx.init(params) for tx in transformations)
 
@@ -30,9 +32,32 @@ def chain(*transformations: GradientTransformation) -> GradientTransformation:
         if params is not None:
             check_structure(updates, params)
         new_state = []
-        for tx, s in zip(transformations, state):
-            updates, s = update_with(tx, updates, s, params, extra_args)
+        for tx, step, s in zip(transformations, steps, state):
+            if step is not None:  # None: a scale folded into the link before it (its state is empty)
+                updates, s = update_with(tx._replace(update=step), updates, s, params, extra_args)
             new_state.append(s)
         return updates, tuple(new_state)
 
     return GradientTransformation(init, update, fuse(transformations), Spec("chain", {"links": transformations}))
+
+
+def _folded(links) -> list:
+    """Each link's update, with a constant scale folded into the link before it when that link
+    can scale its own output (its ``scaled``); the folded scale's entry is ``None``."""
+    steps = [tx.update for tx in links]
+    for i in range(len(links) - 1):
+        factor = _constant_scale(links[i + 1])
+        if links[i].scaled is not None and steps[i] is links[i].update and factor:
+            steps[i], steps[i + 1] = links[i].scaled(factor), None
+    return steps
+
+
+def _constant_scale(tx: GradientTransformation) -> float | None:
+    """The factor of a ``scale`` or constant ``scale_by_learning_rate`` link, else ``None``."""
+    spec = tx.spec
+    if spec is None or spec.name not in ("scale", "scale_by_learning_rate"):
+        return None
+    factor = spec.args["step_size" if spec.name == "scale" else "learning_rate"]
+    if not isinstance(factor, (int, float)) or isinstance(factor, bool):
+        return None  # a schedule or a tensor: scaled at each update by its own link
+    return -float(factor) if spec.name == "scale_by_learning_rate" and spec.args["flip_sign"] else float(factor)

@@ -29,6 +29,7 @@ from zero.functional.base import (
     tree_map,
     zeros_like,
 )
+from zero.functional.packing import foreach_map
 
 __all__ = [
     "ScaleByScheduleState", "ScaleByRmsState",
@@ -210,6 +211,52 @@ def _debias(t, decay, count):
     return t / (1 - decay ** int(count))
 
 
+def _same_dtypes(*lists) -> bool:
+    return all(len({t.dtype for t in ts}) == 1 for ts in zip(*lists))
+
+
+def _moments(gs, ms, decay, order):
+    """`_moment` over lists as fresh tensors, in fused passes when each pair shares a dtype:
+    ``m + (1 - decay)(g - m)`` for order 1, ``decay m + (1 - decay) g conj(g)`` for order 2."""
+    if not _same_dtypes(gs, ms):
+        return [_moment(g, m, decay, order) for g, m in zip(gs, ms)]
+    if order == 1:
+        return torch._foreach_lerp(ms, gs, 1 - decay)
+    out = torch._foreach_mul(ms, decay)
+    torch._foreach_addcmul_(out, gs, [g.conj() for g in gs], 1 - decay)
+    return out
+
+
+def _times(xs, factor, own):
+    """``factor * x`` over a list: in place when ``own`` (a temporary of the rule), else fresh."""
+    if factor == 1.0:
+        return xs
+    if own:
+        torch._foreach_mul_(xs, factor)
+        return xs
+    return torch._foreach_mul(xs, factor)
+
+
+def _times_inv_root(gs, vs, eps, eps_in_sqrt):
+    """``g / sqrt(v + eps)`` (``eps_in_sqrt``) or ``g / (sqrt(v) + eps)`` over lists, fresh."""
+    if not _same_dtypes(gs, vs):
+        return [_inv_root(v, eps, eps_in_sqrt) * g for g, v in zip(gs, vs)]
+    if eps_in_sqrt:
+        out = torch._foreach_add(vs, eps)
+        torch._foreach_rsqrt_(out)
+        return torch._foreach_mul(out, gs)  # fresh: rsqrt's backward keeps its result
+    out = sqrt(vs)
+    torch._foreach_add_(out, eps)
+    return torch._foreach_div(gs, out)
+
+
+def sqrt(xs):
+    """``sqrt`` over a list, fresh. Real tensors take ``pow(x, 0.5)`` (the same numbers), whose
+    backward keeps the input rather than the result, so a rule may scale the result in place and
+    still be differentiated through (Optax's ``eps_root``)."""
+    return torch._foreach_sqrt(xs) if any(x.is_complex() for x in xs) else torch._foreach_pow(xs, 0.5)
+
+
 def scale(step_size: float) -> GradientTransformation:
     """Multiply updates by ``step_size`` (``optax.scale``)."""
     return GradientTransformation(lambda params: EmptyState(), lambda u, s, p=None: (_scaled(u, step_size), s),
@@ -217,8 +264,9 @@ def scale(step_size: float) -> GradientTransformation:
 
 
 def _scaled(tree, factor):
-    leaves, treedef = optree.tree_flatten(tree)
-    return optree.tree_unflatten(treedef, torch._foreach_mul(leaves, factor) if leaves else [])
+    if not optree.tree_leaves(tree):
+        return tree
+    return foreach_map(lambda us: torch._foreach_mul(us, factor), tree)
 
 
 def scale_by_schedule(step_size_fn: Callable[[Any], float]) -> GradientTransformation:
@@ -262,15 +310,22 @@ def scale_by_rms(decay: float = 0.9, eps: float = 1e-8, initial_scale: float = 0
         nu = full_like(params, initial_scale)
         return ScaleByRmsWithCountState(count_zero(), nu) if bias_correction else ScaleByRmsState(nu)
 
-    def update(updates, state, params=None):
-        nu = tree_map(lambda g, v: _moment(g, v, decay, 2), updates, state.nu)
-        count = count_inc(state.count) if bias_correction else None
-        nu_hat = tree_map(lambda v: _debias(v, decay, count), nu) if bias_correction else nu
-        out = tree_map(lambda g, v: _inv_root(v, eps, eps_in_sqrt) * g, updates, nu_hat)
-        return out, (ScaleByRmsWithCountState(count, nu) if bias_correction else ScaleByRmsState(nu))
+    def scaled(factor=1.0):
+        def update(updates, state, params=None):
+            count = count_inc(state.count) if bias_correction else None
 
-    return GradientTransformation(init, update, spec=Spec("scale_by_rms", _rms_args(decay, eps, initial_scale,
-                                                                                    eps_in_sqrt, bias_correction)))
+            def rule(gs, vs):
+                nu = _moments(gs, vs, decay, 2)
+                nu_hat = torch._foreach_div(nu, 1 - decay ** int(count)) if bias_correction else nu
+                return _times(_times_inv_root(gs, nu_hat, eps, eps_in_sqrt), factor, own=True), nu
+
+            out, nu = foreach_map(rule, updates, state.nu, outputs=2)
+            return out, (ScaleByRmsWithCountState(count, nu) if bias_correction else ScaleByRmsState(nu))
+
+        return update
+
+    spec = Spec("scale_by_rms", _rms_args(decay, eps, initial_scale, eps_in_sqrt, bias_correction))
+    return GradientTransformation(init, scaled(), spec=spec, scaled=scaled)
 
 
 def _rms_args(decay, eps, initial_scale, eps_in_sqrt, bias_correction) -> dict:
@@ -288,30 +343,57 @@ def scale_by_stddev(decay: float = 0.9, eps: float = 1e-8, initial_scale: float 
         mu, nu = zeros_like(params), full_like(params, initial_scale)
         return ScaleByRStdDevWithCountState(count_zero(), mu, nu) if bias_correction else ScaleByRStdDevState(mu, nu)
 
-    def update(updates, state, params=None):
-        mu = tree_map(lambda g, m: _moment(g, m, decay, 1), updates, state.mu)
-        nu = tree_map(lambda g, v: _moment(g, v, decay, 2), updates, state.nu)
-        count = count_inc(state.count) if bias_correction else None
-        mu_hat = tree_map(lambda m: _debias(m, decay, count), mu) if bias_correction else mu
-        nu_hat = tree_map(lambda v: _debias(v, decay, count), nu) if bias_correction else nu
-        out = tree_map(lambda g, m, v: _inv_root(v - m * m, eps, eps_in_sqrt) * g, updates, mu_hat, nu_hat)
-        new = ScaleByRStdDevWithCountState(count, mu, nu) if bias_correction else ScaleByRStdDevState(mu, nu)
-        return out, new
+    def scaled(factor=1.0):
+        def update(updates, state, params=None):
+            count = count_inc(state.count) if bias_correction else None
 
-    return GradientTransformation(init, update, spec=Spec("scale_by_stddev", _rms_args(decay, eps, initial_scale,
-                                                                                       eps_in_sqrt, bias_correction)))
+            def rule(gs, ms, vs):
+                mu, nu = _moments(gs, ms, decay, 1), _moments(gs, vs, decay, 2)
+                bc = 1 - decay ** int(count) if bias_correction else 1.0
+                mu_hat = torch._foreach_div(mu, bc) if bias_correction else mu
+                var = torch._foreach_div(nu, bc) if bias_correction else torch._foreach_mul(nu, 1.0)
+                if _same_dtypes(var, mu_hat):
+                    torch._foreach_addcmul_(var, mu_hat, mu_hat, -1)
+                else:
+                    var = [v - m * m for v, m in zip(var, mu_hat)]
+                return _times(_times_inv_root(gs, var, eps, eps_in_sqrt), factor, own=True), mu, nu
+
+            out, mu, nu = foreach_map(rule, updates, state.mu, state.nu, outputs=3)
+            new = ScaleByRStdDevWithCountState(count, mu, nu) if bias_correction else ScaleByRStdDevState(mu, nu)
+            return out, new
+
+        return update
+
+    spec = Spec("scale_by_stddev", _rms_args(decay, eps, initial_scale, eps_in_sqrt, bias_correction))
+    return GradientTransformation(init, scaled(), spec=spec, scaled=scaled)
 
 
 def scale_by_rss(initial_accumulator_value: float = 0.1, eps: float = 1e-7) -> GradientTransformation:
     """Divide by the root of the sum of squared updates (Adagrad; ``optax.scale_by_rss``)."""
     check_non_negative("initial_accumulator_value", initial_accumulator_value)
 
-    def update(updates, state, params=None):
-        sos = tree_map(lambda g, t: g * g.conj() + t, updates, state.sum_of_squares)
-        out = tree_map(lambda g, t: torch.where(t.real > 0, torch.rsqrt(t + eps), 0.0) * g, updates, sos)
-        return out, ScaleByRssState(sos)
+    def rule(gs, ts):
+        sos = torch._foreach_addcmul(ts, gs, [g.conj() for g in gs]) if _same_dtypes(gs, ts) else \
+            [g * g.conj() + t for g, t in zip(gs, ts)]
+        if eps > 0 and not any(t.is_complex() for t in sos):
+            # Optax's where(sos > 0, rsqrt(sos + eps), 0) g: sos = 0 only where g = 0, and then
+            # rsqrt(eps) g is that same (signed) zero, so the where pass is not needed.
+            return _times_inv_root(gs, sos, eps, True), sos
+        return [torch.where(t.real > 0, torch.rsqrt(t + eps), 0.0) * g for g, t in zip(gs, sos)], sos
 
-    return GradientTransformation(lambda p: ScaleByRssState(full_like(p, initial_accumulator_value)), update)
+    def scaled(factor=1.0):
+        def update(updates, state, params=None):
+            def scaled_rule(gs, ts):
+                out, sos = rule(gs, ts)
+                return _times(out, factor, own=True), sos
+
+            out, sos = foreach_map(scaled_rule, updates, state.sum_of_squares, outputs=2)
+            return out, ScaleByRssState(sos)
+
+        return update
+
+    init = lambda p: ScaleByRssState(full_like(p, initial_accumulator_value))  # noqa: E731
+    return GradientTransformation(init, scaled(), scaled=scaled)
 
 
 _LION_SIGNS = {
@@ -401,10 +483,13 @@ def scale_by_adadelta(rho: float = 0.9, eps: float = 1e-6) -> GradientTransforma
     """Adadelta's unit-correcting rescaling (``optax.scale_by_adadelta``)."""
     check_unit("rho", rho, closed=True)
 
+    def rule(gs, egs, exs):
+        e_g = _moments(gs, egs, rho, 2)
+        out = [torch.sqrt(ex + eps) / torch.sqrt(eg + eps) * g for g, eg, ex in zip(gs, e_g, exs)]
+        return out, e_g, _moments(out, exs, rho, 2)
+
     def update(updates, state, params=None):
-        e_g = tree_map(lambda g, e: _moment(g, e, rho, 2), updates, state.e_g)
-        out = tree_map(lambda g, eg, ex: torch.sqrt(ex + eps) / torch.sqrt(eg + eps) * g, updates, e_g, state.e_x)
-        e_x = tree_map(lambda u, e: _moment(u, e, rho, 2), out, state.e_x)
+        out, e_g, e_x = foreach_map(rule, updates, state.e_g, state.e_x, outputs=3)
         return out, ScaleByAdaDeltaState(e_g, e_x)
 
     return GradientTransformation(lambda p: ScaleByAdaDeltaState(zeros_like(p), zeros_like(p)), update,
@@ -416,15 +501,25 @@ def trace(decay: float, nesterov: bool = False, accumulator_dtype: torch.dtype |
     accumulator_dtype = as_dtype(accumulator_dtype, "accumulator_dtype")
     check_non_negative("decay", decay)
 
-    def update(updates, state, params=None):
-        new = tree_map(lambda g, t: g + decay * t, updates, state.trace)
-        out = tree_map(lambda g, t: g + decay * t, updates, new) if nesterov else new
-        if accumulator_dtype is not None:
-            new = tree_map(lambda t: t.to(accumulator_dtype), new)
-        return out, TraceState(new)
+    def momentum(gs, ts):  # g + decay t, in one pass when the dtypes agree
+        return torch._foreach_add(gs, ts, alpha=decay) if _same_dtypes(gs, ts) else \
+            [g + decay * t for g, t in zip(gs, ts)]
+
+    def scaled(factor=1.0):
+        def rule(gs, ts):
+            new = momentum(gs, ts)
+            out = _times(momentum(gs, new), factor, own=True) if nesterov else _times(new, factor, own=False)
+            return out, (new if accumulator_dtype is None else [t.to(accumulator_dtype) for t in new])
+
+        def update(updates, state, params=None):
+            out, new = foreach_map(rule, updates, state.trace, outputs=2)
+            return out, TraceState(new)
+
+        return update
 
     spec = Spec("trace", {"decay": decay, "nesterov": nesterov, "accumulator_dtype": accumulator_dtype})
-    return GradientTransformation(lambda p: TraceState(zeros_like(p, accumulator_dtype)), update, spec=spec)
+    init = lambda p: TraceState(zeros_like(p, accumulator_dtype))  # noqa: E731
+    return GradientTransformation(init, scaled(), spec=spec, scaled=scaled)
 
 
 def ema(decay: float, debias: bool = True, accumulator_dtype: torch.dtype | None = None) -> GradientTransformation:
@@ -433,11 +528,14 @@ def ema(decay: float, debias: bool = True, accumulator_dtype: torch.dtype | None
     check_unit("decay", decay, closed=True)
 
     def update(updates, state, params=None):
-        new = tree_map(lambda g, e: _moment(g, e, decay, 1), updates, state.ema)
         count = count_inc(state.count)
-        out = tree_map(lambda e: _debias(e, decay, count), new) if debias else new
-        if accumulator_dtype is not None:
-            new = tree_map(lambda e: e.to(accumulator_dtype), new)
+
+        def rule(gs, es):
+            new = _moments(gs, es, decay, 1)
+            out = torch._foreach_div(new, 1 - decay ** int(count)) if debias else new
+            return out, (new if accumulator_dtype is None else [e.to(accumulator_dtype) for e in new])
+
+        out, new = foreach_map(rule, updates, state.ema, outputs=2)
         return out, EmaState(count, new)
 
     return GradientTransformation(lambda p: EmaState(count_zero(), zeros_like(p, accumulator_dtype)), update)
@@ -452,19 +550,31 @@ def add_decayed_weights(weight_decay: float | Callable[[Any], float] = 0.0,
     def init(params):
         return WeightDecaySchedule(count_zero()) if scheduled else EmptyState()
 
-    def update(updates, state, params=None):
-        if params is None:
-            raise ValueError(NO_PARAMS_MSG)
-        new_state = WeightDecaySchedule(count_inc(state.count)) if scheduled else state
-        if not scheduled and weight_decay == 0.0:
-            return updates, new_state
-        s = weight_decay(state.count) if scheduled else weight_decay
-        # A None update (a leaf with no gradient) stays None, as in Optax.
-        decayed = optree.tree_map(lambda g, p: None if g is None else g + s * p, updates, params, none_is_leaf=True)
-        return decayed, new_state
+    def scaled(factor=1.0):
+        def update(updates, state, params=None):
+            if params is None:
+                raise ValueError(NO_PARAMS_MSG)
+            new_state = WeightDecaySchedule(count_inc(state.count)) if scheduled else state
+            if not scheduled and weight_decay == 0.0:
+                return _scaled(updates, factor) if factor != 1.0 else updates, new_state
+            s = weight_decay(state.count) if scheduled else weight_decay
+            if any(g is None for g in optree.tree_leaves(updates, none_is_leaf=True)):
+                # A None update (a leaf with no gradient) stays None, as in Optax.
+                return optree.tree_map(lambda g, p: None if g is None else (g + s * p) * factor, updates, params,
+                                       none_is_leaf=True), new_state
 
-    tx = GradientTransformation(init, update, spec=Spec("add_decayed_weights",
-                                                        {"weight_decay": weight_decay, "mask": mask}))
+            def rule(gs, ps):
+                fused = isinstance(s, (int, float)) and _same_dtypes(gs, ps)
+                out = torch._foreach_add(gs, ps, alpha=s) if fused else [g + s * p for g, p in zip(gs, ps)]
+                return _times(out, factor, own=True)
+
+            return foreach_map(rule, updates, params), new_state
+
+        return update
+
+    tx = GradientTransformation(init, scaled(), spec=Spec("add_decayed_weights",
+                                                          {"weight_decay": weight_decay, "mask": mask}),
+                                scaled=scaled)
     if mask is not None:
         from zero.functional.wrappers import masked
 
