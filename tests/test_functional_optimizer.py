@@ -86,6 +86,20 @@ FUSED_CASES = {
                                                         maximize=True),
                                    lambda ps: torch.optim.Adadelta(ps, lr=0.5, weight_decay=0.1, maximize=True,
                                                                    foreach=False), None),
+    "torch-nadam": (lambda: F.from_torch(torch.optim.NAdam, lr=0.02),
+                    lambda ps: torch.optim.NAdam(ps, lr=0.02, foreach=False), None),
+    "torch-nadam-decoupled-maximize": (
+        lambda: F.from_torch(torch.optim.NAdam, lr=0.02, weight_decay=0.1, decoupled_weight_decay=True,
+                             momentum_decay=0.01, maximize=True),
+        lambda ps: torch.optim.NAdam(ps, lr=0.02, weight_decay=0.1, decoupled_weight_decay=True, momentum_decay=0.01,
+                                     maximize=True, foreach=False), None),
+    "torch-radam-l2": (lambda: F.from_torch(torch.optim.RAdam, lr=0.02, weight_decay=0.1, betas=(0.8, 0.99)),
+                       lambda ps: torch.optim.RAdam(ps, lr=0.02, weight_decay=0.1, betas=(0.8, 0.99), foreach=False),
+                       None),
+    "torch-radam-decoupled-maximize": (
+        lambda: F.from_torch(torch.optim.RAdam, lr=0.02, weight_decay=0.1, decoupled_weight_decay=True, maximize=True),
+        lambda ps: torch.optim.RAdam(ps, lr=0.02, weight_decay=0.1, decoupled_weight_decay=True, maximize=True,
+                                     foreach=False), None),
     "torch-rprop": (lambda: F.from_torch(torch.optim.Rprop, lr=0.01),
                     lambda ps: torch.optim.Rprop(ps, lr=0.01, foreach=False), None),
     "torch-rprop-maximize": (lambda: F.from_torch(torch.optim.Rprop, lr=0.02, etas=(0.3, 1.5), step_sizes=(1e-4, 1.0),
@@ -104,7 +118,7 @@ def test_fused_kernel_path_equals_torch_single_tensor_rule(case, monkeypatch):
     for name in ("_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adagrad_"):
         kernel = getattr(torch, name)
         monkeypatch.setattr(torch, name, lambda *a, kernel=kernel, **k: calls.append(1) or kernel(*a, **k))
-    for name in ("rmsprop", "adamax", "adadelta", "rprop"):  # torch's reference calls them too, with foreach=False
+    for name in ("rmsprop", "adamax", "adadelta", "rprop", "nadam", "radam"):  # torch's reference: foreach=False
         module = importlib.import_module(f"torch.optim.{name}")
         multi_tensor = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, f=multi_tensor, **k: (calls.append(1) if k["foreach"] else None)

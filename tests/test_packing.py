@@ -67,11 +67,21 @@ def _run(tx, steps=6):
     return outs
 
 
-@pytest.mark.parametrize("name", ["adam", "adamw", "sgd", "rmsprop", "adagrad", "adadelta", "nadam"])
+SAME_NUMBERS = {
+    **{name: (lambda name=name: build(F, name)) for name in ALIASES},
+    **{f"from_torch({cls.__name__})": (lambda cls=cls, kw=kw: F.from_torch(cls, **kw)) for cls, kw in [
+        (torch.optim.NAdam, {"lr": LR}), (torch.optim.RAdam, {"lr": LR, "decoupled_weight_decay": True,
+                                                            "weight_decay": 0.1}),
+        (torch.optim.Rprop, {"lr": LR}), (torch.optim.Adagrad, {"lr": LR}), (torch.optim.Adam, {"amsgrad": True}),
+        (torch.optim.SGD, {"lr": LR, "momentum": 0.9, "dampening": 0.1})]},
+}
+
+
+@pytest.mark.parametrize("name", sorted(SAME_NUMBERS))
 def test_packed_and_unpacked_give_the_same_numbers(name, monkeypatch):
-    packed = _run(build(F, name))
+    packed = _run(SAME_NUMBERS[name]())
     monkeypatch.setattr(packing, "PACK_NUMEL", 0)
-    unpacked = _run(build(F, name))
+    unpacked = _run(SAME_NUMBERS[name]())
     for a, b in zip(packed, unpacked):
         for x, y in zip(optree.tree_leaves(a), optree.tree_leaves(b)):
             assert x.shape == y.shape and x.dtype == y.dtype

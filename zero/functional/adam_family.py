@@ -21,10 +21,9 @@ from zero.functional.base import (
     check_unit,
     count_inc,
     count_zero,
-    tree_map,
     zeros_like,
 )
-from zero.functional.packing import foreach_map
+from zero.functional.packing import elementwise_map, foreach_map
 from zero.functional.transform import _debias, _max, _moment, _moments, sqrt
 
 __all__ = ["ScaleByAdamState", "ScaleByAmsgradState", "ScaleByBeliefState", "scale_by_adam", "scale_by_amsgrad",
@@ -173,12 +172,12 @@ def scale_by_amsgrad(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_
                                    zeros_like(params))
 
     def update(updates, state, params=None):
-        mu = tree_map(lambda g, m: _moment(g, m, b1, 1), updates, state.mu)
-        nu = tree_map(lambda g, v: _moment(g, v, b2, 2), updates, state.nu)
+        mu = elementwise_map(lambda g, m: _moment(g, m, b1, 1), updates, state.mu)
+        nu = elementwise_map(lambda g, v: _moment(g, v, b2, 2), updates, state.nu)
         count = count_inc(state.count)
         debias = lambda t, decay, on: _debias(t, decay, count) if on else t
-        nu_max = tree_map(lambda vm, v: _max(vm, debias(v, b2, bias_correction_nu)), state.nu_max, nu)
-        out = tree_map(lambda m, vm: debias(m, b1, bias_correction_mu) / (torch.sqrt(vm + eps_root) + eps),
+        nu_max = elementwise_map(lambda vm, v: _max(vm, debias(v, b2, bias_correction_nu)), state.nu_max, nu)
+        out = elementwise_map(lambda m, vm: debias(m, b1, bias_correction_mu) / (torch.sqrt(vm + eps_root) + eps),
                        mu, nu_max)
         return out, ScaleByAmsgradState(count, mu, nu, nu_max)
 
@@ -194,9 +193,9 @@ def scale_by_adamax(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Gr
 
     def update(updates, state, params=None):
         count = count_inc(state.count)
-        mu = tree_map(lambda g, m: _moment(g, m, b1, 1), updates, state.mu)
-        nu = tree_map(lambda g, v: _max(g.abs() + eps, b2 * v), updates, state.nu)
-        out = tree_map(lambda m, v: _debias(m, b1, count) / v, mu, nu)
+        mu = elementwise_map(lambda g, m: _moment(g, m, b1, 1), updates, state.mu)
+        nu = elementwise_map(lambda g, v: _max(g.abs() + eps, b2 * v), updates, state.nu)
+        out = elementwise_map(lambda m, v: _debias(m, b1, count) / v, mu, nu)
         return out, ScaleByAdamState(count, mu, nu)
 
     return GradientTransformation(init, update, spec=Spec("scale_by_adamax", {"b1": b1, "b2": b2, "eps": eps}))
@@ -211,12 +210,12 @@ def scale_by_belief(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-16, eps_
         return ScaleByBeliefState(count_zero(), zeros_like(params), zeros_like(params))
 
     def update(updates, state, params=None):
-        mu = tree_map(lambda g, m: _moment(g, m, b1, 1), updates, state.mu)
-        nu = tree_map(lambda g, m, v: _moment(g - m, v, b2, 2) + eps_root, updates, mu, state.nu)
+        mu = elementwise_map(lambda g, m: _moment(g, m, b1, 1), updates, state.mu)
+        nu = elementwise_map(lambda g, m, v: _moment(g - m, v, b2, 2) + eps_root, updates, mu, state.nu)
         count = count_inc(state.count)
-        mu_hat = _nesterov_hat(mu, updates, b1, count) if nesterov else tree_map(
+        mu_hat = _nesterov_hat(mu, updates, b1, count) if nesterov else elementwise_map(
             lambda m: _debias(m, b1, count), mu)
-        out = tree_map(lambda m, v: m / (torch.sqrt(_debias(v, b2, count)) + eps), mu_hat, nu)
+        out = elementwise_map(lambda m, v: m / (torch.sqrt(_debias(v, b2, count)) + eps), mu_hat, nu)
         return out, ScaleByBeliefState(count, mu, nu)
 
     return GradientTransformation(init, update)
@@ -224,7 +223,7 @@ def scale_by_belief(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-16, eps_
 
 def _nesterov_hat(mu, updates, b1, count):
     c = int(count)
-    return tree_map(lambda m, g: b1 * (m / (1 - b1 ** (c + 1))) + (1 - b1) * (g / (1 - b1**c)), mu, updates)
+    return elementwise_map(lambda m, g: b1 * (m / (1 - b1 ** (c + 1))) + (1 - b1) * (g / (1 - b1**c)), mu, updates)
 
 
 def scale_by_radam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0,
@@ -239,16 +238,16 @@ def scale_by_radam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_ro
         return ScaleByAdamState(count_zero(), zeros_like(params), zeros_like(params))
 
     def update(updates, state, params=None):
-        mu = tree_map(lambda g, m: _moment(g, m, b1, 1), updates, state.mu)
-        nu = tree_map(lambda g, v: _moment(g, v, b2, 2), updates, state.nu)
+        mu = elementwise_map(lambda g, m: _moment(g, m, b1, 1), updates, state.mu)
+        nu = elementwise_map(lambda g, v: _moment(g, v, b2, 2), updates, state.nu)
         count = count_inc(state.count)
         b2t = b2 ** int(count)
         ro = ro_inf - 2 * int(count) * b2t / (1 - b2t)
-        mu_hat = _nesterov_hat(mu, updates, b1, count) if nesterov else tree_map(
+        mu_hat = _nesterov_hat(mu, updates, b1, count) if nesterov else elementwise_map(
             lambda m: _debias(m, b1, count), mu)
         if ro >= threshold:
             r = ((ro - 4) * (ro - 2) * ro_inf / ((ro_inf - 4) * (ro_inf - 2) * ro)) ** 0.5
-            out = tree_map(lambda m, v: r * m / (torch.sqrt(_debias(v, b2, count) + eps_root) + eps), mu_hat, nu)
+            out = elementwise_map(lambda m, v: r * m / (torch.sqrt(_debias(v, b2, count) + eps_root) + eps), mu_hat, nu)
         else:
             out = mu_hat
         return out, ScaleByAdamState(count, mu, nu)

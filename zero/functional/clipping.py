@@ -7,7 +7,8 @@ from typing import Any
 import torch
 
 from zero.functional import sharding
-from zero.functional.base import EmptyState, GradientTransformation, check_non_negative, tree_leaves, tree_map
+from zero.functional.base import EmptyState, GradientTransformation, check_non_negative, tree_leaves
+from zero.functional.packing import elementwise_map
 
 __all__ = ["clip", "clip_by_global_norm", "global_norm"]
 
@@ -17,7 +18,7 @@ def clip(max_delta: float) -> GradientTransformation:
     check_non_negative("max_delta", max_delta)
     return GradientTransformation(
         lambda params: EmptyState(),
-        lambda u, s, p=None: (tree_map(lambda g: g.clamp(-max_delta, max_delta), u), s))
+        lambda u, s, p=None: (elementwise_map(lambda g: g.clamp(-max_delta, max_delta), u), s))
 
 
 def global_norm(updates: Any) -> torch.Tensor:
@@ -33,6 +34,6 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         norm = global_norm(updates)
         if norm < max_norm:
             return updates, state
-        return tree_map(lambda g: g / norm.to(g.dtype) * max_norm, updates), state
+        return elementwise_map(lambda g: g / norm.to(g.dtype) * max_norm, updates), state
 
     return GradientTransformation(lambda params: EmptyState(), update)

@@ -35,6 +35,8 @@ _TORCH_RMSPROP = importlib.import_module("torch.optim.rmsprop")
 _TORCH_ADAMAX = importlib.import_module("torch.optim.adamax")
 _TORCH_ADADELTA = importlib.import_module("torch.optim.adadelta")
 _TORCH_RPROP = importlib.import_module("torch.optim.rprop")
+_TORCH_NADAM = importlib.import_module("torch.optim.nadam")
+_TORCH_RADAM = importlib.import_module("torch.optim.radam")
 
 
 def fuse(links: Sequence[GradientTransformation]) -> InplaceStep | None:
@@ -43,7 +45,7 @@ def fuse(links: Sequence[GradientTransformation]) -> InplaceStep | None:
     if any(spec is None for _, spec in specs):
         return None
     return (_adam_kernel(specs) or _sgd_kernel(specs) or _adagrad_kernel(specs) or _rmsprop_kernel(specs)
-            or _adamax_kernel(specs) or _adadelta_kernel(specs) or _rprop_kernel(specs))
+            or _adamax_kernel(specs) or _adadelta_kernel(specs) or _rprop_kernel(specs) or _nadam_radam_kernel(specs))
 
 
 class _Placement:
@@ -317,6 +319,59 @@ def _adadelta_kernel(specs: list[tuple[int, Spec]]) -> InplaceStep | None:
         return tuple(new)
 
     return inplace
+
+
+def _nadam_radam_kernel(specs: list[tuple[int, Spec]]) -> InplaceStep | None:
+    """[scale(-1)] [add_decayed_weights] (torch_nadam | torch_radam) [add_decayed_weights]
+    scale_by_learning_rate: `from_torch(NAdam | RAdam)`, on torch's multi-tensor implementations."""
+    specs = list(specs)
+    maximize = _take(specs, "scale", lambda a: a["step_size"] == -1.0) is not None
+    coupled = _take(specs, "add_decayed_weights", _plain_decay)
+    core = _take(specs, "torch_nadam") or _take(specs, "torch_radam")
+    decoupled = _take(specs, "add_decayed_weights", _plain_decay)
+    lr = _take(specs, "scale_by_learning_rate", lambda a: a["flip_sign"])
+    if core is None or lr is None or specs or (coupled and decoupled):
+        return None
+    (core_at, core_spec), (lr_at, learning_rate) = core, (lr[0], lr[1].args["learning_rate"])
+    nadam = core_spec.name == "torch_nadam"
+    options = dict(beta1=core_spec.args["b1"], beta2=core_spec.args["b2"], eps=core_spec.args["eps"],
+                   weight_decay=(coupled or decoupled)[1].args["weight_decay"] if (coupled or decoupled) else 0.0,
+                   decoupled_weight_decay=decoupled is not None, maximize=maximize, foreach=True)
+    if nadam:
+        options["momentum_decay"] = core_spec.args["momentum_decay"]
+    placement = _Placement()
+
+    @torch.no_grad()
+    def inplace(params: list, grads: list, state: tuple) -> tuple | None:
+        treedef, core_state = optree.tree_structure(params), state[core_at]
+        mu, nu = treedef.flatten_up_to(core_state.mu), treedef.flatten_up_to(core_state.nu)
+        if placement(params, grads, mu, nu) is None:
+            return None
+        steps = _per_param(core_state.count, len(params), scalar_dtype())  # torch increments each
+        rate = _rate(learning_rate, state[lr_at])
+        if nadam:
+            products = _per_param(core_state.mu_product, len(params), core_state.mu_product.dtype)
+            _TORCH_NADAM.nadam(params, grads, mu, nu, products, steps, lr=rate, **options)
+            core_state = core_state._replace(mu_product=products[0].clone())
+        else:
+            _TORCH_RADAM.radam(params, grads, mu, nu, steps, lr=rate, **options)
+        new = list(state)
+        new[core_at] = core_state._replace(count=count_inc(core_state.count))
+        new[lr_at] = _advance(learning_rate, state[lr_at])
+        return tuple(new)
+
+    return inplace
+
+
+def _per_param(value: torch.Tensor, n: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    """``n`` separate 0-d tensors holding ``value``: torch's multi-tensor rules keep a step count
+    (and NAdam a momentum product) per param and update each in place."""
+    return list(torch.full((n,), float(value), dtype=dtype).unbind(0))
+
+
+def scalar_dtype() -> torch.dtype:
+    """The dtype torch keeps optimizer scalars in (``torch.optim.optimizer._get_scalar_dtype``)."""
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
 
 
 def _lr_rule(specs: list[tuple[int, Spec]], core_name: str):

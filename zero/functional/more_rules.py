@@ -28,6 +28,7 @@ from zero.functional.base import (
     tree_map,
     zeros_like,
 )
+from zero.functional.packing import elementwise_map
 from zero.functional.transform import _debias, _moment, abs_sq
 
 __all__ = ["ScaleByOptimisticGradientState", "ScaleByNovogradState", "ScaleByAdanState",
@@ -78,7 +79,7 @@ class ScaleByAdanState(NamedTuple):
 
 def scale_by_sign() -> GradientTransformation:
     """The sign of each update (``optax.scale_by_sign``)."""
-    return GradientTransformation(lambda params: EmptyState(), lambda u, s, p=None: (tree_map(torch.sign, u), s),
+    return GradientTransformation(lambda params: EmptyState(), lambda u, s, p=None: (elementwise_map(torch.sign, u), s),
                                   spec=Spec("scale_by_sign", {}))
 
 
@@ -90,7 +91,7 @@ def scale_by_optimistic_gradient(alpha: float = 1.0, beta: float = 1.0) -> Gradi
 
     def update(updates, state, params=None):
         first = bool(state.is_initial_step)
-        out = tree_map(lambda g, prev: (alpha + beta) * g - beta * (g if first else prev),
+        out = elementwise_map(lambda g, prev: (alpha + beta) * g - beta * (g if first else prev),
                        updates, state.previous_gradient)
         return out, ScaleByOptimisticGradientState(torch.tensor(False), updates)
 
@@ -107,10 +108,10 @@ def scale_by_yogi(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-3, eps_roo
                                   full_like(params, initial_accumulator_value))
 
     def update(updates, state, params=None):
-        mu = tree_map(lambda g, m: _moment(g, m, b1, 1), updates, state.mu)
-        nu = tree_map(lambda g, v: v - (1 - b2) * torch.sgn(v - abs_sq(g)) * abs_sq(g), updates, state.nu)
+        mu = elementwise_map(lambda g, m: _moment(g, m, b1, 1), updates, state.mu)
+        nu = elementwise_map(lambda g, v: v - (1 - b2) * torch.sgn(v - abs_sq(g)) * abs_sq(g), updates, state.nu)
         count = count_inc(state.count)
-        out = tree_map(lambda m, v: _debias(m, b1, count) / (torch.sqrt(_debias(v, b2, count) + eps_root) + eps),
+        out = elementwise_map(lambda m, v: _debias(m, b1, count) / (torch.sqrt(_debias(v, b2, count) + eps_root) + eps),
                        mu, nu)
         return out, A.ScaleByAdamState(count, mu, nu)
 
@@ -166,7 +167,7 @@ def scale_by_polyak(f_min: float = 0.0, max_learning_rate: float = 1.0, eps: flo
         denom = sq_norm + eps
         tiny = denom <= torch.finfo(sq_norm.dtype).eps
         step = torch.where(tiny, 0.0, torch.clamp(gap / denom, max=max_learning_rate))
-        return tree_map(lambda g: step.to(g.dtype) * g, updates), state
+        return elementwise_map(lambda g: step.to(g.dtype) * g, updates), state
 
     return GradientTransformation(lambda params: EmptyState(), update)
 
@@ -182,12 +183,12 @@ def scale_by_adan(b1: float = 0.98, b2: float = 0.92, b3: float = 0.99, eps: flo
 
     def update(updates, state, params=None):
         first = int(state.t) == 0
-        diff = tree_map(lambda g, prev: torch.zeros_like(g) if first else g - prev, updates, state.g)
-        m = tree_map(lambda g, m: _moment(g, m, b1, 1), updates, state.m)
-        v = tree_map(lambda d, v: _moment(d, v, b2, 1), diff, state.v)
-        n = tree_map(lambda g, d, n: _moment(g + (1 - b2) * d, n, b3, 2), updates, diff, state.n)
+        diff = elementwise_map(lambda g, prev: torch.zeros_like(g) if first else g - prev, updates, state.g)
+        m = elementwise_map(lambda g, m: _moment(g, m, b1, 1), updates, state.m)
+        v = elementwise_map(lambda d, v: _moment(d, v, b2, 1), diff, state.v)
+        n = elementwise_map(lambda g, d, n: _moment(g + (1 - b2) * d, n, b3, 2), updates, diff, state.n)
         t = count_inc(state.t)
-        out = tree_map(lambda m, v, n: (_debias(m, b1, t) + (1 - b2) * _debias(v, b2, t))
+        out = elementwise_map(lambda m, v, n: (_debias(m, b1, t) + (1 - b2) * _debias(v, b2, t))
                        / (torch.sqrt(_debias(n, b3, t) + eps_root) + eps), m, v, n)
         return out, ScaleByAdanState(m, v, n, updates, t)
 

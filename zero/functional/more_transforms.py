@@ -27,6 +27,7 @@ from zero.functional.base import (
     update_with,
     zeros_like,
 )
+from zero.functional.packing import elementwise_map
 from zero.functional.transform import abs_sq
 
 __all__ = ["ZeroNansState", "ApplyEvery", "ConditionallyMaskState", "ConditionallyTransformState",
@@ -107,7 +108,7 @@ def zero_nans() -> GradientTransformation:
     """Replace NaNs in the updates by 0 and record, per leaf, whether there were any (``optax.zero_nans``)."""
     def update(updates, state, params=None):
         found = tree_map(lambda u: torch.isnan(u).any(), updates)
-        return tree_map(lambda u: torch.where(torch.isnan(u), 0.0, u), updates), ZeroNansState(found)
+        return elementwise_map(lambda u: torch.where(torch.isnan(u), 0.0, u), updates), ZeroNansState(found)
 
     return GradientTransformation(lambda params: ZeroNansState(tree_map(lambda p: torch.tensor(False), params)),
                                   update)
@@ -132,7 +133,7 @@ def apply_every(k: int = 1) -> GradientTransformation:
 
     def update(updates, state, params=None):
         c = int(state.count) % k
-        acc = tree_map(lambda g, a: g + a if c else g.clone(), updates, state.grad_acc)
+        acc = elementwise_map(lambda g, a: g + a if c else g.clone(), updates, state.grad_acc)
         out = acc if c == k - 1 else zeros_like(acc)
         return out, ApplyEvery(torch.tensor(int(count_inc(state.count)) % k, dtype=torch.int32), acc)
 

@@ -27,11 +27,12 @@ from zero.functional.base import (
     count_zero,
     full_like,
     identity,
-    tree_map,
     zeros_like,
 )
 from zero.functional.combine import chain
 from zero.functional.inject import inject_hyperparams
+from zero.functional.kernels import scalar_dtype as _scalar_dtype
+from zero.functional.packing import elementwise_map
 
 __all__ = ["from_torch", "TORCH_CLASSES"]
 
@@ -41,11 +42,6 @@ _MUST_BE_FALSE = {"capturable", "differentiable"}
 
 def _negate(maximize: bool) -> GradientTransformation:
     return T.scale(-1.0) if maximize else identity()
-
-
-def _scalar_dtype() -> torch.dtype:
-    """The dtype torch keeps optimizer scalars in (``torch.optim.optimizer._get_scalar_dtype``)."""
-    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
 
 
 class TorchMomentumState(NamedTuple):
@@ -66,10 +62,10 @@ def _torch_momentum(momentum: float, dampening: float, nesterov: bool) -> Gradie
 
     def update(updates, state, params=None):
         if int(state.count) == 0:
-            buf = tree_map(torch.clone, updates)
+            buf = elementwise_map(torch.clone, updates)
         else:
-            buf = tree_map(lambda g, b: momentum * b + (1 - dampening) * g, updates, state.momentum_buffer)
-        out = tree_map(lambda g, b: g + momentum * b, updates, buf) if nesterov else buf
+            buf = elementwise_map(lambda g, b: momentum * b + (1 - dampening) * g, updates, state.momentum_buffer)
+        out = elementwise_map(lambda g, b: g + momentum * b, updates, buf) if nesterov else buf
         return out, TorchMomentumState(count_inc(state.count), buf)
 
     spec = Spec("torch_momentum", {"momentum": momentum, "dampening": dampening, "nesterov": nesterov})
@@ -83,12 +79,12 @@ def _torch_amsgrad(b1: float, b2: float, eps: float) -> GradientTransformation:
         return A.ScaleByAmsgradState(count_zero(), zeros_like(params), zeros_like(params), zeros_like(params))
 
     def update(updates, state, params=None):
-        mu = tree_map(lambda g, m: torch.lerp(m, g, 1 - b1), updates, state.mu)
-        nu = tree_map(lambda g, v: b2 * v + (1 - b2) * g * g, updates, state.nu)
-        nu_max = tree_map(torch.maximum, state.nu_max, nu)
+        mu = elementwise_map(lambda g, m: torch.lerp(m, g, 1 - b1), updates, state.mu)
+        nu = elementwise_map(lambda g, v: b2 * v + (1 - b2) * g * g, updates, state.nu)
+        nu_max = elementwise_map(torch.maximum, state.nu_max, nu)
         c = int(count_inc(state.count))
         bc1, bc2 = 1 - b1**c, 1 - b2**c
-        out = tree_map(lambda m, vm: (m / bc1) / (vm.sqrt() / math.sqrt(bc2) + eps), mu, nu_max)
+        out = elementwise_map(lambda m, vm: (m / bc1) / (vm.sqrt() / math.sqrt(bc2) + eps), mu, nu_max)
         return out, A.ScaleByAmsgradState(count_inc(state.count), mu, nu, nu_max)
 
     return GradientTransformation(init, update, spec=Spec("torch_amsgrad", {"b1": b1, "b2": b2, "eps": eps}))
@@ -98,8 +94,8 @@ def _torch_adagrad(initial_accumulator_value: float, eps: float) -> GradientTran
     """``torch.optim.Adagrad``'s rescaling: ``g / (sqrt(sum g^2) + eps)``."""
 
     def update(updates, state, params=None):
-        sos = tree_map(lambda g, s: s + g * g, updates, state.sum_of_squares)
-        return tree_map(lambda g, s: g / (s.sqrt() + eps), updates, sos), T.ScaleByRssState(sos)
+        sos = elementwise_map(lambda g, s: s + g * g, updates, state.sum_of_squares)
+        return elementwise_map(lambda g, s: g / (s.sqrt() + eps), updates, sos), T.ScaleByRssState(sos)
 
     return GradientTransformation(lambda p: T.ScaleByRssState(full_like(p, initial_accumulator_value)), update,
                                   spec=Spec("torch_adagrad", {"eps": eps}))
@@ -117,13 +113,13 @@ def _torch_rprop(lr: float, etas: tuple[float, float], step_sizes: tuple[float, 
     lo, hi = step_sizes
 
     def update(updates, state, params=None):
-        prod = tree_map(lambda g, prev: g * prev, updates, state.prev_updates)
-        factor = tree_map(lambda s: torch.where(s > 0, torch.full_like(s, eta_plus),
+        prod = elementwise_map(lambda g, prev: g * prev, updates, state.prev_updates)
+        factor = elementwise_map(lambda s: torch.where(s > 0, torch.full_like(s, eta_plus),
                                                 torch.where(s < 0, torch.full_like(s, eta_minus), torch.ones_like(s))),
                           prod)
-        steps = tree_map(lambda st, f: (st * f).clamp(lo, hi), state.step_sizes, factor)
-        grads = tree_map(lambda g, s: torch.where(s < 0, torch.zeros_like(g), g), updates, prod)
-        return tree_map(lambda g, st: g.sign() * st, grads, steps), T.ScaleByRpropState(steps, grads)
+        steps = elementwise_map(lambda st, f: (st * f).clamp(lo, hi), state.step_sizes, factor)
+        grads = elementwise_map(lambda g, s: torch.where(s < 0, torch.zeros_like(g), g), updates, prod)
+        return elementwise_map(lambda g, st: g.sign() * st, grads, steps), T.ScaleByRpropState(steps, grads)
 
     spec = Spec("torch_rprop", {"etas": etas, "step_sizes": step_sizes})
     return GradientTransformation(lambda p: T.ScaleByRpropState(full_like(p, lr), zeros_like(p)), update, spec=spec)
@@ -158,14 +154,15 @@ def _torch_nadam(b1: float, b2: float, eps: float, momentum_decay: float) -> Gra
         mu_next = b1 * (1.0 - 0.5 * 0.96 ** ((c + 1) * momentum_decay))
         mu_product = state.mu_product * mu_t  # kept in torch's scalar dtype, as torch does
         prod = float(mu_product)
-        m = tree_map(lambda g, m: torch.lerp(m, g, 1 - b1), updates, state.mu)
-        v = tree_map(lambda g, v: b2 * v + (1 - b2) * g * g, updates, state.nu)
-        denom = tree_map(lambda v: (v / (1 - b2**c)).sqrt() + eps, v)
-        out = tree_map(lambda g, m, d: g * ((1 - mu_t) / (1 - prod)) / d + m * (mu_next / (1 - prod * mu_next)) / d,
-                       updates, m, denom)
+        m = elementwise_map(lambda g, m: torch.lerp(m, g, 1 - b1), updates, state.mu)
+        v = elementwise_map(lambda g, v: b2 * v + (1 - b2) * g * g, updates, state.nu)
+        denom = elementwise_map(lambda v: (v / (1 - b2**c)).sqrt() + eps, v)
+        out = elementwise_map(lambda g, m, d: g * ((1 - mu_t) / (1 - prod)) / d
+                              + m * (mu_next / (1 - prod * mu_next)) / d, updates, m, denom)
         return out, TorchNAdamState(count_inc(state.count), mu_product, m, v)
 
-    return GradientTransformation(init, update)
+    spec = Spec("torch_nadam", {"b1": b1, "b2": b2, "eps": eps, "momentum_decay": momentum_decay})
+    return GradientTransformation(init, update, spec=spec)
 
 
 def _torch_radam(b1: float, b2: float, eps: float) -> GradientTransformation:
@@ -178,17 +175,17 @@ def _torch_radam(b1: float, b2: float, eps: float) -> GradientTransformation:
     def update(updates, state, params=None):
         c = int(count_inc(state.count))
         bc1, bc2 = 1 - b1**c, 1 - b2**c
-        m = tree_map(lambda g, m: torch.lerp(m, g, 1 - b1), updates, state.mu)
-        v = tree_map(lambda g, v: b2 * v + (1 - b2) * g * g, updates, state.nu)
+        m = elementwise_map(lambda g, m: torch.lerp(m, g, 1 - b1), updates, state.mu)
+        v = elementwise_map(lambda g, v: b2 * v + (1 - b2) * g * g, updates, state.nu)
         rho_t = rho_inf - 2 * c * (b2**c) / bc2
         if rho_t > 5.0:
             rect = math.sqrt((rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t))
-            out = tree_map(lambda m, v: (m / bc1) * (rect * math.sqrt(bc2) / (v.sqrt() + eps)), m, v)
+            out = elementwise_map(lambda m, v: (m / bc1) * (rect * math.sqrt(bc2) / (v.sqrt() + eps)), m, v)
         else:
-            out = tree_map(lambda m: m / bc1, m)
+            out = elementwise_map(lambda m: m / bc1, m)
         return out, A.ScaleByAdamState(count_inc(state.count), m, v)
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, spec=Spec("torch_radam", {"b1": b1, "b2": b2, "eps": eps}))
 
 
 def _decays(weight_decay: float, decoupled: bool):

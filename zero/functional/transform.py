@@ -29,7 +29,7 @@ from zero.functional.base import (
     tree_map,
     zeros_like,
 )
-from zero.functional.packing import foreach_map
+from zero.functional.packing import elementwise_map, foreach_map
 
 __all__ = [
     "ScaleByScheduleState", "ScaleByRmsState",
@@ -422,9 +422,9 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99, mu_dtype: torch.dtype | Non
         return ScaleByLionState(count_zero(), zeros_like(params, mu_dtype))
 
     def update(updates, state, params=None):
-        out = tree_map(lambda g, m: sign((1 - b1) * g + b1 * m, smooth_beta), updates, state.mu)
+        out = elementwise_map(lambda g, m: sign((1 - b1) * g + b1 * m, smooth_beta), updates, state.mu)
         # Accumulate in the wider dtype (mu_dtype=float32 with bf16 updates stays float32-exact).
-        mu = tree_map(lambda g, m: _moment(g.to(torch.promote_types(g.dtype, m.dtype)), m, b2, 1).to(m.dtype),
+        mu = elementwise_map(lambda g, m: _moment(g.to(torch.promote_types(g.dtype, m.dtype)), m, b2, 1).to(m.dtype),
                       updates, state.mu)
         return out, ScaleByLionState(count_inc(state.count), mu)
 
@@ -466,13 +466,13 @@ def scale_by_rprop(learning_rate: float, eta_minus: float = 0.5, eta_plus: float
     check_positive("learning_rate", learning_rate)
 
     def update(updates, state, params=None):
-        sign = tree_map(lambda g, prev: g * prev, updates, state.prev_updates)
-        steps = tree_map(lambda s, st: torch.where(
+        sign = elementwise_map(lambda g, prev: g * prev, updates, state.prev_updates)
+        steps = elementwise_map(lambda s, st: torch.where(
             s == 0, st, torch.clamp(torch.where(s > 0, st * eta_plus, st * eta_minus), min_step_size, max_step_size)),
             sign, state.step_sizes)
-        prev = tree_map(lambda s, g, st: torch.where(s < 0, torch.zeros_like(g), st * torch.sign(g)),
+        prev = elementwise_map(lambda s, g, st: torch.where(s < 0, torch.zeros_like(g), st * torch.sign(g)),
                         sign, updates, steps)
-        out = tree_map(lambda s, old: torch.where(s < 0, torch.zeros_like(old), old), sign, state.prev_updates)
+        out = elementwise_map(lambda s, old: torch.where(s < 0, torch.zeros_like(old), old), sign, state.prev_updates)
         return out, ScaleByRpropState(steps, prev)
 
     return GradientTransformation(

@@ -20,6 +20,7 @@ from zero.functional.base import (
     update_with,
     zeros_like,
 )
+from zero.functional.packing import elementwise_map
 
 __all__ = ["MaskedNode", "MaskedState", "masked", "PartitionState", "partition", "MultiTransformState",
            "multi_transform",
@@ -206,12 +207,12 @@ class MultiSteps:
         n = int(state.mini_step)
         k = int(self._k(state.gradient_step))
         if self._use_grad_mean:
-            acc = tree_map(lambda g, a: a + (g - a) / (n + 1), updates, state.acc_grads)
+            acc = elementwise_map(lambda g, a: a + (g - a) / (n + 1), updates, state.acc_grads)
         else:
-            acc = tree_map(lambda g, a: g + a, updates, state.acc_grads)
-        inner_updates = tree_map(lambda a, g: a.to(g.dtype), acc, updates)
+            acc = elementwise_map(lambda g, a: g + a, updates, state.acc_grads)
+        inner_updates = elementwise_map(lambda a, g: a.to(g.dtype), acc, updates)
         if n != k - 1:
-            acc = tree_map(lambda a: a.to(self._acc_dtype), acc)
+            acc = elementwise_map(lambda a: a.to(self._acc_dtype), acc)
             zeros = self._zeros_like_inner(inner_updates, state.inner_opt_state, params, extra_args)
             return zeros, MultiStepsState(count_inc(state.mini_step), state.gradient_step,
                                           state.inner_opt_state, acc, skip_state)
