@@ -304,3 +304,19 @@ def test_a_kernel_step_is_seen_by_autograd_as_an_inplace_change(make):
     opt.step()
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         saved.backward()
+
+
+@pytest.mark.parametrize("make", [lambda: F.from_torch(torch.optim.Adam, lr=0.05),
+                                  lambda: F.from_torch(torch.optim.RMSprop, lr=0.01, momentum=0.9)])
+def test_a_scheduler_keeps_the_kernels_checked_placement(make, monkeypatch):
+    """An lr that changes every step builds the inner chain for the new value; its kernel takes
+    over the tensors the last one checked instead of checking every dtype and device again."""
+    from zero.functional import kernels
+
+    checks = []
+    groups = kernels._groups
+    monkeypatch.setattr(kernels, "_groups", lambda lists: checks.append(1) or groups(lists))
+    model, data = model_and_data()
+    opt = F.Optimizer(model.parameters(), make())
+    train(model, opt, data[:10], torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 / (1 + step)))
+    assert len(checks) == 1, "the tensors' dtypes and devices were checked once, at the first step"

@@ -33,6 +33,17 @@ UNPACKED_CASES = {
 }
 
 
+@pytest.fixture(autouse=True)
+def x64():
+    """Optax in float64 here, whatever the test modules run before (Optax's own suite) left set."""
+    import jax
+
+    before = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    yield
+    jax.config.update("jax_enable_x64", before)
+
+
 @pytest.fixture
 def unpacked(monkeypatch):
     monkeypatch.setattr(packing, "PACK_NUMEL", 0)

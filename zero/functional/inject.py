@@ -26,6 +26,7 @@ from zero.functional.base import (
     tree_leaves,
     update_with,
 )
+from zero.functional.kernels import keep_placement
 
 __all__ = ["InjectHyperparamsState", "InjectStatefulHyperparamsState", "WrappedScheduleState", "WrappedSchedule",
            "inject_hyperparams"]
@@ -165,8 +166,14 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation],
         def inner(values: tuple[tuple[str, Any], ...]) -> GradientTransformation:
             return inner_factory(**fixed, **dict(values))
 
+        last: list[GradientTransformation] = []  # the inner transformation of the last step
+
         def build(hyperparams: dict) -> GradientTransformation:
-            return inner(tuple((k, v.item()) for k, v in hyperparams.items()))
+            tx = inner(tuple((k, v.item()) for k, v in hyperparams.items()))
+            if last and last[0] is not tx:
+                keep_placement(last[0], tx)  # new values (a scheduler): keep what the kernel has checked
+            last[:] = [tx]
+            return tx
 
         def current(state, params, extra_args):
             dtype = hyperparam_dtype or _params_dtype(params)

@@ -48,6 +48,18 @@ def fuse(links: Sequence[GradientTransformation]) -> InplaceStep | None:
             or _adamax_kernel(specs) or _adadelta_kernel(specs) or _rprop_kernel(specs) or _nadam_radam_kernel(specs))
 
 
+def keep_placement(old: GradientTransformation | None, new: GradientTransformation) -> None:
+    """Give ``new``'s kernel the placement ``old``'s kernel has checked, when both have one.
+
+    A learning-rate scheduler changes a hyperparameter at every step, and `inject_hyperparams`
+    then steps with a transformation built for the new values. Its kernel would check every
+    tensor's dtype and device again (milliseconds for thousands of tensors); the placement is
+    only a record of tensors already checked, so the new kernel may take over the old one's.
+    """
+    if old is not None and hasattr(old.inplace, "placement") and hasattr(new.inplace, "placement"):
+        new.inplace.placement = old.inplace.placement
+
+
 class _Placement:
     """Which tensors a kernel can step together: index groups by (device, dtype), or None.
 
@@ -130,7 +142,6 @@ def _adam_kernel(specs: list[tuple[int, Spec]]) -> InplaceStep | None:
     kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
     hyper = {k: core_spec.args[k] for k in ("b1", "b2", "eps")}
     amsgrad = core_spec.name == "torch_amsgrad"
-    placement = _Placement()
 
     @torch.no_grad()
     def inplace(params: list, grads: list, state: tuple) -> tuple | None:
@@ -138,7 +149,7 @@ def _adam_kernel(specs: list[tuple[int, Spec]]) -> InplaceStep | None:
         treedef = optree.tree_structure(params)
         mu, nu = treedef.flatten_up_to(adam.mu), treedef.flatten_up_to(adam.nu)
         nu_max = treedef.flatten_up_to(adam.nu_max) if amsgrad else []
-        groups = placement(params, grads, mu, nu, *([nu_max] if amsgrad else []))
+        groups = inplace.placement(params, grads, mu, nu, *([nu_max] if amsgrad else []))
         if groups is None:
             return None
         count = count_inc(adam.count)
@@ -154,6 +165,7 @@ def _adam_kernel(specs: list[tuple[int, Spec]]) -> InplaceStep | None:
         new[lr_at] = _advance(learning_rate, lr_state)
         return tuple(new)
 
+    inplace.placement = _Placement()  # read at each call: see keep_placement
     return inplace
 
 
@@ -176,12 +188,11 @@ def _sgd_kernel(specs: list[tuple[int, Spec]]) -> InplaceStep | None:
         mom = (dict(args) if momentum[1].name == "torch_momentum" else
                {"momentum": args["decay"], "dampening": 0.0, "nesterov": args["nesterov"]})
     field = "momentum_buffer" if momentum and momentum[1].name == "torch_momentum" else "trace"
-    placement = _Placement()
 
     @torch.no_grad()
     def inplace(params: list, grads: list, state: tuple) -> tuple | None:
         buffers = optree.tree_structure(params).flatten_up_to(getattr(state[momentum[0]], field)) if momentum else []
-        groups = placement(params, grads, *([buffers] if momentum else []))
+        groups = inplace.placement(params, grads, *([buffers] if momentum else []))
         if groups is None:
             return None
         first = field == "momentum_buffer" and int(state[momentum[0]].count) == 0
@@ -199,6 +210,7 @@ def _sgd_kernel(specs: list[tuple[int, Spec]]) -> InplaceStep | None:
         new[lr_at] = _advance(learning_rate, lr_state)
         return tuple(new)
 
+    inplace.placement = _Placement()  # read at each call: see keep_placement
     return inplace
 
 
@@ -212,12 +224,11 @@ def _adagrad_kernel(specs: list[tuple[int, Spec]]) -> InplaceStep | None:
         return None
     core_at, eps = core[0], core[1].args["eps"]
     lr_at, hyper = lr[0], lr[1].args
-    placement = _Placement()
 
     @torch.no_grad()
     def inplace(params: list, grads: list, state: tuple) -> tuple | None:
         sums = optree.tree_structure(params).flatten_up_to(state[core_at].sum_of_squares)
-        groups = placement(params, grads, sums)
+        groups = inplace.placement(params, grads, sums)
         if groups is None:
             return None
         count = count_inc(state[lr_at].count)  # torch's step t, counted from 1
@@ -230,6 +241,7 @@ def _adagrad_kernel(specs: list[tuple[int, Spec]]) -> InplaceStep | None:
         new[lr_at] = state[lr_at]._replace(count=count)
         return tuple(new)
 
+    inplace.placement = _Placement()  # read at each call: see keep_placement
     return inplace
 
 
@@ -247,7 +259,6 @@ def _rmsprop_kernel(specs: list[tuple[int, Spec]]) -> InplaceStep | None:
         return None
     core_at, centered, hyper = core[0], core[1].name == "scale_by_stddev", core[1].args
     lr_at, learning_rate = lr[0], lr[1].args["learning_rate"]
-    placement = _Placement()
 
     @torch.no_grad()
     def inplace(params: list, grads: list, state: tuple) -> tuple | None:
@@ -255,7 +266,8 @@ def _rmsprop_kernel(specs: list[tuple[int, Spec]]) -> InplaceStep | None:
         square = treedef.flatten_up_to(state[core_at].nu)
         mean = treedef.flatten_up_to(state[core_at].mu) if centered else []
         buffers = treedef.flatten_up_to(state[momentum[0]].trace) if momentum else []
-        if placement(params, grads, square, *([mean] if centered else []), *([buffers] if momentum else [])) is None:
+        states = [square] + ([mean] if centered else []) + ([buffers] if momentum else [])
+        if inplace.placement(params, grads, *states) is None:
             return None
         steps = [torch.zeros(())] * len(params)  # counted by torch's implementation, read by no rule here
         _TORCH_RMSPROP.rmsprop(params, grads, square, mean, buffers, steps, foreach=True, maximize=maximize,
@@ -266,6 +278,7 @@ def _rmsprop_kernel(specs: list[tuple[int, Spec]]) -> InplaceStep | None:
         new[lr_at] = _advance(learning_rate, state[lr_at])
         return tuple(new)
 
+    inplace.placement = _Placement()  # read at each call: see keep_placement
     return inplace
 
 
@@ -276,13 +289,12 @@ def _adamax_kernel(specs: list[tuple[int, Spec]]) -> InplaceStep | None:
     if rule is None:
         return None
     maximize, weight_decay, core_at, hyper, lr_at, learning_rate = rule
-    placement = _Placement()
 
     @torch.no_grad()
     def inplace(params: list, grads: list, state: tuple) -> tuple | None:
         treedef, adamax = optree.tree_structure(params), state[core_at]
         mu, nu = treedef.flatten_up_to(adamax.mu), treedef.flatten_up_to(adamax.nu)
-        if placement(params, grads, mu, nu) is None:
+        if inplace.placement(params, grads, mu, nu) is None:
             return None
         steps = list(torch.full((len(params),), float(adamax.count)).unbind(0))  # torch increments each
         _TORCH_ADAMAX.adamax(params, grads, mu, nu, steps, foreach=True, maximize=maximize, eps=hyper["eps"],
@@ -293,6 +305,7 @@ def _adamax_kernel(specs: list[tuple[int, Spec]]) -> InplaceStep | None:
         new[lr_at] = _advance(learning_rate, state[lr_at])
         return tuple(new)
 
+    inplace.placement = _Placement()  # read at each call: see keep_placement
     return inplace
 
 
@@ -303,13 +316,12 @@ def _adadelta_kernel(specs: list[tuple[int, Spec]]) -> InplaceStep | None:
     if rule is None:
         return None
     maximize, weight_decay, core_at, hyper, lr_at, learning_rate = rule
-    placement = _Placement()
 
     @torch.no_grad()
     def inplace(params: list, grads: list, state: tuple) -> tuple | None:
         treedef, adadelta = optree.tree_structure(params), state[core_at]
         e_g, e_x = treedef.flatten_up_to(adadelta.e_g), treedef.flatten_up_to(adadelta.e_x)
-        if placement(params, grads, e_g, e_x) is None:
+        if inplace.placement(params, grads, e_g, e_x) is None:
             return None
         steps = [torch.zeros(())] * len(params)  # counted by torch, read by no rule here
         _TORCH_ADADELTA.adadelta(params, grads, e_g, e_x, steps, foreach=True, lr=_rate(learning_rate, state[lr_at]),
@@ -318,6 +330,7 @@ def _adadelta_kernel(specs: list[tuple[int, Spec]]) -> InplaceStep | None:
         new[lr_at] = _advance(learning_rate, state[lr_at])
         return tuple(new)
 
+    inplace.placement = _Placement()  # read at each call: see keep_placement
     return inplace
 
 
@@ -339,13 +352,12 @@ def _nadam_radam_kernel(specs: list[tuple[int, Spec]]) -> InplaceStep | None:
                    decoupled_weight_decay=decoupled is not None, maximize=maximize, foreach=True)
     if nadam:
         options["momentum_decay"] = core_spec.args["momentum_decay"]
-    placement = _Placement()
 
     @torch.no_grad()
     def inplace(params: list, grads: list, state: tuple) -> tuple | None:
         treedef, core_state = optree.tree_structure(params), state[core_at]
         mu, nu = treedef.flatten_up_to(core_state.mu), treedef.flatten_up_to(core_state.nu)
-        if placement(params, grads, mu, nu) is None:
+        if inplace.placement(params, grads, mu, nu) is None:
             return None
         steps = _per_param(core_state.count, len(params), scalar_dtype())  # torch increments each
         rate = _rate(learning_rate, state[lr_at])
@@ -360,6 +372,7 @@ def _nadam_radam_kernel(specs: list[tuple[int, Spec]]) -> InplaceStep | None:
         new[lr_at] = _advance(learning_rate, state[lr_at])
         return tuple(new)
 
+    inplace.placement = _Placement()  # read at each call: see keep_placement
     return inplace
 
 
@@ -395,19 +408,19 @@ def _rprop_kernel(specs: list[tuple[int, Spec]]) -> InplaceStep | None:
     if core is None or descend is None or specs:
         return None
     core_at, (eta_minus, eta_plus), (lo, hi) = core[0], core[1].args["etas"], core[1].args["step_sizes"]
-    placement = _Placement()
 
     @torch.no_grad()
     def inplace(params: list, grads: list, state: tuple) -> tuple | None:
         treedef, rprop = optree.tree_structure(params), state[core_at]
         prevs, sizes = treedef.flatten_up_to(rprop.prev_updates), treedef.flatten_up_to(rprop.step_sizes)
-        if placement(params, grads, prevs, sizes) is None:
+        if inplace.placement(params, grads, prevs, sizes) is None:
             return None
         steps = [torch.zeros(())] * len(params)  # counted by torch, read by no rule here
         _TORCH_RPROP.rprop(params, grads, prevs, sizes, steps, foreach=True, maximize=maximize, step_size_min=lo,
                            step_size_max=hi, etaminus=eta_minus, etaplus=eta_plus)
         return state  # prevs and step sizes were updated in place, as torch keeps them
 
+    inplace.placement = _Placement()  # read at each call: see keep_placement
     return inplace
 
 
