@@ -5,7 +5,7 @@ steps (grads fixed, a barrier before each); the four optimizers take turns step 
 hits all alike. Consolidation (``consolidate_state_dict`` + ``state_dict``) runs in fresh
 processes, one per implementation, so its peak-RSS growth is its own.
 
-    python bench/zero_bench.py [--steps 30] [--rounds 3] [--json out.json] [--check-in]
+    python bench/zero_bench.py [--steps 30] [--rounds 3] [--json out.json] [--check-in | --local-step]
 """
 
 from __future__ import annotations
@@ -106,6 +106,40 @@ def check_in_worker(rank, port, name, steps, rounds, out):
     dist.destroy_process_group()
 
 
+# The local step's rule, given four ways to zero's default mode: torch's class as torch's ZeRO builds
+# it (torch's default on CPU: the for-loop step), the class with torch's fused kernel, Optax's
+# `adam` and `from_torch(Adam)` from zero.functional.
+LOCAL_RULES = {
+    "torch.optim.Adam": lambda: (torch.optim.Adam, {"lr": 1e-3}),
+    "torch.optim.Adam(fused=True)": lambda: (torch.optim.Adam, {"lr": 1e-3, "fused": True}),
+    "zero.functional.adam": lambda: (_functional().adam, {"learning_rate": 1e-3}),
+    "from_torch(Adam)": lambda: (_functional().from_torch(torch.optim.Adam, lr=1e-3), {}),
+}
+
+
+def _functional():
+    import zero.functional as F
+
+    return F
+
+
+def local_step_worker(rank, port, name, steps, rounds, out):
+    """zero's step with the same rule given as a torch class or a zero.functional rule."""
+    _init(rank, port)
+    opts = {}
+    for label, make in LOCAL_RULES.items():
+        rule, options = make()
+        opts[label] = Zero(_model(*MODELS[name]).parameters(), rule, **options)
+        _time_steps(opts[label], 3)
+    times = {key: [] for key in opts}
+    for _ in range(rounds * steps):
+        for key, opt in opts.items():
+            times[key] += _time_steps(opt, 1)
+    if rank == 0:
+        out.put({"model": name, "step_ms": {k: 1e3 * statistics.median(t) for k, t in times.items()}})
+    dist.destroy_process_group()
+
+
 def consolidate_worker(rank, port, impl, out):
     _init(rank, port)
     opt = IMPLS[impl](_model(*MODELS["8 x Linear(1024,1024)"]).parameters(), torch.optim.Adam, lr=1e-3)
@@ -143,12 +177,14 @@ def main() -> int:
     ap.add_argument("--json", type=str)
     ap.add_argument("--plot", help="also draw the step times to this PNG")
     ap.add_argument("--check-in", action="store_true", help="only measure what the per-step check-in costs")
+    ap.add_argument("--local-step", action="store_true",
+                    help="only compare the local rule given as a torch class or a zero.functional rule")
     args = ap.parse_args()
-    if args.check_in:
+    if args.check_in or args.local_step:
         from rich.console import Console
 
         for name in MODELS:
-            for r in _spawn(check_in_worker, name, args.steps, args.rounds):
+            for r in _spawn(local_step_worker if args.local_step else check_in_worker, name, args.steps, args.rounds):
                 Console().print(r["model"], {k: round(v, 2) for k, v in r["step_ms"].items()})
         return 0
     report = {"torch": torch.__version__, "steps": [], "consolidate": []}
