@@ -31,6 +31,10 @@ RULES = {
     "adamw": (torch.optim.AdamW, {"lr": 1e-3}, lambda: F.adamw(1e-3), 28),
     "adagrad": (torch.optim.Adagrad, {"lr": 1e-2}, lambda: F.adagrad(1e-2), 20),
     "rmsprop": (torch.optim.RMSprop, {"lr": 1e-2}, lambda: F.rmsprop(1e-2), 20),
+    # torch's NAdam (momentum decay) and RAdam beside Optax's nadam and radam: the same families,
+    # not the same formulas, so their pure rows compare rules of like cost, not one rule
+    "nadam": (torch.optim.NAdam, {"lr": 1e-3}, lambda: F.nadam(1e-3), 28),
+    "radam": (torch.optim.RAdam, {"lr": 1e-3}, lambda: F.radam(1e-3), 28),
 }
 FUSED = {"adam", "sgd", "adamw", "adagrad"}  # torch has a fused kernel (CPU and CUDA) for these
 SHAPES = {"200 uneven tensors, 20M elements": (20e6, 200), "2,000 small tensors, 2M elements": (2e6, 2000)}
@@ -51,6 +55,20 @@ def timeit(fn, repeat: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def interleaved(steps: dict, repeat: int) -> dict:
+    """Median seconds per step of each path, the paths taking turns step by step (as
+    bench/zero_bench.py does), so that the machine's drift hits every path alike."""
+    for step in steps.values():
+        step()  # warm-up: state allocation, first-touch page faults
+    times = {path: [] for path in steps}
+    for _ in range(repeat):
+        for path, step in steps.items():
+            t0 = time.perf_counter()
+            step()
+            times[path].append(time.perf_counter() - t0)
+    return {path: statistics.median(ts) for path, ts in times.items()}
 
 
 def torch_step(params, grads, cls, **kw):
@@ -80,7 +98,7 @@ def pure_step(params, grads, tx):
 
 
 def table_paths(rule: str, params, grads) -> dict:
-    """The paths of the --table run: each is built only when timed, so one is in memory at a time."""
+    """The paths of the --table run, as makers of step functions."""
     cls, options, alias, _ = RULES[rule]
     name = cls.__name__
     paths = {f"torch {name}()": lambda: torch_step(params, grads, cls, foreach=False, **options),
@@ -107,7 +125,7 @@ def run_table(repeat: int) -> None:
         copy_s = timeit(lambda dst=dst, src=src: dst.copy_(src), repeat)  # 8 bytes/element: the physical limit
         for rule in RULES:
             moved = RULES[rule][3]
-            results = {path: timeit(make(), repeat) for path, make in table_paths(rule, params, grads).items()}
+            results = interleaved({path: make() for path, make in table_paths(rule, params, grads).items()}, repeat)
             torch_times = {p: t for p, t in results.items() if p.startswith("torch")}
             fastest = min(torch_times.values())
             foreach = next(t for p, t in torch_times.items() if "foreach" in p)

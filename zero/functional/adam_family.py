@@ -135,13 +135,24 @@ def _floating(*lists):
 
 def _adam_foreach(g, mu, nu, c, b1, b2, eps, eps_root, nesterov, factor=1.0):
     """Adam's update times ``factor`` (nonzero: it folds into the scalars), and the new moments."""
+    g, mu, nu = _adam_moments(g, mu, nu, b1, b2)
+    return _adam_direction(g, mu, nu, c, b1, b2, eps, eps_root, nesterov, factor), mu, nu
+
+
+def _adam_moments(g, mu, nu, b1, b2):
+    """The updates (as floats) and Adam's new moments, fresh, over lists."""
     if not all(x.is_floating_point() or x.is_complex() for x in g):
         g, mu, nu = _floating(g, mu, nu)
     # The first moment in the wider of its and the update's dtypes (mu_dtype=float32 with bf16
     # updates accumulates in float32), as Optax's type promotion does.
     wide = [torch.promote_types(m.dtype, x.dtype) for m, x in zip(mu, g)]
     mu = torch._foreach_lerp([m.to(d) for m, d in zip(mu, wide)], [x.to(d) for x, d in zip(g, wide)], 1 - b1)
-    nu = _moments(g, nu, b2, 2)  # |g|^2 for complex updates
+    return g, mu, _moments(g, nu, b2, 2)  # |g|^2 for complex updates
+
+
+def _adam_direction(g, mu, nu, c, b1, b2, eps, eps_root, nesterov, factor):
+    """``factor m_hat / (sqrt(v_hat + eps_root) + eps)`` at step ``c`` over lists (``m_hat``
+    Nesterov's look-ahead with ``nesterov``)."""
     bc1, bc2 = 1 - b1**c, 1 - b2**c
     # sqrt(v / bc2 + eps_root) = sqrt(v + eps_root bc2) / sqrt(bc2): the corrections fold into
     # scalars on the denominator, two passes over the moments fewer than applying them to tensors.
@@ -149,14 +160,18 @@ def _adam_foreach(g, mu, nu, c, b1, b2, eps, eps_root, nesterov, factor=1.0):
     if nesterov:
         torch._foreach_mul_(denom, 1 / math.sqrt(bc2))
         torch._foreach_add_(denom, eps)
-        num = torch._foreach_mul(mu, factor * b1 / (1 - b1 ** (c + 1)))
-        torch._foreach_add_(num, g, alpha=factor * (1 - b1) / bc1)
-        out = torch._foreach_div(num, denom)
-    else:  # c m_hat / (sqrt(v_hat) + eps) = m / ((bc1 sqrt(v) / sqrt(bc2) + bc1 eps) / c)
-        torch._foreach_mul_(denom, bc1 / math.sqrt(bc2) / factor)
-        torch._foreach_add_(denom, bc1 * eps / factor)
-        out = torch._foreach_div(mu, denom)
-    return out, mu, nu
+        return torch._foreach_div(_nesterov_hat(g, mu, b1, c, factor), denom)
+    # c m_hat / (sqrt(v_hat) + eps) = m / ((bc1 sqrt(v) / sqrt(bc2) + bc1 eps) / c)
+    torch._foreach_mul_(denom, bc1 / math.sqrt(bc2) / factor)
+    torch._foreach_add_(denom, bc1 * eps / factor)
+    return torch._foreach_div(mu, denom)
+
+
+def _nesterov_hat(g, mu, b1, c, factor=1.0):
+    """``factor (b1 m / (1 - b1^(c+1)) + (1 - b1) g / (1 - b1^c))`` over lists, fresh."""
+    num = torch._foreach_mul(mu, factor * b1 / (1 - b1 ** (c + 1)))
+    torch._foreach_add_(num, g, alpha=factor * (1 - b1) / (1 - b1**c))
+    return num
 
 
 def scale_by_amsgrad(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0,
@@ -213,17 +228,14 @@ def scale_by_belief(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-16, eps_
         mu = elementwise_map(lambda g, m: _moment(g, m, b1, 1), updates, state.mu)
         nu = elementwise_map(lambda g, m, v: _moment(g - m, v, b2, 2) + eps_root, updates, mu, state.nu)
         count = count_inc(state.count)
-        mu_hat = _nesterov_hat(mu, updates, b1, count) if nesterov else elementwise_map(
-            lambda m: _debias(m, b1, count), mu)
+        if nesterov:
+            mu_hat = foreach_map(lambda gs, ms: _nesterov_hat(gs, ms, b1, int(count)), updates, mu)
+        else:
+            mu_hat = elementwise_map(lambda m: _debias(m, b1, count), mu)
         out = elementwise_map(lambda m, v: m / (torch.sqrt(_debias(v, b2, count)) + eps), mu_hat, nu)
         return out, ScaleByBeliefState(count, mu, nu)
 
     return GradientTransformation(init, update)
-
-
-def _nesterov_hat(mu, updates, b1, count):
-    c = int(count)
-    return elementwise_map(lambda m, g: b1 * (m / (1 - b1 ** (c + 1))) + (1 - b1) * (g / (1 - b1**c)), mu, updates)
 
 
 def scale_by_radam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0,
@@ -237,19 +249,24 @@ def scale_by_radam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_ro
     def init(params):
         return ScaleByAdamState(count_zero(), zeros_like(params), zeros_like(params))
 
-    def update(updates, state, params=None):
-        mu = elementwise_map(lambda g, m: _moment(g, m, b1, 1), updates, state.mu)
-        nu = elementwise_map(lambda g, v: _moment(g, v, b2, 2), updates, state.nu)
-        count = count_inc(state.count)
-        b2t = b2 ** int(count)
-        ro = ro_inf - 2 * int(count) * b2t / (1 - b2t)
-        mu_hat = _nesterov_hat(mu, updates, b1, count) if nesterov else elementwise_map(
-            lambda m: _debias(m, b1, count), mu)
-        if ro >= threshold:
-            r = ((ro - 4) * (ro - 2) * ro_inf / ((ro_inf - 4) * (ro_inf - 2) * ro)) ** 0.5
-            out = elementwise_map(lambda m, v: r * m / (torch.sqrt(_debias(v, b2, count) + eps_root) + eps), mu_hat, nu)
-        else:
-            out = mu_hat
-        return out, ScaleByAdamState(count, mu, nu)
+    def scaled(factor=1.0):
+        def update(updates, state, params=None):
+            count = count_inc(state.count)
+            c = int(count)
+            ro = ro_inf - 2 * c * b2**c / (1 - b2**c)
 
-    return GradientTransformation(init, update)
+            def rule(g, mu, nu):
+                g, mu, nu = _adam_moments(g, mu, nu, b1, b2)
+                if ro >= threshold:  # Adam's direction, rectified
+                    r = ((ro - 4) * (ro - 2) * ro_inf / ((ro_inf - 4) * (ro_inf - 2) * ro)) ** 0.5
+                    return _adam_direction(g, mu, nu, c, b1, b2, eps, eps_root, nesterov, factor * r), mu, nu
+                if nesterov:
+                    return _nesterov_hat(g, mu, b1, c, factor), mu, nu
+                return torch._foreach_mul(mu, factor / (1 - b1**c)), mu, nu
+
+            out, mu, nu = foreach_map(rule, updates, state.mu, state.nu, outputs=3)
+            return out, ScaleByAdamState(count, mu, nu)
+
+        return update
+
+    return GradientTransformation(init, scaled(), scaled=scaled)
