@@ -23,8 +23,8 @@ from zero.functional.base import (
     count_zero,
     zeros_like,
 )
+from zero.functional.elementwise import debias, max_real, moment, moments, sqrt
 from zero.functional.packing import elementwise_map, foreach_map
-from zero.functional.transform import _debias, _max, _moment, _moments, sqrt
 
 __all__ = ["ScaleByAdamState", "ScaleByAmsgradState", "ScaleByBeliefState", "scale_by_adam", "scale_by_amsgrad",
            "scale_by_adamax", "scale_by_radam", "scale_by_belief"]
@@ -147,7 +147,7 @@ def _adam_moments(g, mu, nu, b1, b2):
     # updates accumulates in float32), as Optax's type promotion does.
     wide = [torch.promote_types(m.dtype, x.dtype) for m, x in zip(mu, g)]
     mu = torch._foreach_lerp([m.to(d) for m, d in zip(mu, wide)], [x.to(d) for x, d in zip(g, wide)], 1 - b1)
-    return g, mu, _moments(g, nu, b2, 2)  # |g|^2 for complex updates
+    return g, mu, moments(g, nu, b2, 2)  # |g|^2 for complex updates
 
 
 def _adam_direction(g, mu, nu, c, b1, b2, eps, eps_root, nesterov, factor):
@@ -187,12 +187,12 @@ def scale_by_amsgrad(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_
                                    zeros_like(params))
 
     def update(updates, state, params=None):
-        mu = elementwise_map(lambda g, m: _moment(g, m, b1, 1), updates, state.mu)
-        nu = elementwise_map(lambda g, v: _moment(g, v, b2, 2), updates, state.nu)
+        mu = elementwise_map(lambda g, m: moment(g, m, b1, 1), updates, state.mu)
+        nu = elementwise_map(lambda g, v: moment(g, v, b2, 2), updates, state.nu)
         count = count_inc(state.count)
-        debias = lambda t, decay, on: _debias(t, decay, count) if on else t
-        nu_max = elementwise_map(lambda vm, v: _max(vm, debias(v, b2, bias_correction_nu)), state.nu_max, nu)
-        out = elementwise_map(lambda m, vm: debias(m, b1, bias_correction_mu) / (torch.sqrt(vm + eps_root) + eps),
+        corrected = lambda t, decay, on: debias(t, decay, count) if on else t  # noqa: E731
+        nu_max = elementwise_map(lambda vm, v: max_real(vm, corrected(v, b2, bias_correction_nu)), state.nu_max, nu)
+        out = elementwise_map(lambda m, vm: corrected(m, b1, bias_correction_mu) / (torch.sqrt(vm + eps_root) + eps),
                        mu, nu_max)
         return out, ScaleByAmsgradState(count, mu, nu, nu_max)
 
@@ -208,9 +208,9 @@ def scale_by_adamax(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Gr
 
     def update(updates, state, params=None):
         count = count_inc(state.count)
-        mu = elementwise_map(lambda g, m: _moment(g, m, b1, 1), updates, state.mu)
-        nu = elementwise_map(lambda g, v: _max(g.abs() + eps, b2 * v), updates, state.nu)
-        out = elementwise_map(lambda m, v: _debias(m, b1, count) / v, mu, nu)
+        mu = elementwise_map(lambda g, m: moment(g, m, b1, 1), updates, state.mu)
+        nu = elementwise_map(lambda g, v: max_real(g.abs() + eps, b2 * v), updates, state.nu)
+        out = elementwise_map(lambda m, v: debias(m, b1, count) / v, mu, nu)
         return out, ScaleByAdamState(count, mu, nu)
 
     return GradientTransformation(init, update, spec=Spec("scale_by_adamax", {"b1": b1, "b2": b2, "eps": eps}))
@@ -225,14 +225,14 @@ def scale_by_belief(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-16, eps_
         return ScaleByBeliefState(count_zero(), zeros_like(params), zeros_like(params))
 
     def update(updates, state, params=None):
-        mu = elementwise_map(lambda g, m: _moment(g, m, b1, 1), updates, state.mu)
-        nu = elementwise_map(lambda g, m, v: _moment(g - m, v, b2, 2) + eps_root, updates, mu, state.nu)
+        mu = elementwise_map(lambda g, m: moment(g, m, b1, 1), updates, state.mu)
+        nu = elementwise_map(lambda g, m, v: moment(g - m, v, b2, 2) + eps_root, updates, mu, state.nu)
         count = count_inc(state.count)
         if nesterov:
             mu_hat = foreach_map(lambda gs, ms: _nesterov_hat(gs, ms, b1, int(count)), updates, mu)
         else:
-            mu_hat = elementwise_map(lambda m: _debias(m, b1, count), mu)
-        out = elementwise_map(lambda m, v: m / (torch.sqrt(_debias(v, b2, count)) + eps), mu_hat, nu)
+            mu_hat = elementwise_map(lambda m: debias(m, b1, count), mu)
+        out = elementwise_map(lambda m, v: m / (torch.sqrt(debias(v, b2, count)) + eps), mu_hat, nu)
         return out, ScaleByBeliefState(count, mu, nu)
 
     return GradientTransformation(init, update)

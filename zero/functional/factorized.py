@@ -19,7 +19,7 @@ from zero.functional import transform as T
 from zero.functional.alias import ScalarOrSchedule, _alias
 from zero.functional.base import NO_PARAMS_MSG, EmptyState, GradientTransformation, count_inc, count_zero, tree_leaves
 from zero.functional.combine import chain
-from zero.functional.transform import abs_sq
+from zero.functional.elementwise import abs_sq
 
 __all__ = ["FactoredState", "scale_by_factored_rms", "scale_by_param_block_rms", "adafactor"]
 

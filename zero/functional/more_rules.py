@@ -28,8 +28,8 @@ from zero.functional.base import (
     tree_map,
     zeros_like,
 )
+from zero.functional.elementwise import abs_sq, debias, moment
 from zero.functional.packing import elementwise_map
-from zero.functional.transform import _debias, _moment, abs_sq
 
 __all__ = ["ScaleByOptimisticGradientState", "ScaleByNovogradState", "ScaleByAdanState",
            "scale_by_sign", "scale_by_optimistic_gradient", "scale_by_yogi", "scale_by_novograd",
@@ -108,10 +108,10 @@ def scale_by_yogi(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-3, eps_roo
                                   full_like(params, initial_accumulator_value))
 
     def update(updates, state, params=None):
-        mu = elementwise_map(lambda g, m: _moment(g, m, b1, 1), updates, state.mu)
+        mu = elementwise_map(lambda g, m: moment(g, m, b1, 1), updates, state.mu)
         nu = elementwise_map(lambda g, v: v - (1 - b2) * torch.sgn(v - abs_sq(g)) * abs_sq(g), updates, state.nu)
         count = count_inc(state.count)
-        out = elementwise_map(lambda m, v: _debias(m, b1, count) / (torch.sqrt(_debias(v, b2, count) + eps_root) + eps),
+        out = elementwise_map(lambda m, v: debias(m, b1, count) / (torch.sqrt(debias(v, b2, count) + eps_root) + eps),
                        mu, nu)
         return out, A.ScaleByAdamState(count, mu, nu)
 
@@ -138,7 +138,7 @@ def scale_by_novograd(b1: float = 0.9, b2: float = 0.25, eps: float = 1e-8, eps_
         count = count_inc(state.count)
         first = int(count) == 1
         norms = tree_map(lambda g, n: (torch.linalg.vector_norm(g) ** 2).to(n.dtype), updates, state.nu)
-        nu = norms if first else tree_map(lambda s, n: _moment(s, n, b2, 1), norms, state.nu)
+        nu = norms if first else tree_map(lambda s, n: moment(s, n, b2, 1), norms, state.nu)
         step = tree_map(lambda g, p, n: g / (torch.sqrt(n + eps_root) + eps) + weight_decay * p, updates, params, nu)
         mu = step if first else tree_map(lambda m, s: b1 * m + s, state.mu, step)
         if mu_dtype is not None:
@@ -184,12 +184,12 @@ def scale_by_adan(b1: float = 0.98, b2: float = 0.92, b3: float = 0.99, eps: flo
     def update(updates, state, params=None):
         first = int(state.t) == 0
         diff = elementwise_map(lambda g, prev: torch.zeros_like(g) if first else g - prev, updates, state.g)
-        m = elementwise_map(lambda g, m: _moment(g, m, b1, 1), updates, state.m)
-        v = elementwise_map(lambda d, v: _moment(d, v, b2, 1), diff, state.v)
-        n = elementwise_map(lambda g, d, n: _moment(g + (1 - b2) * d, n, b3, 2), updates, diff, state.n)
+        m = elementwise_map(lambda g, m: moment(g, m, b1, 1), updates, state.m)
+        v = elementwise_map(lambda d, v: moment(d, v, b2, 1), diff, state.v)
+        n = elementwise_map(lambda g, d, n: moment(g + (1 - b2) * d, n, b3, 2), updates, diff, state.n)
         t = count_inc(state.t)
-        out = elementwise_map(lambda m, v, n: (_debias(m, b1, t) + (1 - b2) * _debias(v, b2, t))
-                       / (torch.sqrt(_debias(n, b3, t) + eps_root) + eps), m, v, n)
+        out = elementwise_map(lambda m, v, n: (debias(m, b1, t) + (1 - b2) * debias(v, b2, t))
+                       / (torch.sqrt(debias(n, b3, t) + eps_root) + eps), m, v, n)
         return out, ScaleByAdanState(m, v, n, updates, t)
 
     return GradientTransformation(init, update)
@@ -242,7 +242,7 @@ def scale_by_sm3(b1: float = 0.9, b2: float = 1.0, eps: float = 1e-8) -> Gradien
         covers, nus = treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.nu)
         accums = [_sm3_accumulate(g, c, b2) for g, c in zip(g_leaves, covers)]
         scaled = [g * torch.where(a > 0, torch.rsqrt(a + eps), 0.0) for g, a in zip(g_leaves, accums)]
-        nu = [_moment(u, n, b1, 1) for u, n in zip(scaled, nus)]
+        nu = [moment(u, n, b1, 1) for u, n in zip(scaled, nus)]
         unflat = lambda xs: optree.tree_unflatten(treedef, xs)
         return unflat(nu), ScaleBySM3State(unflat([_sm3_covers(a) for a in accums]), unflat(nu))
 

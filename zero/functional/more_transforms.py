@@ -27,8 +27,8 @@ from zero.functional.base import (
     update_with,
     zeros_like,
 )
+from zero.functional.elementwise import abs_sq
 from zero.functional.packing import elementwise_map
-from zero.functional.transform import abs_sq
 
 __all__ = ["ZeroNansState", "ApplyEvery", "ConditionallyMaskState", "ConditionallyTransformState",
            "set_to_zero", "stateless", "stateless_with_tree_map", "zero_nans", "centralize", "apply_every",

@@ -29,6 +29,13 @@ from zero.functional.base import (
     tree_map,
     zeros_like,
 )
+from zero.functional.elementwise import (
+    moment,
+    moments,
+    same_dtypes,
+    times,
+    times_inv_root,
+)
 from zero.functional.packing import elementwise_map, foreach_map
 
 __all__ = [
@@ -191,72 +198,6 @@ class WeightDecaySchedule(NamedTuple):
     count: torch.Tensor
 
 
-def _moment(g, m, decay, order):
-    """``(1 - decay) * g**order + decay * m``; ``|g|**2`` for order 2, so complex updates give a
-    real (zero imaginary part) second moment, as Optax's ``abs_sq``."""
-    return (1 - decay) * (g if order == 1 else g * g.conj()) + decay * m
-
-
-def abs_sq(x: torch.Tensor) -> torch.Tensor:
-    """``|x|^2`` elementwise, real for complex ``x`` (Optax's ``numerics.abs_sq``)."""
-    return (x * x.conj()).real if x.is_complex() else x * x
-
-
-def _max(a, b):
-    """Elementwise maximum of moments that are real, or complex with zero imaginary parts."""
-    return torch.maximum(a.real, b.real).to(torch.promote_types(a.dtype, b.dtype))
-
-
-def _debias(t, decay, count):
-    return t / (1 - decay ** int(count))
-
-
-def _same_dtypes(*lists) -> bool:
-    return all(len({t.dtype for t in ts}) == 1 for ts in zip(*lists))
-
-
-def _moments(gs, ms, decay, order):
-    """`_moment` over lists as fresh tensors, in fused passes when each pair shares a dtype:
-    ``m + (1 - decay)(g - m)`` for order 1, ``decay m + (1 - decay) g conj(g)`` for order 2."""
-    if not _same_dtypes(gs, ms):
-        return [_moment(g, m, decay, order) for g, m in zip(gs, ms)]
-    if order == 1:
-        return torch._foreach_lerp(ms, gs, 1 - decay)
-    out = torch._foreach_mul(ms, decay)
-    torch._foreach_addcmul_(out, gs, [g.conj() for g in gs], 1 - decay)
-    return out
-
-
-def _times(xs, factor, own):
-    """``factor * x`` over a list: in place when ``own`` (a temporary of the rule), else fresh."""
-    if factor == 1.0:
-        return xs
-    if own:
-        torch._foreach_mul_(xs, factor)
-        return xs
-    return torch._foreach_mul(xs, factor)
-
-
-def _times_inv_root(gs, vs, eps, eps_in_sqrt):
-    """``g / sqrt(v + eps)`` (``eps_in_sqrt``) or ``g / (sqrt(v) + eps)`` over lists, fresh."""
-    if not _same_dtypes(gs, vs):
-        return [_inv_root(v, eps, eps_in_sqrt) * g for g, v in zip(gs, vs)]
-    if eps_in_sqrt:
-        out = torch._foreach_add(vs, eps)
-        torch._foreach_rsqrt_(out)
-        return torch._foreach_mul(out, gs)  # fresh: rsqrt's backward keeps its result
-    out = sqrt(vs)
-    torch._foreach_add_(out, eps)
-    return torch._foreach_div(gs, out)
-
-
-def sqrt(xs):
-    """``sqrt`` over a list, fresh. Real tensors take ``pow(x, 0.5)`` (the same numbers), whose
-    backward keeps the input rather than the result, so a rule may scale the result in place and
-    still be differentiated through (Optax's ``eps_root``)."""
-    return torch._foreach_sqrt(xs) if any(x.is_complex() for x in xs) else torch._foreach_pow(xs, 0.5)
-
-
 def scale(step_size: float) -> GradientTransformation:
     """Multiply updates by ``step_size`` (``optax.scale``)."""
     return GradientTransformation(lambda params: EmptyState(), lambda u, s, p=None: (_scaled(u, step_size), s),
@@ -296,10 +237,6 @@ def scale_by_learning_rate(learning_rate: float | Callable[[Any], float] | None,
     return tx._replace(spec=Spec("scale_by_learning_rate", {"learning_rate": learning_rate, "flip_sign": flip_sign}))
 
 
-def _inv_root(v, eps, eps_in_sqrt):
-    return torch.rsqrt(v + eps) if eps_in_sqrt else 1 / (torch.sqrt(v) + eps)
-
-
 def scale_by_rms(decay: float = 0.9, eps: float = 1e-8, initial_scale: float = 0.0,
                  eps_in_sqrt: bool = True, bias_correction: bool = False) -> GradientTransformation:
     """Divide by the root of an EMA of squared updates (``optax.scale_by_rms``)."""
@@ -315,9 +252,9 @@ def scale_by_rms(decay: float = 0.9, eps: float = 1e-8, initial_scale: float = 0
             count = count_inc(state.count) if bias_correction else None
 
             def rule(gs, vs):
-                nu = _moments(gs, vs, decay, 2)
+                nu = moments(gs, vs, decay, 2)
                 nu_hat = torch._foreach_div(nu, 1 - decay ** int(count)) if bias_correction else nu
-                return _times(_times_inv_root(gs, nu_hat, eps, eps_in_sqrt), factor, own=True), nu
+                return times(times_inv_root(gs, nu_hat, eps, eps_in_sqrt), factor, own=True), nu
 
             out, nu = foreach_map(rule, updates, state.nu, outputs=2)
             return out, (ScaleByRmsWithCountState(count, nu) if bias_correction else ScaleByRmsState(nu))
@@ -348,15 +285,15 @@ def scale_by_stddev(decay: float = 0.9, eps: float = 1e-8, initial_scale: float 
             count = count_inc(state.count) if bias_correction else None
 
             def rule(gs, ms, vs):
-                mu, nu = _moments(gs, ms, decay, 1), _moments(gs, vs, decay, 2)
+                mu, nu = moments(gs, ms, decay, 1), moments(gs, vs, decay, 2)
                 bc = 1 - decay ** int(count) if bias_correction else 1.0
                 mu_hat = torch._foreach_div(mu, bc) if bias_correction else mu
                 var = torch._foreach_div(nu, bc) if bias_correction else torch._foreach_mul(nu, 1.0)
-                if _same_dtypes(var, mu_hat):
+                if same_dtypes(var, mu_hat):
                     torch._foreach_addcmul_(var, mu_hat, mu_hat, -1)
                 else:
                     var = [v - m * m for v, m in zip(var, mu_hat)]
-                return _times(_times_inv_root(gs, var, eps, eps_in_sqrt), factor, own=True), mu, nu
+                return times(times_inv_root(gs, var, eps, eps_in_sqrt), factor, own=True), mu, nu
 
             out, mu, nu = foreach_map(rule, updates, state.mu, state.nu, outputs=3)
             new = ScaleByRStdDevWithCountState(count, mu, nu) if bias_correction else ScaleByRStdDevState(mu, nu)
@@ -373,19 +310,19 @@ def scale_by_rss(initial_accumulator_value: float = 0.1, eps: float = 1e-7) -> G
     check_non_negative("initial_accumulator_value", initial_accumulator_value)
 
     def rule(gs, ts):
-        sos = torch._foreach_addcmul(ts, gs, [g.conj() for g in gs]) if _same_dtypes(gs, ts) else \
+        sos = torch._foreach_addcmul(ts, gs, [g.conj() for g in gs]) if same_dtypes(gs, ts) else \
             [g * g.conj() + t for g, t in zip(gs, ts)]
         if eps > 0 and not any(t.is_complex() for t in sos):
             # Optax's where(sos > 0, rsqrt(sos + eps), 0) g: sos = 0 only where g = 0, and then
             # rsqrt(eps) g is that same (signed) zero, so the where pass is not needed.
-            return _times_inv_root(gs, sos, eps, True), sos
+            return times_inv_root(gs, sos, eps, True), sos
         return [torch.where(t.real > 0, torch.rsqrt(t + eps), 0.0) * g for g, t in zip(gs, sos)], sos
 
     def scaled(factor=1.0):
         def update(updates, state, params=None):
             def scaled_rule(gs, ts):
                 out, sos = rule(gs, ts)
-                return _times(out, factor, own=True), sos
+                return times(out, factor, own=True), sos
 
             out, sos = foreach_map(scaled_rule, updates, state.sum_of_squares, outputs=2)
             return out, ScaleByRssState(sos)
@@ -424,7 +361,7 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99, mu_dtype: torch.dtype | Non
     def update(updates, state, params=None):
         out = elementwise_map(lambda g, m: sign((1 - b1) * g + b1 * m, smooth_beta), updates, state.mu)
         # Accumulate in the wider dtype (mu_dtype=float32 with bf16 updates stays float32-exact).
-        mu = elementwise_map(lambda g, m: _moment(g.to(torch.promote_types(g.dtype, m.dtype)), m, b2, 1).to(m.dtype),
+        mu = elementwise_map(lambda g, m: moment(g.to(torch.promote_types(g.dtype, m.dtype)), m, b2, 1).to(m.dtype),
                       updates, state.mu)
         return out, ScaleByLionState(count_inc(state.count), mu)
 
@@ -484,9 +421,9 @@ def scale_by_adadelta(rho: float = 0.9, eps: float = 1e-6) -> GradientTransforma
     check_unit("rho", rho, closed=True)
 
     def rule(gs, egs, exs):
-        e_g = _moments(gs, egs, rho, 2)
+        e_g = moments(gs, egs, rho, 2)
         out = [torch.sqrt(ex + eps) / torch.sqrt(eg + eps) * g for g, eg, ex in zip(gs, e_g, exs)]
-        return out, e_g, _moments(out, exs, rho, 2)
+        return out, e_g, moments(out, exs, rho, 2)
 
     def update(updates, state, params=None):
         out, e_g, e_x = foreach_map(rule, updates, state.e_g, state.e_x, outputs=3)
@@ -502,13 +439,13 @@ def trace(decay: float, nesterov: bool = False, accumulator_dtype: torch.dtype |
     check_non_negative("decay", decay)
 
     def momentum(gs, ts):  # g + decay t, in one pass when the dtypes agree
-        return torch._foreach_add(gs, ts, alpha=decay) if _same_dtypes(gs, ts) else \
+        return torch._foreach_add(gs, ts, alpha=decay) if same_dtypes(gs, ts) else \
             [g + decay * t for g, t in zip(gs, ts)]
 
     def scaled(factor=1.0):
         def rule(gs, ts):
             new = momentum(gs, ts)
-            out = _times(momentum(gs, new), factor, own=True) if nesterov else _times(new, factor, own=False)
+            out = times(momentum(gs, new), factor, own=True) if nesterov else times(new, factor, own=False)
             return out, (new if accumulator_dtype is None else [t.to(accumulator_dtype) for t in new])
 
         def update(updates, state, params=None):
@@ -531,7 +468,7 @@ def ema(decay: float, debias: bool = True, accumulator_dtype: torch.dtype | None
         count = count_inc(state.count)
 
         def rule(gs, es):
-            new = _moments(gs, es, decay, 1)
+            new = moments(gs, es, decay, 1)
             out = torch._foreach_div(new, 1 - decay ** int(count)) if debias else new
             return out, (new if accumulator_dtype is None else [e.to(accumulator_dtype) for e in new])
 
@@ -564,9 +501,9 @@ def add_decayed_weights(weight_decay: float | Callable[[Any], float] = 0.0,
                                        none_is_leaf=True), new_state
 
             def rule(gs, ps):
-                fused = isinstance(s, (int, float)) and _same_dtypes(gs, ps)
+                fused = isinstance(s, (int, float)) and same_dtypes(gs, ps)
                 out = torch._foreach_add(gs, ps, alpha=s) if fused else [g + s * p for g, p in zip(gs, ps)]
-                return _times(out, factor, own=True)
+                return times(out, factor, own=True)
 
             return foreach_map(rule, updates, params), new_state
 

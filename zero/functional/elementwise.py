@@ -1,0 +1,84 @@
+"""Elementwise maths the rules share: single-tensor formulas (Optax's numerics helpers) and
+their fused forms over lists of tensors, for rules that run through `zero.functional.packing`.
+
+The list forms write fresh results (a rule is pure) in as few passes as torch's foreach ops
+allow, modifying only their own temporaries in place, and only where autograd kept nothing
+of them, so an update can still be differentiated through.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["abs_sq", "debias", "inv_root", "max_real", "moment", "moments", "same_dtypes", "sqrt", "times",
+           "times_inv_root"]
+
+
+def moment(g, m, decay, order):
+    """``(1 - decay) * g**order + decay * m``; ``|g|**2`` for order 2, so complex updates give a
+    real (zero imaginary part) second moment, as Optax's ``abs_sq``."""
+    return (1 - decay) * (g if order == 1 else g * g.conj()) + decay * m
+
+
+def abs_sq(x: torch.Tensor) -> torch.Tensor:
+    """``|x|^2`` elementwise, real for complex ``x`` (Optax's ``numerics.abs_sq``)."""
+    return (x * x.conj()).real if x.is_complex() else x * x
+
+
+def max_real(a, b):
+    """Elementwise maximum of moments that are real, or complex with zero imaginary parts."""
+    return torch.maximum(a.real, b.real).to(torch.promote_types(a.dtype, b.dtype))
+
+
+def debias(t, decay, count):
+    return t / (1 - decay ** int(count))
+
+
+def same_dtypes(*lists) -> bool:
+    return all(len({t.dtype for t in ts}) == 1 for ts in zip(*lists))
+
+
+def moments(gs, ms, decay, order):
+    """`moment` over lists as fresh tensors, in fused passes when each pair shares a dtype:
+    ``m + (1 - decay)(g - m)`` for order 1, ``decay m + (1 - decay) g conj(g)`` for order 2."""
+    if not same_dtypes(gs, ms):
+        return [moment(g, m, decay, order) for g, m in zip(gs, ms)]
+    if order == 1:
+        return torch._foreach_lerp(ms, gs, 1 - decay)
+    out = torch._foreach_mul(ms, decay)
+    torch._foreach_addcmul_(out, gs, [g.conj() for g in gs], 1 - decay)
+    return out
+
+
+def times(xs, factor, own):
+    """``factor * x`` over a list: in place when ``own`` (a temporary of the rule), else fresh."""
+    if factor == 1.0:
+        return xs
+    if own:
+        torch._foreach_mul_(xs, factor)
+        return xs
+    return torch._foreach_mul(xs, factor)
+
+
+def times_inv_root(gs, vs, eps, eps_in_sqrt):
+    """``g / sqrt(v + eps)`` (``eps_in_sqrt``) or ``g / (sqrt(v) + eps)`` over lists, fresh."""
+    if not same_dtypes(gs, vs):
+        return [inv_root(v, eps, eps_in_sqrt) * g for g, v in zip(gs, vs)]
+    if eps_in_sqrt:
+        out = torch._foreach_add(vs, eps)
+        torch._foreach_rsqrt_(out)
+        return torch._foreach_mul(out, gs)  # fresh: rsqrt's backward keeps its result
+    out = sqrt(vs)
+    torch._foreach_add_(out, eps)
+    return torch._foreach_div(gs, out)
+
+
+def sqrt(xs):
+    """``sqrt`` over a list, fresh. Real tensors take ``pow(x, 0.5)`` (the same numbers), whose
+    backward keeps the input rather than the result, so a rule may scale the result in place and
+    still be differentiated through (Optax's ``eps_root``)."""
+    return torch._foreach_sqrt(xs) if any(x.is_complex() for x in xs) else torch._foreach_pow(xs, 0.5)
+
+
+def inv_root(v, eps, eps_in_sqrt):
+    return torch.rsqrt(v + eps) if eps_in_sqrt else 1 / (torch.sqrt(v) + eps)
