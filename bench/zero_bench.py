@@ -60,6 +60,18 @@ def _time_steps(opt, steps: int) -> list[float]:
     return times
 
 
+def _interleaved(opts: dict, steps: int, rounds: int) -> dict:
+    """Each optimizer's step times, after 3 warm-up steps (state allocation, first touch), the
+    optimizers taking turns step by step so that drift and noise hit all alike."""
+    for opt in opts.values():
+        _time_steps(opt, 3)
+    times = {key: [] for key in opts}
+    for _ in range(rounds * steps):
+        for key, opt in opts.items():
+            times[key] += _time_steps(opt, 1)
+    return times
+
+
 def step_worker(rank, port, name, steps, rounds, out):
     _init(rank, port)
     opts = {}
@@ -67,11 +79,7 @@ def step_worker(rank, port, name, steps, rounds, out):
         opts[impl, bv] = IMPLS[impl](_model(*MODELS[name]).parameters(), torch.optim.Adam,
                                      **({} if bv == "default" else {"parameters_as_bucket_view": bv == "bucket"}),
                                      lr=1e-3)
-        _time_steps(opts[impl, bv], 3)  # warm-up: state allocation, first-touch
-    times = {key: [] for key in opts}
-    for _ in range(rounds * steps):  # interleaved step by step: drift and noise hit all alike
-        for key, opt in opts.items():
-            times[key] += _time_steps(opt, 1)
+    times = _interleaved(opts, steps, rounds)
     local_state = {impl: state_nbytes(opts[impl, "default"].optim) for impl in IMPLS}
     if rank == 0:
         out.put({"model": name, "step_ms": {f"{i}/{bv}": 1e3 * statistics.median(t) for (i, bv), t in times.items()},
@@ -95,12 +103,7 @@ def check_in_worker(rank, port, name, steps, rounds, out):
     opts["zero (no check-in)"]._check_in = lambda *a, **k: (lambda: None)
     opts["torch bucket view"] = TorchZero(_model(*MODELS[name]).parameters(), torch.optim.Adam,
                                           parameters_as_bucket_view=True, lr=1e-3)
-    for opt in opts.values():
-        _time_steps(opt, 3)
-    times = {key: [] for key in opts}
-    for _ in range(rounds * steps):
-        for key, opt in opts.items():
-            times[key] += _time_steps(opt, 1)
+    times = _interleaved(opts, steps, rounds)
     if rank == 0:
         out.put({"model": name, "step_ms": {k: 1e3 * statistics.median(t) for k, t in times.items()}})
     dist.destroy_process_group()
@@ -130,11 +133,7 @@ def local_step_worker(rank, port, name, steps, rounds, out):
     for label, make in LOCAL_RULES.items():
         rule, options = make()
         opts[label] = Zero(_model(*MODELS[name]).parameters(), rule, **options)
-        _time_steps(opts[label], 3)
-    times = {key: [] for key in opts}
-    for _ in range(rounds * steps):
-        for key, opt in opts.items():
-            times[key] += _time_steps(opt, 1)
+    times = _interleaved(opts, steps, rounds)
     if rank == 0:
         out.put({"model": name, "step_ms": {k: 1e3 * statistics.median(t) for k, t in times.items()}})
     dist.destroy_process_group()

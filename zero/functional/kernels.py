@@ -296,7 +296,7 @@ def _adamax_kernel(specs: list[tuple[int, Spec]]) -> InplaceStep | None:
         mu, nu = treedef.flatten_up_to(adamax.mu), treedef.flatten_up_to(adamax.nu)
         if inplace.placement(params, grads, mu, nu) is None:
             return None
-        steps = list(torch.full((len(params),), float(adamax.count)).unbind(0))  # torch increments each
+        steps = _per_param(adamax.count, len(params), scalar_dtype())  # torch increments each
         _TORCH_ADAMAX.adamax(params, grads, mu, nu, steps, foreach=True, maximize=maximize, eps=hyper["eps"],
                              beta1=hyper["b1"], beta2=hyper["b2"], lr=_rate(learning_rate, state[lr_at]),
                              weight_decay=weight_decay)
