@@ -320,3 +320,18 @@ def test_a_scheduler_keeps_the_kernels_checked_placement(make, monkeypatch):
     opt = F.Optimizer(model.parameters(), make())
     train(model, opt, data[:10], torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 / (1 + step)))
     assert len(checks) == 1, "the tensors' dtypes and devices were checked once, at the first step"
+
+
+@pytest.mark.parametrize("scheduled", [False, True])
+def test_param_groups_sharing_a_rule_at_two_lrs_keep_a_placement_each(scheduled, monkeypatch):
+    from zero.functional import kernels
+
+    checks = []
+    groups = kernels._groups
+    monkeypatch.setattr(kernels, "_groups", lambda lists: checks.append(1) or groups(lists))
+    model, data = model_and_data()
+    opt = F.Optimizer([{"params": model[0].parameters()}, {"params": model[2].parameters(), "lr": 0.01}],
+                      F.from_torch(torch.optim.Adam, lr=0.05))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 / (1 + step)) if scheduled else None
+    train(model, opt, data[:10], scheduler)
+    assert len(checks) == 2, "one check per param group, at its first step"

@@ -166,13 +166,16 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation],
         def inner(values: tuple[tuple[str, Any], ...]) -> GradientTransformation:
             return inner_factory(**fixed, **dict(values))
 
-        last: list[GradientTransformation] = []  # the inner transformation of the last step
-
         def build(hyperparams: dict) -> GradientTransformation:
-            tx = inner(tuple((k, v.item()) for k, v in hyperparams.items()))
-            if last and last[0] is not tx:
-                keep_placement(last[0], tx)  # new values (a scheduler): keep what the kernel has checked
-            last[:] = [tx]
+            return inner(tuple((k, v.item()) for k, v in hyperparams.items()))
+
+        last: dict[int, GradientTransformation] = {}  # per param list: the inner transformation it last stepped
+
+        def build_for(params: list, hyperparams: dict) -> GradientTransformation:
+            tx, key = build(hyperparams), id(params[0]) if params else 0
+            if last.get(key, tx) is not tx:
+                keep_placement(last[key], tx)  # new values (a scheduler): keep what the kernel has checked
+            last[key] = tx
             return tx
 
         def current(state, params, extra_args):
@@ -197,7 +200,7 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation],
 
         def inplace(params, grads, state):
             hp, schedule_states = current(state, params, {})
-            inner_state = inplace_step(build(hp), params, grads, state.inner_state)
+            inner_state = inplace_step(build_for(params, hp), params, grads, state.inner_state)
             return InjectStatefulHyperparamsState(count_inc(state.count), hp, schedule_states, inner_state)
 
         initial = {k: float(v) for k, v in numeric.items()}

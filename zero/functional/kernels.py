@@ -48,15 +48,17 @@ def fuse(links: Sequence[GradientTransformation]) -> InplaceStep | None:
             or _adamax_kernel(specs) or _adadelta_kernel(specs) or _rprop_kernel(specs) or _nadam_radam_kernel(specs))
 
 
-def keep_placement(old: GradientTransformation | None, new: GradientTransformation) -> None:
+def keep_placement(old: GradientTransformation, new: GradientTransformation) -> None:
     """Give ``new``'s kernel the placement ``old``'s kernel has checked, when both have one.
 
     A learning-rate scheduler changes a hyperparameter at every step, and `inject_hyperparams`
     then steps with a transformation built for the new values. Its kernel would check every
     tensor's dtype and device again (milliseconds for thousands of tensors); the placement is
-    only a record of tensors already checked, so the new kernel may take over the old one's.
+    only a record of tensors already checked, so the new kernel may take over the one of the
+    kernel that last stepped the same params (`inject_hyperparams` keeps that kernel per param
+    list, so param groups that share a transformation at different learning rates keep one each).
     """
-    if old is not None and hasattr(old.inplace, "placement") and hasattr(new.inplace, "placement"):
+    if hasattr(old.inplace, "placement") and hasattr(new.inplace, "placement"):
         new.inplace.placement = old.inplace.placement
 
 
