@@ -30,6 +30,8 @@ UNPACKED_CASES = {
     "rss": lambda m: m.chain(m.scale_by_rss(0.0), m.scale(-LR)),
     "ema": lambda m: m.chain(m.ema(0.9), m.scale(-LR)),
     "adamw_schedule": lambda m: m.adamw(LR, weight_decay=m.exponential_decay(0.1, 5, 0.5)),
+    "amsgrad": lambda m: build(m, "amsgrad"),
+    "amsgrad_eps_root": lambda m: m.chain(m.scale_by_amsgrad(eps_root=1e-8, bias_correction_mu=False), m.scale(-LR)),
 }
 
 
@@ -79,7 +81,7 @@ def _run(tx, steps=6):
 
 
 SAME_NUMBERS = {
-    **{name: (lambda name=name: build(F, name)) for name in ALIASES},
+    **{name: (lambda name=name: build(F, name)) for name in [*ALIASES, "amsgrad", "adabelief", "yogi"]},
     **{f"from_torch({cls.__name__})": (lambda cls=cls, kw=kw: F.from_torch(cls, **kw)) for cls, kw in [
         (torch.optim.NAdam, {"lr": LR}), (torch.optim.RAdam, {"lr": LR, "decoupled_weight_decay": True,
                                                             "weight_decay": 0.1}),

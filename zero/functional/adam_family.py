@@ -23,7 +23,7 @@ from zero.functional.base import (
     count_zero,
     zeros_like,
 )
-from zero.functional.elementwise import debias, max_real, moment, moments, sqrt
+from zero.functional.elementwise import debias, max_real, moment, moments, same_dtypes, sqrt, times
 from zero.functional.packing import elementwise_map, foreach_map
 
 __all__ = ["ScaleByAdamState", "ScaleByAmsgradState", "ScaleByBeliefState", "scale_by_adam", "scale_by_amsgrad",
@@ -186,17 +186,38 @@ def scale_by_amsgrad(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_
         return ScaleByAmsgradState(count_zero(), zeros_like(params, mu_dtype), zeros_like(params),
                                    zeros_like(params))
 
-    def update(updates, state, params=None):
-        mu = elementwise_map(lambda g, m: moment(g, m, b1, 1), updates, state.mu)
-        nu = elementwise_map(lambda g, v: moment(g, v, b2, 2), updates, state.nu)
-        count = count_inc(state.count)
-        corrected = lambda t, decay, on: debias(t, decay, count) if on else t  # noqa: E731
-        nu_max = elementwise_map(lambda vm, v: max_real(vm, corrected(v, b2, bias_correction_nu)), state.nu_max, nu)
-        out = elementwise_map(lambda m, vm: corrected(m, b1, bias_correction_mu) / (torch.sqrt(vm + eps_root) + eps),
-                       mu, nu_max)
-        return out, ScaleByAmsgradState(count, mu, nu, nu_max)
+    def scaled(factor=1.0):
+        def update(updates, state, params=None):
+            count = count_inc(state.count)
+            c = int(count)
+            bc1 = 1 - b1**c if bias_correction_mu else 1.0
+            bc2 = 1 - b2**c if bias_correction_nu else 1.0
 
-    return GradientTransformation(init, update)
+            def rule(g, m, v, vm):
+                if not _real_alike(g, m, v, vm):  # complex or mixed dtypes: Optax's formulas leaf by leaf
+                    mu, nu = [moment(*x, b1, 1) for x in zip(g, m)], [moment(*x, b2, 2) for x in zip(g, v)]
+                    nu_max = [max_real(a, b / bc2) for a, b in zip(vm, nu)]
+                    return ([factor * (a / bc1) / (torch.sqrt(b + eps_root) + eps) for a, b in zip(mu, nu_max)],
+                            mu, nu, nu_max)
+                mu, nu = moments(g, m, b1, 1), moments(g, v, b2, 2)
+                nu_max = torch._foreach_maximum(vm, torch._foreach_div(nu, bc2) if bias_correction_nu else nu)
+                denom = sqrt(torch._foreach_add(nu_max, eps_root) if eps_root else nu_max)
+                torch._foreach_add_(denom, eps)
+                out = torch._foreach_div(mu, denom)
+                return times(out, factor / bc1, own=True), mu, nu, nu_max
+
+            out, mu, nu, nu_max = foreach_map(rule, updates, state.mu, state.nu, state.nu_max, outputs=4)
+            return out, ScaleByAmsgradState(count, mu, nu, nu_max)
+
+        return update
+
+    return GradientTransformation(init, scaled(), scaled=scaled)
+
+
+def _real_alike(*lists) -> bool:
+    """Whether the lists hold real floating tensors of one dtype position by position (the fused
+    passes' case; anything else runs Optax's formulas tensor by tensor)."""
+    return same_dtypes(*lists) and all(t.is_floating_point() for t in lists[0])
 
 
 def scale_by_adamax(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:
@@ -206,14 +227,29 @@ def scale_by_adamax(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Gr
     def init(params):
         return ScaleByAdamState(count_zero(), zeros_like(params), zeros_like(params))
 
-    def update(updates, state, params=None):
-        count = count_inc(state.count)
-        mu = elementwise_map(lambda g, m: moment(g, m, b1, 1), updates, state.mu)
-        nu = elementwise_map(lambda g, v: max_real(g.abs() + eps, b2 * v), updates, state.nu)
-        out = elementwise_map(lambda m, v: debias(m, b1, count) / v, mu, nu)
-        return out, ScaleByAdamState(count, mu, nu)
+    def scaled(factor=1.0):
+        def update(updates, state, params=None):
+            count = count_inc(state.count)
+            bc1 = 1 - b1 ** int(count)
 
-    return GradientTransformation(init, update, spec=Spec("scale_by_adamax", {"b1": b1, "b2": b2, "eps": eps}))
+            def rule(g, m, v):
+                if not _real_alike(g, m, v):  # complex or mixed dtypes: Optax's formulas leaf by leaf
+                    mu = [moment(a, b, b1, 1) for a, b in zip(g, m)]
+                    nu = [max_real(a.abs() + eps, b2 * b) for a, b in zip(g, v)]
+                    return [factor * (a / bc1) / b for a, b in zip(mu, nu)], mu, nu
+                mu, size = moments(g, m, b1, 1), torch._foreach_abs(g)
+                torch._foreach_add_(size, eps)
+                nu = torch._foreach_mul(v, b2)
+                torch._foreach_maximum_(nu, size)  # max(|g| + eps, b2 v): the infinity norm
+                return times(torch._foreach_div(mu, nu), factor / bc1, own=True), mu, nu
+
+            out, mu, nu = foreach_map(rule, updates, state.mu, state.nu, outputs=3)
+            return out, ScaleByAdamState(count, mu, nu)
+
+        return update
+
+    spec = Spec("scale_by_adamax", {"b1": b1, "b2": b2, "eps": eps})
+    return GradientTransformation(init, scaled(), spec=spec, scaled=scaled)
 
 
 def scale_by_belief(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-16, eps_root: float = 1e-16,
