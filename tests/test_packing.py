@@ -161,7 +161,9 @@ def test_unpacked_ops_grow_with_the_leaves(unpacked):
 
 @pytest.mark.parametrize("make", [lambda: F.adam(LR, eps_root=1e-8), lambda: F.adam(LR, nesterov=True),
                                   lambda: F.rmsprop(LR, centered=True, momentum=0.9), lambda: F.adagrad(LR),
-                                  lambda: F.rmsprop(LR, eps_in_sqrt=False), lambda: F.adamw(LR)])
+                                  lambda: F.rmsprop(LR, eps_in_sqrt=False), lambda: F.adamw(LR),
+                                  lambda: F.adamax(LR), lambda: F.amsgrad(LR, eps_root=1e-8),
+                                  lambda: F.radam(LR, threshold=4.0)])
 def test_an_update_can_be_differentiated(make):
     """Meta-learning differentiates through updates (Optax's eps_root): the rules' in-place
     passes touch only results that autograd has not kept, and such leaves are not packed."""
