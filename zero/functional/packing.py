@@ -2,12 +2,13 @@
 
 A rule's ``update`` writes its maths once, over lists of tensors with ``torch._foreach_*`` ops
 (`foreach_map`). On CPU a foreach op is a loop that dispatches one op per tensor, about 2-3 us
-each: 2,000 small tensors cost milliseconds per op whatever their size. So the small CPU leaves
-of each (dtype, device) kind are packed into one flat tensor before the maths runs and cut back
-into leaves after: the maths then dispatches once per kind. Leaves that are already consecutive
+each: 2,000 small tensors cost milliseconds per op whatever their size. So the small leaves of
+each list are packed into one flat tensor before the maths runs and cut back into leaves after:
+the maths then dispatches once for all of them. Leaves that are already consecutive
 views of one buffer, as every output of a previous packed step is, pack without a copy; only
 fresh inputs (the gradients) are copied. Large leaves, and every leaf on an accelerator (where
-foreach ops are multi-tensor kernels), stay as they are.
+foreach ops are multi-tensor kernels), stay as they are; a call whose small leaves are not all
+CPU tensors of one dtype per list runs unpacked.
 
 Elementwise maths gives the same numbers either way: packing changes which tensors hold the
 elements, not what is computed for each.
@@ -52,7 +53,10 @@ def map_lists(fn: Callable[..., Any], treedef: Any, lists: list[list[Any]], outp
     results = [result] if outputs == 1 else list(result)
     if packed is not None:
         cut: dict[int, list] = {}  # one cut per distinct output list: a rule may return one list twice
-        results = [cut.setdefault(id(out), packing.unpack(out)) for out in results]
+        for out in results:
+            if id(out) not in cut:
+                cut[id(out)] = packing.unpack(out)
+        results = [cut[id(out)] for out in results]
     trees = [optree.tree_unflatten(treedef, list(out)) for out in results]
     return trees[0] if outputs == 1 else tuple(trees)
 
