@@ -35,8 +35,11 @@ RULES = {
     # not the same formulas, so their pure rows compare rules of like cost, not one rule
     "nadam": (torch.optim.NAdam, {"lr": 1e-3}, lambda: F.nadam(1e-3), 28),
     "radam": (torch.optim.RAdam, {"lr": 1e-3}, lambda: F.radam(1e-3), 28),
+    "adamax": (torch.optim.Adamax, {"lr": 1e-3}, lambda: F.adamax(1e-3), 28),
+    # torch keeps the maximum of the raw second moment, Optax of the debiased one
+    "amsgrad": (torch.optim.Adam, {"lr": 1e-3, "amsgrad": True}, lambda: F.amsgrad(1e-3), 36),
 }
-FUSED = {"adam", "sgd", "adamw", "adagrad"}  # torch has a fused kernel (CPU and CUDA) for these
+FUSED = {"adam", "sgd", "adamw", "adagrad", "amsgrad"}  # torch has a fused kernel (CPU and CUDA) for these
 SHAPES = {"200 uneven tensors, 20M elements": (20e6, 200), "2,000 small tensors, 2M elements": (2e6, 2000)}
 
 
