@@ -44,11 +44,13 @@ def chain(*transformations: GradientTransformation) -> GradientTransformation:
 def _folded(links) -> list:
     """Each link's update, with a constant scale folded into the link before it when that link
     can scale its own output (its ``scaled``); the folded scale's entry is ``None``."""
-    steps = [tx.update for tx in links]
-    for i in range(len(links) - 1):
+    steps, i = [tx.update for tx in links], 0
+    while i < len(links) - 1:
         factor = _constant_scale(links[i + 1])
-        if links[i].scaled is not None and steps[i] is links[i].update and factor:
+        if links[i].scaled is not None and factor:
             steps[i], steps[i + 1] = links[i].scaled(factor), None
+            i += 1  # the scale is taken: it cannot scale a link of its own
+        i += 1
     return steps
 
 
