@@ -122,25 +122,39 @@ def _maximize_and_decay(specs: list[tuple[int, Spec]]) -> tuple[bool, float]:
     return maximize, decay[1].args["weight_decay"] if decay else 0.0
 
 
+def _plain_adam(args: dict) -> bool:
+    """``scale_by_adam`` as torch's fused kernel computes it."""
+    return not args["eps_root"] and not args["nesterov"] and args["mu_dtype"] is None
+
+
 def _plain_decay(args: dict) -> bool:
     return args["mask"] is None and not callable(args["weight_decay"])
+
+
+def _decayed_rule(specs: list[tuple[int, Spec]], take_core: Callable[[list], Any]):
+    """[scale(-1)] [add_decayed_weights] core [add_decayed_weights] scale_by_learning_rate, with
+    at most one of the two decays, or None: (maximize, weight decay, decoupled, the core's
+    position and spec, the lr link's position and learning rate)."""
+    specs = list(specs)
+    maximize = _take(specs, "scale", lambda a: a["step_size"] == -1.0) is not None
+    coupled = _take(specs, "add_decayed_weights", _plain_decay)
+    core = take_core(specs)
+    decoupled = _take(specs, "add_decayed_weights", _plain_decay)
+    lr = _take(specs, "scale_by_learning_rate", lambda a: a["flip_sign"])
+    if core is None or lr is None or specs or (coupled and decoupled):
+        return None
+    decay = (coupled or decoupled)[1].args["weight_decay"] if (coupled or decoupled) else 0.0
+    return maximize, decay, decoupled is not None, core[0], core[1], lr[0], lr[1].args["learning_rate"]
 
 
 def _adam_kernel(specs: list[tuple[int, Spec]]) -> InplaceStep | None:
     """[scale(-1)] [add_decayed_weights] (scale_by_adam | torch_amsgrad) [add_decayed_weights]
     scale_by_learning_rate, with at most one of the two decays."""
-    specs = list(specs)
-    maximize = _take(specs, "scale", lambda a: a["step_size"] == -1.0) is not None
-    coupled = _take(specs, "add_decayed_weights", _plain_decay)
-    core = _take(specs, "scale_by_adam", lambda a: not a["eps_root"] and not a["nesterov"] and a["mu_dtype"] is None)
-    core = core or _take(specs, "torch_amsgrad")
-    decoupled = _take(specs, "add_decayed_weights", _plain_decay)
-    lr = _take(specs, "scale_by_learning_rate", lambda a: a["flip_sign"])
-    if core is None or lr is None or specs or (coupled and decoupled):
+    rule = _decayed_rule(specs, lambda specs: _take(specs, "scale_by_adam", _plain_adam)
+                         or _take(specs, "torch_amsgrad"))
+    if rule is None:
         return None
-    core_at, core_spec = core
-    lr_at, learning_rate = lr[0], lr[1].args["learning_rate"]
-    decay = (coupled or decoupled)[1].args["weight_decay"] if (coupled or decoupled) else 0.0
+    maximize, decay, decoupled, core_at, core_spec, lr_at, learning_rate = rule
     kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
     hyper = {k: core_spec.args[k] for k in ("b1", "b2", "eps")}
     amsgrad = core_spec.name == "torch_amsgrad"
@@ -294,10 +308,10 @@ def _adamax_kernel(specs: list[tuple[int, Spec]]) -> InplaceStep | None:
 
     @torch.no_grad()
     def inplace(params: list, grads: list, state: tuple) -> tuple | None:
-        treedef, adamax = optree.tree_structure(params), state[core_at]
-        mu, nu = treedef.flatten_up_to(adamax.mu), treedef.flatten_up_to(adamax.nu)
-        if inplace.placement(params, grads, mu, nu) is None:
+        adamax = state[core_at]
+        if (moments := _checked_moments(inplace, params, grads, adamax)) is None:
             return None
+        mu, nu = moments
         steps = _per_param(adamax.count, len(params), scalar_dtype())  # torch increments each
         _TORCH_ADAMAX.adamax(params, grads, mu, nu, steps, foreach=True, maximize=maximize, eps=hyper["eps"],
                              beta1=hyper["b1"], beta2=hyper["b2"], lr=_rate(learning_rate, state[lr_at]),
@@ -339,28 +353,22 @@ def _adadelta_kernel(specs: list[tuple[int, Spec]]) -> InplaceStep | None:
 def _nadam_radam_kernel(specs: list[tuple[int, Spec]]) -> InplaceStep | None:
     """[scale(-1)] [add_decayed_weights] (torch_nadam | torch_radam) [add_decayed_weights]
     scale_by_learning_rate: `from_torch(NAdam | RAdam)`, on torch's multi-tensor implementations."""
-    specs = list(specs)
-    maximize = _take(specs, "scale", lambda a: a["step_size"] == -1.0) is not None
-    coupled = _take(specs, "add_decayed_weights", _plain_decay)
-    core = _take(specs, "torch_nadam") or _take(specs, "torch_radam")
-    decoupled = _take(specs, "add_decayed_weights", _plain_decay)
-    lr = _take(specs, "scale_by_learning_rate", lambda a: a["flip_sign"])
-    if core is None or lr is None or specs or (coupled and decoupled):
+    rule = _decayed_rule(specs, lambda specs: _take(specs, "torch_nadam") or _take(specs, "torch_radam"))
+    if rule is None:
         return None
-    (core_at, core_spec), (lr_at, learning_rate) = core, (lr[0], lr[1].args["learning_rate"])
+    maximize, decay, decoupled, core_at, core_spec, lr_at, learning_rate = rule
     nadam = core_spec.name == "torch_nadam"
     options = dict(beta1=core_spec.args["b1"], beta2=core_spec.args["b2"], eps=core_spec.args["eps"],
-                   weight_decay=(coupled or decoupled)[1].args["weight_decay"] if (coupled or decoupled) else 0.0,
-                   decoupled_weight_decay=decoupled is not None, maximize=maximize, foreach=True)
+                   weight_decay=decay, decoupled_weight_decay=decoupled, maximize=maximize, foreach=True)
     if nadam:
         options["momentum_decay"] = core_spec.args["momentum_decay"]
 
     @torch.no_grad()
     def inplace(params: list, grads: list, state: tuple) -> tuple | None:
-        treedef, core_state = optree.tree_structure(params), state[core_at]
-        mu, nu = treedef.flatten_up_to(core_state.mu), treedef.flatten_up_to(core_state.nu)
-        if inplace.placement(params, grads, mu, nu) is None:
+        core_state = state[core_at]
+        if (moments := _checked_moments(inplace, params, grads, core_state)) is None:
             return None
+        mu, nu = moments
         steps = _per_param(core_state.count, len(params), scalar_dtype())  # torch increments each
         rate = _rate(learning_rate, state[lr_at])
         if nadam:
@@ -376,6 +384,14 @@ def _nadam_radam_kernel(specs: list[tuple[int, Spec]]) -> InplaceStep | None:
 
     inplace.placement = _Placement()  # read at each call: see keep_placement
     return inplace
+
+
+def _checked_moments(inplace: Any, params: list, grads: list, core_state: Any) -> tuple[list, list] | None:
+    """The state's ``mu`` and ``nu`` as lists like ``params``, or None when the kernel cannot
+    take these tensors (its placement check)."""
+    treedef = optree.tree_structure(params)
+    mu, nu = treedef.flatten_up_to(core_state.mu), treedef.flatten_up_to(core_state.nu)
+    return None if inplace.placement(params, grads, mu, nu) is None else (mu, nu)
 
 
 def _per_param(value: torch.Tensor, n: int, dtype: torch.dtype) -> list[torch.Tensor]:
