@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["abs_sq", "debias", "inv_root", "max_real", "moment", "moments", "same_dtypes", "sqrt", "times",
-           "times_inv_root"]
+__all__ = ["abs_sq", "debias", "inv_root", "max_real", "moment", "moments", "plus_scaled", "same_dtypes", "sqrt",
+           "times", "times_inv_root"]
 
 
 def moment(g, m, decay, order):
@@ -48,6 +48,14 @@ def moments(gs, ms, decay, order):
     out = torch._foreach_mul(ms, decay)
     torch._foreach_addcmul_(out, gs, [g.conj() for g in gs], 1 - decay)
     return out
+
+
+def plus_scaled(xs, ys, alpha):
+    """``x + alpha y`` over lists, fresh: one pass when ``alpha`` is a number and each pair shares
+    a dtype, else the formula tensor by tensor (Optax's promotion)."""
+    if isinstance(alpha, (int, float)) and same_dtypes(xs, ys):
+        return torch._foreach_add(xs, ys, alpha=alpha)
+    return [x + alpha * y for x, y in zip(xs, ys)]
 
 
 def times(xs, factor, own):

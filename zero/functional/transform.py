@@ -32,6 +32,7 @@ from zero.functional.base import (
 from zero.functional.elementwise import (
     moment,
     moments,
+    plus_scaled,
     same_dtypes,
     times,
     times_inv_root,
@@ -438,14 +439,10 @@ def trace(decay: float, nesterov: bool = False, accumulator_dtype: torch.dtype |
     accumulator_dtype = as_dtype(accumulator_dtype, "accumulator_dtype")
     check_non_negative("decay", decay)
 
-    def momentum(gs, ts):  # g + decay t, in one pass when the dtypes agree
-        return torch._foreach_add(gs, ts, alpha=decay) if same_dtypes(gs, ts) else \
-            [g + decay * t for g, t in zip(gs, ts)]
-
     def scaled(factor=1.0):
         def rule(gs, ts):
-            new = momentum(gs, ts)
-            out = times(momentum(gs, new), factor, own=True) if nesterov else times(new, factor, own=False)
+            new = plus_scaled(gs, ts, decay)
+            out = times(plus_scaled(gs, new, decay), factor, own=True) if nesterov else times(new, factor, own=False)
             return out, (new if accumulator_dtype is None else [t.to(accumulator_dtype) for t in new])
 
         def update(updates, state, params=None):
@@ -500,12 +497,8 @@ def add_decayed_weights(weight_decay: float | Callable[[Any], float] = 0.0,
                 return optree.tree_map(lambda g, p: None if g is None else (g + s * p) * factor, updates, params,
                                        none_is_leaf=True), new_state
 
-            def rule(gs, ps):
-                fused = isinstance(s, (int, float)) and same_dtypes(gs, ps)
-                out = torch._foreach_add(gs, ps, alpha=s) if fused else [g + s * p for g, p in zip(gs, ps)]
-                return times(out, factor, own=True)
-
-            return foreach_map(rule, updates, params), new_state
+            return foreach_map(lambda gs, ps: times(plus_scaled(gs, ps, s), factor, own=True), updates, params), \
+                new_state
 
         return update
 
