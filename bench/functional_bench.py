@@ -5,7 +5,8 @@ traffic (Adam reads p, g, m, v and writes p, m, v: 28 bytes/element; SGD with mo
 p, g, b and writes p, b: 20) against a measured copy bandwidth, and each path's time relative
 to torch's fused kernel and to its foreach implementation.
 Usage: python bench/functional_bench.py [--rule adam|sgd|adamw|adagrad] [--elements 20e6]
-[--tensors 200] [--repeat 15]; ``--table`` times every rule on two shapes, every path, in one run.
+[--tensors 200] [--repeat 15]; ``--table`` times every rule on two shapes, every path, in one run;
+``--scheduler`` times Adam with and without an lr that changes every step.
 """
 
 from __future__ import annotations
@@ -139,6 +140,34 @@ def run_table(repeat: int) -> None:
     Console(width=200).print(table)
 
 
+def scheduled_step(params, grads, make_optimizer, scheduled: bool):
+    """A step of ``make_optimizer(params)``, with a ``LambdaLR`` moving the lr after every step."""
+    ps = [p.clone().requires_grad_() for p in params]
+    for p, g in zip(ps, grads):
+        p.grad = g
+    opt = make_optimizer(ps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1 / (1 + k)) if scheduled else None
+
+    def step():
+        opt.step()
+        if scheduler is not None:
+            scheduler.step()
+
+    return step
+
+
+def run_scheduler(repeat: int) -> None:
+    """Adam on 2,000 small tensors, with and without an lr that changes every step."""
+    params = make_params(int(2e6), 2000)
+    grads = [torch.randn_like(p) for p in params]
+    makers = {"torch Adam(fused=True)": lambda ps: torch.optim.Adam(ps, lr=1e-3, fused=True),
+              "zero Optimizer(from_torch(Adam))": lambda ps: F.Optimizer(ps, F.from_torch(torch.optim.Adam, lr=1e-3))}
+    steps = {f"{name}{', LambdaLR' if on else ''}": scheduled_step(params, grads, make, on)
+             for name, make in makers.items() for on in (False, True)}
+    for path, t in interleaved(steps, repeat).items():
+        Console().print(f"{path}: {t * 1e3:.2f} ms/step")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rule", choices=sorted(FUSED), default="adam")
@@ -148,7 +177,12 @@ def main() -> None:
     ap.add_argument("--plot", help="also draw the ms/step of each path to this PNG")
     ap.add_argument("--table", action="store_true",
                     help="every rule x {200 uneven tensors, 2,000 small ones} x every path (issue #15's table)")
+    ap.add_argument("--scheduler", action="store_true",
+                    help="Adam on 2,000 small tensors with and without an lr scheduler stepping every step")
     args = ap.parse_args()
+    if args.scheduler:
+        run_scheduler(args.repeat)
+        return
     if args.table:
         run_table(args.repeat)
         return
