@@ -19,7 +19,7 @@ ALIASES = {
 }
 
 
-# Optax's other aliases (zero.functional.more_rules): the parity tests run them too.
+# Optax's other aliases (zero.functional.aliases): the parity tests run them too.
 MORE_ALIASES = {
     "adabelief": dict(learning_rate=LR, nesterov=True),
     "amsgrad": dict(learning_rate=LR, bias_correction_nu=False),

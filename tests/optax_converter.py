@@ -31,8 +31,8 @@ import torch
 from optax._src import base as optax_base
 
 import zero.functional as F
+from zero.functional.adapters.optax_bridge import from_optax
 from zero.functional.base import takes_extra_args, update_with
-from zero.functional.optax_bridge import from_optax
 
 TRACED = "traces a zero rule with a JAX transformation (grad/vmap/scan/jit at import): not applicable to torch"
 

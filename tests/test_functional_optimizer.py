@@ -311,7 +311,7 @@ def test_a_kernel_step_is_seen_by_autograd_as_an_inplace_change(make):
 def test_a_scheduler_keeps_the_kernels_checked_placement(make, monkeypatch):
     """An lr that changes every step builds the inner chain for the new value; its kernel takes
     over the tensors the last one checked instead of checking every dtype and device again."""
-    from zero.functional import kernels
+    from zero.functional.fast import kernels
 
     checks = []
     groups = kernels._groups
@@ -324,7 +324,7 @@ def test_a_scheduler_keeps_the_kernels_checked_placement(make, monkeypatch):
 
 @pytest.mark.parametrize("scheduled", [False, True])
 def test_param_groups_sharing_a_rule_at_two_lrs_keep_a_placement_each(scheduled, monkeypatch):
-    from zero.functional import kernels
+    from zero.functional.fast import kernels
 
     checks = []
     groups = kernels._groups

@@ -96,3 +96,41 @@ def test_zero_optimizer_resolves_lazily_from_the_root():
     code = ("import sys, zero; assert 'torch' not in sys.modules; cls = zero.ZeroRedundancyOptimizer; "
             "import zero.backends; assert cls is zero.backends.ZeroRedundancyOptimizer")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# Inside zero.functional, folders point one way too: core <- fast <- transforms/schedules <- aliases/contrib
+# <- adapters. What each may not import (anywhere in the folder, at any level).
+FUNCTIONAL_CORE = ("base", "update", "combine", "inject", "sharding")
+FUNCTIONAL_FORBIDDEN = {
+    "fast": ("transforms", "schedules", "aliases", "contrib", "adapters", "combine", "inject", "update"),
+    "transforms": ("aliases", "contrib", "adapters"),
+    "schedules": ("transforms", "aliases", "contrib", "adapters"),
+    "aliases": ("contrib", "adapters"),
+    "contrib": ("adapters",),
+    **{core: ("transforms", "schedules", "aliases", "contrib", "adapters") for core in FUNCTIONAL_CORE},
+}
+
+
+def functional_part(path: pathlib.Path) -> str:
+    """``transforms`` for zero/functional/transforms/adam.py, ``base`` for zero/functional/base.py."""
+    part = path.relative_to("zero/functional").parts[0]
+    return part.removesuffix(".py")
+
+
+@pytest.mark.parametrize("part", sorted(FUNCTIONAL_FORBIDDEN))
+def test_functional_folders_point_one_way(part):
+    never = tuple(f"zero.functional.{name}" for name in FUNCTIONAL_FORBIDDEN[part])
+    found = [(str(path), name) for path in pathlib.Path("zero/functional").rglob("*.py")
+             if functional_part(path) == part for name, _ in imports(path) if reaches(name, never)]
+    assert found == [], f"imports against zero.functional's layout (its package docstring): {found}"
+
+
+def test_every_functional_folder_says_what_goes_in_it():
+    folders = [p for p in pathlib.Path("zero/functional").iterdir() if p.is_dir() and p.name != "__pycache__"]
+    assert {p.name for p in folders} == {"transforms", "schedules", "aliases", "contrib", "fast", "adapters"}
+    root_doc = ast.get_docstring(ast.parse(pathlib.Path("zero/functional/__init__.py").read_text()))
+    for folder in folders:
+        doc = ast.get_docstring(ast.parse((folder / "__init__.py").read_text()))
+        assert doc, f"{folder} has no package docstring"
+        assert f"``{folder.name}/``" in root_doc, f"zero.functional's docstring does not say what {folder.name}/ holds"
+    assert not [p for p in pathlib.Path("zero/functional").rglob("*.py") if p.stem.startswith("more_")]

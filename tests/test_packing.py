@@ -1,4 +1,4 @@
-"""The pure path's layout: small CPU leaves packed into one flat tensor (`zero.functional.packing`),
+"""The pure path's layout: small CPU leaves packed into one flat tensor (`zero.functional.fast.packing`),
 and a constant scale folded into the link before it (`chain`).
 
 Optax parity (tests/test_functional_optax_parity.py) runs with packing on, since its trees'
@@ -12,7 +12,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import zero.functional as F
-from zero.functional import packing
+from zero.functional.fast import packing
 
 pytest.importorskip("optax", reason="parity with Optax needs the zero[jax] extra")
 

@@ -15,10 +15,8 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from zero.functional.packing import map_lists
-
-__all__ = ["GradientTransformation", "Spec", "EmptyState", "identity", "apply_updates",
-           "inplace_step", "tree_map", "takes_extra_args", "incremental_update", "periodic_update", "update_with",
+__all__ = ["GradientTransformation", "Spec", "EmptyState", "identity", "stateless_tx", "set_to_zero", "stateless",
+           "stateless_with_tree_map", "inplace_step", "tree_map", "takes_extra_args", "update_with",
            "with_extra_args_support", "as_dtype",
            "flatten_like", "check_structure", "tree_leaves", "zeros_like", "full_like", "count_zero", "count_inc",
            "NO_PARAMS_MSG", "check_positive", "check_unit", "check_non_negative"]
@@ -31,7 +29,7 @@ class Spec(NamedTuple):
     """What a transformation is, as data: the factory that built it and the arguments it got.
 
     Combinators read specs instead of closures: `chain` looks for a fused kernel for its links
-    (`zero.functional.kernels`); `zero.functional.Optimizer` reads the hyperparameters of
+    (`zero.functional.fast.kernels`); `zero.functional.Optimizer` reads the hyperparameters of
     `inject_hyperparams` from its spec to show them as param-group keys, and rebuilds an alias
     (whose spec has its ``factory``) under `inject_hyperparams` so param groups can set them.
     """
@@ -174,6 +172,31 @@ def identity() -> GradientTransformation:
     return GradientTransformation(lambda params: EmptyState(), lambda u, s, p=None: (u, s), spec=Spec("identity", {}))
 
 
+def stateless_tx(update: Callable) -> GradientTransformation:
+    """A transformation with no state around ``update(updates, state, params=None)``."""
+    return GradientTransformation(lambda params: EmptyState(), update)
+
+
+def set_to_zero() -> GradientTransformation:
+    """Zero updates (``optax.set_to_zero``); e.g. freezes the params it is routed to."""
+    return stateless_tx(lambda u, s, p=None: (zeros_like(u), s))
+
+
+def stateless(f: Callable[[Any, Any], Any]) -> GradientTransformation:
+    """A transformation from ``f(updates, params) -> updates`` (``optax.stateless``)."""
+    return stateless_tx(lambda u, s, p=None: (f(u, p), EmptyState()))
+
+
+def stateless_with_tree_map(f: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]) -> GradientTransformation:
+    """``f(update, param)`` leaf by leaf (``param`` is None without params); ``optax.stateless_with_tree_map``."""
+    def update(updates, state, params=None):
+        if params is None:
+            return tree_map(lambda u: f(u, None), updates), EmptyState()
+        return tree_map(f, updates, params), EmptyState()
+
+    return stateless_tx(update)
+
+
 @torch.no_grad()
 def inplace_step(tx: GradientTransformation, params: list, grads: list, state: Any) -> Any:
     """One step of ``tx`` on a list of params, updating them in place; returns the new state.
@@ -192,36 +215,6 @@ def inplace_step(tx: GradientTransformation, params: list, grads: list, state: A
     updates, state = tx.update(grads, state, params)
     torch._foreach_add_(params, [u.to(p.dtype) for p, u in zip(params, updates)])
     return state
-
-
-@torch.no_grad()
-def apply_updates(params: Any, updates: Any) -> Any:
-    """``params + updates`` leaf by leaf, in each param's dtype (a new tree; inputs untouched).
-    A ``None`` param stays ``None``, a ``None`` update leaves its param as it is."""
-    if params is None:
-        return None
-    p_leaves, treedef = optree.tree_flatten(params)
-    u_leaves, u_treedef = optree.tree_flatten(updates)
-    if u_treedef != treedef:
-        check_structure(updates, params)  # raises, naming the leaves that differ
-    return map_lists(_add_in_dtypes, treedef, [p_leaves, u_leaves])
-
-
-def _add_in_dtypes(ps: list, us: list) -> list:
-    """``p + u`` in each param's dtype."""
-    return torch._foreach_add(ps, [u if u.dtype == p.dtype else u.to(p.dtype) for p, u in zip(ps, us)])
-
-
-def incremental_update(new_tensors: Any, old_tensors: Any, step_size: float) -> Any:
-    """``step_size * new + (1 - step_size) * old`` leaf by leaf, e.g. a target network's Polyak
-    average (``optax.incremental_update``); a ``None`` leaf of ``new_tensors`` stays ``None``."""
-    return optree.tree_map(lambda new, old: None if new is None else step_size * new + (1.0 - step_size) * old,
-                           new_tensors, old_tensors, none_is_leaf=True)
-
-
-def periodic_update(new_tensors: Any, old_tensors: Any, steps: Any, update_period: int) -> Any:
-    """``new_tensors`` every ``update_period`` steps, else ``old_tensors`` (``optax.periodic_update``)."""
-    return new_tensors if int(steps) % int(update_period) == 0 else old_tensors
 
 
 def check_positive(name: str, value: Any) -> None:

@@ -1,11 +1,16 @@
-"""Composing transformations: `chain` (``optax.chain``)."""
+"""Composing transformations: `chain` and `named_chain` (``optax.chain``, ``optax.named_chain``)."""
 
 from __future__ import annotations
 
-from zero.functional.base import GradientTransformation, Spec, check_structure, update_with
-from zero.functional.kernels import fuse
+from zero.functional.base import (
+    GradientTransformation,
+    Spec,
+    check_structure,
+    update_with,
+)
+from zero.functional.fast.kernels import fuse
 
-__all__ = ["chain"]
+__all__ = ['chain', 'named_chain']
 
 
 def chain(*transformations: GradientTransformation) -> GradientTransformation:
@@ -13,7 +18,7 @@ def chain(*transformations: GradientTransformation) -> GradientTransformation:
 
     Mirrors ``optax.chain``. When the links spell a rule torch has a fused kernel for (e.g.
     ``scale_by_adam`` then ``scale_by_learning_rate``: Adam), the chain also gets that kernel as
-    its ``inplace`` step (`zero.functional.kernels`); ``update`` is always the links in turn.
+    its ``inplace`` step (`zero.functional.fast.kernels`); ``update`` is always the links in turn.
     Extra keyword arguments to ``update`` (Optax's extra args, e.g. ``value=``) go to the links
     that take them; the others never see them.
     """
@@ -63,3 +68,21 @@ def _constant_scale(tx: GradientTransformation) -> float | None:
     if not isinstance(factor, (int, float)) or isinstance(factor, bool):
         return None  # a schedule or a tensor: scaled at each update by its own link
     return -float(factor) if spec.name == "scale_by_learning_rate" and spec.args["flip_sign"] else float(factor)
+
+
+def named_chain(*transforms: tuple[str, GradientTransformation]) -> GradientTransformation:
+    """`chain` whose state is a dict by name (``optax.named_chain``); names must be unique."""
+    names = [name for name, _ in transforms]
+    if len(names) != len(set(names)):
+        raise ValueError(f"named_chain needs unique names, got {names}")
+
+    def init(params):
+        return {name: tx.init(params) for name, tx in transforms}
+
+    def update(updates, state, params=None, **extra_args):
+        new_state = {}
+        for name, tx in transforms:
+            updates, new_state[name] = update_with(tx, updates, state[name], params, extra_args)
+        return updates, new_state
+
+    return GradientTransformation(init, update)

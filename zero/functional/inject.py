@@ -26,7 +26,7 @@ from zero.functional.base import (
     tree_leaves,
     update_with,
 )
-from zero.functional.kernels import keep_placement
+from zero.functional.fast.kernels import keep_placement
 
 __all__ = ["InjectHyperparamsState", "InjectStatefulHyperparamsState", "WrappedScheduleState", "WrappedSchedule",
            "inject_hyperparams"]

@@ -1,5 +1,5 @@
-"""Adafactor: second moments kept as row and column factors (``optax.scale_by_factored_rms``,
-``optax.scale_by_param_block_rms``, ``optax.adafactor``).
+"""Second moments in less memory than the params: Adafactor's row and column factors and SM3's
+covers (``optax.scale_by_factored_rms``, ``scale_by_param_block_rms``, ``scale_by_sm3``).
 
 A matrix's second moment is stored as its row means and column means (over the two largest
 axes), so the state of an ``m x n`` weight costs ``m + n`` numbers instead of ``m n``. These
@@ -8,6 +8,7 @@ rules read whole tensors' shapes: under a flat plan, which steps pieces, they ar
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -15,13 +16,19 @@ import optree
 import torch
 
 from zero.functional import sharding
-from zero.functional import transform as T
-from zero.functional.alias import ScalarOrSchedule, _alias
-from zero.functional.base import NO_PARAMS_MSG, EmptyState, GradientTransformation, count_inc, count_zero, tree_leaves
-from zero.functional.combine import chain
-from zero.functional.elementwise import abs_sq
+from zero.functional.base import (
+    NO_PARAMS_MSG,
+    EmptyState,
+    GradientTransformation,
+    count_inc,
+    count_zero,
+    tree_leaves,
+    tree_map,
+    zeros_like,
+)
+from zero.functional.fast.elementwise import abs_sq, moment
 
-__all__ = ["FactoredState", "scale_by_factored_rms", "scale_by_param_block_rms", "adafactor"]
+__all__ = ['FactoredState', 'scale_by_factored_rms', 'scale_by_param_block_rms', 'ScaleBySM3State', 'scale_by_sm3']
 
 
 class FactoredState(NamedTuple):
@@ -123,52 +130,55 @@ def scale_by_param_block_rms(min_scale: float = 1e-3) -> GradientTransformation:
     return GradientTransformation(lambda params: EmptyState(), update)
 
 
-@_alias
-def adafactor(learning_rate: ScalarOrSchedule | None = None, min_dim_size_to_factor: int = 128,
-              decay_rate: float = 0.8, decay_offset: int = 0, multiply_by_parameter_scale: bool = True,
-              clipping_threshold: float | None = 1.0, momentum: float | None = None,
-              dtype_momentum: torch.dtype | str = torch.float32, weight_decay_rate: ScalarOrSchedule | None = None,
-              eps: float = 1e-30, factored: bool = True, weight_decay_mask: Any = None) -> GradientTransformation:
-    r"""Adafactor: Adam-like steps with factored second moments and relative step sizes.
+class ScaleBySM3State(NamedTuple):
+    """State of ``scale_by_sm3`` (``optax.ScaleBySM3State``).
 
-    .. math:: u_t = -\alpha_t\, \mathrm{RMS}(p)\, \mathrm{clip}\big(g_t / \sqrt{\hat V_t}\big),\quad
-        \hat V_t = R_t C_t / \mathrm{mean}(R_t)
-
-    Args:
-        learning_rate: a float or a schedule (``None``: no scaling, as Optax).
-        min_dim_size_to_factor, decay_rate, decay_offset, eps, factored: as in `scale_by_factored_rms`.
-        multiply_by_parameter_scale: scale by each param's root mean square (`scale_by_param_block_rms`).
-        clipping_threshold: clip each update's root mean square (``None``: no clipping).
-        momentum, dtype_momentum: an optional moving average of the updates, and its dtype.
-        weight_decay_rate, weight_decay_mask: optional decoupled weight decay, and where.
-
-    Returns:
-        The chain of ``optax.adafactor``. torch's ``Adafactor`` (2.5+) follows the paper's
-        later form (no clipping by default, other decay); `from_torch` does not cover it.
-
-    Reference: Shazeer and Stern, Adafactor: Adaptive Learning Rates with Sublinear Memory Cost, 2018.
-
-    Example:
-        >>> import torch, zero.functional as F
-        >>> tx = F.adafactor(0.1)
-        >>> p = torch.full((2, 2), 3.0)
-        >>> u, _ = tx.update(torch.ones(2, 2), tx.init(p), p)
-        >>> u
-        tensor([[-0.3000, -0.3000],
-                [-0.3000, -0.3000]])
+    Fields:
+        mu: per param, a list with one 1-D accumulator per axis (the maxima of the second moment
+            over the other axes).
+        nu: the momentum of the scaled updates, a pytree like the params.
     """
-    from zero.functional.more_transforms import clip_by_block_rms
 
-    links = [scale_by_factored_rms(factored, decay_rate, decay_offset, min_dim_size_to_factor, eps)]
-    if clipping_threshold is not None:
-        links.append(clip_by_block_rms(clipping_threshold))
-    if learning_rate is not None:
-        links.append(T.scale_by_learning_rate(learning_rate, flip_sign=False))
-    if multiply_by_parameter_scale:
-        links.append(scale_by_param_block_rms())
-    if momentum is not None:
-        links.append(T.ema(momentum, debias=False, accumulator_dtype=dtype_momentum))
-    if weight_decay_rate is not None:
-        links.append(T.add_decayed_weights(weight_decay_rate, mask=weight_decay_mask))
-    links.append(T.scale(-1))
-    return chain(*links)
+    mu: Any
+    nu: Any
+
+
+def _sm3_accumulate(g: torch.Tensor, covers: list[torch.Tensor], b2: float) -> torch.Tensor:
+    """The second moment: ``g^2`` plus the smallest of the axes' covers (the cover itself for a vector)."""
+    old_weight, new_weight = b2, (1.0 - b2) if b2 != 1.0 else 1.0
+    shaped = [c.reshape([1] * i + [g.shape[i]] + [1] * (g.dim() - i - 1)) for i, c in enumerate(covers)]
+    cover = shaped[0] if g.dim() < 2 else functools.reduce(torch.minimum, shaped)
+    return new_weight * g * g + old_weight * cover
+
+
+def _sm3_covers(accum: torch.Tensor) -> list[torch.Tensor]:
+    """Per axis, the maxima of ``accum`` over the other axes (a vector's own values)."""
+    if accum.dim() < 2:
+        return [accum]
+    return [accum.amax(dim=[d for d in range(accum.dim()) if d != i]) for i in range(accum.dim())]
+
+
+def scale_by_sm3(b1: float = 0.9, b2: float = 1.0, eps: float = 1e-8) -> GradientTransformation:
+    """SM3: a second moment kept as one accumulator per axis (memory ``sum`` of the dims, not
+    their product), then momentum ``b1`` (``optax.scale_by_sm3``). Real params of at least one
+    dimension, whole (not a flat plan's pieces)."""
+
+    def init(params):
+        for p in tree_leaves(params):
+            if p.is_complex() or p.dim() == 0:
+                raise ValueError(f"scale_by_sm3 needs real params of at least one dimension, got a {p.dtype} "
+                                 f"param of shape {tuple(p.shape)}")
+        mu = tree_map(lambda p: [torch.zeros(n, dtype=p.dtype, device=p.device) for n in p.shape], params)
+        return ScaleBySM3State(mu, zeros_like(params))
+
+    def update(updates, state, params=None):
+        g_leaves, treedef = optree.tree_flatten(updates)
+        sharding.whole_tensors(g_leaves, "scale_by_sm3")
+        covers, nus = treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.nu)
+        accums = [_sm3_accumulate(g, c, b2) for g, c in zip(g_leaves, covers)]
+        scaled = [g * torch.where(a > 0, torch.rsqrt(a + eps), 0.0) for g, a in zip(g_leaves, accums)]
+        nu = [moment(u, n, b1, 1) for u, n in zip(scaled, nus)]
+        unflat = lambda xs: optree.tree_unflatten(treedef, xs)
+        return unflat(nu), ScaleBySM3State(unflat([_sm3_covers(a) for a in accums]), unflat(nu))
+
+    return GradientTransformation(init, update)

@@ -16,8 +16,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from zero.functional import adam_family as A
-from zero.functional import transform as T
+from zero.functional import transforms as T
 from zero.functional.base import (
     GradientTransformation,
     Spec,
@@ -30,9 +29,9 @@ from zero.functional.base import (
     zeros_like,
 )
 from zero.functional.combine import chain
+from zero.functional.fast.kernels import scalar_dtype as _scalar_dtype
+from zero.functional.fast.packing import elementwise_map
 from zero.functional.inject import inject_hyperparams
-from zero.functional.kernels import scalar_dtype as _scalar_dtype
-from zero.functional.packing import elementwise_map
 
 __all__ = ["from_torch", "TORCH_CLASSES"]
 
@@ -76,7 +75,7 @@ def _torch_amsgrad(b1: float, b2: float, eps: float) -> GradientTransformation:
     """``torch.optim.Adam(amsgrad=True)``: the running max of the *raw* second moment."""
 
     def init(params):
-        return A.ScaleByAmsgradState(count_zero(), zeros_like(params), zeros_like(params), zeros_like(params))
+        return T.ScaleByAmsgradState(count_zero(), zeros_like(params), zeros_like(params), zeros_like(params))
 
     def update(updates, state, params=None):
         mu = elementwise_map(lambda g, m: torch.lerp(m, g, 1 - b1), updates, state.mu)
@@ -85,7 +84,7 @@ def _torch_amsgrad(b1: float, b2: float, eps: float) -> GradientTransformation:
         c = int(count_inc(state.count))
         bc1, bc2 = 1 - b1**c, 1 - b2**c
         out = elementwise_map(lambda m, vm: (m / bc1) / (vm.sqrt() / math.sqrt(bc2) + eps), mu, nu_max)
-        return out, A.ScaleByAmsgradState(count_inc(state.count), mu, nu, nu_max)
+        return out, T.ScaleByAmsgradState(count_inc(state.count), mu, nu, nu_max)
 
     return GradientTransformation(init, update, spec=Spec("torch_amsgrad", {"b1": b1, "b2": b2, "eps": eps}))
 
@@ -170,7 +169,7 @@ def _torch_radam(b1: float, b2: float, eps: float) -> GradientTransformation:
     rho_inf = 2 / (1 - b2) - 1
 
     def init(params):
-        return A.ScaleByAdamState(count_zero(), zeros_like(params), zeros_like(params))
+        return T.ScaleByAdamState(count_zero(), zeros_like(params), zeros_like(params))
 
     def update(updates, state, params=None):
         c = int(count_inc(state.count))
@@ -183,7 +182,7 @@ def _torch_radam(b1: float, b2: float, eps: float) -> GradientTransformation:
             out = elementwise_map(lambda m, v: (m / bc1) * (rect * math.sqrt(bc2) / (v.sqrt() + eps)), m, v)
         else:
             out = elementwise_map(lambda m: m / bc1, m)
-        return out, A.ScaleByAdamState(count_inc(state.count), m, v)
+        return out, T.ScaleByAdamState(count_inc(state.count), m, v)
 
     return GradientTransformation(init, update, spec=Spec("torch_radam", {"b1": b1, "b2": b2, "eps": eps}))
 
@@ -207,7 +206,7 @@ def _adam(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False
     check_unit("betas[0]", b1)
     check_unit("betas[1]", b2)
     before, after = _decays(weight_decay, decoupled_weight_decay)
-    core = _torch_amsgrad(b1, b2, eps) if amsgrad else A.scale_by_adam(b1, b2, eps)
+    core = _torch_amsgrad(b1, b2, eps) if amsgrad else T.scale_by_adam(b1, b2, eps)
     return chain(_negate(maximize), before, core, after, T.scale_by_learning_rate(lr))
 
 
@@ -239,7 +238,7 @@ def _rprop(lr=1e-2, etas=(0.5, 1.2), step_sizes=(1e-6, 50.0), maximize=False):
 
 
 def _adamax(lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, maximize=False):
-    return chain(_negate(maximize), _decays(weight_decay, False)[0], A.scale_by_adamax(*betas, eps),
+    return chain(_negate(maximize), _decays(weight_decay, False)[0], T.scale_by_adamax(*betas, eps),
                  T.scale_by_learning_rate(lr))
 
 

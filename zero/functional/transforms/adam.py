@@ -1,9 +1,10 @@
 """The Adam family of rescalings (``optax.scale_by_adam``, ``scale_by_amsgrad``,
-``scale_by_adamax``, ``scale_by_radam``, ``scale_by_belief``), mirrored formula for formula.
+``scale_by_adamax``, ``scale_by_radam``, ``scale_by_belief``, ``scale_by_yogi``, ``scale_by_adan``),
+mirrored formula for formula.
 
 ``update`` is the maths, in foreach ops over the pytree's leaves; a chain of ``scale_by_adam``
 and ``scale_by_learning_rate`` also steps in place with torch's fused kernel
-(`zero.functional.kernels`).
+(`zero.functional.fast.kernels`).
 """
 
 from __future__ import annotations
@@ -21,13 +22,15 @@ from zero.functional.base import (
     check_unit,
     count_inc,
     count_zero,
+    full_like,
     zeros_like,
 )
-from zero.functional.elementwise import debias, max_real, moment, moments, same_dtypes, sqrt, times
-from zero.functional.packing import elementwise_map, foreach_map
+from zero.functional.fast.elementwise import abs_sq, debias, max_real, moment, moments, same_dtypes, sqrt, times
+from zero.functional.fast.packing import elementwise_map, foreach_map
 
 __all__ = ["ScaleByAdamState", "ScaleByAmsgradState", "ScaleByBeliefState", "scale_by_adam", "scale_by_amsgrad",
-           "scale_by_adamax", "scale_by_radam", "scale_by_belief"]
+           "scale_by_adamax", "scale_by_belief", "scale_by_radam", "scale_by_yogi", "ScaleByAdanState",
+           "scale_by_adan"]
 
 
 class ScaleByAdamState(NamedTuple):
@@ -101,7 +104,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_roo
     Returns:
         A transformation with state `ScaleByAdamState`. In a chain followed by
         ``scale_by_learning_rate`` (``adam``, ``adamw``, ``from_torch(torch.optim.Adam)``) the
-        in-place step runs torch's fused Adam kernel (`zero.functional.kernels`).
+        in-place step runs torch's fused Adam kernel (`zero.functional.fast.kernels`).
     """
     mu_dtype = as_dtype(mu_dtype, "mu_dtype")
     _check_betas(b1, b2, eps)
@@ -306,3 +309,61 @@ def scale_by_radam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_ro
         return update
 
     return GradientTransformation(init, scaled(), scaled=scaled)
+
+
+def scale_by_yogi(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-3, eps_root: float = 0.0,
+                  initial_accumulator_value: float = 1e-6) -> GradientTransformation:
+    """Yogi: Adam whose second moment moves by ``sign(v - g^2) g^2`` (``optax.scale_by_yogi``)."""
+    _check_betas(b1, b2, eps)
+
+    def init(params):
+        return ScaleByAdamState(count_zero(), full_like(params, initial_accumulator_value),
+                                  full_like(params, initial_accumulator_value))
+
+    def update(updates, state, params=None):
+        mu = elementwise_map(lambda g, m: moment(g, m, b1, 1), updates, state.mu)
+        nu = elementwise_map(lambda g, v: v - (1 - b2) * torch.sgn(v - abs_sq(g)) * abs_sq(g), updates, state.nu)
+        count = count_inc(state.count)
+        out = elementwise_map(lambda m, v: debias(m, b1, count) / (torch.sqrt(debias(v, b2, count) + eps_root) + eps),
+                       mu, nu)
+        return out, ScaleByAdamState(count, mu, nu)
+
+    return GradientTransformation(init, update)
+
+
+class ScaleByAdanState(NamedTuple):
+    """State of ``scale_by_adan`` (``optax.ScaleByAdanState``).
+
+    Fields:
+        m: moment of the gradients; v: moment of their differences; n: moment of the squared
+        Nesterov term; g: the last gradients (pytrees like the params); t: steps taken, 0-d int32.
+    """
+
+    m: Any
+    v: Any
+    n: Any
+    g: Any
+    t: torch.Tensor
+
+
+def scale_by_adan(b1: float = 0.98, b2: float = 0.92, b3: float = 0.99, eps: float = 1e-8,
+                  eps_root: float = 0.0) -> GradientTransformation:
+    """Adan: Adam-like moments of the gradients, of their differences and of the squared
+    Nesterov term ``g + (1 - b2) (g - g_prev)`` (``optax.scale_by_adan``)."""
+
+    def init(params):
+        return ScaleByAdanState(zeros_like(params), zeros_like(params), zeros_like(params), zeros_like(params),
+                                count_zero())
+
+    def update(updates, state, params=None):
+        first = int(state.t) == 0
+        diff = elementwise_map(lambda g, prev: torch.zeros_like(g) if first else g - prev, updates, state.g)
+        m = elementwise_map(lambda g, m: moment(g, m, b1, 1), updates, state.m)
+        v = elementwise_map(lambda d, v: moment(d, v, b2, 1), diff, state.v)
+        n = elementwise_map(lambda g, d, n: moment(g + (1 - b2) * d, n, b3, 2), updates, diff, state.n)
+        t = count_inc(state.t)
+        out = elementwise_map(lambda m, v, n: (debias(m, b1, t) + (1 - b2) * debias(v, b2, t))
+                       / (torch.sqrt(debias(n, b3, t) + eps_root) + eps), m, v, n)
+        return out, ScaleByAdanState(m, v, n, updates, t)
+
+    return GradientTransformation(init, update)

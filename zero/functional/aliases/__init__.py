@@ -1,0 +1,33 @@
+"""Optax's optimizer aliases, one module per family (`sgd`, `adam`, `rms`, `sign`, `layerwise`,
+`factored`): each alias is one `chain` of `zero.functional.transforms` whose docstring carries the
+maths. A new alias goes in its family's module and is re-exported from `zero.functional`.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from zero.functional.base import GradientTransformation, Spec
+
+__all__ = ["Schedule", "ScalarOrSchedule", "Mask", "alias"]
+
+Schedule = Callable[[Any], float]
+ScalarOrSchedule = float | Schedule
+Mask = Any  # a pytree of bools like the params, or a function of the params returning one
+
+
+def alias(factory: Callable[..., GradientTransformation]) -> Callable[..., GradientTransformation]:
+    """Record the alias and its arguments as the chain's spec, so it can be rebuilt under
+    `inject_hyperparams` (what `zero.functional.Optimizer` does to let param groups set them)."""
+    signature = inspect.signature(factory)
+
+    @functools.wraps(factory)
+    def build(*args: Any, **kwargs: Any) -> GradientTransformation:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return factory(*args, **kwargs)._replace(spec=Spec(factory.__name__, dict(bound.arguments), build))
+
+    return build

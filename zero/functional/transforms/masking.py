@@ -1,0 +1,111 @@
+"""Masks and routing by label: a transformation applied to some leaves only (``optax.masked``),
+or each leaf routed to the transformation of its label (``optax.partition``, ``multi_transform``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Mapping
+from typing import Any, NamedTuple
+
+import optree
+
+from zero.functional.base import (
+    GradientTransformation,
+    tree_leaves,
+    tree_map,
+    update_with,
+)
+
+__all__ = ["MaskedNode", "MaskedState", "masked", "PartitionState", "MultiTransformState", "partition",
+           "multi_transform"]
+
+
+class MaskedNode(NamedTuple):
+    """Stands in for a masked-out leaf: an empty subtree the inner transformation never sees."""
+
+
+class MaskedState(NamedTuple):
+    """State of ``masked`` (``optax.MaskedState``).
+
+    Fields:
+        inner_state: the inner transformation's state, over the masked-in leaves only.
+    """
+
+    inner_state: Any
+
+
+def _mask_tree(tree, mask_tree):
+    return tree_map(lambda m, x: x if m else MaskedNode(), mask_tree, tree)
+
+
+def masked(inner: GradientTransformation, mask: Any | Callable[[Any], Any], *,
+           mask_compatible_extra_args: bool = False) -> GradientTransformation:
+    """Apply ``inner`` only where ``mask`` (a tree of bools, or a function of params) is True
+    (``optax.masked``). With ``mask_compatible_extra_args``, extra args shaped like the updates
+    are masked too before they reach ``inner``."""
+
+    def resolve(tree):
+        return mask(tree) if callable(mask) else mask
+
+    def init(params):
+        return MaskedState(inner.init(_mask_tree(params, resolve(params))))
+
+    def update(updates, state, params=None, **extra_args):
+        mask_tree = resolve(updates)
+        inner_params = None if params is None else _mask_tree(params, mask_tree)
+        if mask_compatible_extra_args:
+            shape = optree.tree_structure(updates)
+            extra_args = {k: _mask_tree(v, mask_tree) if optree.tree_structure(v) == shape else v
+                          for k, v in extra_args.items()}
+        new, inner_state = update_with(inner, _mask_tree(updates, mask_tree), state.inner_state, inner_params,
+                                       extra_args)
+        return tree_map(lambda m, n, old: n if m else old, mask_tree, new, updates), MaskedState(inner_state)
+
+    return GradientTransformation(init, update)
+
+
+class PartitionState(NamedTuple):
+    """State of ``partition`` and ``multi_transform`` (``optax.PartitionState``, which Optax also
+    calls ``MultiTransformState``).
+
+    Fields:
+        inner_states: label -> that label's transformation's (masked) state.
+    """
+
+    inner_states: dict
+
+
+MultiTransformState = PartitionState
+
+
+def partition(transforms: Mapping[Hashable, GradientTransformation], param_labels: Any | Callable[[Any], Any], *,
+              mask_compatible_extra_args: bool = False) -> GradientTransformation:
+    """Route each leaf to ``transforms[label]`` by its label in ``param_labels`` (a tree of labels
+    or a function of params returning one; ``optax.partition``, also ``multi_transform``). A label
+    without a transformation is a ``ValueError`` naming it."""
+
+    def masks(tree):
+        labels = param_labels(tree) if callable(param_labels) else param_labels
+        missing = set(tree_leaves(labels)) - set(transforms)
+        if missing:
+            raise ValueError(f"labels {sorted(map(str, missing))} have no transformation; "
+                             f"transforms has {sorted(map(str, transforms))}")
+        return {k: tree_map(lambda lab, k=k: lab == k, labels) for k in transforms}
+
+    def route(tx, mask_tree):
+        return masked(tx, mask_tree, mask_compatible_extra_args=mask_compatible_extra_args)
+
+    def init(params):
+        m = masks(params)
+        return PartitionState({k: route(tx, m[k]).init(params) for k, tx in transforms.items()})
+
+    def update(updates, state, params=None, **extra_args):
+        m = masks(updates)
+        new_states = {}
+        for k, tx in transforms.items():
+            updates, new_states[k] = route(tx, m[k]).update(updates, state.inner_states[k], params, **extra_args)
+        return updates, PartitionState(new_states)
+
+    return GradientTransformation(init, update)
+
+
+multi_transform = partition
