@@ -133,7 +133,7 @@ def patched(module, name: str, value):
 
 def storage_of(ours: Zero) -> list[str]:
     """Per trainable param: "row" if it is a view into the optimizer's sync rows, else "own"."""
-    rows = [r for r in ours._sync._rows if r is not None]
+    rows = [r for r in ours.mode.sync._rows if r is not None]
 
     def inside(p):
         return any(r.data_ptr() <= p.data_ptr() < r.data_ptr() + r.numel() * r.element_size() for r in rows)

@@ -1,6 +1,10 @@
 """Execution: the only layer that imports ``torch.distributed``.
 
 It takes plans from `zero` and transformations from `zero.functional` and runs collectives.
+Machinery: ``comm`` (collectives), ``sync`` (the param sync), ``local_optimizer``,
+``state_dict``. Systems: ``zero_optimizer`` (the wiring of plan -> mode -> local optimizer),
+``overlap`` (DDP comm hooks), ``averagers`` and ``post_localsgd``, ``rpc_optimizer``.
+``modes/``: one object per way of executing a plan; a new ZeRO mode goes there.
 """
 
 from zero.backends.averagers import HierarchicalModelAverager

@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import DistStoreError
 
-__all__ = ["resolve_group", "group_rank", "group_size", "global_rank", "in_group", "all_gather_rows", "broadcast_from",
+__all__ = ["resolve_group", "group_rank", "group_size", "global_rank", "in_group", "device_for", "summed",
+           "all_gather_rows", "broadcast_from",
            "all_reduce_sum", "reduce_scatter_sum", "check_in", "new_subgroup", "send_tree", "recv_tree"]
 
 # torch 2.13 renamed all_gather_into_tensor; keep working on the 2.x releases before it.
@@ -53,6 +54,23 @@ def global_rank(group: Any, rank: int) -> int:
 
 def in_group(group: Any) -> bool:
     return dist.get_rank(group) >= 0  # -1 on processes outside the group
+
+
+def device_for(group: Any, device: torch.device) -> torch.device:
+    """Where tensors for collectives on ``group`` live: ``device`` under NCCL, the CPU under gloo."""
+    return device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+
+
+def summed(group: Any, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``reduce(t)``: ``t`` summed over ``group``'s ranks (a collective), returned on the CPU."""
+    comm_device = device_for(group, device)
+
+    def reduce(t: torch.Tensor) -> torch.Tensor:
+        t = t.to(comm_device)
+        all_reduce_sum(t, group)
+        return t.cpu()
+
+    return reduce
 
 
 def all_reduce_sum(tensor: torch.Tensor, group: Any) -> None:

@@ -6,17 +6,47 @@ The local optimizer is whatever the user named: a ``torch.optim.Optimizer`` clas
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from zero.functional import GradientTransformation, Optimizer, inject_hyperparams
-from zero.functional.optimizer import check_not_optax
+from zero.functional import GradientTransformation, Optimizer, inject_hyperparams, sharding
+from zero.functional.adapters.optimizer import check_not_optax
 
-__all__ = ["make_local_optimizer", "local_groups", "copy_hyperparams", "is_functional", "check_state_keys",
+__all__ = ["LocalStep", "make_local_optimizer", "local_groups", "copy_hyperparams", "is_functional", "check_state_keys",
            "per_element_keys", "check_shardable"]
+
+
+class LocalStep:
+    """This rank's local optimizer, the outer param groups it mirrors, and the steps taken.
+
+    The outer groups are the truth users and lr schedulers write: the local optimizer's groups copy
+    them before it reads them (`push`), and hand back the settings it fills in when it is built or
+    loaded (`pull`). A mode counts a step (``steps``) once every rank has agreed to take it.
+    """
+
+    def __init__(self, optim: torch.optim.Optimizer, param_groups: list[dict]):
+        self.optim, self.param_groups, self.steps = optim, param_groups, 0
+        self.pull()
+
+    def push(self) -> None:
+        copy_hyperparams(self.param_groups, self.optim.param_groups)
+
+    def pull(self) -> None:
+        copy_hyperparams(self.optim.param_groups, self.param_groups)
+
+    def run(self, rules: sharding.Sharding, closure: Any = None, **kwargs: Any) -> Any:
+        """One step of the local optimizer; ``rules`` answer a `zero.functional` rule's questions
+        about whole tensors (global norms ...), since the local params are pieces of the model."""
+        installed = sharding.installed(rules) if is_functional(self.optim) else contextlib.nullcontext()
+        with installed:
+            if closure is None:
+                return self.optim.step(**kwargs)
+            with torch.enable_grad():
+                return self.optim.step(closure=closure, **kwargs)
 
 
 def make_local_optimizer(optimizer_class: Any, groups: list[dict], defaults: dict,

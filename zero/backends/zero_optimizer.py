@@ -1,55 +1,41 @@
 """`ZeroRedundancyOptimizer`: torch's ZeRO-1 optimizer, as the executor of a `zero.Plan`.
 
-Construction: params -> `zero.param_metas` -> a `zero.Plan` (given, or made from ``strategy``) ->
-a local optimizer over what the plan gives this rank -> the sync that writes every replica.
-Whole-param plans: the owned params, synced by `ParamSync` (`zero.bucket_views`). Flat plans:
-one 1-D shard per flat buffer, synced by `FlatShards`. A step runs the local optimizer, then the
-sync. The class keeps only the plan, the local optimizer and the sync buffers; every placement
-decision is the plan layer's.
+The wiring: params -> `zero.param_metas` -> a `zero.Plan` (given, or made from ``strategy``) ->
+the mode that executes it (`zero.backends.modes`: whole params, flat shards, reduce-scattered
+shards, DDP overlap) -> a local optimizer over what the mode gives this rank. A step checks that
+every rank is in it, then hands over to the mode. The class keeps the mode, the local optimizer
+and torch's optimizer protocol; every placement decision is the plan layer's, every execution
+detail the mode's.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import optree
 import torch
-import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
 from zero.backends import comm
-from zero.backends.flat import FlatShards, flat_to_global, flat_to_local
-from zero.backends.grad_shards import ReduceScatterSteps
-from zero.backends.local_optimizer import (
-    check_shardable,
-    check_state_keys,
-    copy_hyperparams,
-    is_functional,
-    local_groups,
-    make_local_optimizer,
-    per_element_keys,
-)
-from zero.backends.overlap import OverlapSteps
-from zero.backends.state_dict import check_compatible, to_global, to_local
-from zero.backends.sync import ParamSync
-from zero.functional import sharding
+from zero.backends.local_optimizer import LocalStep, check_state_keys, make_local_optimizer, per_element_keys
+from zero.backends.modes import Mode, make_mode
+from zero.backends.state_dict import check_compatible
 from zero.plans.checks import checksum
-from zero.plans.layout import FLAT_BUCKET_NUMEL, bucket_views
+from zero.plans.ddp_buckets import ddp_bucket_partition
+from zero.plans.layout import FLAT_BUCKET_NUMEL
 from zero.plans.meta import ParamMeta, param_groups, param_metas
 from zero.plans.partition import check_rank
 from zero.plans.plan import PLAN_STRATEGIES, Plan, check_plan, make_plan
-from zero.plans.shards import local_indices
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
 logger = logging.getLogger(__name__)
 
 
-class ZeroRedundancyOptimizer(OverlapSteps, ReduceScatterSteps, Optimizer, Joinable):
+class ZeroRedundancyOptimizer(Optimizer, Joinable):
     """Shard any optimizer's state across a process group (ZeRO stage 1); a drop-in for torch's.
 
     Each rank keeps the full model but steps, and holds state for, only what the plan gives it:
@@ -88,6 +74,9 @@ class ZeroRedundancyOptimizer(OverlapSteps, ReduceScatterSteps, Optimizer, Joina
         sync_chunk_mb: with ``parameters_as_bucket_view=False`` only, the scratch each all-gather
             may use, in MiB (default 16).
         **defaults: hyperparameters for the local optimizer (``lr=...``).
+
+    Attributes: ``plan`` (the `zero.Plan` executed), ``mode`` (the `zero.backends.modes.Mode`
+    executing it), ``optim`` (the local optimizer).
     """
 
     def __init__(self, params: Iterable, optimizer_class: Any, process_group: Any = None,
@@ -107,32 +96,27 @@ class ZeroRedundancyOptimizer(OverlapSteps, ReduceScatterSteps, Optimizer, Joina
         self.world_size = comm.group_size(self.process_group)
         self.rank = comm.group_rank(self.process_group)
         self.parameters_as_bucket_view = parameters_as_bucket_view
-        self._chunk_bytes = int((sync_chunk_mb or 16) * 2**20)
         self._all_params = [p for g in self.param_groups for p in g["params"]]
         self._default_device = self._all_params[0].device
-        self._metas = param_metas(self.param_groups)
-        self.plan = plan if plan is not None else _default_plan(self._metas, self.world_size, strategy)
-        check_plan(self.plan, self._metas, self.world_size)
-        self._overlap, self._attached = bool(overlap_with_ddp), False
-        if self.plan.flat is not None:
-            check_shardable(optimizer_class)
-            if self._overlap:
-                raise ValueError("overlap_with_ddp=True steps whole params as DDP's buckets arrive: use a "
-                                 "whole-param plan (flat plans reduce-scatter instead: reduce_scatter_grads=True)")
-        elif reduce_scatter_grads:
-            raise ValueError("reduce_scatter_grads=True needs a flat plan (strategy='flat'): whole-param plans "
-                             "leave every rank the full gradients, as DDP does")
-        self._sync: ParamSync | FlatShards | None = None
-        self._build_sync()
-        self._grad_shards = self._reduce_scatter_grads() if reduce_scatter_grads else None
+        metas = param_metas(self.param_groups)
+        plan = plan if plan is not None else _default_plan(metas, self.world_size, strategy)
+        check_plan(plan, metas, self.world_size)
+        self.mode: Mode = make_mode(self._all_params, metas, plan, self.rank, self.process_group,
+                                    len(self.param_groups), optimizer_class=optimizer_class,
+                                    overlap_with_ddp=bool(overlap_with_ddp), reduce_scatter_grads=reduce_scatter_grads,
+                                    bucket_view=parameters_as_bucket_view,
+                                    chunk_bytes=int((sync_chunk_mb or 16) * 2**20))
         self._optimizer_class, self._defaults = optimizer_class, defaults
-        self.optim = make_local_optimizer(optimizer_class, self._local_groups(), defaults, per_param=self._overlap)
-        self._pull_hyperparams()
+        self._local = self._make_local(self.mode.local_groups(self.param_groups), per_param=bool(overlap_with_ddp))
         self._consolidated: list[dict] | None = None
-        self._steps = 0
         self._ready = True
 
-    # -- the plan and its execution --------------------------------------------------------------
+    # -- the plan, its mode and the local optimizer ----------------------------------------------
+
+    @property
+    def plan(self) -> Plan:
+        """The `zero.Plan` this optimizer executes (with overlap_with_ddp, DDP's buckets' ownership)."""
+        return self.mode.plan
 
     @property
     def partition(self):
@@ -140,64 +124,22 @@ class ZeroRedundancyOptimizer(OverlapSteps, ReduceScatterSteps, Optimizer, Joina
         order); None under a flat plan, whose placement is ``plan.flat``."""
         return self.plan.partition
 
-    def _local_groups(self) -> list[dict]:
-        if self.plan.flat is not None:
-            return self._sync.local_groups(self.param_groups)
-        if self._overlap:  # stepped inside backward: the local optimizer's params (and their .grad)
-            # are stand-ins sharing the params' storage, so DDP's and autograd's grads stay untouched
-            self._stand_ins = {i: self._all_params[i].detach() for i in self.plan.partition.params_of(self.rank)}
-            return local_groups(self.param_groups, self._indices[self.rank],
-                                [self._stand_ins.get(i, p) for i, p in enumerate(self._all_params)])
-        return local_groups(self.param_groups, self._indices[self.rank], self._all_params)
+    @property
+    def optim(self) -> Optimizer:
+        """The local optimizer: over the params (or flat shards) this rank steps."""
+        return self._local.optim
 
-    # The outer param_groups are the truth users and lr schedulers write; the local optimizer's
-    # groups copy them before it reads them (push), and hand back the settings it fills in when
-    # it is built or loaded (pull).
-    def _push_hyperparams(self) -> None:
-        copy_hyperparams(self.param_groups, self.optim.param_groups)
+    def _make_local(self, groups: list[dict], per_param: bool) -> LocalStep:
+        optim = make_local_optimizer(self._optimizer_class, groups, self._defaults, per_param=per_param)
+        return LocalStep(optim, self.param_groups)
 
-    def _pull_hyperparams(self) -> None:
-        copy_hyperparams(self.optim.param_groups, self.param_groups)
-
-    def _build_sync(self) -> None:
-        """(Re)build the sync for the current trainable params (they may change between steps)."""
-        self._metas = param_metas(self.param_groups)
-        self._requires_grad = [m.requires_grad for m in self._metas]
-        self._trainable = checksum(self._requires_grad)
-        if self.plan.flat is not None:
-            if self._sync is not None:
-                raise ValueError("params were frozen or unfrozen after building a flat plan's optimizer; a flat "
-                                 "plan packs the trainable params at construction: build the optimizer again "
-                                 "(moving its state_dict), or use a whole-param plan")
-            self._sync = FlatShards(self._all_params, self._metas, self.plan.flat, self.rank, self.process_group)
-            self._rules = self._sharding()
-            return
-        if self._sync is not None:
-            self._sync.release()
-        self._indices = local_indices(self._metas, self.plan.partition, len(self.param_groups))
-        layout = bucket_views(self._metas, self.plan.partition)
-        self._sync = ParamSync(self._all_params, layout, self.rank, self.process_group,
-                               self.parameters_as_bucket_view, self._chunk_bytes)
-        self._rules = self._sharding()
-
-    def _trainability_changed(self) -> bool:
-        """Whether a param was frozen or unfrozen since the sync was built (read every step)."""
-        return [p.requires_grad for p in self._all_params] != self._requires_grad
-
-    def _sharding(self) -> sharding.Sharding:
-        """The pieces of whole params this rank's local params are, for rules over whole tensors
-        (made with the sync, which decides what the local params are)."""
-        def reduce(t: torch.Tensor) -> torch.Tensor:
-            t = t.to(self._comm_device())
-            comm.all_reduce_sum(t, self.process_group)
-            return t.cpu()
-
-        if self.plan.flat is not None:
-            return self._sync.sharding(reduce)
-        pieces = {id(p): sharding.Pieces((i,), (p.numel(),))
-                  for i, p in enumerate(self._all_params) if self.plan.partition.owner[i] == self.rank}
-        return sharding.Sharding(pieces, tuple(p.dtype for p in self._all_params), reduce,
-                                 numels=tuple(p.numel() for p in self._all_params))
+    def _attach_to_ddp(self, bucket_cap_mb: float, shard_buckets: bool) -> None:
+        """For `hook_with_zero_step`: own params by DDP's buckets (planned before the first backward)
+        and step them inside the hook, with a local optimizer built for that ownership."""
+        metas = param_metas(self.param_groups)
+        plan = self.plan.with_partition(ddp_bucket_partition(metas, self.world_size, bucket_cap_mb, shard_buckets))
+        self._local = self.mode.attach(plan, metas, lambda groups: self._make_local(groups, per_param=True),
+                                       self.param_groups)
 
     # -- torch.optim.Optimizer protocol ----------------------------------------------------------
 
@@ -213,68 +155,44 @@ class ZeroRedundancyOptimizer(OverlapSteps, ReduceScatterSteps, Optimizer, Joina
         shapes = [(tuple(p.shape), str(p.dtype), p.requires_grad) for p in param_group["params"]]
         new_group = (shapes, {k: v for k, v in param_group.items() if k != "params"})
         self._check_in("add_param_group", checksum(new_group))()
-        if self.plan.flat is not None:
-            raise ValueError("add_param_group cannot extend a flat plan (its buffers would be packed again): "
-                             "build the optimizer with every group, or use a whole-param plan")
-        old_owner = self.plan.partition.owner
+        self.mode.check_extendable()
+        old = self.plan
         super().add_param_group(param_group)
         self._all_params.extend(param_group["params"])
-        p = self.plan
-        self.plan = make_plan(param_metas(self.param_groups), self.world_size, p.strategy, p.weight, p.optimizer,
-                              p.alignment)
-        if self.plan.partition.owner[:len(old_owner)] != old_owner:
-            raise ValueError(f"strategy {p.strategy!r} moves existing params when a group is added; "
+        metas = param_metas(self.param_groups)
+        plan = make_plan(metas, self.world_size, old.strategy, old.weight, old.optimizer, old.alignment)
+        if plan.partition.owner[:len(old.partition.owner)] != old.partition.owner:
+            raise ValueError(f"strategy {old.strategy!r} moves existing params when a group is added; "
                              "use 'sorted_greedy' or 'greedy' with add_param_group")
-        self._build_sync()
-        self.optim.add_param_group(self._local_groups()[-1])
-        self._pull_hyperparams()
+        self.mode.extend(plan, self._all_params, metas, len(self.param_groups))
+        self.optim.add_param_group(self.mode.local_groups(self.param_groups)[-1])
+        self._local.pull()
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:
         """Step what this rank holds with the local optimizer, then all-gather every updated param."""
         Join.notify_join_context(self)
-        if self._overlap:
-            return self._overlapped_step(closure)
-        if self._trainability_changed():
-            logger.info("trainable params changed; rebuilding the sync buckets")
-            self._build_sync()
-        self._sync.watch.check()
-        verify = self._check_in("step")
-        self._push_hyperparams()
-        if self._grad_shards is not None and not is_functional(self.optim) and closure is None and not kwargs:
-            self._step_pipelined(verify)
-            self._steps += 1
-            return None
-        loss = self._step_local(closure, **kwargs)
-        verify()  # before any param moves: ranks that diverged get a ValueError, not mismatched collectives
-        self._steps += 1
-        self._sync.sync()
-        return loss
+        return self.mode.step(self._local, closure, kwargs, self._begin_step)
 
-    def _step_local(self, closure: Callable[[], float] | None, **kwargs: Any) -> float | None:
-        loss = None
-        if self.plan.flat is not None:  # the shards' gradients are copies: take them after the closure ran
-            if closure is not None:
-                with torch.enable_grad():
-                    loss = closure()
-            closure = None
-            if self._grad_shards is None:
-                self._sync.load_grads()
-            else:
-                self._grad_shards.finish(self.world_size)
-                self._sync.use_reduced_grads()
-        rules = sharding.installed(self._rules) if is_functional(self.optim) else contextlib.nullcontext()
-        try:
-            with rules:
-                if closure is None:
-                    out = self.optim.step(**kwargs)
-                else:
-                    with torch.enable_grad():
-                        out = self.optim.step(closure=closure, **kwargs)
-            return loss if loss is not None else out
-        finally:
-            if self.plan.flat is not None:
-                self._sync.clear_grads()
+    def _begin_step(self) -> Callable[[], None]:
+        """What every mode that steps here does first: check the params, start the ranks' check-in,
+        hand the groups' settings to the local optimizer. Returns the check-in's ``verify``."""
+        if self.mode.trainability_changed():
+            self.mode.retrain(param_metas(self.param_groups))
+        self.mode.watch.check()
+        verify = self._check_in("step")
+        self._local.push()
+        return verify
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As torch's; with ``reduce_scatter_grads`` the grads stay views of the flat gradient
+        buffers, zeroed in place (a fresh grad would be copied into them by the next backward)."""
+        self.mode.zero_grad(lambda: super(ZeroRedundancyOptimizer, self).zero_grad(set_to_none))
+
+    def no_sync(self):
+        """With ``reduce_scatter_grads``: backward passes inside only accumulate (as ``DDP.no_sync``);
+        the first backward after it reduces the sum."""
+        return self.mode.no_sync()
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather every rank's shard of the state onto rank ``to`` (call on all ranks).
@@ -284,7 +202,7 @@ class ZeroRedundancyOptimizer(OverlapSteps, ReduceScatterSteps, Optimizer, Joina
         """
         comm_rank = check_rank(to, self.world_size, "to")
         self._check_in("consolidate_state_dict", to)()  # a rank that skipped a step fails here, by name
-        self._push_hyperparams()
+        self._local.push()
         mine = self.optim.state_dict()
         device = self._comm_device()
         self._consolidated = None
@@ -304,31 +222,21 @@ class ZeroRedundancyOptimizer(OverlapSteps, ReduceScatterSteps, Optimizer, Joina
         if self._consolidated is None:
             raise RuntimeError(f"the optimizer state has not been consolidated on rank {self.rank}: call "
                                f"consolidate_state_dict(to={self.rank}) on all ranks before state_dict()")
-        if self.plan.flat is None:
-            return to_global(self._consolidated, self._indices, self.param_groups, self.plan.partition.owner)
-        return flat_to_global(self._consolidated, self.plan, self.param_groups, per_element_keys(self.optim))
+        return self.mode.to_global(self._consolidated, self.param_groups, per_element_keys(self.optim))
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         """Load a global state dict (ours at any world size, torch's, or a plain optimizer's)."""
         check_compatible(saved, self._all_params, [len(g["params"]) for g in self.param_groups])
         check_state_keys(saved, self.optim)
-        if self.plan.flat is None:
-            mine = to_local(saved, self._indices[self.rank], self.rank, self.plan.partition.owner)
-        else:
-            mine = flat_to_local(saved, self.plan, self.rank, per_element_keys(self.optim))
-        self.optim.load_state_dict(mine)  # torch's own rules place each state tensor on its device
-        self._pull_hyperparams()
+        # The local optimizer's own load_state_dict places each state tensor where it keeps it.
+        self.optim.load_state_dict(self.mode.to_local(saved, per_element_keys(self.optim)))
+        self._local.pull()
 
     # -- Join (uneven inputs) --------------------------------------------------------------------
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
         """Shadow the step's collectives on ranks that ran out of inputs (see ``torch...Join``)."""
-        if self._overlap:  # the comm hook steps and syncs while DDP's join hook shadows the all-reduces
-            return JoinHook()
-        if self._grad_shards is not None:
-            raise NotImplementedError("Join with reduce_scatter_grads=True: a joined rank would have to shadow "
-                                      "the gradients' reduce-scatters too; use DDP + Join for uneven inputs")
-        return _ZeroJoinHook(self)
+        return self.mode.join_hook(self.step)
 
     @property
     def join_device(self) -> torch.device:
@@ -341,26 +249,15 @@ class ZeroRedundancyOptimizer(OverlapSteps, ReduceScatterSteps, Optimizer, Joina
     def _check_in(self, what: str, argument: int = 0):
         """Start the check that every rank is in the same call on the same optimizer (see `comm.check_in`)."""
         groups = [(len(g["params"]), {k: v for k, v in g.items() if k != "params"}) for g in self.param_groups]
-        fields = {"steps taken": self._steps, "param groups (sizes and settings such as lr)": checksum(groups),
+        fields = {"steps taken": self._local.steps,
+                  "param groups (sizes and settings such as lr)": checksum(groups),
                   "plan (its fingerprint: params, groups, placement)": int(self.plan.fingerprint[:15], 16),
-                  "trainable params (requires_grad)": self._trainable,
+                  "trainable params (requires_grad)": checksum(self.mode.trainable),
                   "the call's argument (to=, or the new group)": argument}
         return comm.check_in(what, fields, self.process_group, self._comm_device())
 
     def _comm_device(self) -> torch.device:
-        if dist.get_backend(self.process_group) == "nccl":
-            return self._default_device
-        return torch.device("cpu")
-
-
-class _ZeroJoinHook(JoinHook):
-    def __init__(self, zero: ZeroRedundancyOptimizer):
-        self.zero = zero
-
-    def main_hook(self) -> None:
-        # A joined rank still owns params: step them with the (shadowed, all-reduced) gradients
-        # and take part in the all-gather, as the ranks with inputs do.
-        self.zero.step()
+        return comm.device_for(self.process_group, self._default_device)
 
 
 def _default_plan(metas: list[ParamMeta], world_size: int, strategy: str | None) -> Plan:

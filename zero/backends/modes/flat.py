@@ -1,4 +1,4 @@
-"""Element-level ZeRO: executes a `zero.FlatLayout` (a plan made with ``strategy="flat"``).
+"""Flat plans (element-level ZeRO): executes a `zero.FlatLayout` (a plan made with ``strategy="flat"``).
 
 Per buffer of the layout (one per param group, device and dtype) the trainable params become
 views into one flat tensor. This rank's local optimizer steps one 1-D tensor per buffer: its
@@ -11,12 +11,14 @@ per buffer, shaped like the shard.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from zero.backends import comm
+from zero.backends.local_optimizer import LocalStep
+from zero.backends.modes.base import Begin, Mode
 from zero.backends.state_dict import assemble, local_dict
 from zero.backends.sync import ViewWatch
 from zero.functional.sharding import Pieces, Sharding
@@ -27,18 +29,21 @@ from zero.plans.plan import Plan
 __all__ = ["FlatShards", "flat_to_global", "flat_to_local"]
 
 
-class FlatShards:
-    """The flat buffers of ``layout``, this rank's shard of each, and their sync."""
+class FlatShards(Mode):
+    """The flat buffers of the plan's layout, this rank's shard of each, and their sync."""
 
-    def __init__(self, params: Sequence[torch.Tensor], metas: Sequence[ParamMeta], layout: FlatLayout,
-                 rank: int, group: Any):
-        self.params, self.metas, self.layout, self.rank, self.group = list(params), metas, layout, rank, group
+    def __init__(self, params: Sequence[torch.Tensor], metas: Sequence[ParamMeta], plan: Plan, rank: int,
+                 group: Any):
+        super().__init__(params, plan, rank, group)
+        self.metas, self.layout = metas, plan.flat
+        layout = plan.flat
         self.flats = [self._allocate(b) for b in layout.buffers]
         self.shards = [f[rank * b.shard_numel:(rank + 1) * b.shard_numel].detach()
                        for f, b in zip(self.flats, layout.buffers)]
         self._grads = [torch.zeros_like(s) for s in self.shards]
         self._pieces = [b.pieces(rank) for b in layout.buffers]
         self.watch = ViewWatch(self.params, [i for b in layout.buffers for i in b.params])
+        self.rules = self._rules(comm.summed(group, self.params[0].device))
 
     def _allocate(self, buf: FlatBuffer) -> torch.Tensor:
         example = self.params[buf.params[0]]
@@ -57,12 +62,47 @@ class FlatShards:
                  "params": [s for s, b in zip(self.shards, self.layout.buffers) if b.group == k]}
                 for k, g in enumerate(param_groups)]
 
-    def sharding(self, reduce) -> Sharding:
+    def _rules(self, reduce: Callable[[torch.Tensor], torch.Tensor]) -> Sharding:
         """What `zero.functional.sharding` needs: the pieces of whole params each shard holds."""
         pieces = {id(s): Pieces(tuple(p.param for p in ps), tuple(p.end - p.start for p in ps))
                   for s, ps in zip(self.shards, self._pieces)}
         return Sharding(pieces, tuple(p.dtype for p in self.params), reduce,
                         numels=tuple(p.numel() for p in self.params))
+
+    def step(self, local: LocalStep, closure: Callable[[], float] | None, kwargs: dict, begin: Begin) -> Any:
+        verify = begin()
+        loss = None
+        if closure is not None:  # the shards' gradients are copies: take them after the closure ran
+            with torch.enable_grad():
+                loss = closure()
+        try:
+            self.take_grads()
+            out = local.run(self.rules, **kwargs)
+        finally:
+            self.clear_grads()
+        verify()  # before any param moves: ranks that diverged get a ValueError, not mismatched collectives
+        local.steps += 1
+        self.sync()
+        return loss if loss is not None else out
+
+    def take_grads(self) -> None:
+        """Give each shard its gradient: here, the pieces of the params' gradients that fall in it."""
+        self.load_grads()
+
+    def retrain(self, metas: Sequence[ParamMeta]) -> None:
+        raise ValueError("params were frozen or unfrozen after building a flat plan's optimizer; a flat "
+                         "plan packs the trainable params at construction: build the optimizer again "
+                         "(moving its state_dict), or use a whole-param plan")
+
+    def check_extendable(self) -> None:
+        raise ValueError("add_param_group cannot extend a flat plan (its buffers would be packed again): "
+                         "build the optimizer with every group, or use a whole-param plan")
+
+    def to_global(self, shards: Sequence[dict], param_groups: list[dict], per_element: set[str] | None) -> dict:
+        return flat_to_global(shards, self.plan, param_groups, per_element)
+
+    def to_local(self, saved: dict, per_element: set[str] | None) -> dict:
+        return flat_to_local(saved, self.plan, self.rank, per_element)
 
     @torch.no_grad()
     def load_grads(self) -> None:
@@ -108,12 +148,6 @@ class FlatShards:
         rows = self.flats[k].view(self.layout.world_size, self.layout.buffers[k].shard_numel)
         return comm.all_gather_rows(rows, self.rank, self.group, async_op)
 
-    def release(self) -> None:
-        """Give the params their own storage again (the optimizer is being rebuilt)."""
-        with torch.no_grad():
-            for buf in self.layout.buffers:
-                for i in buf.params:
-                    self.params[i].data = self.params[i].data.clone()
 
 
 def local_buffer_order(layout: FlatLayout, n_groups: int) -> list[int]:

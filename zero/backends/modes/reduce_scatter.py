@@ -20,12 +20,17 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+from torch.distributed.algorithms.join import JoinHook
 
 from zero.backends import comm
+from zero.backends.local_optimizer import LocalStep, is_functional
+from zero.backends.modes.base import Begin
+from zero.backends.modes.flat import FlatShards
 from zero.plans.layout import FlatLayout
 from zero.plans.meta import ParamMeta
+from zero.plans.plan import Plan
 
-__all__ = ["GradShards", "ReduceScatterSteps"]
+__all__ = ["GradShards", "ReduceScatteredShards"]
 
 
 class GradShards:
@@ -131,50 +136,69 @@ class GradShards:
             hook.remove()
 
 
-class ReduceScatterSteps:
-    """`ZeroRedundancyOptimizer`'s side of ``reduce_scatter_grads=True`` (flat plans)."""
+class ReduceScatteredShards(FlatShards):
+    """A flat plan with ``reduce_scatter_grads=True``: DDP's place is taken by `GradShards`.
 
-    def _reduce_scatter_grads(self) -> GradShards:
+    Params start from rank 0's (as DDP's do), and each shard's gradient is its reduce-scattered
+    mean, which backward starts; with an element-wise ``torch.optim`` rule the step is pipelined
+    buffer by buffer with the all-gathers.
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor], metas: Sequence[ParamMeta], plan: Plan, rank: int,
+                 group: Any):
+        super().__init__(params, metas, plan, rank, group)
         with torch.no_grad():  # start from rank 0's params, as DDP does
-            for flat in self._sync.flats:
-                comm.broadcast_from(flat, 0, self.process_group)
-            for p, m in zip(self._all_params, self._metas):
+            for flat in self.flats:
+                comm.broadcast_from(flat, 0, group)
+            for p, m in zip(self.params, metas):
                 if not m.requires_grad:
-                    comm.broadcast_from(p.data, 0, self.process_group)
-        return GradShards(self._all_params, self._metas, self.plan.flat, self._sync.grads, self.process_group)
+                    comm.broadcast_from(p.data, 0, group)
+        self.grad_shards = GradShards(self.params, metas, self.layout, self.grads, group)
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """As torch's; with ``reduce_scatter_grads`` the grads stay views of the flat gradient
-        buffers, zeroed in place (a fresh grad would be copied into them by the next backward)."""
-        if self._grad_shards is None:
-            return super().zero_grad(set_to_none)
-        self._grad_shards.zero_grads()
+    def step(self, local: LocalStep, closure: Callable[[], float] | None, kwargs: dict, begin: Begin) -> Any:
+        if is_functional(local.optim) or closure is not None or kwargs:
+            return super().step(local, closure, kwargs, begin)
+        self._step_pipelined(local, begin())
+        return None
 
-    @contextlib.contextmanager
-    def no_sync(self):
-        """With ``reduce_scatter_grads``: backward passes inside only accumulate (as ``DDP.no_sync``);
-        the first backward after it reduces the sum."""
-        if self._grad_shards is None:
-            raise RuntimeError("no_sync() is for reduce_scatter_grads=True; with DDP use ddp_model.no_sync()")
-        with self._grad_shards.no_sync():
-            yield
+    def take_grads(self) -> None:
+        """Give each shard its gradient: its reduce-scattered mean (started during backward)."""
+        self.grad_shards.finish(self.layout.world_size)
+        self.use_reduced_grads()
 
-    def _step_pipelined(self, verify: Callable[[], None]) -> None:
+    def _step_pipelined(self, local: LocalStep, verify: Callable[[], None]) -> None:
         """Reduce-scattered gradients with an element-wise torch rule: buffer by buffer, wait for
         its gradients, step its shard, start its all-gather, so each buffer's compute hides
         the next one's communication."""
-        shards, works = self._grad_shards, []
+        shards, works = self.grad_shards, []
         try:
             shards.start_rest()
-            for k in range(len(self._sync.shards)):
-                shards.wait(k, self.world_size)
-                self._sync.use_reduced_grads(only=k)
-                self.optim.step()
+            for k in range(len(self.shards)):
+                shards.wait(k, self.layout.world_size)
+                self.use_reduced_grads(only=k)
+                local.optim.step()
                 if k == 0:
                     verify()
-                works += self._sync.start_sync(k)
+                works += self.start_sync(k)
+            local.steps += 1
         finally:
             shards.end_iteration()
-            self._sync.clear_grads()
+            self.clear_grads()
             for work in works:
                 work.wait()
+
+    def zero_grad(self, default: Callable[[], None]) -> None:
+        """The grads stay views of the flat gradient buffers, zeroed in place (a fresh grad would be
+        copied into them by the next backward)."""
+        self.grad_shards.zero_grads()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside only accumulate (as ``DDP.no_sync``); the first backward after it
+        reduces the sum."""
+        with self.grad_shards.no_sync():
+            yield
+
+    def join_hook(self, step: Callable[[], Any]) -> JoinHook:
+        raise NotImplementedError("Join with reduce_scatter_grads=True: a joined rank would have to shadow "
+                                  "the gradients' reduce-scatters too; use DDP + Join for uneven inputs")

@@ -1,0 +1,49 @@
+"""`ZeroRedundancyOptimizer` holds one mode (`zero.backends.modes`), chosen once from the plan and the
+options; what each mode refuses, it refuses by name (one gloo rank, in process)."""
+
+import pytest
+import torch
+from torch import nn
+
+from zero.backends import ZeroRedundancyOptimizer as Zero
+from zero.backends import modes
+
+pytestmark = pytest.mark.usefixtures("one_rank")
+
+
+def params():
+    return list(nn.Linear(3, 2).parameters())
+
+
+@pytest.mark.parametrize("options, mode", [
+    ({}, modes.WholeParams),
+    ({"strategy": "greedy", "parameters_as_bucket_view": False}, modes.WholeParams),
+    ({"strategy": "flat"}, modes.FlatShards),
+    ({"strategy": "flat", "reduce_scatter_grads": True}, modes.ReduceScatteredShards),
+    ({"overlap_with_ddp": True}, modes.DDPOverlap),
+])
+def test_the_plan_and_the_options_choose_one_mode(options, mode):
+    opt = Zero(params(), torch.optim.SGD, lr=0.1, **options)
+    assert type(opt.mode) is mode
+    assert opt.plan is opt.mode.plan
+
+
+def test_add_param_group_under_overlap_is_refused_by_name():
+    # The local optimizer of overlap_with_ddp steps stand-ins for the params DDP's buckets give
+    # this rank: a new group would need new buckets, so it is a clear error, not a silent half-step.
+    opt = Zero(params(), torch.optim.SGD, overlap_with_ddp=True, lr=0.1)
+    with pytest.raises(ValueError, match="add_param_group with overlap_with_ddp=True"):
+        opt.add_param_group({"params": [nn.Parameter(torch.ones(2))]})
+    assert len(opt.param_groups) == 1 and len(opt.optim.param_groups) == 1
+
+
+def test_a_whole_param_mode_grows_with_a_group_and_steps_it():
+    ps = params()
+    opt = Zero(ps, torch.optim.SGD, lr=0.5)
+    extra = nn.Parameter(torch.ones(2))
+    opt.add_param_group({"params": [extra], "lr": 0.25})
+    assert opt.mode.params[-1] is extra and len(opt.plan.partition.owner) == 3
+    for p in [*ps, extra]:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert torch.equal(extra.detach(), torch.full((2,), 0.75))

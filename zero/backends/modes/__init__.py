@@ -1,0 +1,52 @@
+"""How a `ZeroRedundancyOptimizer` executes its plan: one object per mode, chosen once (`make_mode`).
+
+- `WholeParams` (whole-param plans): steps the params it owns with their own (DDP's) gradients;
+  syncs by all-gathering rows of packed params, or broadcasts.
+- `FlatShards` (flat plans): steps a 1-D shard per flat buffer, its gradient the pieces of the
+  params' gradients copied in; syncs by one all-gather per buffer.
+- `ReduceScatteredShards` (flat plans, ``reduce_scatter_grads=True``): the shards' gradients are
+  reduce-scattered during backward, in place of DDP; the step is pipelined buffer by buffer.
+- `DDPOverlap` (whole-param plans by DDP's buckets, ``overlap_with_ddp=True``): steps each
+  bucket's owned params inside DDP's comm hook; syncs at the end of backward.
+
+Each answers the questions of `Mode` (`base`): what this rank steps, a step with its gradients and
+sync, the map between local and global state, and what freezing params, adding a group,
+``zero_grad``, ``no_sync`` and ``Join`` mean in it. A new mode is a `Mode` subclass in a module
+here and one branch of `make_mode`; `ZeroRedundancyOptimizer` does not change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from zero.backends.local_optimizer import check_shardable
+from zero.backends.modes.base import Mode
+from zero.backends.modes.flat import FlatShards
+from zero.backends.modes.overlap import DDPOverlap
+from zero.backends.modes.reduce_scatter import ReduceScatteredShards
+from zero.backends.modes.whole import WholeParams
+from zero.plans.meta import ParamMeta
+from zero.plans.plan import Plan
+
+__all__ = ["Mode", "WholeParams", "FlatShards", "ReduceScatteredShards", "DDPOverlap", "make_mode"]
+
+
+def make_mode(params: Sequence[torch.Tensor], metas: Sequence[ParamMeta], plan: Plan, rank: int, group: Any,
+              n_groups: int, *, optimizer_class: Any, overlap_with_ddp: bool, reduce_scatter_grads: bool,
+              bucket_view: bool | None, chunk_bytes: int) -> Mode:
+    """The mode that executes ``plan`` with these options (``ValueError`` for combinations that cannot run)."""
+    if plan.flat is not None:
+        check_shardable(optimizer_class)
+        if overlap_with_ddp:
+            raise ValueError("overlap_with_ddp=True steps whole params as DDP's buckets arrive: use a "
+                             "whole-param plan (flat plans reduce-scatter instead: reduce_scatter_grads=True)")
+        cls = ReduceScatteredShards if reduce_scatter_grads else FlatShards
+        return cls(params, metas, plan, rank, group)
+    if reduce_scatter_grads:
+        raise ValueError("reduce_scatter_grads=True needs a flat plan (strategy='flat'): whole-param plans "
+                         "leave every rank the full gradients, as DDP does")
+    cls = DDPOverlap if overlap_with_ddp else WholeParams
+    return cls(params, metas, plan, rank, group, n_groups, bucket_view, chunk_bytes)
