@@ -189,6 +189,25 @@ def test_a_state_dict_of_another_optimizer_is_rejected_at_load_naming_it():
     assert words in str(info.value) and "torch.optim.SGD" in str(info.value), str(info.value)
 
 
+@pytest.mark.parametrize("saved_by, decoupled, named", [
+    (torch.optim.AdamW, True, "by another optimizer, torch.optim.AdamW judging"),
+    (torch.optim.Adam, False, "by another optimizer, torch.optim.Adam judging"),
+    (torch.optim.AdamW, None, "by another optimizer, torch.optim.Adam or torch.optim.AdamW judging"),
+])
+def test_adam_and_adamw_state_loaded_into_sgd_is_named_by_its_settings(saved_by, decoupled, named):
+    model = nn.Linear(3, 2)
+    theirs = saved_by(model.parameters(), lr=0.1)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    theirs.step()
+    saved = theirs.state_dict()
+    if decoupled is None:  # as torch before 2.6 saved it
+        del saved["param_groups"][0]["decoupled_weight_decay"]
+    opt = Zero(model.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9)
+    with pytest.raises(ValueError, match=named):
+        opt.load_state_dict(saved)
+
+
 def test_an_lr_scheduler_drives_a_from_optax_local_optimizer():
     optax = pytest.importorskip("optax", reason="needs the zero[jax] extra")
     w = nn.Parameter(torch.ones(2))

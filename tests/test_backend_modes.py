@@ -47,3 +47,26 @@ def test_a_whole_param_mode_grows_with_a_group_and_steps_it():
         p.grad = torch.ones_like(p)
     opt.step()
     assert torch.equal(extra.detach(), torch.full((2,), 0.75))
+
+
+class CountingSGD(torch.optim.SGD):
+    """An optimizer that writes into its param groups while stepping (torch's ZeRO exposes such keys)."""
+
+    def step(self, closure=None):
+        for group in self.param_groups:
+            group["steps_seen"] = group.get("steps_seen", 0) + 1
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("options", [{}, {"strategy": "flat"}, {"strategy": "flat", "reduce_scatter_grads": True}])
+def test_keys_the_local_optimizer_sets_while_stepping_reach_param_groups(options):
+    ps = params()
+    opt = Zero(ps, CountingSGD, lr=0.1, **options)
+    for step in range(1, 3):
+        for p in ps:
+            p.grad = torch.ones_like(p)
+        if options.get("reduce_scatter_grads"):  # the gradients are the reduce-scattered ones: run a backward
+            opt.zero_grad()
+            sum(p.sum() for p in ps).backward()
+        opt.step()
+        assert opt.param_groups[0]["steps_seen"] == step

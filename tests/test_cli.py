@@ -76,3 +76,12 @@ def test_version_and_bench():
     assert "planning time" in res.stdout and "1 benchmark(s)" in res.stdout
     res = zero("bench", "nope", check=False)
     assert res.returncode == 2 and "unknown benchmark 'nope'" in res.stderr
+
+
+@pytest.mark.parametrize("content", [[300, 20], [[300, 20], [20]], 42])
+def test_shapes_that_are_not_a_mapping_name_the_expected_form(tmp_path, content):
+    shapes = tmp_path / "shapes.json"
+    shapes.write_text(json.dumps(content))
+    res = zero("plan", "--shapes", str(shapes), check=False)
+    assert res.returncode == 2 and "must map each param's name to its shape" in res.stderr, res.stderr
+    assert '{"w": [300, 20]' in res.stderr

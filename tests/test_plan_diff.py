@@ -6,6 +6,7 @@ import sys
 import pytest
 
 from zero import ParamMeta, diff_plans, make_plan, preset
+from zero.plans.render import render
 
 METAS = [ParamMeta("big", (10,)), ParamMeta("a", (5,)), ParamMeta("b", (5,))]
 
@@ -55,3 +56,16 @@ def test_cli_diff_prints_the_moves(tmp_path):
     res = subprocess.run([sys.executable, "-m", "zero", "plan", "--diff", str(paths[0]), str(tmp_path / "nope.json")],
                          capture_output=True, text=True)
     assert res.returncode == 2 and "cannot read plan" in res.stderr
+
+
+def test_a_cut_diff_table_says_how_many_rows_it_shows_and_how_to_see_all():
+    a, b = make_plan(preset("gpt2"), 8), make_plan(preset("gpt2"), 12, "flat")
+    d = diff_plans(a, b)
+    assert len(d.moves) > 16
+    cut = " ".join(str(d).split())
+    shown = sum(sorted((n for _, _, n in d.moves), reverse=True)[:16])
+    assert f"16 of {len(d.moves)} transfers (the largest) shown" in cut
+    assert f"{shown / 2**20:,.1f} of {d.moved_bytes / 2**20:,.1f} MiB" in cut
+    assert f"--rows {len(d.moves)}" in cut
+    whole = " ".join(render(d.table(len(d.moves))).split())
+    assert "shown" not in whole.split("per-rank")[0]

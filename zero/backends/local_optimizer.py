@@ -25,7 +25,7 @@ class LocalStep:
 
     The outer groups are the truth users and lr schedulers write: the local optimizer's groups copy
     them before it reads them (`push`), and hand back the settings it fills in when it is built or
-    loaded (`pull`). A mode counts a step (``steps``) once every rank has agreed to take it.
+    loaded or has stepped (`pull`). A mode counts a step (`stepped`) once every rank agreed to take it.
     """
 
     def __init__(self, optim: torch.optim.Optimizer, param_groups: list[dict]):
@@ -37,6 +37,12 @@ class LocalStep:
 
     def pull(self) -> None:
         copy_hyperparams(self.optim.param_groups, self.param_groups)
+
+    def stepped(self) -> None:
+        """Count a step every rank agreed to take, and bring back the settings the local optimizer
+        wrote into its groups while stepping (as torch's ZeRO does after each step)."""
+        self.steps += 1
+        self.pull()
 
     def run(self, rules: sharding.Sharding, closure: Any = None, **kwargs: Any) -> Any:
         """One step of the local optimizer; ``rules`` answer a `zero.functional` rule's questions
@@ -151,7 +157,10 @@ def _probe(cls: type, group: dict) -> dict | None:
 
 
 def _saved_by(group: dict) -> str:
-    """The ``torch.optim`` class whose constructor's options best match a saved group's keys."""
+    """The ``torch.optim`` class whose constructor's options best match a saved group's keys.
+
+    Adam and AdamW keep the same keys; ``decoupled_weight_decay`` (saved by torch >= 2.6) tells
+    them apart, and without it both are named."""
     keys = set(group) - {"params", "initial_lr"}
     classes = [c for c in vars(torch.optim).values()
                if isinstance(c, type) and issubclass(c, torch.optim.Optimizer) and c is not torch.optim.Optimizer]
@@ -160,7 +169,12 @@ def _saved_by(group: dict) -> str:
         options = set(inspect.signature(cls).parameters)
         return len(keys & options) / len(keys | options)
 
-    return f"torch.optim.{max(classes, key=overlap).__name__}"
+    best = max(classes, key=overlap)
+    if best in (torch.optim.Adam, torch.optim.AdamW):
+        decoupled = group.get("decoupled_weight_decay")
+        return "torch.optim.Adam or torch.optim.AdamW" if decoupled is None else \
+            f"torch.optim.{'AdamW' if decoupled else 'Adam'}"
+    return f"torch.optim.{best.__name__}"
 
 
 # Rules that need a whole tensor at once, which a flat plan's 1-D shards cannot give them.

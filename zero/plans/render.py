@@ -63,14 +63,26 @@ def diff_table(diff, max_rows: int = 16):
                         f"{mib(diff.moved_bytes)} MiB of state moves")
     for col in ("from rank (a)", "to rank (b)", "state MiB"):
         moves.add_column(col, justify="right")
-    for src, dst, n in sorted(diff.moves, key=lambda m: -m[2])[:max_rows]:
+    shown = sorted(diff.moves, key=lambda m: -m[2])[:max_rows]
+    for src, dst, n in shown:
         moves.add_row(str(src), str(dst), mib(n))
+    moves.caption = _cut("transfers (the largest)", len(shown), len(diff.moves),
+                         f", {mib(sum(n for _, _, n in shown))} of {mib(diff.moved_bytes)} MiB")
     deltas = Table(title="per-rank change (b - a)")
     for col in ("rank", "state MiB", "total MiB"):
         deltas.add_column(col, justify="right")
     for r, state, total in diff.rank_deltas[:max_rows]:
         deltas.add_row(str(r), mib(state), mib(total))
+    deltas.caption = _cut("ranks (the first)", min(max_rows, len(diff.rank_deltas)), len(diff.rank_deltas))
     return Group(moves, deltas)
+
+
+def _cut(what: str, shown: int, total: int, extra: str = "") -> str | None:
+    """A table's caption when it shows only some rows: how many, and how to see them all."""
+    if shown == total:
+        return None
+    return (f"{shown} of {total} {what} shown{extra}; all of them: table(max_rows={total}), "
+            f"or zero plan --diff A B --rows {total}")
 
 
 def render(renderable, width: int = 160) -> str:

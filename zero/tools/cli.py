@@ -38,7 +38,7 @@ def _parser() -> argparse.ArgumentParser:
     out = p.add_mutually_exclusive_group()
     out.add_argument("--compare", action="store_true", help="every strategy side by side (prints only)")
     out.add_argument("--json", type=Path, help="save the plan as JSON here")
-    p.add_argument("--rows", type=int, default=16, help="ranks shown in the table")
+    p.add_argument("--rows", type=int, default=16, help="ranks (and, with --diff, transfers) shown in the tables")
     sub.add_parser("demo", help="the ZeRO tutorial on 2 gloo ranks: ZeRO vs plain Adam (see zero demo -h)",
                    add_help=False)
     sub.add_parser("bench", help="run the benchmark scripts of a source checkout (see zero bench -h)",
@@ -52,9 +52,14 @@ def load_metas(args: argparse.Namespace):
         return preset(args.preset)
     if args.shapes:
         try:
-            return param_metas(json.loads(args.shapes.read_text()))
+            shapes = json.loads(args.shapes.read_text())
         except json.JSONDecodeError as e:
             raise ValueError(f"--shapes {args.shapes}: not valid JSON ({e})") from None
+        if not isinstance(shapes, dict):
+            raise ValueError(f"--shapes {args.shapes} holds a JSON {type(shapes).__name__}; it must map each param's "
+                             'name to its shape, e.g. {"w": [300, 20], "b": [20]} (or to {"shape": [...], '
+                             '"dtype": "bfloat16"})')
+        return param_metas(shapes)
     module_name, _, attr = args.model.partition(":")
     if not attr:
         raise ValueError(f"--model {args.model!r} must look like module:attr")

@@ -81,7 +81,7 @@ class FlatShards(Mode):
         finally:
             self.clear_grads()
         verify()  # before any param moves: ranks that diverged get a ValueError, not mismatched collectives
-        local.steps += 1
+        local.stepped()
         self.sync()
         return loss if loss is not None else out
 

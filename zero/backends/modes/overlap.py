@@ -92,7 +92,7 @@ class DDPOverlap(WholeParams):
             self.retrain(())
         if not synced:
             self.sync.sync()
-        self.local.steps += 1
+        self.local.stepped()
 
     def retrain(self, metas: Sequence[ParamMeta]) -> None:
         raise ValueError("params were frozen or unfrozen after the comm hook was registered: with "

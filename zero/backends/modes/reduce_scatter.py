@@ -180,7 +180,7 @@ class ReduceScatteredShards(FlatShards):
                 if k == 0:
                     verify()
                 works += self.start_sync(k)
-            local.steps += 1
+            local.stepped()
         finally:
             shards.end_iteration()
             self.clear_grads()

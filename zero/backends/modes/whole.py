@@ -62,7 +62,7 @@ class WholeParams(Mode):
         verify = begin()
         loss = local.run(self.rules, closure, **kwargs)
         verify()  # before any param moves: ranks that diverged get a ValueError, not mismatched collectives
-        local.steps += 1
+        local.stepped()
         self.sync.sync()
         return loss
 
