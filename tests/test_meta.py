@@ -43,10 +43,27 @@ def test_jax_pytree_of_arrays_and_shape_dtype_structs():
             "emb": [jax.ShapeDtypeStruct((10, 2), jnp.float32)]}
     metas = param_metas(tree)
     by_name = {m.name: m for m in metas}
-    assert by_name["['dense']['kernel']"].shape == (3, 4)
-    assert by_name["['dense']['bias']"].dtype == "bfloat16"
-    assert by_name["['dense']['bias']"].device == "cpu"
-    assert by_name["['emb'][0]"].device == "meta"
+    assert by_name["dense.kernel"].shape == (3, 4)
+    assert by_name["dense.bias"].dtype == "bfloat16"
+    assert by_name["dense.bias"].device == "cpu"
+    assert by_name["emb.0"].device == "meta"
+    # tree_flatten's order, so per-param values map back through the treedef
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    assert [m.shape for m in metas] == [tuple(x.shape) for x in leaves]
+    back = jax.tree_util.tree_unflatten(treedef, [m.name for m in metas])
+    assert back == {"dense": {"bias": "dense.bias", "kernel": "dense.kernel"}, "emb": ["emb.0"]}
+
+
+def test_jax_and_torch_name_the_same_params_alike():
+    jax = pytest.importorskip("jax", reason="JAX is the optional zero[jax] extra")
+    import jax.numpy as jnp
+
+    torch_names = [m.name for m in param_metas(nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 1)))]
+    tree = [{"weight": jnp.zeros((3, 2)), "bias": jnp.zeros(3)}, {"weight": jnp.zeros((1, 3)), "bias": jnp.zeros(1)}]
+    assert sorted(m.name for m in param_metas(tree)) == sorted(torch_names)
+    clash = {"a.b": jnp.zeros(1), "a": {"b": jnp.zeros(2)}}
+    with pytest.raises(ValueError, match=re.escape("both named 'a.b' in dotted form (['a']['b'] and ['a.b'])")):
+        param_metas(clash)
 
 
 @pytest.mark.parametrize("obj, exc, words", [

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 from zero.plans.checks import check_int
 
-__all__ = ["ParamMeta", "param_metas", "param_groups", "itemsize", "gc_paused"]
+__all__ = ["ParamMeta", "dotted", "param_metas", "param_groups", "itemsize", "gc_paused"]
 
 _ITEMSIZE = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
@@ -251,15 +251,38 @@ def _is_shape_mapping(obj: Any) -> bool:
 
 
 def _from_jax(leaves: list[tuple[Any, Any]]) -> list[ParamMeta]:
-    from jax.tree_util import keystr
-
+    """Metas in ``tree_flatten`` order (so ``treedef.unflatten`` maps per-param values back to the
+    tree), named by their key paths in the dotted form torch's ``named_parameters`` uses."""
     dtypes: dict[Any, str] = {}  # str(numpy dtype) costs microseconds: once per distinct dtype
-    metas = []
+    metas, paths = [], {}
     for path, leaf in leaves:
         if leaf.dtype not in dtypes:
             dtypes[leaf.dtype] = str(leaf.dtype)
-        metas.append(ParamMeta(keystr(path), leaf.shape, dtypes[leaf.dtype], _jax_device(leaf)))  # ints already
+        name = dotted(path)
+        if name in paths:
+            raise ValueError(f"two leaves of the pytree are both named {name!r} in dotted form ({paths[name]} and "
+                             f"{_keystr(path)}): rename one key")
+        paths[name] = _keystr(path)
+        metas.append(ParamMeta(name, leaf.shape, dtypes[leaf.dtype], _jax_device(leaf)))  # ints already
     return metas
+
+
+def dotted(path: Any) -> str:
+    """A JAX key path as torch names params: ``enc.w``, ``layers.0.kernel`` (from ``['enc']['w']`` ...)."""
+    return ".".join(str(_key(k)) for k in path)
+
+
+def _key(entry: Any) -> Any:
+    for field in ("key", "idx", "name"):  # DictKey / FlattenedIndexKey, SequenceKey, GetAttrKey
+        if hasattr(entry, field):
+            return getattr(entry, field)
+    return entry
+
+
+def _keystr(path: Any) -> str:
+    from jax.tree_util import keystr
+
+    return keystr(path)
 
 
 def _jax_device(leaf: Any) -> str:
