@@ -55,7 +55,7 @@ def test_jax_pytree_of_arrays_and_shape_dtype_structs():
 
 
 def test_jax_and_torch_name_the_same_params_alike():
-    jax = pytest.importorskip("jax", reason="JAX is the optional zero[jax] extra")
+    pytest.importorskip("jax", reason="JAX is the optional zero[jax] extra")
     import jax.numpy as jnp
 
     torch_names = [m.name for m in param_metas(nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 1)))]

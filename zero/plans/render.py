@@ -88,7 +88,8 @@ def _cut(what: str, shown: int, total: int, extra: str = "") -> str | None:
 def render(renderable, width: int = 160) -> str:
     from rich.console import Console
 
-    console = Console(width=width, record=True, file=_Null())
+    # force_jupyter=False: in a notebook rich would also display the table as HTML, then the caller prints the text
+    console = Console(width=width, record=True, file=_Null(), force_jupyter=False)
     console.print(renderable)
     return console.export_text()
 
