@@ -143,3 +143,13 @@ def test_default_rows_pack_every_param_unless_they_would_pad_too_much():
     assert sorted(i for _, i in rows.direct) == [0, 1, 2] and rows.chunk == 0, "padding 20%: large params go alone"
     (rows,) = sync_rows(layout, 500, None, pad_limit=0.25)
     assert rows.direct == () and rows.chunk == 3008
+
+
+def test_contiguous_spreads_what_the_largest_tensor_leaves():
+    """GPT-2's embedding fixes the busiest rank; the other 7 ranks share the rest evenly."""
+    metas = preset("gpt2")
+    part = partition(metas, 8, "contiguous")
+    loads = sorted(part.loads)
+    assert loads[-1] == max(m.numel for m in metas)  # the best cap any split can have
+    rest = loads[:-1]
+    assert min(rest) > 0.7 * sum(rest) / len(rest), loads

@@ -42,6 +42,9 @@ def test_contiguous_keeps_order_and_is_optimal_among_block_splits(ms, w):
     ws = [ms[i].numel for i in order]
     best = max(p.loads)
     assert best >= max(ws)
+    # Second objective: the cap kept, no rank is left empty while there are params enough.
+    if len(ms) >= w:
+        assert all(p.params_of(r) for r in range(w)), [p.params_of(r) for r in range(w)]
     # No split with a smaller cap exists: filling blocks greedily under best - 1 needs > w blocks.
     if best > max(ws):
         blocks, acc = 1, 0
