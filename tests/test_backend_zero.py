@@ -1,5 +1,7 @@
 """zero.ZeroRedundancyOptimizer on 2, 3 and 4 gloo ranks against torch's and a single process."""
 
+import re
+
 import pytest
 import zero_workers as w
 from distributed import run_ranks
@@ -87,15 +89,21 @@ def test_a_dead_rank_fails_the_step_instead_of_hanging_and_is_named():
 
 
 @pytest.mark.parametrize("case, words", [
-    ("groups", "differ in param groups (sizes and settings such as lr) at step"),
-    ("lr", "differ in param groups (sizes and settings such as lr) at step"),
+    ("groups", "differ in param groups (sizes and settings such as lr) at step (the number of param groups is 1 "
+               "here and 2 on rank 0)"),
+    ("lr", "differ in param groups (sizes and settings such as lr) at step (param group 0's lr is 0.01 here and "
+           "0.02 on rank 0)"),
     ("skipped_step", "rank 1 is in consolidate_state_dict but rank 0 is in step"),
-    ("consolidate_to", "differ in the call's argument"),
+    ("consolidate_to", "differ in the call's argument (to=, or the new group) at consolidate_state_dict (1 here, "
+                       "0 on rank 0)"),
+    ("model", "differ in plan (params, groups, placement) at step (param 7 is '7 (3,) float32 in group 0, trainable' "
+              "here and '7 (4,) float32 in group 0, trainable' on rank 0)"),
 ])
 def test_ranks_that_diverge_get_a_clear_error_instead_of_drifting(case, words):
     results = run_ranks(w.diverged, 2, case, pg_timeout=10, timeout=90)
     assert all(r["message"] is not None for r in results), results
     assert words in results[1]["message"], results[1]["message"]
+    assert not re.search(r"\d{7,}", results[0]["message"] + results[1]["message"]), "no checksum in a message"
     assert all("step" in r for r in results) and results[0]["step"] == results[1]["step"], "in the same call"
 
 

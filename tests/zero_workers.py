@@ -393,17 +393,21 @@ def diverged(rank: int, world_size: int, case: str) -> dict:
 
     ``groups``: rank 0 splits the params into two groups, the others keep one (same lr);
     ``lr``: rank 0 uses another lr; ``skipped_step``: rank 1 skips step 2, then all consolidate;
-    ``consolidate_to``: the ranks name different targets.
+    ``consolidate_to``: the ranks name different targets; ``model``: rank 0's last param has
+    another shape.
     """
     model = make_model()
     params = list(model.parameters())
+    if case == "model" and rank == 0:
+        params[-1] = torch.nn.Parameter(torch.zeros(params[-1].numel() + 1))
     if case == "groups" and rank == 0:
         opt = Zero([{"params": params[:2]}, {"params": params[2:]}], torch.optim.Adam, lr=1e-2)
     else:
         opt = Zero(params, torch.optim.Adam, lr=2e-2 if case == "lr" and rank == 0 else 1e-2)
     try:
         for step in range(4):
-            set_grads(model, fixed_grads(params, step))
+            for p, g in zip(params, fixed_grads(params, step)):
+                p.grad = g
             if not (case == "skipped_step" and rank == 1 and step == 2):
                 opt.step()
         opt.consolidate_state_dict(to=rank if case == "consolidate_to" else 0)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import pickle
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import optree
@@ -123,12 +123,19 @@ def broadcast_from(tensor: torch.Tensor, owner: int, group: Any, async_op: bool 
     return dist.broadcast(tensor, src=global_rank(group, owner), group=group, async_op=async_op)
 
 
-def check_in(what: str, fields: Mapping[str, int], group: Any, device: torch.device) -> Callable[[], None]:
+Facts = Sequence[tuple[str, Any]]  # (label, value) pairs, e.g. ("param group 0's lr", 0.001)
+
+
+def check_in(what: str, fields: Mapping[str, int], group: Any, device: torch.device,
+             facts: Mapping[str, Callable[[], Facts]] | None = None) -> Callable[[], None]:
     """Start checking that all ranks are in the same call ``what`` with equal ``fields``; returns ``verify``.
 
     ``fields`` names the ints every rank must agree on (steps taken, checksums of the params and
     of the param groups ...); every call passes the same number of them. ``verify()`` waits, then
-    raises ``ValueError`` on every rank if some rank differs, naming that rank and the field.
+    raises ``ValueError`` on every rank if some rank differs, naming that rank and what differs.
+    A field that is a checksum has a ``facts`` function listing what it sums up as labelled values:
+    only when the checksums differ do the ranks exchange those, and the error names the first
+    label whose values differ and both values, never the checksum.
     The collective has the same size on every rank, so ranks that diverged (one adds a param
     group while another steps, or one skipped a step) meet here and get a clear error instead of
     pairing collectives of different sizes, which gloo answers by aborting the process or
@@ -152,18 +159,46 @@ def check_in(what: str, fields: Mapping[str, int], group: Any, device: torch.dev
             raise RuntimeError(f"rank {rank} (of {size}) waited in {what} for the other ranks and the collective "
                                f"failed; {who}: it has stopped or left the process group ({e})") from e
         got = rows.tolist()
-        odd = next((r for r, row in enumerate(got) if row != got[rank]), None)
-        if odd is None:
+        column = next((j for j in range(len(values)) if any(row[j] != got[0][j] for row in got)), None)
+        if column is None:
             return
-        names = {v: k for k, v in _CALLS.items()}
-        if got[odd][0] != got[rank][0]:
+        odd = next(r for r, row in enumerate(got) if row[column] != got[rank][column])
+        if column == 0:
+            names = {v: k for k, v in _CALLS.items()}
             raise ValueError(f"rank {rank} is in {what} but rank {odd} is in {names.get(got[odd][0], 'another call')}: "
                              f"every rank must make the same calls ({', '.join(_CALLS)}) in the same order")
-        name, mine, theirs = next((n, a, b) for n, a, b in zip(fields, got[rank][1:], got[odd][1:]) if a != b)
-        raise ValueError(f"rank {rank} and rank {odd} differ in {name} at {what} ({mine} here, {theirs} on rank "
-                         f"{odd}): every rank must build the same optimizer and make the same calls")
+        name = list(fields)[column - 1]
+        describe = (facts or {}).get(name)
+        if describe is None:
+            detail = f"{got[rank][column]} here, {got[odd][column]} on rank {odd}"
+        else:  # every rank found the same column: they all exchange that field's facts
+            everyone = _all_gather_object(list(describe()), group)
+            odd = next((r for r, theirs in enumerate(everyone) if theirs != everyone[rank]), odd)
+            detail = _first_difference(everyone[rank], everyone[odd], odd)
+        raise ValueError(f"rank {rank} and rank {odd} differ in {name} at {what} ({detail}): every rank must "
+                         "build the same optimizer and make the same calls")
 
     return verify
+
+
+def _all_gather_object(obj: Any, group: Any) -> list[Any]:
+    out: list[Any] = [None] * group_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def _first_difference(mine: Facts, theirs: Facts, odd: int) -> str:
+    """``param group 0's lr is 0.001 here and 0.002 on rank 1``: the first fact that differs."""
+    for (label, a), (other, b) in zip(mine, theirs):
+        if label != other:
+            return f"{label} here where rank {odd} has {other}"
+        if a != b:
+            return f"{label} is {a!r} here and {b!r} on rank {odd}"
+    if len(mine) != len(theirs):
+        extra, where = (mine[len(theirs)][0], "here only") if len(mine) > len(theirs) else \
+            (theirs[len(mine)][0], f"on rank {odd} only")
+        return f"{extra} exists {where}"
+    return "their details agree as exchanged"
 
 
 _CALLS: dict[str, int] = {"step": 1, "add_param_group": 2, "consolidate_state_dict": 3}

@@ -25,6 +25,7 @@ from zero.backends.modes import Mode, make_mode
 from zero.backends.state_dict import check_compatible
 from zero.plans.checks import checksum
 from zero.plans.ddp_buckets import ddp_bucket_partition
+from zero.plans.diff import plan_facts
 from zero.plans.layout import FLAT_BUCKET_NUMEL
 from zero.plans.meta import ParamMeta, param_groups, param_metas
 from zero.plans.partition import check_rank
@@ -153,8 +154,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             return super().add_param_group(param_group)
         param_group = _normalise_params([param_group])[0]  # type and sparsity errors, before any collective
         shapes = [(tuple(p.shape), str(p.dtype), p.requires_grad) for p in param_group["params"]]
-        new_group = (shapes, {k: v for k, v in param_group.items() if k != "params"})
-        self._check_in("add_param_group", checksum(new_group))()
+        new_group = (shapes, _settings(param_group))
+        facts = [("the new group's number of params", len(shapes))]
+        facts += [(f"the new group's param {j} (shape, dtype, requires_grad)", s) for j, s in enumerate(shapes)]
+        facts += [(f"the new group's {key}", value) for key, value in sorted(_settings(param_group).items())]
+        self._check_in("add_param_group", checksum(new_group), lambda: facts)()
         self.mode.check_extendable()
         old = self.plan
         super().add_param_group(param_group)
@@ -246,15 +250,32 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def join_process_group(self) -> Any:
         return self.process_group
 
-    def _check_in(self, what: str, argument: int = 0):
+    def _check_in(self, what: str, argument: int = 0, argument_facts: Callable[[], list] | None = None):
         """Start the check that every rank is in the same call on the same optimizer (see `comm.check_in`)."""
-        groups = [(len(g["params"]), {k: v for k, v in g.items() if k != "params"}) for g in self.param_groups]
+        groups = [(len(g["params"]), _settings(g)) for g in self.param_groups]
         fields = {"steps taken": self._local.steps,
                   "param groups (sizes and settings such as lr)": checksum(groups),
-                  "plan (its fingerprint: params, groups, placement)": int(self.plan.fingerprint[:15], 16),
+                  "plan (params, groups, placement)": int(self.plan.fingerprint[:15], 16),
                   "trainable params (requires_grad)": checksum(self.mode.trainable),
                   "the call's argument (to=, or the new group)": argument}
-        return comm.check_in(what, fields, self.process_group, self._comm_device())
+        facts = {"param groups (sizes and settings such as lr)": self._group_facts,
+                 "plan (params, groups, placement)": lambda: plan_facts(self.plan),
+                 "trainable params (requires_grad)": self._trainable_facts}
+        if argument_facts is not None:
+            facts["the call's argument (to=, or the new group)"] = argument_facts
+        return comm.check_in(what, fields, self.process_group, self._comm_device(), facts)
+
+    def _group_facts(self) -> list[tuple[str, Any]]:
+        facts: list[tuple[str, Any]] = [("the number of param groups", len(self.param_groups))]
+        for k, g in enumerate(self.param_groups):
+            facts.append((f"param group {k}'s number of params", len(g["params"])))
+            facts += [(f"param group {k}'s {key}", value) for key, value in sorted(_settings(g).items())]
+        return facts
+
+    def _trainable_facts(self) -> list[tuple[str, Any]]:
+        names = [m.name for m in self.plan.metas]
+        return [(f"param {i} ({name})'s requires_grad", flag)
+                for i, (name, flag) in enumerate(zip(names, self.mode.trainable))]
 
     def _comm_device(self) -> torch.device:
         return comm.device_for(self.process_group, self._default_device)
@@ -300,6 +321,10 @@ def _normalise_params(params: Any) -> list[dict]:
             raise ValueError(f"params[{m.name}] (shape {tuple(p.shape)}) is not contiguous; "
                              "pass contiguous parameters")
     return groups
+
+
+def _settings(group: dict) -> dict:
+    return {k: v for k, v in group.items() if k != "params"}
 
 
 def _cpu_copy(tree: Any) -> Any:

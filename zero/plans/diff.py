@@ -15,7 +15,7 @@ from zero.plans.accounting import optimizer_state
 from zero.plans.meta import itemsize
 from zero.plans.plan import Plan
 
-__all__ = ["PlanDiff", "diff_plans", "placement"]
+__all__ = ["PlanDiff", "diff_plans", "placement", "plan_facts"]
 
 Range = tuple[int, int, int]  # (rank, start, end): elements start:end of a flattened param
 
@@ -112,3 +112,18 @@ def _rank_deltas(a: Plan, b: Plan) -> tuple[tuple[int, int, int], ...]:
         total = (rb.total_bytes if rb else 0) - (ra.total_bytes if ra else 0)
         out.append((r, state, total))
     return tuple(out)
+
+
+def plan_facts(plan: Plan) -> list[tuple[str, object]]:
+    """What a plan is, as labelled values in an order that names the first difference that matters:
+    the params (index, name, shape, dtype, group), the plan's settings, then where each param lives.
+    Ranks whose plans' fingerprints differ exchange these to say how (see `zero.backends.comm.check_in`)."""
+    facts: list[tuple[str, object]] = [("the number of params", len(plan.metas))]
+    facts += [(f"param {i}", f"{m.name} {tuple(m.shape)} {m.dtype} in group {m.group}, "
+                             f"{'trainable' if m.requires_grad else 'frozen'}") for i, m in enumerate(plan.metas)]
+    facts += [("the plan's world size", plan.world_size), ("the plan's strategy", plan.strategy),
+              ("the plan's weight", plan.weight), ("the plan's optimizer", plan.optimizer),
+              ("the plan's alignment", plan.alignment), ("the plan's flat buffer size", plan.bucket_numel)]
+    facts += [(f"param {i} ({m.name})'s placement (rank, start, end)", placement(plan, i))
+              for i, m in enumerate(plan.metas)]
+    return facts
