@@ -70,3 +70,18 @@ def test_keys_the_local_optimizer_sets_while_stepping_reach_param_groups(options
             sum(p.sum() for p in ps).backward()
         opt.step()
         assert opt.param_groups[0]["steps_seen"] == step
+
+
+def test_reduce_scatter_grads_under_ddp_is_refused_at_the_first_forward():
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = nn.Linear(3, 2)
+    ddp = DDP(model)
+    opt = Zero(ddp.parameters(), torch.optim.SGD, strategy="flat", reduce_scatter_grads=True, lr=0.1)
+    with pytest.raises(ValueError, match=r"also in a DistributedDataParallel model.*run the bare model \(ddp.module\)"):
+        ddp(torch.ones(1, 3))
+    bare = nn.Linear(3, 2)  # the bare model steps, and after the first step nothing is watched any more
+    opt = Zero(bare.parameters(), torch.optim.SGD, strategy="flat", reduce_scatter_grads=True, lr=0.1)
+    bare(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    assert opt.mode._ddp_watch.id not in torch.nn.modules.module._global_forward_pre_hooks

@@ -71,7 +71,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             rank receives only its shards' gradients, by one reduce-scatter per flat buffer that
             starts during backward, so an iteration moves 2x the model (DDP + ZeRO: 3x). Params
             are broadcast from rank 0 at construction, as DDP does; grads live in flat buffers
-            (``zero_grad`` zeroes them in place); accumulate micro-batches inside `no_sync`.
+            (``zero_grad`` zeroes them in place); accumulate micro-batches inside `no_sync`. Do not
+            wrap the model in DDP as well: its first forward is then a ``ValueError``.
         sync_chunk_mb: with ``parameters_as_bucket_view=False`` only, the scratch each all-gather
             may use, in MiB (default 16).
         **defaults: hyperparameters for the local optimizer (``lr=...``).

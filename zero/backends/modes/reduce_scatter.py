@@ -16,11 +16,15 @@ in the plan's order on every rank, so every rank issues the same collectives in 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+from torch import nn
 from torch.distributed.algorithms.join import JoinHook
+from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.nn.parallel import DistributedDataParallel
 
 from zero.backends import comm
 from zero.backends.local_optimizer import LocalStep, is_functional
@@ -154,6 +158,9 @@ class ReduceScatteredShards(FlatShards):
                 if not m.requires_grad:
                     comm.broadcast_from(p.data, 0, group)
         self.grad_shards = GradShards(self.params, metas, self.layout, self.grads, group)
+        # Until the first step: DDP around these params would all-reduce the gradients a second time.
+        self._ddp_watch = register_module_forward_pre_hook(_refuse_ddp({id(p) for p in self.params}))
+        weakref.finalize(self, self._ddp_watch.remove)  # an optimizer dropped before stepping leaves no hook
 
     def step(self, local: LocalStep, closure: Callable[[], float] | None, kwargs: dict, begin: Begin) -> Any:
         if is_functional(local.optim) or closure is not None or kwargs:
@@ -163,6 +170,7 @@ class ReduceScatteredShards(FlatShards):
 
     def take_grads(self) -> None:
         """Give each shard its gradient: its reduce-scattered mean (started during backward)."""
+        self._ddp_watch.remove()
         self.grad_shards.finish(self.layout.world_size)
         self.use_reduced_grads()
 
@@ -171,6 +179,7 @@ class ReduceScatteredShards(FlatShards):
         its gradients, step its shard, start its all-gather, so each buffer's compute hides
         the next one's communication."""
         shards, works = self.grad_shards, []
+        self._ddp_watch.remove()
         try:
             shards.start_rest()
             for k in range(len(self.shards)):
@@ -202,3 +211,15 @@ class ReduceScatteredShards(FlatShards):
     def join_hook(self, step: Callable[[], Any]) -> JoinHook:
         raise NotImplementedError("Join with reduce_scatter_grads=True: a joined rank would have to shadow "
                                   "the gradients' reduce-scatters too; use DDP + Join for uneven inputs")
+
+
+def _refuse_ddp(ids: set[int]) -> Callable:
+    """A global forward pre-hook: ``ValueError`` when a DDP model over any of these params runs."""
+    def hook(module: nn.Module, args: Any) -> None:
+        if isinstance(module, DistributedDataParallel) and any(id(p) in ids for p in module.module.parameters()):
+            raise ValueError("reduce_scatter_grads=True averages the gradients itself, but these params are also in a "
+                             "DistributedDataParallel model, which would all-reduce them again (the gradients would "
+                             "cross the network twice): run the bare model (ddp.module), or keep DDP and drop "
+                             "reduce_scatter_grads")
+
+    return hook
