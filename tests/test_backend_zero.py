@@ -88,6 +88,33 @@ def test_a_dead_rank_fails_the_step_instead_of_hanging_and_is_named():
         assert "rank 2 did not answer" in r["message"], r["message"]
 
 
+@pytest.mark.parametrize("mode, world_size, skipper", [("ddp", 3, 1), ("rs", 2, 0)])
+def test_a_rank_that_skips_step_in_a_loop_is_named_on_every_rank_at_once(mode, world_size, skipper):
+    """DDP + ZeRO, and a flat plan with reduce_scatter_grads: the skipper's next backward pass
+    would pair its gradients' collective with the others' step; every rank raises instead, within
+    a second, where the process group's timeout (60 s here, gloo's default 30 min) would hang."""
+    results = run_ranks(w.skips_a_step, world_size, mode, skipper, pg_timeout=60, timeout=90)
+    for r in results:
+        assert r["error"] == "ValueError" and r["seconds"] < 5, r
+        assert f"rank {skipper} skipped step(): it has taken 2 steps and started backward pass 4" in r["message"], r
+        assert "is in step 3 after 3 backward passes" in r["message"], r["message"]
+
+
+def test_a_rank_dying_in_backward_is_named_where_zero_owns_the_gradient_collectives():
+    results = run_ranks(w.dies_in_backward, 3, pg_timeout=60, timeout=90, allow_exit=(2,))
+    for r in results[:2]:
+        assert r["error"] == "RuntimeError" and r["iteration"] == 2 and r["seconds"] < 5, r
+        assert r["message"].startswith(f"rank {results.index(r)} (of 3) waited for the gradients' reduce-scatter and "
+                                       "the collective failed; rank 2 stopped answering"), r["message"]
+
+
+def test_a_stopped_rank_is_named_after_the_heartbeat_bound():
+    results = run_ranks(w.stops_before_a_step, 2, 3.0, pg_timeout=120, timeout=90, allow_exit=(1,))
+    r = results[0]
+    assert r["error"] == "RuntimeError" and 3.0 <= r["seconds"] < 10, r
+    assert "rank 1 has not answered for 3 s while rank 0 waits in step" in r["message"], r["message"]
+
+
 @pytest.mark.parametrize("case, words", [
     ("groups", "differ in param groups (sizes and settings such as lr) at step (the number of param groups is 1 "
                "here and 2 on rank 0)"),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import os
 
 import torch
 import torch.distributed as dist
@@ -503,3 +504,81 @@ def nccl_parity(rank: int, world_size: int, steps: int = 10) -> dict:
         for st in again.optim.state.values():
             assert st["step"].device == device
     return {}
+
+
+def skips_a_step(rank: int, world_size: int, mode: str, skipper: int = 1, skip_at: int = 2) -> dict:
+    """An ordinary loop (zero_grad, forward, backward, step) in which rank ``skipper`` skips
+    ``step()`` at iteration ``skip_at``: ``mode`` "ddp" (DDP + ZeRO) or "rs" (a flat plan with
+    reduce_scatter_grads, no DDP). Every rank must raise, in bounded time, naming the skipper."""
+    import time
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = make_model()
+    if mode == "ddp":
+        net = DDP(model)
+        opt = Zero(model.parameters(), torch.optim.Adam, lr=1e-2)
+    else:
+        net = model
+        opt = Zero(model.parameters(), torch.optim.Adam, lr=1e-2, strategy="flat", reduce_scatter_grads=True)
+    start = None
+    try:
+        for it in range(6):
+            opt.zero_grad()
+            x = torch.randn(4, 7, generator=torch.Generator().manual_seed(100 * it + rank))
+            net(x).square().sum().backward()
+            if start is None and it >= skip_at:
+                start = time.monotonic()
+            if not (rank == skipper and it == skip_at):
+                opt.step()
+    except Exception as e:  # noqa: BLE001 - the test inspects what was raised
+        return {"error": type(e).__name__, "message": str(e), "seconds": time.monotonic() - (start or time.monotonic()),
+                "iteration": it}
+    return {"error": None}
+
+
+def stops_before_a_step(rank: int, world_size: int, stopped_s: float) -> dict:
+    """Rank 1 is SIGSTOP-ed before its third step: the others must name it within about
+    ``stopped_s`` (the process group's timeout being much longer)."""
+    import signal
+    import time
+
+    import zero.backends.watch
+
+    zero.backends.watch.STOPPED_S = stopped_s
+    model = make_model()
+    opt = Zero(model.parameters(), torch.optim.Adam, lr=1e-2)
+    start = None
+    try:
+        for it in range(4):
+            opt.zero_grad()
+            model(torch.randn(4, 7, generator=torch.Generator().manual_seed(it))).square().sum().backward()
+            if it == 2:
+                if rank == 1:
+                    os.kill(os.getpid(), signal.SIGSTOP)
+                start = time.monotonic()
+            opt.step()
+    except Exception as e:  # noqa: BLE001 - the test inspects what was raised
+        return {"error": type(e).__name__, "message": str(e), "seconds": time.monotonic() - start}
+    return {"error": None}
+
+
+def dies_in_backward(rank: int, world_size: int) -> dict:
+    """A flat plan with reduce_scatter_grads (zero owns the gradient collectives): the last rank
+    exits in the middle of its third backward pass. The others must raise one error naming it."""
+    import time
+
+    model = make_model()
+    opt = Zero(model.parameters(), torch.optim.Adam, lr=1e-2, strategy="flat", reduce_scatter_grads=True)
+    if rank == world_size - 1:
+        model[1].weight.register_hook(lambda g: os._exit(0) if opt._local.steps == 2 else g)
+    start = None
+    try:
+        for it in range(4):
+            opt.zero_grad()
+            start = time.monotonic()
+            model(torch.randn(4, 7, generator=torch.Generator().manual_seed(it))).square().sum().backward()
+            opt.step()
+    except Exception as e:  # noqa: BLE001 - the test inspects what was raised
+        return {"error": type(e).__name__, "message": str(e), "seconds": time.monotonic() - start, "iteration": it}
+    return {"error": None}

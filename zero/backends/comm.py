@@ -18,7 +18,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed import DistStoreError
 
-__all__ = ["resolve_group", "group_rank", "group_size", "global_rank", "in_group", "device_for", "summed",
+from zero.backends.watch import Place, watch_of
+
+__all__ = ["resolve_group", "group_rank", "group_size", "global_rank", "in_group", "device_for", "summed", "wait_for",
            "all_gather_rows", "broadcast_from",
            "all_reduce_sum", "reduce_scatter_sum", "check_in", "new_subgroup", "send_tree", "recv_tree"]
 
@@ -126,8 +128,20 @@ def broadcast_from(tensor: torch.Tensor, owner: int, group: Any, async_op: bool 
 Facts = Sequence[tuple[str, Any]]  # (label, value) pairs, e.g. ("param group 0's lr", 0.001)
 
 
+def wait_for(work: Any, group: Any, what: str) -> None:
+    """Wait on ``work``, one of zero's collectives; if it fails, say which rank stopped answering."""
+    try:
+        work.wait()
+    except RuntimeError as e:
+        watch = watch_of(group)
+        silent = watch.silent() if watch is not None else []
+        who = f"rank {', '.join(map(str, silent))} stopped answering" if silent else "every rank still answers"
+        raise RuntimeError(f"rank {group_rank(group)} (of {group_size(group)}) waited for {what} and the collective "
+                           f"failed; {who}: it has stopped or left the process group ({e})") from e
+
+
 def check_in(what: str, fields: Mapping[str, int], group: Any, device: torch.device,
-             facts: Mapping[str, Callable[[], Facts]] | None = None) -> Callable[[], None]:
+             facts: Mapping[str, Callable[[], Facts]] | None = None, place: Place | None = None) -> Callable[[], None]:
     """Start checking that all ranks are in the same call ``what`` with equal ``fields``; returns ``verify``.
 
     ``fields`` names the ints every rank must agree on (steps taken, checksums of the params and
@@ -140,15 +154,19 @@ def check_in(what: str, fields: Mapping[str, int], group: Any, device: torch.dev
     group while another steps, or one skipped a step) meet here and get a clear error instead of
     pairing collectives of different sizes, which gloo answers by aborting the process or
     hanging. Started before a local step and verified after it, its latency hides behind the
-    step's compute.
+    step's compute. A rank that never joins (it skipped the call, or stopped) is named in bounded
+    time from ``place`` (where this rank is: `zero.backends.watch`), not after the group's timeout.
     """
     rank, size = group_rank(group), group_size(group)
+    watch = watch_of(group) if place is not None else None
     tag = _next_tag(group, what)
     values = [_CALLS[what], *fields.values()]
     rows = torch.tensor([values] * size, dtype=torch.int64, device=device)  # others' rows are overwritten
     work = _ALL_GATHER(rows.view(-1), rows[rank], group=group, async_op=True)
 
     def verify() -> None:
+        if watch is not None:
+            watch.wait(work.is_completed, place)
         try:
             work.wait()
         except RuntimeError as e:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch.autograd import Variable
 
+from zero.backends import comm
 from zero.backends.modes import DDPOverlap
 
 __all__ = ["hook_with_zero_step", "hook_with_zero_step_interleaved"]
@@ -113,7 +114,7 @@ class _ZeroStepHook:
     def _end_of_backward(self) -> None:
         self._in_backward = False
         for work in self._works:
-            work.wait()
+            comm.wait_for(work, self._mode.group, "a bucket's step and param broadcast")
         self._works = []
         self._mode.end_of_backward(synced=self._interleaved)
 

@@ -49,13 +49,15 @@ class ParamSync:
             for c in range(len(plan.pieces[0]) if plan.chunk else 0):
                 if not self.views:
                     self._copy(plan.pieces[self.rank][c], rows[self.rank], to_rows=True)
-                comm.all_gather_rows(rows, self.rank, self.group)
+                for work in comm.all_gather_rows(rows, self.rank, self.group, async_op=True):
+                    comm.wait_for(work, self.group, "the params' all-gather")
                 if not self.views:
                     for r, per_chunk in enumerate(plan.pieces):
                         if r != self.rank:
                             self._copy(per_chunk[c], rows[r], to_rows=False)
             for owner, i in plan.direct:
-                comm.broadcast_from(self.params[i].detach(), owner, self.group)
+                work = comm.broadcast_from(self.params[i].detach(), owner, self.group, async_op=True)
+                comm.wait_for(work, self.group, "the params' broadcast")
 
     def release(self) -> None:
         """Give bucket-viewed params their own storage again (before a rebuild)."""

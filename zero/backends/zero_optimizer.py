@@ -11,6 +11,7 @@ detail the mode's.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -23,6 +24,7 @@ from zero.backends import comm
 from zero.backends.local_optimizer import LocalStep, check_state_keys, make_local_optimizer, per_element_keys
 from zero.backends.modes import Mode, make_mode
 from zero.backends.state_dict import check_compatible
+from zero.backends.watch import Place, watch_of
 from zero.plans.checks import checksum
 from zero.plans.ddp_buckets import ddp_bucket_partition
 from zero.plans.diff import plan_facts
@@ -111,6 +113,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._optimizer_class, self._defaults = optimizer_class, defaults
         self._local = self._make_local(self.mode.local_groups(self.param_groups), per_param=bool(overlap_with_ddp))
         self._consolidated: list[dict] | None = None
+        self._backwards = 0  # backward passes through these params: with steps, where this rank is
+        self._watch_backwards()
         self._ready = True
 
     # -- the plan, its mode and the local optimizer ----------------------------------------------
@@ -251,6 +255,30 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def join_process_group(self) -> Any:
         return self.process_group
 
+    def _watch_backwards(self) -> None:
+        """Count backward passes; one that starts with no step since the last meets the other
+        ranks first (`zero.backends.watch`): a rank that skipped step() raises here, by name,
+        before its gradients' all-reduce pairs with the others' step."""
+        trainable = [p for p in self._all_params if p.requires_grad]
+        if comm.group_size(self.process_group) == 1 or not trainable:
+            return
+        me = weakref.ref(self)
+
+        def started(_grad: Any) -> None:
+            opt = me()
+            if opt is not None:
+                opt._backward_started()
+
+        handle = torch.autograd.graph.register_multi_grad_hook(trainable, started, mode="any")
+        weakref.finalize(self, handle.remove)
+
+    def _backward_started(self) -> None:
+        done, self._backwards = self._backwards, self._backwards + 1
+        joined = getattr(self, "_join_config", None) is not None and self._join_config.enable
+        watch = watch_of(self.process_group)
+        if done > self._local.steps and watch is not None and not joined:  # accumulating, or a step was skipped
+            watch.meet(Place("backward", self._local.steps, self._backwards))
+
     def _check_in(self, what: str, argument: int = 0, argument_facts: Callable[[], list] | None = None):
         """Start the check that every rank is in the same call on the same optimizer (see `comm.check_in`)."""
         groups = [(len(g["params"]), _settings(g)) for g in self.param_groups]
@@ -264,7 +292,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                  "trainable params (requires_grad)": self._trainable_facts}
         if argument_facts is not None:
             facts["the call's argument (to=, or the new group)"] = argument_facts
-        return comm.check_in(what, fields, self.process_group, self._comm_device(), facts)
+        place = Place(what, self._local.steps, self._backwards)
+        return comm.check_in(what, fields, self.process_group, self._comm_device(), facts, place)
 
     def _group_facts(self) -> list[tuple[str, Any]]:
         facts: list[tuple[str, Any]] = [("the number of param groups", len(self.param_groups))]

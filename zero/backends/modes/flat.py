@@ -141,7 +141,8 @@ class FlatShards(Mode):
     def sync(self) -> None:
         """One all-gather per buffer: every rank's shard into every replica, in place."""
         for k in range(len(self.flats)):
-            self.start_sync(k, async_op=False)
+            for work in self.start_sync(k):
+                comm.wait_for(work, self.group, "the params' all-gather")
 
     def start_sync(self, k: int, async_op: bool = True) -> list[Any]:
         """Start buffer ``k``'s all-gather; returns the works to wait on."""

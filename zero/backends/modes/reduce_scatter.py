@@ -57,8 +57,10 @@ class GradShards:
 
     def end_iteration(self) -> None:
         """Forget this iteration (after waiting for any reduction still running)."""
-        for bi in range(len(getattr(self, "_works", ()))):
-            self._wait_once(bi)  # a reduction started before an error: let it finish before its buffer is reused
+        for work in getattr(self, "_works", ()):
+            if work is not None:  # a reduction started before an error: let it end before its buffer is reused
+                with contextlib.suppress(RuntimeError):  # its failure, if any, was the error raised already
+                    work.wait()
         self._seen = [set() for _ in self.layout.buffers]
         self._works: list[Any] = []
 
@@ -130,10 +132,10 @@ class GradShards:
 
     def _wait_once(self, bi: int) -> None:
         # Gloo's reduce-scatter copies its result into the output on every wait(): a second wait
-        # would undo the averaging.
-        if self._works[bi] is not None:
-            self._works[bi].wait()
-            self._works[bi] = None
+        # would undo the averaging (and a failed one would fail again).
+        work, self._works[bi] = self._works[bi], None
+        if work is not None:
+            comm.wait_for(work, self.group, "the gradients' reduce-scatter")
 
     def remove(self) -> None:
         for hook in self._hooks:
@@ -193,8 +195,8 @@ class ReduceScatteredShards(FlatShards):
         finally:
             shards.end_iteration()
             self.clear_grads()
-            for work in works:
-                work.wait()
+        for work in works:
+            comm.wait_for(work, self.group, "the params' all-gather")
 
     def zero_grad(self, default: Callable[[], None]) -> None:
         """The grads stay views of the flat gradient buffers, zeroed in place (a fresh grad would be
