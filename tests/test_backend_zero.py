@@ -108,6 +108,12 @@ def test_a_rank_dying_in_backward_is_named_where_zero_owns_the_gradient_collecti
                                        "the collective failed; rank 2 stopped answering"), r["message"]
 
 
+def test_gradient_accumulation_under_ddp_meets_and_goes_on():
+    """The backward passes of accumulation start with no step since the last, as a skipped step's
+    would: on every rank alike, they meet and go on, equal to DDP + Adam."""
+    assert max(run_ranks(w.accumulates_under_ddp, 2, pg_timeout=30, timeout=90)) <= 1e-6
+
+
 def test_a_stopped_rank_is_named_after_the_heartbeat_bound():
     results = run_ranks(w.stops_before_a_step, 2, 3.0, pg_timeout=120, timeout=90, allow_exit=(1,))
     r = results[0]

@@ -582,3 +582,23 @@ def dies_in_backward(rank: int, world_size: int) -> dict:
     except Exception as e:  # noqa: BLE001 - the test inspects what was raised
         return {"error": type(e).__name__, "message": str(e), "seconds": time.monotonic() - start, "iteration": it}
     return {"error": None}
+
+
+def accumulates_under_ddp(rank: int, world_size: int, micro: int = 3, steps: int = 3) -> float:
+    """DDP + ZeRO with gradient accumulation (all micro-batches but the last under ``no_sync``):
+    the backward passes that start with no step since the last meet the other ranks and go on.
+    Returns the largest difference from DDP + Adam run beside it."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ours_m, ref_m = make_model(), make_model()
+    ours, ref = DDP(ours_m), DDP(ref_m)
+    opt, ref_opt = Zero(ours_m.parameters(), torch.optim.Adam, lr=1e-2), torch.optim.Adam(ref_m.parameters(), lr=1e-2)
+    for step in range(steps):
+        for net, o in ((ours, opt), (ref, ref_opt)):
+            o.zero_grad()
+            for m in range(micro):
+                x = torch.randn(4, 7, generator=torch.Generator().manual_seed(1000 * step + 10 * m + rank))
+                with net.no_sync() if m < micro - 1 else contextlib.nullcontext():
+                    net(x).square().sum().backward()
+            o.step()
+    return max((a - b).abs().max().item() for a, b in zip(ours_m.parameters(), ref_m.parameters()))
