@@ -85,3 +85,12 @@ def test_shapes_that_are_not_a_mapping_name_the_expected_form(tmp_path, content)
     res = zero("plan", "--shapes", str(shapes), check=False)
     assert res.returncode == 2 and "must map each param's name to its shape" in res.stderr, res.stderr
     assert '{"w": [300, 20]' in res.stderr
+
+
+def test_plan_counts_master_weights(tmp_path):
+    shapes = tmp_path / "shapes.json"
+    shapes.write_text(json.dumps({"w": {"shape": [300, 20], "dtype": "bfloat16"}}))
+    out = zero("plan", "--shapes", str(shapes), "-w", "2", "--strategy", "flat", "--master-dtype", "float32").stdout
+    assert "float32 masters" in out and "masters MiB" in " ".join(out.split())
+    res = zero("plan", "--shapes", str(shapes), "--master-dtype", "int8", check=False)
+    assert res.returncode == 2 and "master_dtype must be a float dtype" in res.stderr, res.stderr

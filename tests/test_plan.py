@@ -1,6 +1,7 @@
 """make_plan accounting, the readable table, and errors at the boundary."""
 
 import json
+import re
 
 import pytest
 
@@ -153,3 +154,49 @@ def test_contiguous_spreads_what_the_largest_tensor_leaves():
     assert loads[-1] == max(m.numel for m in metas)  # the best cap any split can have
     rest = loads[:-1]
     assert min(rest) > 0.7 * sum(rest) / len(rest), loads
+
+
+def test_the_zero_papers_figure_1_from_metadata():
+    """7.5B params in 16 bits, Adam with fp32 masters (K = 12 bytes a param), 64 ranks: the paper's
+    120 GB, 31.4 GB (optimizer state sharded), 16.6 GB (gradients too), 1.9 GB (params too)."""
+    metas = [ParamMeta(f"layer{i}", (100_000_000,), "bfloat16") for i in range(75)]
+    plan = make_plan(metas, 64, "flat", optimizer="adam", master_dtype="float32")
+    stages = [round(n / 1e9, 1) for n in plan.stage_bytes().values()]
+    assert stages == [120.0, 31.4, 16.6, 1.9]
+    r = plan.ranks[0]
+    n = 7.5e9 / 64
+    assert (r.param_bytes, r.grad_bytes, r.master_bytes) == (15e9, 15e9, 4 * n)
+    assert r.state_bytes == 8 * n + 4 and r.grad_shard_bytes == 2 * n  # fp32 moments, one fp32 step
+
+
+def test_masters_count_only_for_params_narrower_than_the_master_dtype():
+    metas = [ParamMeta("w", (64, 8), "bfloat16"), ParamMeta("b", (8,), "float32"),
+             ParamMeta("frozen", (100,), "bfloat16", requires_grad=False)]
+    plan = make_plan(metas, 1, optimizer="adam", master_dtype="torch.float32")
+    r = plan.ranks[0]
+    assert plan.master_dtype == "float32" and r.master_bytes == 4 * 512  # b is its own master; frozen has none
+    assert r.state_bytes == 2 * 4 * (512 + 8) + 4 * 2
+    assert make_plan(metas, 1, optimizer="adam").ranks[0].state_bytes == 2 * (2 * 512 + 4 * 8) + 4 * 2
+    again = Plan.from_json(plan.to_json())
+    assert again == plan and again.fingerprint != make_plan(metas, 1, optimizer="adam").fingerprint
+    assert json.loads(plan.to_json())["stage_bytes"]["replicated (DDP)"] == r.total_bytes
+
+
+@pytest.mark.parametrize("master, words", [
+    ("int8", "master_dtype must be a float dtype"),
+    ("bfloat16", "master_dtype bfloat16 is less precise than param 'b''s float32"),
+    ("float16", "master_dtype float16 is less precise than param 'w''s bfloat16"),
+])
+def test_a_master_dtype_that_cannot_hold_the_params_is_named(master, words):
+    metas = [ParamMeta("w", (4,), "bfloat16"), ParamMeta("b", (4,), "float32")]
+    with pytest.raises(ValueError, match=re.escape(words)):
+        make_plan(metas, 2, master_dtype=master)
+
+
+def test_state_bytes_weight_balances_masters_too():
+    metas = [ParamMeta("big16", (1000,), "bfloat16"), ParamMeta("big32", (1000,), "float32"),
+             ParamMeta("small16", (10,), "bfloat16")]
+    plan = make_plan(metas, 2, weight="state_bytes", optimizer="sgd_momentum", master_dtype="float32")
+    # bf16 params cost 4 (master) + 4 (momentum) bytes an element, fp32 ones 4: big16 alone on a rank
+    assert plan.partition.owner[0] != plan.partition.owner[1] == plan.partition.owner[2]
+    assert sorted(r.master_bytes + r.state_bytes for r in plan.ranks) == [4080, 8000]

@@ -51,7 +51,8 @@ class Partition:
 
 
 def partition(metas: Sequence[ParamMeta], world_size: int, strategy: str = "sorted_greedy",
-              weight: Weight = "numel", optimizer: str | OptimizerState = "adam") -> Partition:
+              weight: Weight = "numel", optimizer: str | OptimizerState = "adam", *,
+              master_dtype: str | None = None) -> Partition:
     """Assign every parameter in ``metas`` to one of ``world_size`` ranks.
 
     ``weight`` is what gets balanced (see `zero.plans.accounting.weights`); ``optimizer`` names the
@@ -62,7 +63,7 @@ def partition(metas: Sequence[ParamMeta], world_size: int, strategy: str = "sort
     if strategy not in STRATEGIES:
         hint = " (for element-level shards use zero.flat_layout)" if strategy == "flat" else ""
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}{hint}")
-    ws = weights(metas, weight, optimizer)
+    ws = weights(metas, weight, optimizer, master_dtype)
     groups = _registration_order(metas)
     if strategy == "contiguous":
         order = _contiguous([i for g in groups for i in g], ws, world_size)

@@ -15,8 +15,8 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from zero.plans.accounting import optimizer_state, weights
-from zero.plans.cost import RankCost, flat_costs, partition_costs
+from zero.plans.accounting import check_master_dtype, optimizer_state, weights
+from zero.plans.cost import RankCost, flat_costs, partition_costs, stage_bytes
 from zero.plans.layout import FlatLayout, flat_layout
 from zero.plans.meta import ParamMeta, gc_paused
 from zero.plans.partition import STRATEGIES, Partition, check_metas, partition
@@ -44,6 +44,13 @@ class Plan:
     max_over_mean: float  # the busiest rank's load / the mean load
     max_over_bound: float  # the busiest rank's load / the best any plan could do (see make_plan)
     fingerprint: str
+    master_dtype: str | None = None  # the optimizer steps copies of 16-bit params in this dtype
+
+    def stage_bytes(self) -> dict[str, int]:
+        """The busiest rank's bytes with nothing sharded, as planned (ZeRO-1), with gradients
+        reduce-scattered (ZeRO-2) and with params sharded too (FSDP): the ZeRO paper's Figure 1
+        from metadata (see `zero.plans.cost.stage_bytes`)."""
+        return stage_bytes(self.ranks)
 
     def with_partition(self, part: Partition) -> Plan:
         """This plan's params placed by another whole-param ``part`` (e.g. `ddp_bucket_partition`),
@@ -51,7 +58,7 @@ class Plan:
         if len(part.owner) != len(self.metas) or part.world_size != self.world_size:
             raise ValueError("the partition is for other params or another world size")
         spec = optimizer_state(self.optimizer)
-        ranks = partition_costs(self.metas, part, spec)
+        ranks = partition_costs(self.metas, part, spec, self.master_dtype)
         mean = sum(r.load for r in ranks) / self.world_size
         busiest = max(r.load for r in ranks)
         plan = dataclasses.replace(self, strategy=part.strategy, partition=part, flat=None, ranks=ranks,
@@ -72,7 +79,7 @@ class Plan:
         inputs = data["inputs"]
         plan = make_plan([ParamMeta.from_dict(m) for m in inputs["metas"]], inputs["world_size"],
                          inputs["strategy"], inputs["weight"], inputs["optimizer"], inputs["alignment"],
-                         inputs.get("bucket_numel"))
+                         inputs.get("bucket_numel"), master_dtype=inputs.get("master_dtype"))
         if plan.fingerprint != data["fingerprint"]:
             raise ValueError(f"plan fingerprint {data['fingerprint']} does not match the recomputed "
                              f"{plan.fingerprint}: the file was edited or zero's planner changed")
@@ -99,13 +106,16 @@ class Plan:
 @gc_paused()  # builds per-param lists for up to 100k params (see gc_paused)
 def make_plan(metas: Sequence[ParamMeta], world_size: int, strategy: str = "sorted_greedy",
               weight: str = "numel", optimizer: str = "adam", alignment: int = 1,
-              bucket_numel: int | None = None) -> Plan:
+              bucket_numel: int | None = None, *, master_dtype: str | None = None) -> Plan:
     """Partition (or flat-shard) ``metas`` over ``world_size`` ranks and account for the result.
 
     ``strategy``: one of ``PLAN_STRATEGIES``; ``weight``: ``"numel"`` or ``"state_bytes"``;
     ``optimizer``: a name from `zero.plans.accounting.OPTIMIZERS`, for the state accounting;
     ``alignment``: shard alignment in elements for ``"flat"``; ``bucket_numel``: for ``"flat"``,
-    the most elements per flat buffer (see `zero.flat_layout`).
+    the most elements per flat buffer (see `zero.flat_layout`); ``master_dtype`` (``"float32"``):
+    the optimizer steps master copies of the params in this dtype, with its state in it too, and
+    each rank holds those of what it owns (``RankCost.master_bytes``); ``weight="state_bytes"``
+    then balances masters and state.
 
     Balance is reported two ways, since they answer different questions: ``max_over_mean`` is
     the busiest rank's load over the mean (how far from an even split: what memory per rank
@@ -120,19 +130,20 @@ def make_plan(metas: Sequence[ParamMeta], world_size: int, strategy: str = "sort
     if weight not in ("numel", "state_bytes"):
         raise ValueError(f"make_plan takes weight 'numel' or 'state_bytes', got {weight!r}")
     spec = optimizer_state(optimizer)
+    master_dtype = check_master_dtype(master_dtype, metas)
     if strategy == "flat":
         part, flat = None, flat_layout(metas, world_size, alignment, bucket_numel)
-        ranks = flat_costs(metas, flat, spec)
+        ranks = flat_costs(metas, flat, spec, master_dtype)
         mean = bound = sum(r.load for r in ranks) / world_size
     else:
-        part, flat = partition(metas, world_size, strategy, weight, spec), None
-        ranks = partition_costs(metas, part, spec)
-        ws = weights(metas, weight, spec)
+        ws = weights(metas, weight, spec, master_dtype)
+        part, flat = partition(metas, world_size, strategy, weight, spec, master_dtype=master_dtype), None
+        ranks = partition_costs(metas, part, spec, master_dtype)
         mean = sum(ws) / world_size
         bound = max(max(ws), mean)  # whole tensors: no rank can hold less than the largest one
     busiest = max(r.load for r in ranks)
     plan = Plan(metas, world_size, strategy, weight, str(optimizer).lower(), alignment, bucket_numel, part, flat,
-                ranks, busiest / mean if mean else 1.0, busiest / bound if bound else 1.0, "")
+                ranks, busiest / mean if mean else 1.0, busiest / bound if bound else 1.0, "", master_dtype)
     return dataclasses.replace(plan, fingerprint=_fingerprint(plan))
 
 
@@ -166,8 +177,9 @@ def _fingerprint(plan: Plan) -> str:
                  [(b.group, b.device, b.dtype, b.params, b.padded_numel) for b in plan.flat.buffers])
     h = hashlib.sha256("\0".join([m.name for m in plan.metas]).encode())
     h.update(_int64_bytes(rows))
+    masters = [plan.master_dtype] if plan.master_dtype else []  # plans without masters keep their fingerprints
     h.update(json.dumps([_FORMAT, list(table), plan.world_size, plan.strategy, plan.weight, plan.optimizer,
-                         plan.alignment, plan.bucket_numel, placement], separators=(",", ":")).encode())
+                         plan.alignment, plan.bucket_numel, placement, *masters], separators=(",", ":")).encode())
     return h.hexdigest()[:16]
 
 
@@ -189,9 +201,12 @@ def _payload(plan: Plan) -> dict:
         "format": _FORMAT,
         "inputs": {"metas": [m.to_dict() for m in plan.metas], "world_size": plan.world_size,
                    "strategy": plan.strategy, "weight": plan.weight, "optimizer": plan.optimizer,
-                   "alignment": plan.alignment, "bucket_numel": plan.bucket_numel},
+                   "alignment": plan.alignment, "bucket_numel": plan.bucket_numel,
+                   "master_dtype": plan.master_dtype},
         "placement": placement,
-        "ranks": [{**r.__dict__, "total_bytes": r.total_bytes} for r in plan.ranks],
+        "ranks": [{**r.__dict__, "total_bytes": r.total_bytes, "total_bytes_grads_sharded": r.total_bytes_grads_sharded}
+                  for r in plan.ranks],
+        "stage_bytes": plan.stage_bytes(),
         "max_over_mean": plan.max_over_mean,
         "max_over_bound": plan.max_over_bound,
     }

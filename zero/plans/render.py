@@ -14,23 +14,25 @@ def mib(n: int) -> str:
 def plan_table(plan, max_rows: int = 16):
     from rich.table import Table
 
+    masters = f", {plan.master_dtype} masters" if plan.master_dtype else ""
     t = Table(title=f"{plan.strategy} on {plan.world_size} ranks, weight={plan.weight}, "
-                    f"optimizer={plan.optimizer}: busiest rank / mean {plan.max_over_mean:.4f}, "
+                    f"optimizer={plan.optimizer}{masters}: busiest rank / mean {plan.max_over_mean:.4f}, "
                     f"/ best possible {plan.max_over_bound:.4f}, "
                     f"fingerprint {plan.fingerprint}")
-    for col in ("rank", "params", "numel", "load", "state MiB", "total MiB", "padding MiB",
-                "bcast sent/recv MiB", "all_gather sent/recv MiB"):
+    for col in ("rank", "params", "numel", "load", "masters MiB", "state MiB", "total MiB",
+                "total, grads sharded MiB", "padding MiB", "bcast sent/recv MiB", "all_gather sent/recv MiB"):
         t.add_column(col, justify="right")
     ranks = plan.ranks
     shown = ranks if len(ranks) <= max_rows else ranks[: max_rows // 2] + (None,) + ranks[-(max_rows // 2):]
     for r in shown:
         if r is None:
-            t.add_row(*["..."] * 9)
+            t.add_row(*["..."] * 11)
             continue
-        t.add_row(str(r.rank), str(r.params), f"{r.numel:,}", f"{r.load:,}", mib(r.state_bytes),
-                  mib(r.total_bytes), mib(r.padding_bytes),
+        t.add_row(str(r.rank), str(r.params), f"{r.numel:,}", f"{r.load:,}", mib(r.master_bytes), mib(r.state_bytes),
+                  mib(r.total_bytes), mib(r.total_bytes_grads_sharded), mib(r.padding_bytes),
                   f"{mib(r.broadcast_bytes[0])} / {mib(r.broadcast_bytes[1])}",
                   f"{mib(r.all_gather_bytes[0])} / {mib(r.all_gather_bytes[1])}")
+    t.caption = "busiest rank: " + ", ".join(f"{name} {mib(n)} MiB" for name, n in plan.stage_bytes().items())
     return t
 
 

@@ -35,6 +35,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--weight", choices=("numel", "state_bytes"), default="numel")
     p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adam")
     p.add_argument("--alignment", type=int, default=1, help="flat shard alignment (elements)")
+    p.add_argument("--master-dtype", help="the optimizer steps master copies in this dtype (e.g. float32 for a "
+                                          "bf16 model): counts them and their state per rank")
     out = p.add_mutually_exclusive_group()
     out.add_argument("--compare", action="store_true", help="every strategy side by side (prints only)")
     out.add_argument("--json", type=Path, help="save the plan as JSON here")
@@ -89,12 +91,14 @@ def _plan(args: argparse.Namespace) -> int:
         return 0
     metas = load_metas(args)
     if args.compare:
-        plans = [make_plan(metas, args.world_size, s, w, args.optimizer, args.alignment)
+        plans = [make_plan(metas, args.world_size, s, w, args.optimizer, args.alignment,
+                           master_dtype=args.master_dtype)
                  for s in PLAN_STRATEGIES for w in ("numel", "state_bytes")
                  if not (s == "flat" and w == "state_bytes")]
         print(render(compare_table(plans)))
         return 0
-    plan = make_plan(metas, args.world_size, args.strategy, args.weight, args.optimizer, args.alignment)
+    plan = make_plan(metas, args.world_size, args.strategy, args.weight, args.optimizer, args.alignment,
+                     master_dtype=args.master_dtype)
     print(render(plan.table(args.rows)))
     if args.json:
         args.json.write_text(plan.to_json())
