@@ -85,3 +85,18 @@ def test_reduce_scatter_grads_under_ddp_is_refused_at_the_first_forward():
     bare(torch.ones(1, 3)).sum().backward()
     opt.step()
     assert opt.mode._ddp_watch.id not in torch.nn.modules.module._global_forward_pre_hooks
+
+
+def test_places_name_the_rank_that_skipped_a_step_and_nothing_else():
+    from zero.backends.watch import Place
+
+    stepping, skipping = Place("step", 2, 3), Place("backward", 2, 4)
+    words = "rank 1 skipped step(): it has taken 2 steps and started backward pass 4, while rank 0 is in step 3"
+    assert words in stepping.skipped_by(1, skipping, me=0)
+    assert words in skipping.skipped_by(0, stepping, me=1)
+    assert "backward pass 6" in Place("backward", 2, 6).skipped_by(0, stepping, me=1)  # several passes ahead
+    assert stepping.skipped_by(1, Place("backward", 2, 3), me=0) is None  # the same pass: still to meet
+    assert stepping.skipped_by(1, Place("backward", 1, 4), me=0) is None  # other counts: a stale place
+    assert Place("backward", 2, 4).skipped_by(1, Place("backward", 2, 4), me=0) is None  # accumulating alike
+    assert stepping.skipped_by(1, Place("step", 2, 3), me=0) is None
+    assert Place("backward", 2, 4).reached(Place("step", 3, 4)) and not Place("backward", 2, 4).reached(stepping)

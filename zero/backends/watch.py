@@ -57,14 +57,14 @@ class Place:
         the last backward pass: one rank is in that step, the other starts the next backward."""
         if other.steps != self.steps:
             return None
-        if self.call == "backward" and other.call != "backward" and other.backwards == self.backwards - 1:
-            skipper, stepping, at = me, rank, other
-        elif other.call == "backward" and self.call != "backward" and other.backwards == self.backwards + 1:
-            skipper, stepping, at = rank, me, self
+        if self.call == "backward" and other.call != "backward" and other.backwards < self.backwards:
+            (skipper, started), (stepping, at) = (me, self), (rank, other)
+        elif other.call == "backward" and self.call != "backward" and other.backwards > self.backwards:
+            (skipper, started), (stepping, at) = (rank, other), (me, self)
         else:
             return None
-        return (f"rank {skipper} skipped step(): it has taken {at.steps} steps and started backward pass "
-                f"{at.backwards + 1}, while rank {stepping} is in {at.call} {at.steps + 1} after {at.backwards} "
+        return (f"rank {skipper} skipped step(): it has taken {started.steps} steps and started backward pass "
+                f"{started.backwards}, while rank {stepping} is in {at.call} {at.steps + 1} after {at.backwards} "
                 f"backward passes (this is rank {me}): every rank must call step() after the same backward passes")
 
 
