@@ -188,7 +188,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         hand the groups' settings to the local optimizer. Returns the check-in's ``verify``."""
         if self.mode.trainability_changed():
             self.mode.retrain(param_metas(self.param_groups))
-        self.mode.watch.check()
+        self.mode.storage.check()
         verify = self._check_in("step")
         self._local.push()
         return verify

@@ -32,7 +32,7 @@ class Mode:
     needs comes as arguments.
     """
 
-    watch: ViewWatch  # the params whose storage the mode's sync writes
+    storage: ViewWatch  # the params whose storage the mode's sync writes (their storage must not move)
 
     def __init__(self, params: Sequence[torch.Tensor], plan: Plan, rank: int, group: Any):
         self.params, self.plan, self.rank, self.group = list(params), plan, rank, group

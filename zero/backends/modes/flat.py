@@ -42,7 +42,7 @@ class FlatShards(Mode):
                        for f, b in zip(self.flats, layout.buffers)]
         self._grads = [torch.zeros_like(s) for s in self.shards]
         self._pieces = [b.pieces(rank) for b in layout.buffers]
-        self.watch = ViewWatch(self.params, [i for b in layout.buffers for i in b.params])
+        self.storage = ViewWatch(self.params, [i for b in layout.buffers for i in b.params])
         self.rules = self._rules(comm.summed(group, self.params[0].device))
 
     def _allocate(self, buf: FlatBuffer) -> torch.Tensor:

@@ -43,7 +43,7 @@ class WholeParams(Mode):
         self.indices = local_indices(metas, self.plan.partition, self.n_groups)
         layout = bucket_views(metas, self.plan.partition)
         self.sync = ParamSync(self.params, layout, self.rank, self.group, self.bucket_view, self.chunk_bytes)
-        self.watch = self.sync.watch
+        self.storage = self.sync.watch
         self.trainable = [m.requires_grad for m in metas]
         self.rules = self._rules()
 
