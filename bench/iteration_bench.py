@@ -16,7 +16,7 @@ and DDP's all-reduces go through them by a comm hook that calls DDP's default on
 of N bytes counts 2N (a reduce-scatter then an all-gather), a reduce-scatter its input, an
 all-gather its output, a broadcast its tensor; reported in units of the model's bytes.
 
-    python bench/iteration_bench.py [--layers 24] [--width 512] [--bucket-mb 2] [--iters 20]
+    python bench/iteration_bench.py [--layers 24] [--width 512] [--bucket-mb 2] [--iters 20] [--systems ...]
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from zero.tools.launch import run
 
 SYSTEMS = ("ddp+adam", "ddp+torch_zero", "ddp+zero", "ddp+zero_overlap", "ddp+zero_overlap_il", "zero_flat_rs",
            "fsdp2")
+REFERENCES = ("ddp+adam", "ddp+zero", "ddp+torch_zero")  # what every row is divided by
 OVERLAP_HOOKS = {"ddp+zero_overlap": hook_with_zero_step, "ddp+zero_overlap_il": hook_with_zero_step_interleaved}
 
 
@@ -123,22 +124,23 @@ class Volume:
             setattr(dist, name, fn)
 
 
-def worker(rank: int, world_size: int, layers: int, width: int, bucket_mb: float, iters: int) -> dict:
+def worker(rank: int, world_size: int, layers: int, width: int, bucket_mb: float, iters: int,
+           systems: tuple[str, ...] = SYSTEMS) -> dict:
     x = torch.randn(64, width, generator=torch.Generator().manual_seed(rank))
     model_bytes = sum(p.numel() * p.element_size() for p in _model(layers, width).parameters())
     moved = {}
-    for system in SYSTEMS:  # counting pass, on systems of their own (a counting hook stays registered)
+    for system in systems:  # counting pass, on systems of their own (a counting hook stays registered)
         volume = Volume()
         model, opt = build(system, layers, width, bucket_mb, volume.hook)
         iteration(model, opt, x)  # DDP rebuilds its buckets after the first iteration: count the second
         with volume:
             iteration(model, opt, x)
         moved[system] = volume.bytes / model_bytes
-    built = {system: build(system, layers, width, bucket_mb) for system in SYSTEMS}
+    built = {system: build(system, layers, width, bucket_mb) for system in systems}
     for model, opt in built.values():
         for _ in range(3):
             iteration(model, opt, x)
-    times = {system: [] for system in SYSTEMS}
+    times = {system: [] for system in systems}
     for _ in range(iters):
         for system, (model, opt) in built.items():
             dist.barrier()
@@ -168,8 +170,11 @@ def main() -> int:
     ap.add_argument("--bucket-mb", type=float, default=2.0)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--plot", help="also draw the iteration times to this PNG")
+    ap.add_argument("--systems", nargs="+", choices=SYSTEMS, default=SYSTEMS,
+                    help="time only these (ddp+adam, ddp+zero and ddp+torch_zero always run: the ratios' references)")
     args = ap.parse_args()
-    results = run(worker, 2, args.layers, args.width, args.bucket_mb, args.iters, timeout=1800)
+    args.systems = tuple(s for s in SYSTEMS if s in {*args.systems, *REFERENCES})
+    results = run(worker, 2, args.layers, args.width, args.bucket_mb, args.iters, args.systems, timeout=1800)
     _print(results, args)
     if args.plot:
         from figure import grouped_bars
@@ -190,7 +195,7 @@ def _print(results: list[dict], args) -> None:
                 "Adam state rank 0 (MB)"):
         table.add_column(col, justify="right")
     r = results[0]
-    for s in SYSTEMS:
+    for s in args.systems:
         table.add_row(s, f"{r['ms'][s]:.1f}", f"{r['ms'][s] / r['ms']['ddp+adam']:.2f}x",
                       f"{r['ms'][s] / r['ms']['ddp+zero']:.2f}x",
                       f"{r['ms'][s] / r['ms']['ddp+torch_zero']:.2f}x", f"{r['moved'][s]:.3f}",

@@ -105,7 +105,7 @@ def test_a_rank_dying_in_backward_is_named_where_zero_owns_the_gradient_collecti
     for r in results[:2]:
         assert r["error"] == "RuntimeError" and r["iteration"] == 2 and r["seconds"] < 5, r
         assert r["message"].startswith(f"rank {results.index(r)} (of 3) waited for the gradients' reduce-scatter and "
-                                       "the collective failed; rank 2 stopped answering"), r["message"]
+                                       "the collective failed; rank 2 did not answer"), r["message"]
 
 
 def test_gradient_accumulation_under_ddp_meets_and_goes_on():

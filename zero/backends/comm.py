@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import pickle
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -133,11 +132,21 @@ def wait_for(work: Any, group: Any, what: str) -> None:
     try:
         work.wait()
     except RuntimeError as e:
-        watch = watch_of(group)
-        silent = watch.silent() if watch is not None else []
-        who = f"rank {', '.join(map(str, silent))} stopped answering" if silent else "every rank still answers"
-        raise RuntimeError(f"rank {group_rank(group)} (of {group_size(group)}) waited for {what} and the collective "
-                           f"failed; {who}: it has stopped or left the process group ({e})") from e
+        raise _failed(e, group, what) from e
+
+
+def _failed(error: RuntimeError, group: Any, what: str) -> RuntimeError:
+    """A failed collective, with the ranks whose heartbeat stopped (`zero.backends.watch`) named."""
+    watch = watch_of(group)
+    try:
+        silent = watch.silent() if watch is not None else None
+    except (RuntimeError, DistStoreError):
+        silent = None
+    who = (f"rank {', '.join(map(str, silent))} did not answer" if silent else
+           "the rendezvous store is unreachable too (with env:// or tcp:// it lives on rank 0)" if silent is None
+           else "every rank still answers")
+    return RuntimeError(f"rank {group_rank(group)} (of {group_size(group)}) waited for {what} and the collective "
+                        f"failed; {who}: it has stopped or left the process group ({error})")
 
 
 def check_in(what: str, fields: Mapping[str, int], group: Any, device: torch.device,
@@ -159,7 +168,6 @@ def check_in(what: str, fields: Mapping[str, int], group: Any, device: torch.dev
     """
     rank, size = group_rank(group), group_size(group)
     watch = watch_of(group) if place is not None else None
-    tag = _next_tag(group, what)
     values = [_CALLS[what], *fields.values()]
     rows = torch.tensor([values] * size, dtype=torch.int64, device=device)  # others' rows are overwritten
     work = _ALL_GATHER(rows.view(-1), rows[rank], group=group, async_op=True)
@@ -170,12 +178,7 @@ def check_in(what: str, fields: Mapping[str, int], group: Any, device: torch.dev
         try:
             work.wait()
         except RuntimeError as e:
-            silent = _silent_ranks(group, tag, rank, size)
-            who = (f"rank {', '.join(map(str, silent))} did not answer" if silent else
-                   "the rendezvous store is unreachable too (with env:// or tcp:// it lives on rank 0)"
-                   if silent is None else "every rank answered afterwards")
-            raise RuntimeError(f"rank {rank} (of {size}) waited in {what} for the other ranks and the collective "
-                               f"failed; {who}: it has stopped or left the process group ({e})") from e
+            raise _failed(e, group, f"the other ranks in {what}") from e
         got = rows.tolist()
         column = next((j for j in range(len(values)) if any(row[j] != got[0][j] for row in got)), None)
         if column is None:
@@ -220,32 +223,6 @@ def _first_difference(mine: Facts, theirs: Facts, odd: int) -> str:
 
 
 _CALLS: dict[str, int] = {"step": 1, "add_param_group": 2, "consolidate_state_dict": 3}
-_CHECK_INS: dict[tuple, int] = {}
-
-
-def _next_tag(group: Any, what: str) -> str:
-    """A name for this check-in that every rank of ``group`` computes alike (while they agree)."""
-    ranks = tuple(dist.get_process_group_ranks(group))
-    _CHECK_INS[ranks] = _CHECK_INS.get(ranks, 0) + 1
-    return f"zero/check_in/{'-'.join(map(str, ranks))}/{_CHECK_INS[ranks]}/{what}"
-
-
-def _silent_ranks(group: Any, tag: str, rank: int, size: int, wait_s: float = 2.0) -> list[int] | None:
-    """After a failed check-in: the ranks that do not report to the rendezvous store within
-    ``wait_s`` (the survivors all report), or None when the store cannot be reached either."""
-    try:
-        store = dist.distributed_c10d._get_default_store()  # the store every rank rendezvoused through
-        key = lambda r: f"{tag}/{global_rank(group, r)}"  # noqa: E731
-        store.set(key(rank), "alive")
-        missing, deadline = set(range(size)) - {rank}, time.monotonic() + wait_s
-        while missing and time.monotonic() < deadline:
-            missing = {r for r in missing if not store.check([key(r)])}
-            time.sleep(0.05)
-        return sorted(missing)
-    except (RuntimeError, ValueError, AttributeError, DistStoreError):
-        return None
-
-
 class _TensorSlot:
     """Stands in for a tensor in a pickled skeleton: its position in the flat payload."""
 

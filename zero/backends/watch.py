@@ -75,13 +75,13 @@ class Watch:
         self.ranks = tuple(dist.get_process_group_ranks(group))
         self.rank, self.size = dist.get_rank(group), len(self.ranks)
         self.store, self.prefix = store, f"zero/watch/{'-'.join(map(str, self.ranks))}"
-        self._stop = threading.Event()
         beat_store = store.clone() if hasattr(store, "clone") else store
         threading.Thread(target=self._beat, args=(beat_store,), daemon=True, name="zero-heartbeat").start()
 
     def _beat(self, store: Any) -> None:
         key = f"{self.prefix}/beat/{self.rank}"
-        while not self._stop.wait(HEARTBEAT_S):
+        while True:  # until the store goes away with its process group
+            time.sleep(HEARTBEAT_S)
             try:
                 store.add(key, 1)
             except (RuntimeError, DistStoreError):  # the store went away: the group is being torn down

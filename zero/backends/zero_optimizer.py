@@ -274,9 +274,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def _backward_started(self) -> None:
         done, self._backwards = self._backwards, self._backwards + 1
+        if done <= self._local.steps:  # a step followed the last backward pass: the common case, nothing to check
+            return
         joined = getattr(self, "_join_config", None) is not None and self._join_config.enable
         watch = watch_of(self.process_group)
-        if done > self._local.steps and watch is not None and not joined:  # accumulating, or a step was skipped
+        if watch is not None and not joined:  # accumulating, or a step was skipped
             watch.meet(Place("backward", self._local.steps, self._backwards))
 
     def _check_in(self, what: str, argument: int = 0, argument_facts: Callable[[], list] | None = None):
