@@ -3,13 +3,15 @@
 It takes plans from `zero` and transformations from `zero.functional` and runs collectives.
 Machinery: ``comm`` (collectives), ``sync`` (the param sync), ``local_optimizer``,
 ``state_dict``. Systems: ``zero_optimizer`` (the wiring of plan -> mode -> local optimizer),
-``overlap`` (DDP comm hooks), ``averagers`` and ``post_localsgd``, ``rpc_optimizer``.
+``overlap`` (DDP comm hooks), ``averagers`` and ``post_localsgd``, ``rpc_optimizer``,
+``grad_scaler`` (a loss scale that agrees across ranks); ``masters`` (master weights).
 ``modes/``: one object per way of executing a plan; a new ZeRO mode goes there.
 """
 
 from zero.backends.averagers import HierarchicalModelAverager
 from zero.backends.averagers import PeriodicModelAverager
 from zero.backends.averagers import average_parameters
+from zero.backends.grad_scaler import ShardedGradScaler
 from zero.backends.overlap import hook_with_zero_step
 from zero.backends.overlap import hook_with_zero_step_interleaved
 from zero.backends.post_localsgd import PostLocalSGDOptimizer
@@ -22,6 +24,7 @@ __all__ = [
     "HierarchicalModelAverager",
     "PeriodicModelAverager",
     "PostLocalSGDOptimizer",
+    "ShardedGradScaler",
     "ZeroRedundancyOptimizer",
     "average_parameters",
     "hook_with_zero_step",

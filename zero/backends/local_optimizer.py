@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from zero.backends.masters import MASTER_KEY, Masters, Scaling
 from zero.functional import GradientTransformation, Optimizer, inject_hyperparams, sharding
 from zero.functional.adapters.optimizer import check_not_optax
 
@@ -28,8 +29,10 @@ class LocalStep:
     loaded or has stepped (`pull`). A mode counts a step (`stepped`) once every rank agreed to take it.
     """
 
-    def __init__(self, optim: torch.optim.Optimizer, param_groups: list[dict]):
+    def __init__(self, optim: torch.optim.Optimizer, param_groups: list[dict], masters: Masters | None = None):
         self.optim, self.param_groups, self.steps = optim, param_groups, 0
+        self.masters = masters if masters is not None else Masters(None)
+        self.scaling: Scaling | None = None  # set for the steps a GradScaler drives
         self.pull()
 
     def push(self) -> None:
@@ -44,15 +47,60 @@ class LocalStep:
         self.steps += 1
         self.pull()
 
-    def run(self, rules: sharding.Sharding, closure: Any = None, **kwargs: Any) -> Any:
+    def run(self, rules: sharding.Sharding, closure: Any = None, grads: dict | None = None, **kwargs: Any) -> Any:
         """One step of the local optimizer; ``rules`` answer a `zero.functional` rule's questions
-        about whole tensors (global norms ...), since the local params are pieces of the model."""
-        installed = sharding.installed(rules) if is_functional(self.optim) else contextlib.nullcontext()
-        with installed:
-            if closure is None:
-                return self.optim.step(**kwargs)
+        about whole tensors (global norms ...), since the local params are pieces of the model.
+
+        With masters, the gradients are cast up into them first (after the closure, which makes
+        the gradients), and the stepped masters are rounded into their tensors after. ``grads``:
+        gradients wider than their tensor's dtype, by ``id(tensor)``, for its master."""
+        loss = None
+        if closure is not None and self.masters.dtype is not None:
             with torch.enable_grad():
-                return self.optim.step(closure=closure, **kwargs)
+                loss, closure = closure(), None
+        pairs = self.masters.grads_in(self.optim, grads or {})
+        if not self._finite(rules):
+            self.masters.release(pairs)
+            return loss
+        functional = is_functional(self.optim)
+        installed = sharding.installed(self.masters.rules(rules)) if functional else contextlib.nullcontext()
+        try:
+            with installed:
+                if closure is None:
+                    out = self.optim.step(**kwargs)
+                else:
+                    with torch.enable_grad():
+                        out = self.optim.step(closure=closure, **kwargs)
+        finally:
+            self.masters.release(pairs)
+        self.masters.write_back(pairs)
+        return loss if loss is not None else out
+
+    def _finite(self, rules: sharding.Sharding) -> bool:
+        """Without a loss scale, True; with one, unscale what steps and agree that it is finite."""
+        if self.scaling is None:
+            return True
+        grads = [p.grad for g in self.optim.param_groups for p in g["params"] if p.grad is not None]
+        device = next((p.device for g in self.optim.param_groups for p in g["params"]), torch.device("cpu"))
+        return self.scaling.unscale_and_agree(grads, rules.reduce, device)
+
+    def add_group(self, group: dict, frozen: set[int]) -> None:
+        """A new group for the local optimizer (its tensors get masters as the first ones did)."""
+        self.optim.add_param_group(self.masters.wrap([group], frozen)[0])
+
+    def state_dict(self) -> dict:
+        """The local optimizer's state dict, each master under `MASTER_KEY` of its param's state."""
+        return self.masters.add_to(self.optim.state_dict(), self.optim, always=is_functional(self.optim))
+
+    def load_state_dict(self, local: dict) -> None:
+        """Load a local state dict (masters included) into the local optimizer."""
+        self.optim.load_state_dict(self.masters.take_from(local, self.optim))
+        self.pull()
+
+    def per_element_keys(self) -> set[str] | None:
+        """`per_element_keys` of the local optimizer, the masters included."""
+        keys = per_element_keys(self.optim)
+        return None if keys is None else keys | {MASTER_KEY}
 
 
 def make_local_optimizer(optimizer_class: Any, groups: list[dict], defaults: dict,

@@ -11,6 +11,7 @@ detail the mode's.
 from __future__ import annotations
 
 import logging
+import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -21,7 +22,8 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
 from zero.backends import comm
-from zero.backends.local_optimizer import LocalStep, check_state_keys, make_local_optimizer, per_element_keys
+from zero.backends.local_optimizer import LocalStep, check_state_keys, make_local_optimizer
+from zero.backends.masters import Masters, Scaling, resolve_dtype
 from zero.backends.modes import Mode, make_mode
 from zero.backends.state_dict import check_compatible
 from zero.backends.watch import Place, watch_of
@@ -77,17 +79,31 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             wrap the model in DDP as well: its first forward is then a ``ValueError``.
         sync_chunk_mb: with ``parameters_as_bucket_view=False`` only, the scratch each all-gather
             may use, in MiB (default 16).
+        master_dtype: e.g. ``torch.float32`` with bf16 params: the local optimizer steps master copies
+            in this dtype of what this rank owns (its state in it too), with the gradients cast up,
+            and writes them back rounded, so the all-gather moves 16-bit values (`zero.backends.masters`).
+            A plan given must be made with the same ``master_dtype`` (its bytes count the masters).
+            ``None``: step the params in their own dtype.
+        reduce_dtype: with ``reduce_scatter_grads`` only: accumulate and reduce-scatter the gradients
+            in this dtype (FSDP2's name; e.g. ``torch.float32`` for bf16 params). Default: the params'.
         **defaults: hyperparameters for the local optimizer (``lr=...``).
 
     Attributes: ``plan`` (the `zero.Plan` executed), ``mode`` (the `zero.backends.modes.Mode`
-    executing it), ``optim`` (the local optimizer).
+    executing it), ``optim`` (the local optimizer), ``masters`` (its `zero.backends.masters.Masters`).
+
+    Loss scaling: ``torch.amp.GradScaler`` hands ``step`` its scale and found-inf flag; the step
+    unscales what it steps and skips on every rank together. With ``reduce_scatter_grads`` use
+    `zero.backends.ShardedGradScaler`, whose scale follows that agreed flag.
     """
 
     def __init__(self, params: Iterable, optimizer_class: Any, process_group: Any = None,
                  parameters_as_bucket_view: bool | None = None, overlap_with_ddp: bool = False, *,
                  plan: Plan | None = None, strategy: str | None = None, sync_chunk_mb: float | None = None,
-                 reduce_scatter_grads: bool = False, **defaults: Any):
+                 reduce_scatter_grads: bool = False, master_dtype: torch.dtype | str | None = None,
+                 reduce_dtype: torch.dtype | str | None = None, **defaults: Any):
         _check_plan_arguments(plan, strategy)
+        master_dtype = resolve_dtype(master_dtype, "master_dtype")
+        reduce_dtype = resolve_dtype(reduce_dtype, "reduce_dtype")
         self.process_group = comm.resolve_group(process_group, "ZeroRedundancyOptimizer")
         _check_sync_options(sync_chunk_mb, parameters_as_bucket_view)
         params = _normalise_params(params)
@@ -103,11 +119,14 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._all_params = [p for g in self.param_groups for p in g["params"]]
         self._default_device = self._all_params[0].device
         metas = param_metas(self.param_groups)
-        plan = plan if plan is not None else _default_plan(metas, self.world_size, strategy)
+        plan = plan if plan is not None else _default_plan(metas, self.world_size, strategy, master_dtype)
         check_plan(plan, metas, self.world_size)
+        self.master_dtype = _master_dtype_of(plan, master_dtype)
+        _warn_fp16(metas, self.master_dtype)
         self.mode: Mode = make_mode(self._all_params, metas, plan, self.rank, self.process_group,
                                     len(self.param_groups), optimizer_class=optimizer_class,
                                     overlap_with_ddp=bool(overlap_with_ddp), reduce_scatter_grads=reduce_scatter_grads,
+                                    reduce_dtype=reduce_dtype,
                                     bucket_view=parameters_as_bucket_view,
                                     chunk_bytes=int((sync_chunk_mb or 16) * 2**20))
         self._optimizer_class, self._defaults = optimizer_class, defaults
@@ -135,9 +154,16 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         """The local optimizer: over the params (or flat shards) this rank steps."""
         return self._local.optim
 
+    @property
+    def masters(self) -> Masters:
+        """This rank's master copies (``masters.nbytes()``: what the plan's ``master_bytes`` predicts)."""
+        return self._local.masters
+
     def _make_local(self, groups: list[dict], per_param: bool) -> LocalStep:
-        optim = make_local_optimizer(self._optimizer_class, groups, self._defaults, per_param=per_param)
-        return LocalStep(optim, self.param_groups)
+        masters = Masters(self.master_dtype)
+        optim = make_local_optimizer(self._optimizer_class, masters.wrap(groups, self._frozen()), self._defaults,
+                                     per_param=per_param)
+        return LocalStep(optim, self.param_groups, masters)
 
     def _attach_to_ddp(self, bucket_cap_mb: float, shard_buckets: bool) -> None:
         """For `hook_with_zero_step`: own params by DDP's buckets (planned before the first backward)
@@ -174,20 +200,46 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             raise ValueError(f"strategy {old.strategy!r} moves existing params when a group is added; "
                              "use 'sorted_greedy' or 'greedy' with add_param_group")
         self.mode.extend(plan, self._all_params, metas, len(self.param_groups))
-        self.optim.add_param_group(self.mode.local_groups(self.param_groups)[-1])
+        self._local.add_group(self.mode.local_groups(self.param_groups)[-1], self._frozen())
         self._local.pull()
+
+    # torch.amp.GradScaler hands the step its scale and found-inf flag (``grad_scale``, ``found_inf``)
+    # instead of unscaling the params' grads itself: the step unscales what it steps (the shards'
+    # reduced gradients, the masters') and skips on every rank together.
+    _step_supports_amp_scaling = True
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> float | None:
-        """Step what this rank holds with the local optimizer, then all-gather every updated param."""
+        """Step what this rank holds with the local optimizer, then all-gather every updated param.
+
+        Driven by ``torch.amp.GradScaler.step`` (or `zero.backends.ShardedGradScaler`'s), the
+        gradients are unscaled here and a step with a non-finite gradient on any rank is skipped
+        on every rank (one all-reduce of the flag)."""
         Join.notify_join_context(self)
-        return self.mode.step(self._local, closure, kwargs, self._begin_step)
+        self._local.scaling = self._scaling()
+        try:
+            return self.mode.step(self._local, closure, kwargs, self._begin_step)
+        finally:
+            scaling, self._local.scaling = self._local.scaling, None
+            self.agreed_found_inf = None if scaling is None else scaling.found_inf
+
+    def _scaling(self) -> Scaling | None:
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is None:
+            return None
+        if not self.mode.scaler_sees_grads and not getattr(self, "_sharded_scaler", False):
+            raise ValueError("torch.amp.GradScaler checks each rank's own gradients, but with "
+                             "reduce_scatter_grads=True a rank steps the reduced shards of everyone's: the ranks' "
+                             "loss scales would differ. Use zero.backends.ShardedGradScaler, whose scale follows the "
+                             "step's agreed check")
+        return Scaling(getattr(self, "grad_scale", None), found_inf)
 
     def _begin_step(self) -> Callable[[], None]:
         """What every mode that steps here does first: check the params, start the ranks' check-in,
         hand the groups' settings to the local optimizer. Returns the check-in's ``verify``."""
         if self.mode.trainability_changed():
             self.mode.retrain(param_metas(self.param_groups))
+            self._local.masters.adopt(self.optim, self._frozen())
         self.mode.storage.check()
         verify = self._check_in("step")
         self._local.push()
@@ -212,7 +264,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         comm_rank = check_rank(to, self.world_size, "to")
         self._check_in("consolidate_state_dict", to)()  # a rank that skipped a step fails here, by name
         self._local.push()
-        mine = self.optim.state_dict()
+        mine = self._local.state_dict()
         device = self._comm_device()
         self._consolidated = None
         if self.rank != comm_rank:
@@ -231,15 +283,14 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if self._consolidated is None:
             raise RuntimeError(f"the optimizer state has not been consolidated on rank {self.rank}: call "
                                f"consolidate_state_dict(to={self.rank}) on all ranks before state_dict()")
-        return self.mode.to_global(self._consolidated, self.param_groups, per_element_keys(self.optim))
+        return self.mode.to_global(self._consolidated, self.param_groups, self._local.per_element_keys())
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         """Load a global state dict (ours at any world size, torch's, or a plain optimizer's)."""
         check_compatible(saved, self._all_params, [len(g["params"]) for g in self.param_groups])
         check_state_keys(saved, self.optim)
         # The local optimizer's own load_state_dict places each state tensor where it keeps it.
-        self.optim.load_state_dict(self.mode.to_local(saved, per_element_keys(self.optim)))
-        self._local.pull()
+        self._local.load_state_dict(self.mode.to_local(saved, self._local.per_element_keys()))
 
     # -- Join (uneven inputs) --------------------------------------------------------------------
 
@@ -309,14 +360,39 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         return [(f"param {i} ({name})'s requires_grad", flag)
                 for i, (name, flag) in enumerate(zip(names, self.mode.trainable))]
 
+    def _frozen(self) -> set[int]:
+        return {id(p) for p in self._all_params if not p.requires_grad}
+
     def _comm_device(self) -> torch.device:
         return comm.device_for(self.process_group, self._default_device)
 
 
-def _default_plan(metas: list[ParamMeta], world_size: int, strategy: str | None) -> Plan:
+def _default_plan(metas: list[ParamMeta], world_size: int, strategy: str | None,
+                  master_dtype: torch.dtype | None) -> Plan:
+    master = None if master_dtype is None else str(master_dtype).removeprefix("torch.")
     if strategy == "flat":
-        return make_plan(metas, world_size, "flat", bucket_numel=FLAT_BUCKET_NUMEL)
-    return make_plan(metas, world_size, strategy or "sorted_greedy")
+        return make_plan(metas, world_size, "flat", bucket_numel=FLAT_BUCKET_NUMEL, master_dtype=master)
+    return make_plan(metas, world_size, strategy or "sorted_greedy", master_dtype=master)
+
+
+def _master_dtype_of(plan: Plan, master_dtype: torch.dtype | None) -> torch.dtype | None:
+    """The master dtype the run steps in: the plan's (which counted the masters' bytes); the argument
+    must say the same."""
+    planned = resolve_dtype(plan.master_dtype, "plan.master_dtype")
+    if master_dtype is not None and planned != master_dtype:
+        raise ValueError(f"master_dtype={master_dtype} but the plan was made with master_dtype={plan.master_dtype!r}: "
+                         f"make the plan with zero.make_plan(..., master_dtype={str(master_dtype)[6:]!r}), whose "
+                         "per-rank bytes then count the masters, or drop the argument")
+    return planned
+
+
+def _warn_fp16(metas: list[ParamMeta], master_dtype: torch.dtype | None) -> None:
+    fp16 = [m.name for m in metas if m.requires_grad and m.dtype == "float16"]
+    if fp16:
+        warnings.warn(f"{len(fp16)} trainable params are float16 (first: {fp16[0]}): their gradients overflow "
+                      "without loss scaling, and the step then writes inf/nan silently. Drive step() with "
+                      "torch.amp.GradScaler (zero.backends.ShardedGradScaler with reduce_scatter_grads=True)"
+                      + ("" if master_dtype else ", and consider master_dtype=torch.float32"), stacklevel=3)
 
 
 def _check_plan_arguments(plan: Any, strategy: Any) -> None:

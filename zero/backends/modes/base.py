@@ -33,6 +33,7 @@ class Mode:
     """
 
     storage: ViewWatch  # the params whose storage the mode's sync writes (their storage must not move)
+    scaler_sees_grads = True  # the params' .grad are the gradients stepped, as a GradScaler reads them
 
     def __init__(self, params: Sequence[torch.Tensor], plan: Plan, rank: int, group: Any):
         self.params, self.plan, self.rank, self.group = list(params), plan, rank, group

@@ -42,6 +42,7 @@ class FlatShards(Mode):
                        for f, b in zip(self.flats, layout.buffers)]
         self._grads = [torch.zeros_like(s) for s in self.shards]
         self._pieces = [b.pieces(rank) for b in layout.buffers]
+        self.wide: dict[int, torch.Tensor] = {}  # see take_grads
         self.storage = ViewWatch(self.params, [i for b in layout.buffers for i in b.params])
         self.rules = self._rules(comm.summed(group, self.params[0].device))
 
@@ -76,8 +77,8 @@ class FlatShards(Mode):
             with torch.enable_grad():
                 loss = closure()
         try:
-            self.take_grads()
-            out = local.run(self.rules, **kwargs)
+            self.take_grads(local.masters.dtype)
+            out = local.run(self.rules, grads=self.wide, **kwargs)
         finally:
             self.clear_grads()
         verify()  # before any param moves: ranks that diverged get a ValueError, not mismatched collectives
@@ -85,9 +86,11 @@ class FlatShards(Mode):
         self.sync()
         return loss if loss is not None else out
 
-    def take_grads(self) -> None:
-        """Give each shard its gradient: here, the pieces of the params' gradients that fall in it."""
+    def take_grads(self, master_dtype: torch.dtype | None) -> None:
+        """Give each shard its gradient: here, the pieces of the params' gradients that fall in it.
+        (``self.wide``: gradients kept in a wider dtype than their shard's, for its master.)"""
         self.load_grads()
+        self.wide = {}
 
     def retrain(self, metas: Sequence[ParamMeta]) -> None:
         raise ValueError("params were frozen or unfrozen after building a flat plan's optimizer; a flat "
@@ -123,10 +126,21 @@ class FlatShards(Mode):
                 torch._foreach_copy_([grad[p.offset:p.offset + p.end - p.start] for p in pieces], src)
             shard.grad = grad
 
-    def use_reduced_grads(self, only: int | None = None) -> None:
-        """Step the shards (or shard ``only``) with their reduce-scattered gradients."""
+    def use_reduced_grads(self, master_dtype: torch.dtype | None, only: int | None = None) -> dict[int, torch.Tensor]:
+        """Step the shards (or shard ``only``) with their reduce-scattered gradients. A gradient in
+        another dtype than its shard's (``reduce_dtype``) goes to the shard's master as it is when
+        it has the master's dtype (returned, by ``id(shard)``), else is cast to the shard's."""
+        wide = {}
         for k, (shard, grad) in enumerate(zip(self.shards, self._grads)):
-            shard.grad = grad if only is None or k == only else None
+            if only is not None and k != only:
+                shard.grad = None
+            elif grad.dtype == shard.dtype:
+                shard.grad = grad
+            elif grad.dtype == master_dtype:
+                shard.grad, wide[id(shard)] = None, grad
+            else:
+                shard.grad = grad.to(shard.dtype)
+        return wide
 
     @property
     def grads(self) -> list[torch.Tensor]:

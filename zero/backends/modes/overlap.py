@@ -61,6 +61,9 @@ class DDPOverlap(WholeParams):
         if self.local is None:
             raise RuntimeError("overlap_with_ddp=True: register zero.backends.hook_with_zero_step(hook, ddp, "
                                "optimizer) on the DDP model before training; the step then runs inside backward")
+        if local.scaling is not None:
+            raise ValueError("overlap_with_ddp=True steps inside backward, before a GradScaler can check the "
+                             "gradients: use overlap_with_ddp=False with a loss scale (bf16 needs none)")
         if closure is None:
             return None
         with torch.enable_grad():

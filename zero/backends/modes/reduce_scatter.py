@@ -72,7 +72,7 @@ class GradShards:
             for flat in self.buffers:
                 flat.zero_()
         for i, (_, view) in self._views.items():
-            self.params[i].grad = view
+            self.params[i].grad = view if view.dtype == self.params[i].dtype else None
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -86,7 +86,11 @@ class GradShards:
     def _ready(self, param: torch.Tensor) -> None:
         i = self._index[id(param)]
         bi, view = self._views[i]
-        if param.grad is not view:  # zero_grad(set_to_none=True) ran: backward made a fresh grad
+        if view.dtype != param.dtype:  # reduce_dtype: accumulate in the buffer's dtype, free the param's
+            with torch.no_grad():
+                view.add_(param.grad)
+            param.grad = None
+        elif param.grad is not view:  # zero_grad(set_to_none=True) ran: backward made a fresh grad
             with torch.no_grad():
                 view.copy_(param.grad)
             param.grad = view
@@ -150,9 +154,13 @@ class ReduceScatteredShards(FlatShards):
     buffer by buffer with the all-gathers.
     """
 
+    scaler_sees_grads = False  # a rank holds only its shards' reduced gradients
+
     def __init__(self, params: Sequence[torch.Tensor], metas: Sequence[ParamMeta], plan: Plan, rank: int,
-                 group: Any):
+                 group: Any, reduce_dtype: torch.dtype | None = None):
         super().__init__(params, metas, plan, rank, group)
+        if reduce_dtype is not None:  # the shards' gradients, and the buffers reduced into them, in it
+            self._grads = [torch.zeros_like(g, dtype=reduce_dtype) for g in self._grads]
         with torch.no_grad():  # start from rank 0's params, as DDP does
             for flat in self.flats:
                 comm.broadcast_from(flat, 0, group)
@@ -165,16 +173,16 @@ class ReduceScatteredShards(FlatShards):
         weakref.finalize(self, self._ddp_watch.remove)  # an optimizer dropped before stepping leaves no hook
 
     def step(self, local: LocalStep, closure: Callable[[], float] | None, kwargs: dict, begin: Begin) -> Any:
-        if is_functional(local.optim) or closure is not None or kwargs:
+        if is_functional(local.optim) or closure is not None or kwargs or local.scaling is not None:
             return super().step(local, closure, kwargs, begin)
         self._step_pipelined(local, begin())
         return None
 
-    def take_grads(self) -> None:
+    def take_grads(self, master_dtype: torch.dtype | None) -> None:
         """Give each shard its gradient: its reduce-scattered mean (started during backward)."""
         self._ddp_watch.remove()
         self.grad_shards.finish(self.layout.world_size)
-        self.use_reduced_grads()
+        self.wide = self.use_reduced_grads(master_dtype)
 
     def _step_pipelined(self, local: LocalStep, verify: Callable[[], None]) -> None:
         """Reduce-scattered gradients with an element-wise torch rule: buffer by buffer, wait for
@@ -186,8 +194,7 @@ class ReduceScatteredShards(FlatShards):
             shards.start_rest()
             for k in range(len(self.shards)):
                 shards.wait(k, self.layout.world_size)
-                self.use_reduced_grads(only=k)
-                local.optim.step()
+                local.run(self.rules, grads=self.use_reduced_grads(local.masters.dtype, only=k))
                 if k == 0:
                     verify()
                 works += self.start_sync(k)
