@@ -11,7 +11,7 @@ import contextlib
 
 import torch
 import torch.distributed as dist
-from plan_workers import RULES, groups_of, make_model
+from plan_workers import RULES, fixed_grads, groups_of, make_model
 from torch import nn
 from zero_workers import ddp_grads, set_grads
 
@@ -93,41 +93,13 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
-def fixed_grads(params: list[torch.Tensor], step: int) -> list:
-    """The same gradients at every world size (so legs at different sizes can be compared)."""
-    gen = torch.Generator().manual_seed(step)
-    return [torch.randn(p.shape, generator=gen).to(p.dtype) if p.requires_grad else None for p in params]
-
-
-def reshard_leg(rank: int, world_size: int, strategy: str, load_from: str | None, save_to: str,
-                start: int, steps: int) -> dict:
-    """bf16 params with fp32 masters: train from ``start`` under ``strategy``, resuming from
-    ``load_from`` (model and optimizer, masters inside); save the global state."""
-    model = make_model(dtype=BF16)
-    if load_from:
-        saved = torch.load(load_from, weights_only=True)
-        model.load_state_dict(saved["model"])
-    groups = groups_of(model, False)
-    opt = Zero(groups, torch.optim.AdamW, strategy=strategy, master_dtype=torch.float32, lr=1e-2, weight_decay=0.1)
-    if load_from:
-        opt.load_state_dict(saved["optim"])
-    for step in range(start, start + steps):
-        set_grads(model, fixed_grads(list(model.parameters()), step))
-        opt.step()
-    opt.consolidate_state_dict(to=0)
-    if rank == 0:
-        torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, save_to)
-    dist.barrier()
-    return {"params": [p.detach().float().numpy().copy() for p in model.parameters()]}
-
-
 def single_process(steps: int) -> list[torch.Tensor]:
     model = make_model(dtype=BF16)
     ref = MasterReference(groups_of(model, False), make_rule("adamw"))
     for step in range(steps):
         set_grads(model, fixed_grads(list(model.parameters()), step))
         ref.step()
-    return [p.detach().float() for p in model.parameters()]
+    return [p.detach().double() for p in model.parameters()]
 
 
 def _batch(step: int, rank: int, micro: int) -> torch.Tensor:

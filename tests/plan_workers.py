@@ -155,14 +155,16 @@ def different_plans(rank: int, world_size: int) -> dict:
 
 
 def reshard_leg(rank: int, world_size: int, strategy: str, load_from: str | None, save_to: str,
-                start: int, steps: int) -> dict:
-    """Train ``steps`` steps from ``start`` under ``strategy``, resuming from ``load_from``; save the global state."""
-    model = make_model()
+                start: int, steps: int, masters: bool = False) -> dict:
+    """Train ``steps`` steps from ``start`` under ``strategy``, resuming from ``load_from``; save the
+    global state. ``masters``: bf16 params stepped on fp32 masters (which travel in the state)."""
+    model = make_model(dtype=torch.bfloat16) if masters else make_model()
     if load_from:
         saved = torch.load(load_from, weights_only=True)
         model.load_state_dict(saved["model"])
     groups = groups_of(model, False)
-    opt = Zero(groups, torch.optim.AdamW, strategy=strategy, lr=1e-2, weight_decay=0.1)
+    opt = Zero(groups, torch.optim.AdamW, strategy=strategy, master_dtype=torch.float32 if masters else None,
+               lr=1e-2, weight_decay=0.1)
     if load_from:
         opt.load_state_dict(saved["optim"])
     for step in range(start, start + steps):
@@ -175,7 +177,7 @@ def reshard_leg(rank: int, world_size: int, strategy: str, load_from: str | None
         plain.load_state_dict(state)  # the plain torch format, loadable by torch's own class
         torch.save({"model": model.state_dict(), "optim": state}, save_to)
     dist.barrier()
-    return {"params": [p.detach().numpy().copy() for p in model.parameters()]}
+    return {"params": [p.detach().double().numpy().copy() for p in model.parameters()]}
 
 
 def fixed_grads(params: list[torch.Tensor], step: int) -> list:

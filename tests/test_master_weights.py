@@ -8,11 +8,13 @@ import warnings
 
 import master_workers as w
 import numpy as np
+import plan_workers as pw
 import pytest
 import torch
 from distributed import run_ranks
 
 import zero
+from zero.backends import ShardedGradScaler
 from zero.backends import ZeroRedundancyOptimizer as Zero
 from zero.backends.masters import MASTER_KEY
 
@@ -56,10 +58,10 @@ def test_masters_reshard_flat_2_to_whole_3_and_continue_bit_identically(tmp_path
     """Masters travel in the global state dict (under MASTER_KEY) and resume at another world
     size and plan as if never interrupted."""
     first, second = str(tmp_path / "a.pt"), str(tmp_path / "b.pt")
-    run_ranks(w.reshard_leg, 2, "flat", None, first, 0, 4, timeout=120)
+    run_ranks(pw.reshard_leg, 2, "flat", None, first, 0, 4, True, timeout=120)
     saved = torch.load(first, weights_only=True)["optim"]["state"]
     assert all(MASTER_KEY in st and st[MASTER_KEY].dtype == torch.float32 for st in saved.values())
-    results = run_ranks(w.reshard_leg, 3, "sorted_greedy", first, second, 4, 4, timeout=120)
+    results = run_ranks(pw.reshard_leg, 3, "sorted_greedy", first, second, 4, 4, True, timeout=120)
     expected = w.single_process(8)
     for r in results:
         for got, want in zip(r["params"], expected):
@@ -194,3 +196,21 @@ def test_fp16_params_warn_at_construction(one_rank):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         Zero(_bf16_model().parameters(), torch.optim.AdamW, master_dtype=torch.float32)
+
+
+def test_sharded_scaler_refuses_unscale_under_reduce_scatter(one_rank):
+    """unscale_ + clip_grad_norm_ would act on a rank's unreduced gradients: refused, naming the fix;
+    a plain scaler after a ShardedGradScaler step is refused again (the permission is per step)."""
+    model = _bf16_model()
+    opt = Zero(model.parameters(), torch.optim.AdamW, strategy="flat", reduce_scatter_grads=True,
+               master_dtype=torch.float32, lr=1e-2)
+    sharded, plain = ShardedGradScaler("cpu"), torch.amp.GradScaler("cpu")
+    sharded.scale(model(torch.randn(2, 8).to(torch.bfloat16)).float().sum()).backward()
+    with pytest.raises(ValueError, match="clip_by_global_norm"):
+        sharded.unscale_(opt)
+    sharded.step(opt)
+    sharded.update()
+    opt.zero_grad()
+    plain.scale(model(torch.randn(2, 8).to(torch.bfloat16)).float().sum()).backward()
+    with pytest.raises(ValueError, match="ShardedGradScaler"):
+        plain.step(opt)

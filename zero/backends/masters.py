@@ -52,7 +52,7 @@ class Masters:
     def __init__(self, dtype: torch.dtype | None):
         self.dtype = dtype
         self._pairs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(master) -> (master, its tensor)
-        self._rules: tuple[int, int, sharding.Sharding] | None = None
+        self._rules: tuple[sharding.Sharding, int, sharding.Sharding] | None = None  # (given, masters, keyed)
 
     def wrap(self, groups: list[dict], frozen: set[int]) -> list[dict]:
         """The groups with each tensor replaced by its master (made here, from the tensor's values),
@@ -109,11 +109,12 @@ class Masters:
         master dtype: a global norm is then the one the masters' gradients have."""
         if not self._pairs:
             return rules
-        if self._rules is None or self._rules[:2] != (id(rules), len(self._pairs)):
+        # Held by reference, not id: a mode's rules rebuilt after retrain could reuse a freed id.
+        if self._rules is None or self._rules[0] is not rules or self._rules[1] != len(self._pairs):
             pieces = dict(rules.pieces)
             pieces.update({k: rules.pieces[id(s)] for k, (_, s) in self._pairs.items() if id(s) in rules.pieces})
             dtypes = tuple(torch.promote_types(d, self.dtype) for d in rules.dtypes)
-            self._rules = (id(rules), len(self._pairs), dataclasses.replace(rules, pieces=pieces, dtypes=dtypes))
+            self._rules = (rules, len(self._pairs), dataclasses.replace(rules, pieces=pieces, dtypes=dtypes))
         return self._rules[2]
 
     def nbytes(self) -> int:

@@ -222,6 +222,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         finally:
             scaling, self._local.scaling = self._local.scaling, None
             self.agreed_found_inf = None if scaling is None else scaling.found_inf
+            self._sharded_scaler = False  # set by ShardedGradScaler for its own step only
 
     def _scaling(self) -> Scaling | None:
         found_inf = getattr(self, "found_inf", None)
