@@ -18,7 +18,7 @@ from zero.functional import GradientTransformation, Optimizer, inject_hyperparam
 from zero.functional.adapters.optimizer import check_not_optax
 
 __all__ = ["LocalStep", "make_local_optimizer", "local_groups", "copy_hyperparams", "is_functional", "check_state_keys",
-           "per_element_keys", "check_shardable"]
+           "per_element_keys", "check_shardable", "initial_state"]
 
 
 class LocalStep:
@@ -173,6 +173,27 @@ def check_state_keys(saved: dict, optim: torch.optim.Optimizer) -> None:
                 raise ValueError(f"state_dict's state for param {i} has {sorted(keys)} but {name} keeps "
                                  f"{sorted(expected[k])} (missing {sorted(missing)}): it was saved by another "
                                  f"optimizer, {_saved_by(group)} judging by its settings, not by {name}")
+
+
+@torch.no_grad()
+def initial_state(optim: torch.optim.Optimizer, which: set[int]) -> None:
+    """Give the params of a ``torch.optim`` optimizer at positions ``which`` (across its groups)
+    that have no state yet the state they would start from: zeros shaped like the param where the
+    class keeps per-element tensors, zero ``step`` (the keys found as `check_state_keys` finds
+    them). Loading fills it in place."""
+    j = -1
+    for group in optim.param_groups:
+        probed = None
+        for p in group["params"]:
+            j += 1
+            if j not in which or optim.state.get(p):
+                continue
+            probed = probed if probed is not None else _probe(type(optim), group)
+            if probed is None:
+                raise ValueError(f"cannot tell which state {type(optim).__name__} keeps with these settings "
+                                 "(stepping a CPU copy of it failed), so its state cannot be made to load into")
+            optim.state[p] = {k: (torch.zeros_like(p) if v.shape == (2,) else torch.zeros_like(v))
+                              if isinstance(v, torch.Tensor) else v for k, v in probed.items()}
 
 
 def per_element_keys(optim: torch.optim.Optimizer) -> set[str] | None:

@@ -41,6 +41,11 @@ def _parser() -> argparse.ArgumentParser:
     out.add_argument("--compare", action="store_true", help="every strategy side by side (prints only)")
     out.add_argument("--json", type=Path, help="save the plan as JSON here")
     p.add_argument("--rows", type=int, default=16, help="ranks (and, with --diff, transfers) shown in the tables")
+    c = sub.add_parser("checkpoint", help="look into a sharded checkpoint (torch.distributed.checkpoint's format)")
+    c.add_argument("action", choices=("show",), help="show: each saved tensor, its shape, dtype, bytes and chunks")
+    c.add_argument("path", type=Path, help="the checkpoint's directory")
+    c.add_argument("--json", action="store_true", help="print JSON (for scripts) instead of a table")
+    c.add_argument("--rows", type=int, default=40, help="tensors shown in the table")
     sub.add_parser("demo", help="the ZeRO tutorial on 2 gloo ranks: ZeRO vs plain Adam (see zero demo -h)",
                    add_help=False)
     sub.add_parser("bench", help="run the benchmark scripts of a source checkout (see zero bench -h)",
@@ -106,6 +111,32 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _checkpoint(args: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    from zero.backends.checkpoint import describe  # torch loads only here
+    from zero.plans.render import render
+
+    rows = describe(args.path)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    tensors = [r for r in rows if r["kind"] == "tensor"]
+    table = Table(title=f"{args.path}: {len(tensors)} tensors, {sum(r['bytes'] for r in tensors) / 2**20:.2f} MiB, "
+                        f"{len(rows) - len(tensors)} other entries")
+    for col in ("key", "shape", "dtype", "bytes", "chunks", "complete"):
+        table.add_column(col, justify="left" if col in ("key", "chunks") else "right")
+    for r in tensors[:args.rows]:
+        chunks = ", ".join(f"{tuple(c['offsets'])}+{tuple(c['sizes'])} in {c['file']}" for c in r["chunks"][:3])
+        more = f" (+{len(r['chunks']) - 3})" if len(r["chunks"]) > 3 else ""
+        table.add_row(r["key"], str(tuple(r["shape"])), r["dtype"], str(r["bytes"]),
+                      f"{len(r['chunks'])}: {chunks}{more}", "yes" if r["complete"] else "NO")
+    print(render(table))
+    if len(tensors) > args.rows:
+        print(f"... {len(tensors) - args.rows} more tensors (--rows, or --json for all)")
+    return 0
+
+
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -138,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     args = _parser().parse_args(argv)
     try:
-        return {"plan": _plan}[args.command](args)
+        return {"plan": _plan, "checkpoint": _checkpoint}[args.command](args)
     except (ValueError, TypeError, OSError) as e:
         print(f"zero {args.command}: error: {e}", file=sys.stderr)
         return 2

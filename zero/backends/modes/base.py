@@ -11,6 +11,7 @@ from torch.distributed.algorithms.join import JoinHook
 
 from zero.backends.local_optimizer import LocalStep
 from zero.backends.sync import ViewWatch
+from zero.plans.chunks import Held
 from zero.plans.meta import ParamMeta
 from zero.plans.plan import Plan
 
@@ -53,6 +54,14 @@ class Mode:
 
     def to_local(self, saved: dict, per_element: set[str] | None) -> dict:
         """This rank's local state dict, cut out of a global one."""
+        raise NotImplementedError
+
+    def holdings(self) -> tuple[Held, ...]:
+        """What this rank's local optimizer holds of each param (`zero.plans.chunks.Held`)."""
+        raise NotImplementedError
+
+    def chunks(self, index: int) -> tuple[tuple[int, int, int], ...]:
+        """Every rank's ``(rank, start, end)`` elements of param ``index``'s state."""
         raise NotImplementedError
 
     def trainability_changed(self) -> bool:

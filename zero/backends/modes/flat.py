@@ -22,6 +22,7 @@ from zero.backends.modes.base import Begin, Mode
 from zero.backends.state_dict import assemble, local_dict
 from zero.backends.sync import ViewWatch
 from zero.functional.sharding import Pieces, Sharding
+from zero.plans.chunks import Held, held_by, param_chunks
 from zero.plans.layout import FlatBuffer, FlatLayout
 from zero.plans.meta import ParamMeta
 from zero.plans.plan import Plan
@@ -100,6 +101,13 @@ class FlatShards(Mode):
     def check_extendable(self) -> None:
         raise ValueError("add_param_group cannot extend a flat plan (its buffers would be packed again): "
                          "build the optimizer with every group, or use a whole-param plan")
+
+    def holdings(self) -> tuple[Held, ...]:
+        order = local_buffer_order(self.layout, 1 + max((b.group for b in self.layout.buffers), default=-1))
+        return held_by(self.rank, None, self.layout, order, [p.numel() for p in self.params])
+
+    def chunks(self, index: int) -> tuple[tuple[int, int, int], ...]:
+        return param_chunks(index, self.params[index].numel(), None, self.layout)
 
     def to_global(self, shards: Sequence[dict], param_groups: list[dict], per_element: set[str] | None) -> dict:
         return flat_to_global(shards, self.plan, param_groups, per_element)

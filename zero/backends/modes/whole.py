@@ -15,10 +15,11 @@ from zero.backends.modes.base import Begin, Mode
 from zero.backends.state_dict import to_global, to_local
 from zero.backends.sync import ParamSync
 from zero.functional import sharding
+from zero.plans.chunks import Held, held_by, param_chunks
 from zero.plans.layout import bucket_views
 from zero.plans.meta import ParamMeta
 from zero.plans.plan import Plan
-from zero.plans.shards import local_indices
+from zero.plans.shards import local_indices, local_order
 
 __all__ = ["WholeParams"]
 
@@ -73,6 +74,12 @@ class WholeParams(Mode):
     def extend(self, plan: Plan, params: Sequence[torch.Tensor], metas: Sequence[ParamMeta], n_groups: int) -> None:
         self.plan, self.params, self.n_groups = plan, list(params), n_groups
         self._build(metas)
+
+    def holdings(self) -> tuple[Held, ...]:
+        return held_by(self.rank, local_order(self.indices[self.rank]), None, None, [p.numel() for p in self.params])
+
+    def chunks(self, index: int) -> tuple[tuple[int, int, int], ...]:
+        return param_chunks(index, self.params[index].numel(), self.plan.partition, None)
 
     def to_global(self, shards: Sequence[dict], param_groups: list[dict], per_element: set[str] | None) -> dict:
         return to_global(shards, self.indices, param_groups, self.plan.partition.owner)

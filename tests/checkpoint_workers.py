@@ -1,0 +1,181 @@
+"""Per-rank bodies of the sharded-checkpoint tests (`zero.backends.checkpoint`)."""
+
+from __future__ import annotations
+
+import torch
+from plan_workers import fixed_grads, groups_of, make_model
+from zero_workers import set_grads
+
+from zero.backends import ZeroRedundancyOptimizer as Zero
+from zero.backends import checkpoint
+
+
+def build(strategy: str, masters: bool):
+    model = make_model(dtype=torch.bfloat16) if masters else make_model()
+    opt = Zero(groups_of(model, False), torch.optim.AdamW, strategy=strategy,
+               master_dtype=torch.float32 if masters else None, lr=1e-2, weight_decay=0.1)
+    return model, opt
+
+
+def train(model, opt, start: int, steps: int) -> None:
+    for step in range(start, start + steps):
+        set_grads(model, fixed_grads(list(model.parameters()), step))
+        opt.step()
+
+
+def dcp_leg(rank: int, world_size: int, strategy: str, load_from: str | None, save_to: str | None,
+            start: int, steps: int, masters: bool = False) -> dict:
+    """Train ``steps`` steps from ``start`` under ``strategy``, resuming from the sharded checkpoint
+    ``load_from``; save a sharded checkpoint to ``save_to``."""
+    model, opt = build(strategy, masters)
+    if load_from:
+        checkpoint.load(load_from, model, opt)
+    train(model, opt, start, steps)
+    if save_to:
+        checkpoint.save(save_to, model, opt)
+    state = sum(v.nbytes for st in opt.optim.state.values() for v in st.values() if isinstance(v, torch.Tensor))
+    return {"params": [p.detach().double().numpy().copy() for p in model.parameters()], "state_bytes": state}
+
+
+def fsdp2_model(model):
+    """``model`` (fp64, `make_model`) with every Linear and the root under FSDP2's ``fully_shard``."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model:
+        fully_shard(layer)
+    return fully_shard(model)
+
+
+def fsdp2_leg(rank: int, world_size: int, load_from: str | None, save_to: str | None, start: int,
+              steps: int) -> dict:
+    """As `dcp_leg`, but the model under FSDP2 and torch's own state-dict functions: the path a user
+    of FSDP2 takes with a checkpoint `zero` wrote (or the one `zero` reads back)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model = fsdp2_model(make_model())
+    opt = torch.optim.AdamW(groups_of(model, False), lr=1e-2, weight_decay=0.1)
+    if load_from:
+        model_sd, optim_sd = get_state_dict(model, opt)
+        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=load_from)
+        set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    for step in range(start, start + steps):
+        grads = fixed_grads([p.full_tensor() for p in model.parameters()], step)
+        for p, g in zip(model.parameters(), grads):
+            p.grad = None if g is None else torch.distributed.tensor.distribute_tensor(g, p.device_mesh, p.placements)
+        opt.step()
+    if save_to:
+        model_sd, optim_sd = get_state_dict(model, opt)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=save_to)
+    return {"params": [p.full_tensor().detach().double().numpy().copy() for p in model.parameters()]}
+
+
+def plain_leg(checkpoint_file: str, start: int, steps: int) -> list[torch.Tensor]:
+    """One process, plain ``torch.optim.AdamW``, resuming from ``dcp_to_torch_save``'s file through
+    torch's own ``set_state_dict`` (which maps the FQN-keyed state onto the params)."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    saved = torch.load(checkpoint_file, weights_only=True)
+    model = make_model()
+    opt = torch.optim.AdamW(groups_of(model, False), lr=1e-2, weight_decay=0.1)
+    set_state_dict(model, opt, model_state_dict=saved["model"], optim_state_dict=saved["optim"])
+    train(model, opt, start, steps)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def held_views(rank: int, world_size: int, strategy: str) -> dict:
+    """What `get_state_dict` hands DCP on this rank: bytes, and whether each is a view of the
+    optimizer's own state (nothing copied), against the plan's count for this rank."""
+    model, opt = build(strategy, True)
+    train(model, opt, 0, 2)
+    own = {v.untyped_storage().data_ptr() for st in opt.optim.state.values() for v in st.values()
+           if isinstance(v, torch.Tensor) and v.dim() > 0}
+    own |= {m.untyped_storage().data_ptr() for g in opt.optim.param_groups for m in g["params"]}
+    _, optim_sd = checkpoint.get_state_dict(model, opt)
+    pieces, scalars = [], {}
+    for st in optim_sd["state"].values():
+        for value in st.values():
+            if hasattr(value, "local_shards"):
+                pieces += [s.tensor for s in value.local_shards()]
+            elif value.dim() > 0:
+                pieces.append(value)
+            else:  # ``step``: a flat shard's one tensor stands for each param piece in it
+                scalars[id(value)] = value.nbytes
+    cost, flat = opt.plan.ranks[rank], opt.plan.flat
+    # the plan counts a flat shard's padding (state exists for it); a checkpoint does not save it
+    padding = 0 if flat is None else sum(b.shard_numel - sum(p.end - p.start for p in b.pieces(rank))
+                                         for b in flat.buffers)
+    per_element = 4 * 3  # fp32 master, exp_avg, exp_avg_sq
+    planned = cost.state_bytes + cost.master_bytes - padding * per_element
+    return {"bytes": sum(t.nbytes for t in pieces) + sum(scalars.values()), "planned": planned,
+            "copies": sum(t.untyped_storage().data_ptr() not in own for t in pieces)}
+
+
+def killed_save(rank: int, world_size: int, load_from: str, save_to: str) -> str:
+    """Resume from ``load_from``, take a step, and save to ``save_to`` while rank 1 dies writing."""
+    import os
+
+    import torch.distributed.checkpoint as dcp
+
+    model, opt = build("flat", False)
+    checkpoint.load(load_from, model, opt)
+    train(model, opt, 4, 1)
+
+    class Dying(dcp.FileSystemWriter):
+        def write_data(self, plan, planner):
+            if rank == 1:
+                os._exit(1)
+            return super().write_data(plan, planner)
+
+    model_sd, optim_sd = checkpoint.get_state_dict(model, opt)
+    try:
+        dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=Dying(save_to))
+    except Exception as e:  # the survivor learns of it from the collective after the writes
+        return type(e).__name__
+    return "saved"
+
+
+def _batch(step: int) -> torch.Tensor:
+    """Every rank's batch at ``step`` is the same: averaged over 2 or 4 ranks, the gradient is
+    exactly one process's, so legs at different world sizes chain to one process's numbers."""
+    return torch.randn(6, 7, generator=torch.Generator().manual_seed(step), dtype=torch.float64)
+
+
+def mode_leg(rank: int, world_size: int, mode: str, load_from: str | None, save_to: str | None,
+             start: int, steps: int) -> dict:
+    """Train with backward passes in ``mode`` ("reduce_scatter": flat, gradients reduce-scattered,
+    no DDP; "overlap": DDP with the step in its comm hook), resuming from and saving to sharded
+    checkpoints."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from zero.backends import hook_with_zero_step
+
+    model = make_model()
+    if mode == "reduce_scatter":
+        opt = Zero(groups_of(model, False), torch.optim.AdamW, strategy="flat", reduce_scatter_grads=True,
+                   lr=1e-2, weight_decay=0.1)
+        forward = model
+    else:
+        forward = DDP(model, bucket_cap_mb=0.004)
+        opt = Zero(groups_of(model, False), torch.optim.AdamW, overlap_with_ddp=True, lr=1e-2, weight_decay=0.1)
+        forward.register_comm_hook(None, hook_with_zero_step(allreduce_hook, forward, opt))
+    if load_from:
+        checkpoint.load(load_from, model, opt)
+    for step in range(start, start + steps):
+        forward(_batch(step)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    if save_to:
+        checkpoint.save(save_to, model, opt)
+    return {"params": [p.detach().double().numpy().copy() for p in model.parameters()]}
+
+
+def single_process_batches(steps: int) -> list[torch.Tensor]:
+    model = make_model()
+    opt = torch.optim.AdamW(groups_of(model, False), lr=1e-2, weight_decay=0.1)
+    for step in range(steps):
+        model(_batch(step)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
