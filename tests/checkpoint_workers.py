@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import torch
-from plan_workers import fixed_grads, groups_of, make_model
+from plan_workers import RULES, fixed_grads, groups_of, make_model, reference
 from zero_workers import set_grads
 
 from zero.backends import ZeroRedundancyOptimizer as Zero
 from zero.backends import checkpoint
 
 
-def build(strategy: str, masters: bool):
+def build(strategy: str, masters: bool, rule: str = "adamw"):
+    """``rule``: a name in `plan_workers.RULES` (torch classes and zero.functional chains)."""
     model = make_model(dtype=torch.bfloat16) if masters else make_model()
-    opt = Zero(groups_of(model, False), torch.optim.AdamW, strategy=strategy,
-               master_dtype=torch.float32 if masters else None, lr=1e-2, weight_decay=0.1)
+    optimizer_class, kwargs, _ = RULES[rule]
+    opt = Zero(groups_of(model, not isinstance(optimizer_class, type)), optimizer_class, strategy=strategy,
+               master_dtype=torch.float32 if masters else None, **kwargs)
     return model, opt
 
 
@@ -24,10 +26,10 @@ def train(model, opt, start: int, steps: int) -> None:
 
 
 def dcp_leg(rank: int, world_size: int, strategy: str, load_from: str | None, save_to: str | None,
-            start: int, steps: int, masters: bool = False) -> dict:
+            start: int, steps: int, masters: bool = False, rule: str = "adamw") -> dict:
     """Train ``steps`` steps from ``start`` under ``strategy``, resuming from the sharded checkpoint
     ``load_from``; save a sharded checkpoint to ``save_to``."""
-    model, opt = build(strategy, masters)
+    model, opt = build(strategy, masters, rule)
     if load_from:
         checkpoint.load(load_from, model, opt)
     train(model, opt, start, steps)
@@ -178,4 +180,12 @@ def single_process_batches(steps: int) -> list[torch.Tensor]:
         model(_batch(step)).square().mean().backward()
         opt.step()
         opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def one_process(rule: str, steps: int) -> list[torch.Tensor]:
+    """``rule`` over all params in one process, on `dcp_leg`'s gradients."""
+    model = make_model()
+    opt = reference(rule, groups_of(model, not isinstance(RULES[rule][0], type)))
+    train(model, opt, 0, steps)
     return [p.detach().clone() for p in model.parameters()]

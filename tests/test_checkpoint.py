@@ -34,13 +34,15 @@ def test_a_checkpoint_resumes_at_other_world_sizes_and_plans_to_the_bit(tmp_path
     _equal(_params(rows), pw.single_process(12))
 
 
-def test_master_weights_travel_in_the_checkpoint(tmp_path):
+@pytest.mark.parametrize("rule", ["adamw", "lamb"])
+def test_master_weights_travel_in_the_checkpoint(tmp_path, rule):
     """bf16 params on fp32 masters: had the masters restarted from the bf16 params on load, the
-    run would drift from the uninterrupted one."""
-    run_ranks(cw.dcp_leg, 3, "flat", None, str(tmp_path / "a"), 0, 4, True, timeout=120)
-    resumed = run_ranks(cw.dcp_leg, 2, "sorted_greedy", str(tmp_path / "a"), None, 4, 4, True, timeout=120)
-    whole = run_ranks(cw.dcp_leg, 2, "flat", None, None, 0, 8, True, timeout=120)
+    run would drift from the uninterrupted one (a torch class; a zero.functional rule)."""
+    run_ranks(cw.dcp_leg, 3, "flat", None, str(tmp_path / "a"), 0, 4, True, rule, timeout=120)
+    resumed = run_ranks(cw.dcp_leg, 2, "sorted_greedy", str(tmp_path / "a"), None, 4, 4, True, rule, timeout=120)
+    whole = run_ranks(cw.dcp_leg, 2, "flat", None, None, 0, 8, True, rule, timeout=120)
     _equal(_params(resumed), _params(whole))
+    assert any(k.endswith(".master") for k in checkpoint_keys(tmp_path / "a"))
 
 
 def test_fsdp2_loads_zero_checkpoints_and_zero_loads_fsdp2s(tmp_path):
@@ -84,7 +86,8 @@ def _one_rank_run(tmp_path, model=None, optimizer_class=torch.optim.AdamW, **kw)
     from zero.backends import ZeroRedundancyOptimizer as Zero
 
     model = model if model is not None else pw.make_model()
-    opt = Zero(model.parameters(), optimizer_class, lr=1e-2, **kw)
+    kw = {"lr": 1e-2, **kw} if isinstance(optimizer_class, type) else kw
+    opt = Zero(model.parameters(), optimizer_class, **kw)
     cw.set_grads(model, pw.fixed_grads(list(model.parameters()), 0))
     opt.step()
     return model, opt
@@ -183,3 +186,46 @@ def test_reduce_scattered_and_overlapped_runs_save_and_resume(tmp_path):
     rows = run_ranks(cw.mode_leg, 2, "reduce_scatter", str(tmp_path / "b"), None, 6, 3, timeout=120)
     for got, want in zip(_params(rows), cw.single_process_batches(9)):
         np.testing.assert_allclose(got, want.numpy(), rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("rule", ["clip_adamw", "lamb"])
+def test_functional_rules_checkpoint_their_optax_shaped_state_by_fqn(tmp_path, rule):
+    """zero.functional chains (global-norm clipping; LAMB's per-param trust ratio) through
+    flat@2 -> whole@3 -> flat@4 against one process (the sharded norms sum in another order)."""
+    run_ranks(cw.dcp_leg, 2, "flat", None, str(tmp_path / "a"), 0, 4, False, rule, timeout=120)
+    rows = run_ranks(cw.dcp_leg, 3, "sorted_greedy", str(tmp_path / "a"), str(tmp_path / "b"), 4, 4, False, rule,
+                     timeout=120)
+    rows = run_ranks(cw.dcp_leg, 4, "flat", str(tmp_path / "b"), None, 8, 4, False, rule, timeout=120)
+    for got, want in zip(_params(rows), cw.one_process(rule, 12)):
+        want = want.numpy()
+        assert np.abs(got - want).max() <= 1e-12 * np.abs(want).max()
+    mine = [k.removeprefix("optim.state.3.weight.") for k in checkpoint_keys(tmp_path / "b")
+            if k.startswith("optim.state.3.weight.")]  # Optax's state layout, under the FQN
+    assert any(k.endswith(".mu") for k in mine) and any(k.endswith(".count") for k in mine), mine
+
+
+def checkpoint_keys(path):
+    from zero.backends.checkpoint import describe
+
+    return [r["key"] for r in describe(path)]
+
+
+def test_a_functional_state_dict_handed_over_is_copied_in(one_rank, tmp_path):
+    """set_state_dict with tensors that are not the optimizer's own (another run's dict): each
+    leaf, per-param and shared, is copied in."""
+    import zero.functional as zf
+    from zero.backends import checkpoint
+    from zero.functional.adapters.optimizer import state_leaves
+
+    tx = zf.chain(zf.clip_by_global_norm(1.0), zf.adamw(1e-2, weight_decay=0.1))
+    model, opt = _one_rank_run(tmp_path, optimizer_class=tx)
+    for _ in range(2):
+        opt.step()  # the same gradients again: count 3
+    fresh_model, fresh = _one_rank_run(tmp_path, optimizer_class=tx)
+    model_sd, optim_sd = checkpoint.get_state_dict(model, opt)
+    checkpoint.set_state_dict(fresh_model, fresh, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    (idx, got), = fresh.optim.set_states(0).items()
+    (_, want), = opt.optim.set_states(0).items()
+    assert int(got[1][0].count) == 3
+    for (ka, _, a), (kb, _, b) in zip(state_leaves(got, len(idx)), state_leaves(want, len(idx))):
+        assert ka == kb and (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b), ka

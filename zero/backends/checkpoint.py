@@ -35,6 +35,7 @@ from torch import nn
 
 from zero.backends.local_optimizer import initial_state, is_functional
 from zero.backends.masters import MASTER_KEY
+from zero.functional.adapters.optimizer import map_state_leaves, state_leaves
 from zero.plans.chunks import Held, range_boxes
 
 __all__ = ["get_state_dict", "set_state_dict", "save", "load", "read_metadata", "describe", "model_fqns"]
@@ -135,24 +136,16 @@ def _check_optimizer(optimizer: Any) -> None:
     if not isinstance(optimizer, ZeroRedundancyOptimizer):
         raise TypeError(f"optimizer must be a zero.backends.ZeroRedundancyOptimizer, got {type(optimizer).__name__} "
                         "(for other optimizers use torch.distributed.checkpoint.state_dict.get_state_dict)")
-    if is_functional(optimizer.optim):
-        raise ValueError("sharded checkpoints hold torch.optim state (per param); this optimizer steps a "
-                         "zero.functional rule, whose state is not saved this way yet: use a torch.optim class "
-                         "(or consolidate_state_dict)")
 
 
 def _optimizer_state_dict(optimizer: Any, model: nn.Module, opts: _Options, masters: bool) -> dict[str, Any]:
     _check_optimizer(optimizer)
     names = _param_names(optimizer, model)
-    local = _local_state(optimizer)
-    per_element = optimizer._local.per_element_keys()
+    optimizer._local.push()
+    entries = _functional_entries if is_functional(optimizer.optim) else _torch_entries
     state: dict[str, dict] = {}
-    for h in optimizer.mode.holdings():
-        for key, value in local["state"].get(h.local, {}).items():
-            if key == MASTER_KEY and not masters:
-                continue
-            if _is_per_element(key, value, per_element):
-                value = _piece(optimizer, h, value)
+    for h, key, value in entries(optimizer):
+        if key != MASTER_KEY or masters:
             state.setdefault(names[h.param], {})[key] = value
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": fqns}
               for g, fqns in zip(optimizer.param_groups, _groups_of(optimizer, names))]
@@ -160,12 +153,75 @@ def _optimizer_state_dict(optimizer: Any, model: nn.Module, opts: _Options, mast
     return _flatten(sd) if opts.flatten_optimizer_state_dict else sd
 
 
+def _torch_entries(optimizer: Any) -> Iterator[tuple[Held, str, Any]]:
+    """``(held piece, key, value for DCP)`` of a ``torch.optim`` local optimizer's state."""
+    local = _local_state(optimizer)
+    per_element = optimizer._local.per_element_keys()
+    for h in optimizer.mode.holdings():
+        for key, value in local["state"].get(h.local, {}).items():
+            yield h, key, _piece(optimizer, h, value) if _is_per_element(key, value, per_element) else value
+
+
 def _local_state(optimizer: Any) -> dict:
     """The local optimizer's state dict (masters included), every param given a state first."""
-    optimizer._local.push()
-    trainable = {h.local for h in optimizer.mode.holdings() if optimizer._all_params[h.param].requires_grad}
-    initial_state(optimizer.optim, trainable)  # a frozen param has no state, as in torch
+    initial_state(optimizer.optim, _trainable(optimizer))  # a frozen param has no state, as in torch
     return optimizer._local.state_dict()
+
+
+def _trainable(optimizer: Any) -> set[int]:
+    """The local optimizer's params (positions across its groups) that stand for trainable params."""
+    return {h.local for h in optimizer.mode.holdings() if optimizer._all_params[h.param].requires_grad}
+
+
+def _functional_sets(optimizer: Any) -> Iterator[tuple[dict, tuple[int, ...], list[int]]]:
+    """Each set of a `zero.functional` local optimizer's params stepped together: the group's
+    states, the set's positions in the group, their positions across groups. Params without
+    state start from the transformation's ``init`` (stepped together, as a step would)."""
+    optim, trainable, first = optimizer.optim, _trainable(optimizer), 0
+    for k, group in enumerate(optim.param_groups):
+        n = len(group["params"])
+        optim.ensure_state(k, tuple(i for i in range(n) if first + i in trainable))
+        states = optim.set_states(k)
+        for idx in list(states):
+            yield states, idx, [first + i for i in idx]
+        first += n
+
+
+def _functional_entries(optimizer: Any) -> Iterator[tuple[Held, str, Any]]:
+    """The Optax-shaped state of a `zero.functional` local optimizer, per held piece: each
+    per-param leaf under its path (``"0.mu"`` ...), each shared leaf (counts, hyperparameters)
+    under every param of its set; masters under `MASTER_KEY`."""
+    by_local = _by_local(optimizer)
+    params = [p for g in optimizer.optim.param_groups for p in g["params"]]
+    for states, idx, js in _functional_sets(optimizer):
+        for key, pos, leaf in state_leaves(states[idx], len(idx)):
+            for j in js if pos is None else [js[pos]]:
+                for h in by_local.get(j, ()):
+                    per_param = pos is not None and _shaped_like(leaf, params[j], h, optimizer, key)
+                    yield h, key, _piece(optimizer, h, leaf) if per_param else leaf
+    for j, p in enumerate(params):
+        if optimizer.masters.stepped(p) is not None:
+            for h in by_local.get(j, ()):
+                yield h, MASTER_KEY, _piece(optimizer, h, p)
+
+
+def _by_local(optimizer: Any) -> dict[int, list[Held]]:
+    out: dict[int, list[Held]] = {}
+    for h in optimizer.mode.holdings():
+        out.setdefault(h.local, []).append(h)
+    return out
+
+
+def _shaped_like(leaf: Any, local: torch.Tensor, h: Held, optimizer: Any, key: str) -> bool:
+    """Whether a per-param leaf is element-wise (saved in pieces, like the param); a leaf of
+    another shape (a factored statistic, a norm) is saved whole, which needs the whole param."""
+    if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape == local.shape:
+        return True
+    whole = optimizer._all_params[h.param].numel()
+    if h.end - h.start != whole or local.numel() != whole:
+        raise ValueError(f"state {key!r} of param {h.param} is not shaped like the param, and this rank holds only "
+                         "part of it (a flat plan): it cannot be saved by FQN; use a whole-param plan")
+    return False
 
 
 def _is_per_element(key: str, value: Any, per_element: set[str] | None) -> bool:
@@ -235,6 +291,9 @@ def _load_optimizer(optimizer: Any, model: nn.Module, sd: dict[str, Any]) -> Non
     names = _param_names(optimizer, model)
     sd = _unflatten(sd, _groups_of(optimizer, names)) if _is_flat(sd) else sd
     _check_groups(sd, optimizer, names)
+    if is_functional(optimizer.optim):
+        _load_functional(optimizer, names, sd)
+        return
     local = _local_state(optimizer)
     restart: set[int] = set()  # local tensors whose masters start again from their params
     for h in optimizer.mode.holdings():
@@ -265,6 +324,53 @@ def _load_optimizer(optimizer: Any, model: nn.Module, sd: dict[str, Any]) -> Non
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": mine["params"]}
               for g, mine in zip(sd["param_groups"], local["param_groups"])]
     optimizer._local.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _load_functional(optimizer: Any, names: list[str], sd: dict) -> None:
+    """Load into a `zero.functional` local optimizer's states, leaf by leaf (in place where DCP
+    loaded into them), then its masters and the groups' settings."""
+    by_local = _by_local(optimizer)
+    params = [p for g in optimizer.optim.param_groups for p in g["params"]]
+    for states, idx, js in _functional_sets(optimizer):
+        def fill(key: str, pos: int | None, leaf: Any, js: list[int] = js) -> Any:
+            held = [h for j in (js if pos is None else [js[pos]]) for h in by_local.get(j, ())]
+            for h in held if pos is not None else held[:1]:
+                saved = _saved(sd, names[h.param], key)
+                if pos is not None and _shaped_like(leaf, params[h.local], h, optimizer, key):
+                    _copy_piece(leaf, h, saved, names[h.param], key, tuple(optimizer._all_params[h.param].shape))
+                elif isinstance(leaf, torch.Tensor):
+                    _copy_whole(leaf, saved, names[h.param], key)
+                else:
+                    leaf = saved
+            return leaf
+        states[idx] = map_state_leaves(states[idx], len(idx), fill)
+    for j, p in enumerate(params):
+        stepped = optimizer.masters.stepped(p)
+        for h in by_local.get(j, ()) if stepped is not None else ():
+            saved = sd["state"].get(names[h.param], {}).get(MASTER_KEY)
+            if saved is None:  # a checkpoint without masters: they start again from the loaded params
+                p.copy_(stepped)
+                break
+            _copy_piece(p, h, saved, names[h.param], MASTER_KEY, tuple(optimizer._all_params[h.param].shape))
+    for group, saved in zip(optimizer.param_groups, sd["param_groups"]):
+        group.update({k: v for k, v in saved.items() if k != "params"})
+    optimizer._local.push()
+
+
+def _saved(sd: dict, fqn: str, key: str) -> Any:
+    st = sd["state"].get(fqn)
+    if not st or key not in st:
+        raise ValueError(f"optim_state_dict has no {key!r} for {fqn!r} (it has {sorted(st or ())}): it was saved "
+                         "by another transformation or optimizer")
+    return st[key]
+
+
+def _copy_whole(dst: torch.Tensor, value: Any, fqn: str, key: str) -> None:
+    if not isinstance(value, torch.Tensor) or value.shape != dst.shape:
+        got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ValueError(f"optim_state_dict's {key!r} of {fqn!r} has shape {got}, here {tuple(dst.shape)}")
+    if value is not dst:
+        dst.copy_(value)
 
 
 def _check_groups(sd: dict, optimizer: Any, names: list[str]) -> None:

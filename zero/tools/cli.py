@@ -42,7 +42,9 @@ def _parser() -> argparse.ArgumentParser:
     out.add_argument("--json", type=Path, help="save the plan as JSON here")
     p.add_argument("--rows", type=int, default=16, help="ranks (and, with --diff, transfers) shown in the tables")
     c = sub.add_parser("checkpoint", help="look into a sharded checkpoint (torch.distributed.checkpoint's format)")
-    c.add_argument("action", choices=("show",), help="show: each saved tensor, its shape, dtype, bytes and chunks")
+    c.add_argument("action", choices=("show", "train"),
+                   help="show: each saved tensor, its shape, dtype, bytes and chunks; train: see zero checkpoint "
+                        "train -h")
     c.add_argument("path", type=Path, help="the checkpoint's directory")
     c.add_argument("--json", action="store_true", help="print JSON (for scripts) instead of a table")
     c.add_argument("--rows", type=int, default=40, help="tensors shown in the table")
@@ -159,6 +161,14 @@ def main(argv: list[str] | None = None) -> int:
         from zero.tools.demo import main as demo  # torch loads only here, for the demo
 
         return demo(argv[1:])
+    if argv[:2] == ["checkpoint", "train"]:
+        from zero.tools.resume import main as train  # torch loads only here
+
+        try:
+            return train(argv[2:])
+        except ValueError as e:
+            print(f"zero checkpoint train: error: {e}", file=sys.stderr)
+            return 2
     if argv[:1] == ["bench"]:
         from zero.tools.bench import main as bench
 

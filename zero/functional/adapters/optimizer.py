@@ -25,7 +25,7 @@ from zero.functional.base import GradientTransformation, inplace_step, tree_map
 from zero.functional.inject import inject_hyperparams
 
 __all__ = ["Optimizer", "FunctionalOptimizer", "hyperparams_of", "with_group_hyperparams", "check_not_optax",
-           "split_state"]
+           "split_state", "map_state_leaves", "state_leaves"]
 
 
 def hyperparams_of(tx: GradientTransformation) -> dict[str, float]:
@@ -125,6 +125,31 @@ def split_state(state: Any, n: int, parts: list[list[int]]) -> list[Any]:
     return [cut(state, part) for part in parts]
 
 
+def map_state_leaves(state: Any, n: int, fn: Any) -> Any:
+    """``state`` (of a transformation initialised on ``n`` params) with each leaf replaced by
+    ``fn(key, position, leaf)``: ``key`` is the leaf's path, dotted (NamedTuple fields by name);
+    ``position`` the index of the param a per-param leaf belongs to (the lists of length ``n``,
+    as `split_state` reads them), None for leaves the params share (counts, hyperparameters)."""
+    def walk(node: Any, path: tuple[str, ...], pos: int | None) -> Any:
+        if isinstance(node, list) and len(node) == n and pos is None:
+            return [walk(x, path, i) for i, x in enumerate(node)]
+        if isinstance(node, tuple) and hasattr(node, "_fields"):
+            return type(node)(*[walk(x, path + (f,), pos) for f, x in zip(node._fields, node)])
+        if isinstance(node, (tuple, list)):
+            return type(node)(walk(x, path + (str(i),), pos) for i, x in enumerate(node))
+        if isinstance(node, dict):
+            return {k: walk(x, path + (str(k),), pos) for k, x in node.items()}
+        return fn(".".join(path) or "state", pos, node)
+    return walk(state, (), None)
+
+
+def state_leaves(state: Any, n: int) -> list[tuple[str, int | None, Any]]:
+    """``(key, position, leaf)`` of every leaf of ``state``, as `map_state_leaves` names them."""
+    out: list[tuple[str, int | None, Any]] = []
+    map_state_leaves(state, n, lambda key, pos, leaf: out.append((key, pos, leaf)))
+    return out
+
+
 class _StatesBySet:
     """Transformation states keyed by the tuple of param indices stepped together."""
 
@@ -212,6 +237,18 @@ class Optimizer(torch.optim.Optimizer):
                     raise ValueError("zero.functional.Optimizer does not support sparse gradients")
                 states.step(idx, params, grads, group)
         return loss
+
+    def ensure_state(self, k: int, idx: tuple[int, ...]) -> None:
+        """Give group ``k``'s params at positions ``idx`` the state they start from, stepped
+        together, unless they have state (a checkpoint then loads into it in place)."""
+        states = self._states[k]
+        if idx and not any(i in states._owner for i in idx):
+            states.states[idx] = states.tx.init([self.param_groups[k]["params"][i] for i in idx])
+            states._owner.update(dict.fromkeys(idx, idx))
+
+    def set_states(self, k: int) -> dict[tuple[int, ...], Any]:
+        """Group ``k``'s states, by the positions of the params stepped together (writable)."""
+        return self._states[k].states
 
     def state_dict(self) -> dict[str, Any]:
         sd = super().state_dict()

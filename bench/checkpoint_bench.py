@@ -1,0 +1,171 @@
+"""Saving and loading a sharded optimizer's checkpoint, three ways, in the same run.
+
+- ``zero_dcp``: zero's `zero.backends.checkpoint.save` / ``load`` (each rank writes and reads its
+  own pieces with ``torch.distributed.checkpoint``; a flat plan, so every rank holds 1/W);
+- ``zero_consolidate``: zero's ``consolidate_state_dict(to=0)`` + ``torch.save`` on rank 0;
+  loading: every rank ``torch.load``s the file and ``load_state_dict``s it;
+- ``torch_consolidate``: the same with torch's ``ZeroRedundancyOptimizer``.
+
+Adam over a stack of ``Linear(width, width)`` (``--layers 24 --width 2048``: 100.7M params) in
+fp32 on ``--ranks`` gloo ranks (one thread each), after one step (so the state exists). Times are
+the slowest rank's, from a barrier to a barrier; "peak" is each rank's resident memory above what
+it held before the save (or load), sampled every 2 ms, the largest over ranks. State per rank
+is what its optimizer holds. Every rank's files go to a fresh directory under ``--dir``.
+
+    python bench/checkpoint_bench.py [--layers 24] [--width 2048] [--ranks 4] [--dir /tmp]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
+
+from zero.backends import ZeroRedundancyOptimizer as Zero
+from zero.backends import checkpoint
+from zero.tools.launch import run
+
+SYSTEMS = ("zero_dcp", "zero_consolidate", "torch_consolidate")
+
+
+class PeakRSS:
+    """Resident memory above the level at entry, its peak sampled by a thread."""
+
+    def __enter__(self):
+        self.base = self.peak = _rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self):
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, _rss())
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss())
+
+    @property
+    def above(self) -> int:
+        return self.peak - self.base
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def build(system: str, layers: int, width: int):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+    if system == "torch_consolidate":
+        opt = TorchZero(model.parameters(), torch.optim.Adam, lr=1e-4)
+    else:
+        opt = Zero(model.parameters(), torch.optim.Adam, strategy="flat" if system == "zero_dcp" else None, lr=1e-4)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 1e-3)
+    opt.step()
+    return model, opt
+
+
+def save(system: str, model, opt, path: str, rank: int) -> None:
+    if system == "zero_dcp":
+        checkpoint.save(path, model, opt)
+        return
+    opt.consolidate_state_dict(to=0)
+    if rank == 0:
+        torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, path)
+
+
+def load(system: str, model, opt, path: str) -> None:
+    if system == "zero_dcp":
+        checkpoint.load(path, model, opt)
+        return
+    saved = torch.load(path, weights_only=True)
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["optim"])
+
+
+def timed(fn) -> tuple[float, int]:
+    dist.barrier()
+    with PeakRSS() as rss:
+        t = time.perf_counter()
+        fn()
+        dist.barrier()
+        elapsed = time.perf_counter() - t
+    return elapsed, rss.above
+
+
+def worker(rank: int, world_size: int, layers: int, width: int, root: str) -> dict:
+    out = {}
+    for system in SYSTEMS:
+        model, opt = build(system, layers, width)
+        state = sum(v.nbytes for st in opt.optim.state.values() for v in st.values() if isinstance(v, torch.Tensor))
+        path = os.path.join(root, system if system == "zero_dcp" else f"{system}.pt")
+        save_s, save_peak = timed(functools.partial(save, system, model, opt, path, rank))
+        for p in model.parameters():  # load into a run that has moved on
+            p.data.add_(1.0)
+        load_s, load_peak = timed(functools.partial(load, system, model, opt, path))
+        out[system] = {"save_s": save_s, "load_s": load_s, "save_peak": save_peak, "load_peak": load_peak,
+                       "state": state}
+        del model, opt
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--width", type=int, default=2048)
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--dir", default=tempfile.gettempdir())
+    args = ap.parse_args()
+    root = tempfile.mkdtemp(prefix="zero-ckpt-bench-", dir=args.dir)
+    try:
+        rows = run(worker, args.ranks, args.layers, args.width, root, timeout=3000, pg_timeout=1800)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    _print(rows, args)
+    return 0
+
+
+def _print(rows: list[dict], args) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    n = args.layers * (args.width * args.width + args.width) / 1e6
+    table = Table(title=f"Adam checkpoint, {args.layers} x Linear({args.width},{args.width}) ({n:.1f}M params, fp32), "
+                        f"{args.ranks} gloo ranks")
+    for col in ("system", "save s", "x torch's", "x zero's consolidate", "load s", "x torch's", "x zero's consolidate",
+                "peak save (MB)", "peak load (MB)", "state / rank (MB)"):
+        table.add_column(col, justify="left" if col == "system" else "right", no_wrap=True)
+
+    def worst(system, key):
+        return max(r[system][key] for r in rows)
+
+    for s in SYSTEMS:
+        cells = [s]
+        for op in ("save_s", "load_s"):
+            cells += [f"{worst(s, op):.2f}", f"{worst(s, op) / worst('torch_consolidate', op):.2f}x",
+                      f"{worst(s, op) / worst('zero_consolidate', op):.2f}x"]
+        cells += [f"{worst(s, 'save_peak') / 1e6:.0f}", f"{worst(s, 'load_peak') / 1e6:.0f}",
+                  f"{worst(s, 'state') / 1e6:.0f}"]
+        table.add_row(*cells)
+    Console(width=200).print(table)
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        sys.exit(main())
