@@ -2,6 +2,7 @@
 
 - ``zero_dcp``: zero's `zero.backends.checkpoint.save` / ``load`` (each rank writes and reads its
   own pieces with ``torch.distributed.checkpoint``; a flat plan, so every rank holds 1/W);
+- ``zero_dcp_nosync``: the same without DCP's default fsync of each file (``torch.save`` does none);
 - ``zero_consolidate``: zero's ``consolidate_state_dict(to=0)`` + ``torch.save`` on rank 0;
   loading: every rank ``torch.load``s the file and ``load_state_dict``s it;
 - ``torch_consolidate``: the same with torch's ``ZeroRedundancyOptimizer``.
@@ -29,6 +30,7 @@ import time
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 
@@ -36,7 +38,7 @@ from zero.backends import ZeroRedundancyOptimizer as Zero
 from zero.backends import checkpoint
 from zero.tools.launch import run
 
-SYSTEMS = ("zero_dcp", "zero_consolidate", "torch_consolidate")
+SYSTEMS = ("zero_dcp", "zero_dcp_nosync", "zero_consolidate", "torch_consolidate")
 
 
 class PeakRSS:
@@ -74,7 +76,8 @@ def build(system: str, layers: int, width: int):
     if system == "torch_consolidate":
         opt = TorchZero(model.parameters(), torch.optim.Adam, lr=1e-4)
     else:
-        opt = Zero(model.parameters(), torch.optim.Adam, strategy="flat" if system == "zero_dcp" else None, lr=1e-4)
+        flat = system.startswith("zero_dcp")
+        opt = Zero(model.parameters(), torch.optim.Adam, strategy="flat" if flat else None, lr=1e-4)
     for p in model.parameters():
         p.grad = torch.full_like(p, 1e-3)
     opt.step()
@@ -82,8 +85,10 @@ def build(system: str, layers: int, width: int):
 
 
 def save(system: str, model, opt, path: str, rank: int) -> None:
-    if system == "zero_dcp":
-        checkpoint.save(path, model, opt)
+    if system.startswith("zero_dcp"):
+        # DCP fsyncs each file by default; torch.save (the consolidating systems) does not
+        sync = system == "zero_dcp"
+        checkpoint.save(None, model, opt, storage_writer=dcp.FileSystemWriter(path, sync_files=sync))
         return
     opt.consolidate_state_dict(to=0)
     if rank == 0:
@@ -91,7 +96,7 @@ def save(system: str, model, opt, path: str, rank: int) -> None:
 
 
 def load(system: str, model, opt, path: str) -> None:
-    if system == "zero_dcp":
+    if system.startswith("zero_dcp"):
         checkpoint.load(path, model, opt)
         return
     saved = torch.load(path, weights_only=True)
@@ -114,7 +119,7 @@ def worker(rank: int, world_size: int, layers: int, width: int, root: str) -> di
     for system in SYSTEMS:
         model, opt = build(system, layers, width)
         state = sum(v.nbytes for st in opt.optim.state.values() for v in st.values() if isinstance(v, torch.Tensor))
-        path = os.path.join(root, system if system == "zero_dcp" else f"{system}.pt")
+        path = os.path.join(root, system if system.startswith("zero_dcp") else f"{system}.pt")
         save_s, save_peak = timed(functools.partial(save, system, model, opt, path, rank))
         for p in model.parameters():  # load into a run that has moved on
             p.data.add_(1.0)

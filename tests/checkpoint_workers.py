@@ -26,14 +26,19 @@ def train(model, opt, start: int, steps: int) -> None:
 
 
 def dcp_leg(rank: int, world_size: int, strategy: str, load_from: str | None, save_to: str | None,
-            start: int, steps: int, masters: bool = False, rule: str = "adamw") -> dict:
+            start: int, steps: int, masters: bool = False, rule: str = "adamw", async_save: bool = False) -> dict:
     """Train ``steps`` steps from ``start`` under ``strategy``, resuming from the sharded checkpoint
-    ``load_from``; save a sharded checkpoint to ``save_to``."""
+    ``load_from``; save a sharded checkpoint to ``save_to`` (``async_save``: in the background,
+    the next step taken before waiting for it; the state was copied when it started)."""
     model, opt = build(strategy, masters, rule)
     if load_from:
         checkpoint.load(load_from, model, opt)
     train(model, opt, start, steps)
-    if save_to:
+    if save_to and async_save:
+        future = checkpoint.save(save_to, model, opt, async_save=True)
+        train(model, opt, start + steps, 1)  # moves the params and state on while the save runs
+        future.result()
+    elif save_to:
         checkpoint.save(save_to, model, opt)
     state = sum(v.nbytes for st in opt.optim.state.values() for v in st.values() if isinstance(v, torch.Tensor))
     return {"params": [p.detach().double().numpy().copy() for p in model.parameters()], "state_bytes": state}
@@ -189,3 +194,21 @@ def one_process(rule: str, steps: int) -> list[torch.Tensor]:
     opt = reference(rule, groups_of(model, not isinstance(RULES[rule][0], type)))
     train(model, opt, 0, steps)
     return [p.detach().clone() for p in model.parameters()]
+
+
+def local_sgd_leg(rank: int, world_size: int, load_from: str | None, save_to: str | None, start: int,
+                  steps: int) -> dict:
+    """`PostLocalSGDOptimizer` around ZeRO (flat plan over every rank), averaging every 2 steps
+    after 2 of warm-up: its averager's step travels in the checkpoint."""
+    from zero.backends import PeriodicModelAverager, PostLocalSGDOptimizer
+
+    model, inner = build("flat", False)
+    opt = PostLocalSGDOptimizer(inner, PeriodicModelAverager(period=2, warmup_steps=2))
+    if load_from:
+        checkpoint.load(load_from, model, opt)
+    resumed_at = opt.averager.step
+    train(model, opt, start, steps)
+    if save_to:
+        checkpoint.save(save_to, model, opt)
+    return {"params": [p.detach().double().numpy().copy() for p in model.parameters()], "resumed_at": resumed_at,
+            "averager_step": opt.averager.step}

@@ -229,3 +229,29 @@ def test_a_functional_state_dict_handed_over_is_copied_in(one_rank, tmp_path):
     assert int(got[1][0].count) == 3
     for (ka, _, a), (kb, _, b) in zip(state_leaves(got, len(idx)), state_leaves(want, len(idx))):
         assert ka == kb and (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b), ka
+
+
+def test_post_local_sgd_saves_its_averager_step(tmp_path):
+    """5 steps at 2 ranks (the 5th averages), resumed at 4: the averager goes on from step 5."""
+    run_ranks(cw.local_sgd_leg, 2, None, str(tmp_path / "a"), 0, 5, timeout=120)
+    rows = run_ranks(cw.local_sgd_leg, 4, str(tmp_path / "a"), None, 5, 3, timeout=120)
+    assert rows[0]["resumed_at"] == 5 and rows[0]["averager_step"] == 8
+    _equal(_params(rows), pw.single_process(8))  # every rank steps the same gradients: averages change nothing
+
+
+def test_post_local_sgd_between_averages_is_refused(one_rank, tmp_path):
+    from zero.backends import PeriodicModelAverager, PostLocalSGDOptimizer, checkpoint
+
+    model, inner = _one_rank_run(tmp_path)
+    opt = PostLocalSGDOptimizer(inner, PeriodicModelAverager(period=2, warmup_steps=0))
+    opt.step()  # step 0 averages
+    checkpoint.get_state_dict(model, opt)
+    opt.step()  # step 1 does not
+    with pytest.raises(ValueError, match="model replicas differ at averager step 2"):
+        checkpoint.get_state_dict(model, opt)
+
+
+def test_async_save_writes_a_checkpoint_that_loads(tmp_path):
+    run_ranks(cw.dcp_leg, 2, "flat", None, str(tmp_path / "a"), 0, 4, False, "adamw", True, timeout=120)
+    rows = run_ranks(cw.dcp_leg, 3, "sorted_greedy", str(tmp_path / "a"), None, 4, 4, timeout=120)
+    _equal(_params(rows), pw.single_process(8))

@@ -121,7 +121,33 @@ def get_state_dict(model: nn.Module, optimizer: Any, *, options: Any = None,
     ``StateDictOptions`` (``strict``, ``ignore_frozen_params``, ``flatten_optimizer_state_dict``).
     """
     opts = _options(options)
-    return _model_state_dict(model, opts), _optimizer_state_dict(optimizer, model, opts, masters)
+    inner, wrapper = _unwrap_post_local_sgd(optimizer)
+    optim_sd = _optimizer_state_dict(inner, model, opts, masters)
+    if wrapper is not None:
+        optim_sd["step"] = wrapper.averager.step  # as PostLocalSGDOptimizer.state_dict keeps it
+    return _model_state_dict(model, opts), optim_sd
+
+
+def _unwrap_post_local_sgd(optimizer: Any) -> tuple[Any, Any]:
+    """``(the ZeRO optimizer, the PostLocalSGDOptimizer around it or None)``, checked: local SGD
+    keeps one model and one sharded state only when the ZeRO group is the averager's whole group
+    and its replicas have just been averaged (or are still warming up)."""
+    from zero.backends.post_localsgd import PostLocalSGDOptimizer, replicas_agree
+
+    if not isinstance(optimizer, PostLocalSGDOptimizer):
+        return optimizer, None
+    inner, averager = optimizer.optim, optimizer.averager
+    _check_optimizer(inner)
+    from zero.backends import comm
+
+    if comm.group_size(inner.process_group) != comm.group_size(averager.process_group):
+        raise ValueError(f"the ZeroRedundancyOptimizer shards over {comm.group_size(inner.process_group)} ranks but "
+                         f"the averager averages over {comm.group_size(averager.process_group)}: each of its "
+                         "subgroups keeps a state of its own, which one sharded checkpoint cannot hold")
+    if not replicas_agree(averager):
+        raise ValueError(f"the model replicas differ at averager step {averager.step} (local SGD since the last "
+                         "average): save right after a step that averaged over the whole group")
+    return inner, optimizer
 
 
 def _model_state_dict(model: nn.Module, opts: _Options) -> dict[str, Any]:
@@ -270,8 +296,13 @@ def set_state_dict(model: nn.Module, optimizer: Any, *, model_state_dict: dict[s
     ``optimizer``. The model first: master weights missing from ``optim_state_dict`` start
     again from its params. Call on every rank; nothing is communicated."""
     opts = _options(options)
+    inner, wrapper = _unwrap_post_local_sgd(optimizer)
     _load_model(model, model_state_dict, opts)
-    _load_optimizer(optimizer, model, optim_state_dict)
+    optim_state_dict = dict(optim_state_dict)
+    step = optim_state_dict.pop("step", None)
+    _load_optimizer(inner, model, optim_state_dict)
+    if wrapper is not None:
+        wrapper.restore_step(step)
 
 
 def _load_model(model: nn.Module, sd: dict[str, Any], opts: _Options) -> None:
@@ -456,18 +487,40 @@ def _unflatten(sd: dict, groups: list[list[str]]) -> dict:
 # -- save and load, checked ----------------------------------------------------------------------
 
 def save(checkpoint_id: Any, model: nn.Module, optimizer: Any, *, masters: bool = True, options: Any = None,
-         async_save: bool = False) -> Any:
+         async_save: bool = False, **dcp_kwargs: Any) -> Any:
     """`get_state_dict` saved with ``torch.distributed.checkpoint.save`` (``async_save``: its
     ``async_save``, which copies the state before it returns; its future is returned) under
     ``{"model": ..., "optim": ...}``, FSDP2's convention. Call on every rank. Save each checkpoint
-    to a new directory: DCP writes ``.metadata`` last, so a save that dies leaves the last one whole."""
+    to a new directory: DCP writes ``.metadata`` last, so a save that dies leaves the last one whole.
+    ``dcp_kwargs`` go to DCP (``storage_writer=FileSystemWriter(path, sync_files=False)`` ...)."""
     import torch.distributed.checkpoint as dcp
 
     with _quiet():
         model_sd, optim_sd = get_state_dict(model, optimizer, options=options, masters=masters)
-        writer = dcp.async_save if async_save else dcp.save
-        return writer({"model": model_sd, "optim": optim_sd}, checkpoint_id=checkpoint_id,
-                      process_group=optimizer.process_group)
+        inner = _unwrap_post_local_sgd(optimizer)[0]
+        if not async_save:
+            return dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=checkpoint_id,
+                            process_group=inner.process_group, **dcp_kwargs)
+        from torch.distributed.checkpoint.staging import BlockingAsyncStager
+
+        # DCP's default stager cannot copy a ShardedTensor; this one copies every piece before returning
+        dcp_kwargs.setdefault("async_stager", BlockingAsyncStager())
+        return dcp.async_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=checkpoint_id,
+                              process_group=_saving_group(inner), **dcp_kwargs)
+
+
+def _saving_group(optimizer: Any) -> Any:
+    """A gloo group of the optimizer's ranks for background saves, made at the first one: the
+    save's collectives run on a thread while training's run on the optimizer's group, and two
+    threads must not share one group's order of collectives."""
+    import torch.distributed as dist
+
+    group = getattr(optimizer, "_saving_group", None)
+    if group is None:
+        group = dist.new_group(dist.get_process_group_ranks(optimizer.process_group or dist.group.WORLD),
+                               backend="gloo")
+        optimizer._saving_group = group
+    return group
 
 
 def load(checkpoint_id: Any, model: nn.Module, optimizer: Any, *, options: Any = None) -> None:
@@ -486,7 +539,7 @@ def load(checkpoint_id: Any, model: nn.Module, optimizer: Any, *, options: Any =
             model_sd, optim_sd = get_state_dict(model, optimizer, options=options, masters=False)
         request = {"model": model_sd, "optim": optim_sd}
         _check_against(metadata, request, _options(options).strict)
-        dcp.load(request, checkpoint_id=checkpoint_id, process_group=optimizer.process_group)
+        dcp.load(request, checkpoint_id=checkpoint_id, process_group=_unwrap_post_local_sgd(optimizer)[0].process_group)
         set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options)
 
 

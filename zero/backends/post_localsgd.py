@@ -17,7 +17,9 @@ from typing import Any
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
 
-__all__ = ["PostLocalSGDOptimizer", "register_post_local_sgd_hook", "check_hook_pairing"]
+from zero.plans.averaging_schedule import hierarchical_level, periodic_due
+
+__all__ = ["PostLocalSGDOptimizer", "register_post_local_sgd_hook", "check_hook_pairing", "replicas_agree"]
 
 
 def register_post_local_sgd_hook(model: torch.nn.Module, averager: Any, subgroup: Any = None,
@@ -53,6 +55,19 @@ def check_hook_pairing(hook_state: PostLocalSGDState, averager: Any) -> None:
         raise ValueError(f"post_localSGD_hook has started local SGD (iter {hook_state.iter}) but the averager "
                          f"is still warming up (step {averager.step} of {warmup}): one optimizer step per "
                          "backward pass is what keeps them together")
+
+
+def replicas_agree(averager: Any) -> bool:
+    """Whether every rank of the averager's group holds the same params after the step just taken:
+    in warm-up (gradients all-reduced over the group), or right after an average over all of it."""
+    last = averager.step - 1
+    if last < averager.warmup_steps:
+        return True
+    periods = getattr(averager, "_periods", None)
+    if periods is not None:
+        return hierarchical_level(last, periods, averager.warmup_steps) == len(periods) - 1
+    period = getattr(averager, "period", None)
+    return period is not None and periodic_due(last, period, averager.warmup_steps)
 
 
 class PostLocalSGDOptimizer(torch.optim.Optimizer):
@@ -114,9 +129,13 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):
         state_dict = dict(state_dict)
         step = state_dict.pop("step", None)
         self.optim.load_state_dict(state_dict)
+        self.restore_step(step)
+
+    def restore_step(self, step: int | None) -> None:
+        """Put the averager (and DDP's hook) at a saved ``step`` (0, with a warning, if None)."""
         if step is None:
             warnings.warn("the state dict has no 'step' for the model averager: it restarts at step 0, "
-                          "so its warm-up runs again", stacklevel=2)
+                          "so its warm-up runs again", stacklevel=3)
             step = 0
         self.averager.step = step
         if self.hook_state is not None:
