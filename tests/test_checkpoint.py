@@ -188,10 +188,9 @@ def test_reduce_scattered_and_overlapped_runs_save_and_resume(tmp_path):
         np.testing.assert_allclose(got, want.numpy(), rtol=1e-12, atol=1e-14)
 
 
-@pytest.mark.parametrize("rule", ["clip_adamw", "lamb"])
-def test_functional_rules_checkpoint_their_optax_shaped_state_by_fqn(tmp_path, rule):
-    """zero.functional chains (global-norm clipping; LAMB's per-param trust ratio) through
-    flat@2 -> whole@3 -> flat@4 against one process (the sharded norms sum in another order)."""
+def test_functional_rules_checkpoint_their_optax_shaped_state_by_fqn(tmp_path, rule="clip_adamw"):
+    """A zero.functional chain (global-norm clipping, AdamW) through flat@2 -> whole@3 -> flat@4
+    against one process (the sharded norm sums in another order). LAMB, with masters, below."""
     run_ranks(cw.dcp_leg, 2, "flat", None, str(tmp_path / "a"), 0, 4, False, rule, timeout=120)
     rows = run_ranks(cw.dcp_leg, 3, "sorted_greedy", str(tmp_path / "a"), str(tmp_path / "b"), 4, 4, False, rule,
                      timeout=120)
