@@ -1,0 +1,147 @@
+"""`save` and `load`: a checkpoint directory, checked against the model before anything loads;
+`read_metadata` and `describe` read one without a process group."""
+
+from __future__ import annotations
+
+from math import prod
+from typing import Any
+
+import torch
+from torch import nn
+
+from zero.backends.checkpoint.pieces import quiet
+from zero.backends.checkpoint.state_dicts import get_state_dict, resolve_options, set_state_dict, unwrap_post_local_sgd
+from zero.backends.masters import MASTER_KEY
+
+__all__ = ["save", "load", "read_metadata", "describe"]
+
+
+def save(checkpoint_id: Any, model: nn.Module, optimizer: Any, *, masters: bool = True, options: Any = None,
+         async_save: bool = False, **dcp_kwargs: Any) -> Any:
+    """`get_state_dict` saved with ``torch.distributed.checkpoint.save`` (``async_save``: its
+    ``async_save``, which copies the state before it returns; its future is returned) under
+    ``{"model": ..., "optim": ...}``, FSDP2's convention. Call on every rank. Save each checkpoint
+    to a new directory: DCP writes ``.metadata`` last, so a save that dies leaves the last one whole.
+    ``dcp_kwargs`` go to DCP (``storage_writer=FileSystemWriter(path, sync_files=False)`` ...)."""
+    import torch.distributed.checkpoint as dcp
+
+    with quiet():
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=options, masters=masters)
+        inner = unwrap_post_local_sgd(optimizer)[0]
+        if not async_save:
+            return dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=checkpoint_id,
+                            process_group=inner.process_group, **dcp_kwargs)
+        from torch.distributed.checkpoint.staging import BlockingAsyncStager
+
+        # DCP's default stager cannot copy a ShardedTensor; this one copies every piece before returning
+        dcp_kwargs.setdefault("async_stager", BlockingAsyncStager())
+        return dcp.async_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=checkpoint_id,
+                              process_group=_saving_group(inner), **dcp_kwargs)
+
+
+def _saving_group(optimizer: Any) -> Any:
+    """A gloo group of the optimizer's ranks for background saves, made at the first one: the
+    save's collectives run on a thread while training's run on the optimizer's group, and two
+    threads must not share one group's order of collectives."""
+    import torch.distributed as dist
+
+    group = getattr(optimizer, "_saving_group", None)
+    if group is None:
+        group = dist.new_group(dist.get_process_group_ranks(optimizer.process_group or dist.group.WORLD),
+                               backend="gloo")
+        optimizer._saving_group = group
+    return group
+
+
+def load(checkpoint_id: Any, model: nn.Module, optimizer: Any, *, options: Any = None) -> None:
+    """Load a checkpoint `save` (or FSDP2, or ``dcp.save`` of `get_state_dict`'s dicts) wrote,
+    at any world size and plan. Call on every rank.
+
+    It is checked first: an unfinished save, a tensor whose chunks do not cover it, an FQN of
+    another model (missing, extra or reshaped) or state of another optimizer is a ``ValueError``
+    naming it. Master weights absent from the checkpoint start again from the loaded params."""
+    import torch.distributed.checkpoint as dcp
+
+    metadata = read_metadata(checkpoint_id)
+    with quiet():
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+        if _missing(metadata, {"model": model_sd, "optim": optim_sd}, masters_only=True):
+            model_sd, optim_sd = get_state_dict(model, optimizer, options=options, masters=False)
+        request = {"model": model_sd, "optim": optim_sd}
+        _check_against(metadata, request, resolve_options(options).strict)
+        dcp.load(request, checkpoint_id=checkpoint_id, process_group=unwrap_post_local_sgd(optimizer)[0].process_group)
+        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options)
+
+
+def read_metadata(checkpoint_id: Any) -> Any:
+    """DCP's metadata of a checkpoint directory; a ``ValueError`` when its save did not finish."""
+    import os
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    path = os.fspath(checkpoint_id)
+    if not os.path.isdir(path):
+        raise ValueError(f"no checkpoint at {path!r}: not a directory")
+    if not os.path.exists(os.path.join(path, ".metadata")):
+        written = sorted(f for f in os.listdir(path) if not f.startswith("."))
+        raise ValueError(f"the checkpoint at {path!r} is incomplete: it has no .metadata (written last, once every "
+                         f"rank has written its data), so its save did not finish; data files present: {written}")
+    return FileSystemReader(path).read_metadata()
+
+
+def _tensors(request: dict) -> dict[str, Any]:
+    """DCP's flat key -> tensor (or ShardedTensor) of a nested state dict."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    flat, _ = flatten_state_dict(request)
+    return {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
+
+
+def _missing(metadata: Any, request: dict, masters_only: bool = False) -> list[str]:
+    keys = [k for k in _tensors(request) if k not in metadata.state_dict_metadata]
+    return [k for k in keys if k.endswith("." + MASTER_KEY)] if masters_only else keys
+
+
+def _check_against(metadata: Any, request: dict, strict: bool) -> None:
+    """``ValueError`` naming what the checkpoint lacks or holds differently from ``request``."""
+    saved = metadata.state_dict_metadata
+    missing = _missing(metadata, request)
+    if missing:
+        raise ValueError(f"the checkpoint lacks {len(missing)} tensors this model and optimizer need: {missing[:6]}")
+    for key, value in _tensors(request).items():
+        md = saved[key]
+        if not hasattr(md, "chunks"):
+            raise ValueError(f"the checkpoint holds {key!r} as bytes, not a tensor")
+        if tuple(md.size) != tuple(value.size()):
+            raise ValueError(f"the checkpoint's {key!r} has shape {tuple(md.size)} but here it has shape "
+                             f"{tuple(value.size())}: it was saved for another model")
+        covered = sum(prod(c.sizes) for c in md.chunks)
+        if covered != prod(md.size):
+            raise ValueError(f"the checkpoint's {key!r} is incomplete: its chunks hold {covered} of "
+                             f"{prod(md.size)} elements")
+    if strict:
+        params = {k for k in _tensors(request) if k.startswith("model.")}
+        extra = sorted(k for k in saved if k.startswith("model.") and k not in params)
+        if extra:
+            raise ValueError(f"the checkpoint holds model tensors this model does not have: {extra[:6]}")
+
+
+def describe(checkpoint_id: Any) -> list[dict[str, Any]]:
+    """What a checkpoint holds, read from its metadata alone (no process group): per saved tensor
+    its key, shape, dtype, bytes, the chunks written (offsets, sizes, the file holding each: DCP's
+    ``__<rank>_<n>.distcp`` names the rank that wrote it) and whether they cover it;
+    per non-tensor entry (param-group settings ...) its key."""
+    metadata, rows = read_metadata(checkpoint_id), []
+    files = {(index.fqn, tuple(index.offset or ())): info.relative_path
+             for index, info in (metadata.storage_data or {}).items()}
+    for key, md in sorted(metadata.state_dict_metadata.items()):
+        if not hasattr(md, "chunks"):
+            rows.append({"key": key, "kind": "bytes"})
+            continue
+        numel, dtype = prod(md.size), md.properties.dtype
+        covered = sum(prod(c.sizes) for c in md.chunks)
+        rows.append({"key": key, "kind": "tensor", "shape": list(md.size), "dtype": str(dtype).removeprefix("torch."),
+                     "bytes": numel * dtype.itemsize, "complete": covered == numel,
+                     "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes),
+                                 "file": files.get((key, tuple(c.offsets)))} for c in md.chunks]})
+    return rows

@@ -1,0 +1,229 @@
+"""`get_state_dict` and `set_state_dict`: the model's and the optimizer's state dicts in DCP's layout."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from zero.backends.checkpoint.pieces import functional_entries, load_functional, load_torch, torch_entries
+from zero.backends.local_optimizer import is_functional
+from zero.backends.masters import MASTER_KEY
+
+__all__ = ["get_state_dict", "set_state_dict", "model_fqns", "check_optimizer", "resolve_options",
+           "unwrap_post_local_sgd"]
+
+_UNSUPPORTED_OPTIONS = ("full_state_dict", "cpu_offload", "broadcast_from_rank0")
+
+
+@dataclass(frozen=True)
+class _Options:
+    strict: bool = True
+    ignore_frozen_params: bool = False
+    flatten_optimizer_state_dict: bool = False
+
+
+def resolve_options(options: Any) -> _Options:
+    """torch's ``StateDictOptions`` (or None), as far as a sharded optimizer can honour it."""
+    if options is None:
+        return _Options()
+    for name in _UNSUPPORTED_OPTIONS:
+        if getattr(options, name, False):
+            raise ValueError(f"StateDictOptions({name}=True) is not supported: zero's state dicts are sharded "
+                             "(each rank holds its own pieces); for one full state dict on one rank use "
+                             "ZeroRedundancyOptimizer.consolidate_state_dict")
+    return _Options(bool(getattr(options, "strict", True)), bool(getattr(options, "ignore_frozen_params", False)),
+                    bool(getattr(options, "flatten_optimizer_state_dict", False)))
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The module under DDP's and ``torch.compile``'s wrappers (whose prefixes are not part of FQNs)."""
+    while True:
+        inner = getattr(model, "module", None) if type(model).__name__ == "DistributedDataParallel" else None
+        inner = inner if inner is not None else getattr(model, "_orig_mod", None)
+        if inner is None:
+            return model
+        model = inner
+
+
+def _clean(name: str) -> str:
+    return ".".join(part for part in name.split(".") if part != "_orig_mod")
+
+
+def model_fqns(model: nn.Module) -> dict[int, str]:
+    """``id(param)`` -> its fully qualified name (the first, for a param registered twice)."""
+    out: dict[int, str] = {}
+    for name, p in _unwrap(model).named_parameters(remove_duplicate=False):
+        out.setdefault(id(p), _clean(name))
+    return out
+
+
+def _param_names(optimizer: Any, model: nn.Module) -> list[str]:
+    fqns = model_fqns(model)
+    names = []
+    for i, p in enumerate(optimizer._all_params):
+        if id(p) not in fqns:
+            raise ValueError(f"the optimizer's param {i} (shape {tuple(p.shape)}) is not a parameter of the model: "
+                             "pass the model whose parameters the optimizer steps")
+        names.append(fqns[id(p)])
+    return names
+
+
+def get_state_dict(model: nn.Module, optimizer: Any, *, options: Any = None,
+                   masters: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The model's and ``optimizer``'s state dicts in DCP's layout, this rank's pieces only.
+
+    Call on every rank. The optimizer's tensors are its state itself (views, not copies): save
+    them, or `torch.distributed.checkpoint.load` into them and hand them to `set_state_dict`. A
+    param without state yet gets zeros (``step`` 0), which step exactly as a fresh state does.
+    ``masters=False`` leaves the master weights out (a checkpoint without them, e.g. FSDP2's,
+    then loads: the masters start again from the loaded params). ``options``: torch's
+    ``StateDictOptions`` (``strict``, ``ignore_frozen_params``, ``flatten_optimizer_state_dict``).
+    """
+    opts = resolve_options(options)
+    inner, wrapper = unwrap_post_local_sgd(optimizer)
+    optim_sd = _optimizer_state_dict(inner, model, opts, masters)
+    if wrapper is not None:
+        optim_sd["step"] = wrapper.averager.step  # as PostLocalSGDOptimizer.state_dict keeps it
+    return _model_state_dict(model, opts), optim_sd
+
+
+def unwrap_post_local_sgd(optimizer: Any) -> tuple[Any, Any]:
+    """``(the ZeRO optimizer, the PostLocalSGDOptimizer around it or None)``, checked: local SGD
+    keeps one model and one sharded state only when the ZeRO group is the averager's whole group
+    and its replicas have just been averaged (or are still warming up)."""
+    from zero.backends.post_localsgd import PostLocalSGDOptimizer, replicas_agree
+
+    if not isinstance(optimizer, PostLocalSGDOptimizer):
+        return optimizer, None
+    inner, averager = optimizer.optim, optimizer.averager
+    check_optimizer(inner)
+    from zero.backends import comm
+
+    if comm.group_size(inner.process_group) != comm.group_size(averager.process_group):
+        raise ValueError(f"the ZeroRedundancyOptimizer shards over {comm.group_size(inner.process_group)} ranks but "
+                         f"the averager averages over {comm.group_size(averager.process_group)}: each of its "
+                         "subgroups keeps a state of its own, which one sharded checkpoint cannot hold")
+    if not replicas_agree(averager):
+        raise ValueError(f"the model replicas differ at averager step {averager.step} (local SGD since the last "
+                         "average): save right after a step that averaged over the whole group")
+    return inner, optimizer
+
+
+def _model_state_dict(model: nn.Module, opts: _Options) -> dict[str, Any]:
+    module = _unwrap(model)
+    frozen = {n for n, p in module.named_parameters() if not p.requires_grad} if opts.ignore_frozen_params else set()
+    return {_clean(k): v for k, v in module.state_dict().items() if k not in frozen}
+
+
+def check_optimizer(optimizer: Any) -> None:
+    from zero.backends.zero_optimizer import ZeroRedundancyOptimizer
+
+    if not isinstance(optimizer, ZeroRedundancyOptimizer):
+        raise TypeError(f"optimizer must be a zero.backends.ZeroRedundancyOptimizer, got {type(optimizer).__name__} "
+                        "(for other optimizers use torch.distributed.checkpoint.state_dict.get_state_dict)")
+
+
+def _optimizer_state_dict(optimizer: Any, model: nn.Module, opts: _Options, masters: bool) -> dict[str, Any]:
+    check_optimizer(optimizer)
+    names = _param_names(optimizer, model)
+    optimizer._local.push()
+    entries = functional_entries if is_functional(optimizer.optim) else torch_entries
+    state: dict[str, dict] = {}
+    for h, key, value in entries(optimizer):
+        if key != MASTER_KEY or masters:
+            state.setdefault(names[h.param], {})[key] = value
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": fqns}
+              for g, fqns in zip(optimizer.param_groups, _groups_of(optimizer, names))]
+    sd = {"state": state, "param_groups": groups}
+    return _flatten(sd) if opts.flatten_optimizer_state_dict else sd
+
+
+def set_state_dict(model: nn.Module, optimizer: Any, *, model_state_dict: dict[str, Any],
+                   optim_state_dict: dict[str, Any], options: Any = None) -> None:
+    """Load the state dicts `get_state_dict` made (filled by ``dcp.load``) into ``model`` and
+    ``optimizer``. The model first: master weights missing from ``optim_state_dict`` start
+    again from its params. Call on every rank; nothing is communicated."""
+    opts = resolve_options(options)
+    inner, wrapper = unwrap_post_local_sgd(optimizer)
+    _load_model(model, model_state_dict, opts)
+    optim_state_dict = dict(optim_state_dict)
+    step = optim_state_dict.pop("step", None)
+    _load_optimizer(inner, model, optim_state_dict)
+    if wrapper is not None:
+        wrapper.restore_step(step)
+
+
+def _load_model(model: nn.Module, sd: dict[str, Any], opts: _Options) -> None:
+    module = _unwrap(model)
+    names = {_clean(k): k for k in module.state_dict()}
+    unknown = sorted(set(sd) - set(names))
+    if unknown and opts.strict:
+        raise ValueError(f"model_state_dict has FQNs the model does not: {unknown[:5]}")
+    result = module.load_state_dict({names[k]: v for k, v in sd.items() if k in names},
+                                    strict=opts.strict and not opts.ignore_frozen_params)
+    if opts.strict and not opts.ignore_frozen_params and (result.missing_keys or result.unexpected_keys):
+        raise ValueError(f"model_state_dict does not fit the model: {result}")
+
+
+def _load_optimizer(optimizer: Any, model: nn.Module, sd: dict[str, Any]) -> None:
+    check_optimizer(optimizer)
+    names = _param_names(optimizer, model)
+    sd = _unflatten(sd, _groups_of(optimizer, names)) if _is_flat(sd) else sd
+    _check_groups(sd, optimizer, names)
+    if is_functional(optimizer.optim):
+        load_functional(optimizer, names, sd)
+    else:
+        load_torch(optimizer, names, sd)
+
+
+def _check_groups(sd: dict, optimizer: Any, names: list[str]) -> None:
+    if not isinstance(sd, dict) or "state" not in sd or "param_groups" not in sd:
+        raise ValueError("optim_state_dict must have 'state' and 'param_groups' (made by get_state_dict)")
+    saved = [list(g["params"]) for g in sd["param_groups"]]
+    mine = _groups_of(optimizer, names)
+    if saved != mine:
+        missing = sorted(set(names) - {n for g in saved for n in g})
+        extra = sorted({n for g in saved for n in g} - set(names))
+        raise ValueError(f"optim_state_dict's param groups do not match this optimizer's: missing FQNs {missing}, "
+                         f"extra FQNs {extra}, group sizes {[len(g) for g in saved]} vs {[len(g) for g in mine]}")
+
+
+def _groups_of(optimizer: Any, names: list[str]) -> list[list[str]]:
+    """The FQNs of each of the optimizer's param groups."""
+    out, first = [], 0
+    for g in optimizer.param_groups:
+        out.append(names[first:first + len(g["params"])])
+        first += len(g["params"])
+    return out
+
+
+def _flatten(sd: dict) -> dict[str, Any]:
+    out = {f"state.{fqn}.{k}": v for fqn, st in sd["state"].items() for k, v in st.items()}
+    for g in sd["param_groups"]:
+        for fqn in g["params"]:
+            out.update({f"param_groups.{fqn}.{k}": v for k, v in g.items() if k != "params"})
+    return out
+
+
+def _is_flat(sd: Any) -> bool:
+    return isinstance(sd, dict) and "param_groups" not in sd and all(k.startswith(("state.", "param_groups."))
+                                                                     for k in sd)
+
+
+def _unflatten(sd: dict, groups: list[list[str]]) -> dict:
+    """The nested layout back, the FQNs (which contain dots) known from the optimizer's groups."""
+    state: dict[str, dict] = {}
+    for fqn in (n for g in groups for n in g):
+        prefix = f"state.{fqn}."
+        st = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix) and "." not in k[len(prefix):]}
+        if st:
+            state[fqn] = st
+    out_groups = []
+    for g in groups:
+        prefix = f"param_groups.{g[0]}." if g else None
+        settings = {k[len(prefix):]: v for k, v in sd.items() if prefix and k.startswith(prefix)
+                    and "." not in k[len(prefix):]}
+        out_groups.append({**settings, "params": list(g)})
+    return {"state": state, "param_groups": out_groups}
