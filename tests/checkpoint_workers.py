@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import torch
-from plan_workers import RULES, fixed_grads, groups_of, make_model, reference
+from plan_workers import RULES as PLAN_RULES
+from plan_workers import fixed_grads, groups_of, make_model
 from zero_workers import set_grads
 
+import zero.functional as zf
 from zero.backends import ZeroRedundancyOptimizer as Zero
 from zero.backends import checkpoint
+
+RULES = {**PLAN_RULES, "from_torch_adamw": (zf.from_torch(torch.optim.AdamW, lr=1e-2, weight_decay=0.1), {}, None)}
 
 
 def build(strategy: str, masters: bool, rule: str = "adamw"):
@@ -191,7 +195,11 @@ def single_process_batches(steps: int) -> list[torch.Tensor]:
 def one_process(rule: str, steps: int) -> list[torch.Tensor]:
     """``rule`` over all params in one process, on `dcp_leg`'s gradients."""
     model = make_model()
-    opt = reference(rule, groups_of(model, not isinstance(RULES[rule][0], type)))
+    optimizer_class, kwargs, _ = RULES[rule]
+    if isinstance(optimizer_class, type):
+        opt = optimizer_class(groups_of(model, False), **kwargs)
+    else:
+        opt = zf.Optimizer(groups_of(model, True), optimizer_class)
     train(model, opt, 0, steps)
     return [p.detach().clone() for p in model.parameters()]
 

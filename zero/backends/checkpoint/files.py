@@ -107,7 +107,10 @@ def _check_against(metadata: Any, request: dict, strict: bool) -> None:
     saved = metadata.state_dict_metadata
     missing = _missing(metadata, request)
     if missing:
-        raise ValueError(f"the checkpoint lacks {len(missing)} tensors this model and optimizer need: {missing[:6]}")
+        fqns = sorted(k.removeprefix("model.") for k in missing if k.startswith("model."))
+        which = f" (the model's {fqns[:6]}: it was saved for another model)" if fqns else ""
+        raise ValueError(f"the checkpoint lacks {len(missing)} tensors this model and optimizer need{which}: "
+                         f"{missing[:6]}")
     for key, value in _tensors(request).items():
         md = saved[key]
         if not hasattr(md, "chunks"):
