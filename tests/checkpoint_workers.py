@@ -220,3 +220,28 @@ def local_sgd_leg(rank: int, world_size: int, load_from: str | None, save_to: st
         checkpoint.save(save_to, model, opt)
     return {"params": [p.detach().double().numpy().copy() for p in model.parameters()], "resumed_at": resumed_at,
             "averager_step": opt.averager.step}
+
+
+def join_leg(rank: int, world_size: int, path: str, resume: bool) -> dict:
+    """DDP + ZeRO (whole plan) under ``Join`` with uneven inputs (rank r: 3 + r batches), a save,
+    then 2 even steps. ``resume``: a fresh run loads the save and takes those 2 steps instead."""
+    from torch.distributed.algorithms.join import Join
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = make_model()
+    ddp = DDP(model)
+    opt = Zero(groups_of(model, False), torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+    if resume:
+        checkpoint.load(path, ddp, opt)
+    else:
+        with Join([ddp, opt]):
+            for step in range(3 + rank):
+                ddp(_batch(100 * rank + step)).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+        checkpoint.save(path, ddp, opt)
+    for step in range(10, 12):
+        ddp(_batch(step)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return {"params": [p.detach().double().numpy().copy() for p in model.parameters()]}

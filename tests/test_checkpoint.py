@@ -260,3 +260,11 @@ def test_async_save_writes_a_checkpoint_that_loads(tmp_path):
     run_ranks(cw.dcp_leg, 2, "flat", None, str(tmp_path / "a"), 0, 4, False, "adamw", True, timeout=120)
     rows = run_ranks(cw.dcp_leg, 3, "sorted_greedy", str(tmp_path / "a"), None, 4, 4, timeout=120)
     _equal(_params(rows), pw.single_process(8))
+
+
+def test_a_run_with_uneven_inputs_under_join_saves_and_resumes(tmp_path):
+    """Saved after a Join loop (rank 1 ran out of inputs a step before rank 2): resuming from it
+    continues exactly as the run that saved it."""
+    saver = run_ranks(cw.join_leg, 3, str(tmp_path / "a"), False, timeout=120)
+    resumed = run_ranks(cw.join_leg, 3, str(tmp_path / "a"), True, timeout=120)
+    _equal(_params(resumed), _params(saver))
