@@ -156,9 +156,17 @@ def test_the_flattened_layout_round_trips(saved, tmp_path):
     assert "state.4.weight.exp_avg" in optim_sd and optim_sd["param_groups.4.weight.lr"] == 1e-2
     fresh_model, fresh = _one_rank_run(tmp_path)
     fresh.param_groups[0]["lr"] = 0.5
+    with torch.no_grad():
+        for p in fresh_model.parameters():
+            p.add_(1.0)
     model_sd, _ = checkpoint.get_state_dict(model, opt)
     checkpoint.set_state_dict(fresh_model, fresh, model_state_dict=model_sd, optim_state_dict=optim_sd, options=flat)
     assert fresh.param_groups[0]["lr"] == 1e-2
+    assert all(torch.equal(a, b) for a, b in zip(fresh_model.parameters(), model.parameters()))  # copied in
+    del model_sd["4.bias"]
+    with pytest.raises(ValueError, match=r"missing FQNs \['4\.bias'\], unexpected FQNs \[\]"):
+        checkpoint.set_state_dict(fresh_model, fresh, model_state_dict=model_sd, optim_state_dict=optim_sd,
+                                  options=flat)
     got, want = fresh.optim.state_dict()["state"][0], opt.optim.state_dict()["state"][0]
     torch.testing.assert_close(got["exp_avg"], want["exp_avg"], rtol=0, atol=0)
 

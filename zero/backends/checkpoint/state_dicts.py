@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from zero.backends.checkpoint.pieces import functional_entries, load_functional, load_torch, torch_entries
@@ -156,15 +157,23 @@ def set_state_dict(model: nn.Module, optimizer: Any, *, model_state_dict: dict[s
 
 
 def _load_model(model: nn.Module, sd: dict[str, Any], opts: _Options) -> None:
+    """Copy into the model what is not already its own memory (DCP loads `get_state_dict`'s
+    tensors in place: copying those onto themselves would only cost time)."""
     module = _unwrap(model)
-    names = {_clean(k): k for k in module.state_dict()}
-    unknown = sorted(set(sd) - set(names))
-    if unknown and opts.strict:
-        raise ValueError(f"model_state_dict has FQNs the model does not: {unknown[:5]}")
-    result = module.load_state_dict({names[k]: v for k, v in sd.items() if k in names},
-                                    strict=opts.strict and not opts.ignore_frozen_params)
-    if opts.strict and not opts.ignore_frozen_params and (result.missing_keys or result.unexpected_keys):
-        raise ValueError(f"model_state_dict does not fit the model: {result}")
+    own = {_clean(k): (k, v) for k, v in module.state_dict().items()}
+    frozen = {_clean(n) for n, p in module.named_parameters() if not p.requires_grad} \
+        if opts.ignore_frozen_params else set()
+    unexpected, missing = sorted(set(sd) - set(own)), sorted(set(own) - set(sd) - frozen)
+    if opts.strict and (unexpected or missing):
+        raise ValueError(f"model_state_dict does not fit the model: missing FQNs {missing[:5]}, "
+                         f"unexpected FQNs {unexpected[:5]}")
+    module.load_state_dict({own[k][0]: v for k, v in sd.items() if k in own and not _same(v, own[k][1])},
+                           strict=False)
+
+
+def _same(a: Any, b: torch.Tensor) -> bool:
+    return (isinstance(a, torch.Tensor) and a.data_ptr() == b.data_ptr() and a.shape == b.shape
+            and a.dtype == b.dtype and a.stride() == b.stride())
 
 
 def _load_optimizer(optimizer: Any, model: nn.Module, sd: dict[str, Any]) -> None:
