@@ -20,7 +20,7 @@ import torch
 from zero.plans.checks import check_int
 from zero.plans.shards import LocalIndices, group_ranges, local_order
 
-__all__ = ["to_global", "to_local", "assemble", "local_dict", "check_compatible", "state_nbytes"]
+__all__ = ["to_global", "to_local", "assemble", "local_dict", "check_compatible", "state_nbytes", "is_per_element"]
 
 
 def to_global(shards: Sequence[dict], indices: Sequence[LocalIndices], param_groups: list[dict],
@@ -99,3 +99,11 @@ def local_dict(state: dict[int, Any], group_sizes: Sequence[int], state_dict: di
 def state_nbytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of tensor state a torch optimizer holds (what `zero.make_plan` predicts per rank)."""
     return sum(v.nbytes for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor))
+
+
+def is_per_element(key: str, value: Any, per_element: set[str] | None) -> bool:
+    """Whether a state entry is shaped like its param (``per_element``: those keys; None: every
+    tensor with dimensions), as opposed to per-param scalars such as ``step``."""
+    if not isinstance(value, torch.Tensor):
+        return False
+    return key in per_element if per_element is not None else value.dim() > 0

@@ -17,8 +17,10 @@ from typing import Any
 
 import torch
 
+from zero.backends import comm
 from zero.backends.local_optimizer import initial_state
 from zero.backends.masters import MASTER_KEY
+from zero.backends.state_dict import is_per_element
 from zero.functional.adapters.optimizer import map_state_leaves, state_leaves
 from zero.plans.chunks import Held, range_boxes
 
@@ -40,7 +42,7 @@ def torch_entries(optimizer: Any) -> Iterator[tuple[Held, str, Any]]:
     per_element = optimizer._local.per_element_keys()
     for h in optimizer.mode.holdings():
         for key, value in local["state"].get(h.local, {}).items():
-            yield h, key, _piece(optimizer, h, value) if _is_per_element(key, value, per_element) else value
+            yield h, key, _piece(optimizer, h, value) if is_per_element(key, value, per_element) else value
 
 
 def _local_state(optimizer: Any) -> dict:
@@ -105,12 +107,6 @@ def _shaped_like(leaf: Any, local: torch.Tensor, h: Held, optimizer: Any, key: s
     return False
 
 
-def _is_per_element(key: str, value: Any, per_element: set[str] | None) -> bool:
-    if not isinstance(value, torch.Tensor):
-        return False
-    return key in per_element if per_element is not None else value.dim() > 0
-
-
 def _piece(optimizer: Any, h: Held, value: torch.Tensor) -> torch.Tensor:
     """This rank's piece of one state tensor: the tensor itself (param-shaped) when it holds all of
     it, else a ``ShardedTensor`` of its boxes, views into ``value``."""
@@ -124,7 +120,7 @@ def _piece(optimizer: Any, h: Held, value: torch.Tensor) -> torch.Tensor:
     from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 
     def placed(rank: int) -> str:
-        return f"rank:{_global_rank(optimizer.process_group, rank)}/{value.device}"
+        return f"rank:{comm.global_rank(optimizer.process_group, rank)}/{value.device}"
 
     local = [Shard(flat[b.start - h.start:b.start - h.start + b.numel].view(b.sizes),
                    ShardMetadata(list(b.offsets), list(b.sizes), placed(optimizer.rank)))
@@ -135,12 +131,6 @@ def _piece(optimizer: Any, h: Held, value: torch.Tensor) -> torch.Tensor:
     with quiet():
         return ShardedTensor._init_from_local_shards_and_global_metadata(local, meta,
                                                                          process_group=optimizer.process_group)
-
-
-def _global_rank(group: Any, rank: int) -> int:
-    import torch.distributed as dist
-
-    return rank if group is None or group is dist.group.WORLD else dist.get_global_rank(group, rank)
 
 
 def load_torch(optimizer: Any, names: list[str], sd: dict) -> None:

@@ -19,7 +19,7 @@ import torch
 from zero.backends import comm
 from zero.backends.local_optimizer import LocalStep
 from zero.backends.modes.base import Begin, Mode
-from zero.backends.state_dict import assemble, local_dict
+from zero.backends.state_dict import assemble, is_per_element, local_dict
 from zero.backends.sync import ViewWatch
 from zero.functional.sharding import Pieces, Sharding
 from zero.plans.chunks import Held, held_by, param_chunks
@@ -192,7 +192,7 @@ def flat_to_global(shards: Sequence[dict], plan: Plan, param_groups: list[dict],
         if not all(held):
             continue
         for key, value in held[0].items():
-            if _is_per_element(key, value, per_element):
+            if is_per_element(key, value, per_element):
                 full = torch.cat([h[key].reshape(-1) for h in held])
                 for i, off in zip(buf.params, buf.offsets):
                     state.setdefault(i, {})[key] = full[off:off + metas[i].numel].view(metas[i].shape).clone()
@@ -223,7 +223,7 @@ def _shard_state(buf: FlatBuffer, saved_state: dict, metas: Sequence[ParamMeta],
     lo, hi = rank * buf.shard_numel, (rank + 1) * buf.shard_numel
     st = {}
     for key, value in held[0][2].items():
-        if _is_per_element(key, value, per_element):
+        if is_per_element(key, value, per_element):
             full = torch.zeros(buf.padded_numel, dtype=value.dtype, device=value.device)
             for i, off, s in held:
                 full[off:off + metas[i].numel] = s[key].reshape(-1)
@@ -231,9 +231,3 @@ def _shard_state(buf: FlatBuffer, saved_state: dict, metas: Sequence[ParamMeta],
         else:
             st[key] = value.clone() if isinstance(value, torch.Tensor) else value
     return st
-
-
-def _is_per_element(key: str, value: Any, per_element: set[str] | None) -> bool:
-    if not isinstance(value, torch.Tensor):
-        return False
-    return key in per_element if per_element is not None else value.dim() > 0
