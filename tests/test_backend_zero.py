@@ -25,6 +25,14 @@ def test_matches_torch_zero_and_single_process(world_size):
         assert max(by_config[config]["state_bytes"] for by_config in results) < total, "state is sharded"
 
 
+def test_named_params_reach_masks_on_the_fused_kernel():
+    results = run_ranks(w.named_masks, 2)
+    assert all(r["path"].startswith("fused: _fused_adamw_") for r in results), results[0]["path"]
+    names = sorted(n for r in results for n in r["names"])
+    assert names == sorted(f"{i}.{k}" for i in range(4) for k in ("weight", "bias")), "each rank names what it owns"
+    assert "flat plan's local optimizer steps shards" in results[0]["flat"]
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_functional_local_optimizers(world_size):
     results = run_ranks(w.functional_parity, world_size)

@@ -138,7 +138,7 @@ def test_chains_without_a_kernel_step_by_their_update():
     assert F.nadam(0.01).inplace is None and F.adam(0.01, eps_root=1e-8).inplace is None
     bf16_trace = F.sgd(0.01, momentum=0.9, accumulator_dtype=torch.bfloat16)
     assert bf16_trace.inplace is None, "a buffer of another dtype than its param: no kernel"
-    assert F.adamw(0.01, mask=lambda p: [True] * len(p)).inplace is None
+    assert F.adamw(0.01, weight_decay=lambda count: 0.01).inplace is None, "a scheduled decay: no kernel"
     assert F.chain(F.scale_by_adam(), F.scale(-0.01)).inplace is None, "scale is not scale_by_learning_rate"
 
 

@@ -602,3 +602,26 @@ def accumulates_under_ddp(rank: int, world_size: int, micro: int = 3, steps: int
                     net(x).square().sum().backward()
             o.step()
     return max((a - b).abs().max().item() for a, b in zip(ours_m.parameters(), ref_m.parameters()))
+
+
+def named_masks(rank: int, world_size: int, steps: int = 10) -> dict:
+    """Named params through ZeRO (whole plan): a decay mask by name and a leading clip (the sharded
+    global norm) on the fused kernel, vs one process stepping the same chain by name."""
+    tx = zf.chain(zf.clip_by_global_norm(0.5),
+                  zf.adamw(1e-2, weight_decay=0.1, mask=lambda tree: {n: not n.endswith("bias") for n in tree}))
+    ours_m, ref_m = make_model(), make_model()
+    ours = Zero(ours_m.named_parameters(), tx)
+    ref = zf.Optimizer(ref_m.named_parameters(), tx)
+    for step in range(steps):
+        grads = ddp_grads(list(ours_m.parameters()), step, rank, world_size)
+        for m, opt in ((ours_m, ours), (ref_m, ref)):
+            set_grads(m, grads)
+            opt.step()
+        assert_params(ours_m, ref_m, exact=False, what=f"named masks, step {step}")
+    assert same_on_every_rank(ours_m)
+    out = {"path": str(ours.path[0]), "names": ours.optim.param_groups[0]["param_names"]}
+    try:
+        Zero(make_model().named_parameters(), tx, strategy="flat")
+    except ValueError as e:
+        out["flat"] = str(e)
+    return out

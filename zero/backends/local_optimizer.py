@@ -139,18 +139,26 @@ def local_groups(param_groups: list[dict], indices: Sequence[Sequence[int]], par
     """The local optimizer's groups: every global group's settings, with only the owned params.
 
     Every rank gets every group, possibly empty, so group ``k`` means the same on all ranks.
+    Named groups keep the names of the params they hold (transformations step them by name).
     """
-    return [{**{k: v for k, v in g.items() if k != "params"}, "params": [params[i] for i in idx]}
-            for g, idx in zip(param_groups, indices)]
+    out, first = [], 0  # ``indices`` count across groups: ``first`` is the group's first
+    for g, idx in zip(param_groups, indices):
+        local = {**{k: v for k, v in g.items() if k != "params"}, "params": [params[i] for i in idx]}
+        if "param_names" in g:
+            local["param_names"] = [g["param_names"][i - first] for i in idx]
+        out.append(local)
+        first += len(g["params"])
+    return out
 
 
 def copy_hyperparams(src: list[dict], dst: list[dict]) -> None:
-    """Copy every group setting but ``params`` (lr schedulers write one side, optimizers read the other)."""
+    """Copy every group setting but ``params`` and their names (lr schedulers write one side,
+    optimizers read the other)."""
     if len(src) != len(dst):
         raise RuntimeError(f"{len(src)} param groups cannot sync with {len(dst)}")
     for s, d in zip(src, dst):
         for key, value in s.items():
-            if key != "params":
+            if key not in ("params", "param_names"):
                 d[key] = value
 
 
@@ -261,10 +269,18 @@ def check_shardable(optimizer_class: Any) -> None:
     if isinstance(optimizer_class, GradientTransformation) and _mentions(optimizer_class, "from_optax"):
         raise ValueError("a from_optax transformation runs Optax's own code, which cannot be told that it steps "
                          "pieces of tensors: use a whole-param plan, or zero.functional's own rule")
+    if isinstance(optimizer_class, GradientTransformation) and (_mentions(optimizer_class, "masked")
+                                                                or _mentions(optimizer_class, "partition")):
+        raise ValueError("a masked or partitioned transformation picks params by name or position, but a flat "
+                         "plan's local optimizer steps shards that each hold pieces of several params: use a "
+                         "whole-param plan (names reach the masks there), or put the params each rule steps in "
+                         "their own param group (a flat plan packs each group's buffers apart)")
 
 
 def _mentions(tx: Any, name: str) -> bool:
     spec = getattr(tx, "spec", None)
     if spec is None:
         return False
-    return spec.name == name or any(_mentions(link, name) for link in spec.args.get("links", ()))
+    inner = spec.args.get("inner")
+    return spec.name == name or any(_mentions(link, name) for link in spec.links) or (
+        isinstance(inner, GradientTransformation) and _mentions(inner, name))

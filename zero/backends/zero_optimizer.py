@@ -22,11 +22,12 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
 from zero.backends import comm
-from zero.backends.local_optimizer import LocalStep, check_state_keys, make_local_optimizer
+from zero.backends.local_optimizer import LocalStep, check_state_keys, is_functional, make_local_optimizer
 from zero.backends.masters import Masters, Scaling, resolve_dtype
 from zero.backends.modes import Mode, make_mode
 from zero.backends.state_dict import check_compatible
 from zero.backends.watch import Place, watch_of
+from zero.functional.fast.chains import Path
 from zero.plans.checks import checksum
 from zero.plans.ddp_buckets import ddp_bucket_partition
 from zero.plans.diff import plan_facts
@@ -148,6 +149,18 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         """The `zero.Partition` this optimizer executes (owner of each param, in ``param_groups``
         order); None under a flat plan, whose placement is ``plan.flat``."""
         return self.plan.partition
+
+    @property
+    def path(self) -> list:
+        """Per param group, what this rank's local step runs (`zero.functional.explain`): the
+        kernel and its calls for a transformation; a ``torch.optim`` class steps itself, with the
+        ``foreach=`` / ``fused=`` it was given passed through (torch's defaults otherwise, so the
+        step stays bit-exact with torch's ZeroRedundancyOptimizer)."""
+        if is_functional(self.optim):
+            return self.optim.path
+        name = f"{type(self.optim).__module__}.{type(self.optim).__name__}.step"
+        return [Path(name, 1, f"a torch.optim class: foreach={g.get('foreach')}, fused={g.get('fused')}, as given")
+                for g in self.optim.param_groups]
 
     @property
     def optim(self) -> Optimizer:

@@ -159,6 +159,8 @@ from zero.functional.adapters.optimizer import FunctionalOptimizer
 from zero.functional.adapters.optimizer import Optimizer
 from zero.functional.adapters.optimizer import split_state
 from zero.functional.adapters.torch_rules import from_torch
+from zero.functional.fast.chains import Path
+from zero.functional.fast.chains import explain
 
 __all__ = [
     "AddNoiseState",
@@ -179,6 +181,8 @@ __all__ = [
     "MultiStepsState",
     "MultiTransformState",
     "Optimizer",
+    "Path",
+    "explain",
     "PartitionState",
     "ScaleByAdaDeltaState",
     "ScaleByAdamState",

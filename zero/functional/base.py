@@ -16,7 +16,7 @@ import optree
 import torch
 
 __all__ = ["GradientTransformation", "Spec", "EmptyState", "identity", "stateless_tx", "set_to_zero", "stateless",
-           "stateless_with_tree_map", "inplace_step", "tree_map", "takes_extra_args", "update_with",
+           "stateless_with_tree_map", "inplace_step", "add_updates", "tree_map", "takes_extra_args", "update_with",
            "with_extra_args_support", "as_dtype",
            "flatten_like", "check_structure", "tree_leaves", "zeros_like", "full_like", "count_zero", "count_inc",
            "NO_PARAMS_MSG", "check_positive", "check_unit", "check_non_negative"]
@@ -37,14 +37,15 @@ class Spec(NamedTuple):
     name: str
     args: dict[str, Any]
     factory: Callable[..., Any] | None = None  # rebuilds it: ``factory(**args)`` (the aliases)
+    links: tuple = ()  # the transformations it runs in turn: a chain's, an alias's chain's
 
 
 class GradientTransformation(NamedTuple):
     """``init(params) -> state`` and ``update(updates, state, params=None) -> (updates, state)``.
 
     ``update`` is pure and defines the rule. ``inplace``, when set, is a faster way to take the
-    same step on lists of tensors: ``inplace(params, grads, state)`` updates params and state
-    tensors in place and returns the new state, or returns ``None`` when it cannot take these
+    same step: ``inplace(params, grads, state)`` (trees like ``init``'s params) updates params and
+    state tensors in place and returns the new state, or returns ``None`` when it cannot take these
     tensors (the caller then runs ``update``; see `inplace_step`). ``spec`` describes the
     transformation (see `Spec`); ``None`` for one built by hand. ``scaled``, when set, maps a
     nonzero number ``c`` to an ``update`` whose updates come out multiplied by ``c``: `chain`
@@ -198,8 +199,9 @@ def stateless_with_tree_map(f: Callable[[torch.Tensor, torch.Tensor | None], tor
 
 
 @torch.no_grad()
-def inplace_step(tx: GradientTransformation, params: list, grads: list, state: Any) -> Any:
-    """One step of ``tx`` on a list of params, updating them in place; returns the new state.
+def inplace_step(tx: GradientTransformation, params: Any, grads: Any, state: Any) -> Any:
+    """One step of ``tx`` on a tree of params (a list, a dict by name ...), updating them in
+    place; returns the new state.
 
     Uses ``tx.inplace`` when the transformation has one that takes these tensors, else
     ``tx.update`` then an in-place add.
@@ -210,11 +212,18 @@ def inplace_step(tx: GradientTransformation, params: list, grads: list, state: A
             # torch's fused kernels write params without telling autograd; a for-loop step does.
             # Tell it, so a backward that saved a param before this step raises as with
             # torch.optim's default step (e.g. several RPC trainers) instead of mixing values.
-            torch.autograd.graph.increment_version(params)
+            torch.autograd.graph.increment_version(tree_leaves(params))
             return new_state
     updates, state = tx.update(grads, state, params)
-    torch._foreach_add_(params, [u.to(p.dtype) for p, u in zip(params, updates)])
+    add_updates(params, updates)
     return state
+
+
+def add_updates(params: Any, updates: Any) -> None:
+    """``params += updates`` in place, leaf by leaf, each update cast to its param's dtype."""
+    leaves, theirs = flatten_like(params, updates, "the params")
+    if leaves:
+        torch._foreach_add_(leaves, [u.to(p.dtype) for p, u in zip(leaves, theirs)])
 
 
 def check_positive(name: str, value: Any) -> None:

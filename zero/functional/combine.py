@@ -8,7 +8,7 @@ from zero.functional.base import (
     check_structure,
     update_with,
 )
-from zero.functional.fast.kernels import fuse
+from zero.functional.fast.chains import fuse
 
 __all__ = ['chain', 'named_chain']
 
@@ -43,7 +43,7 @@ def chain(*transformations: GradientTransformation) -> GradientTransformation:
             new_state.append(s)
         return updates, tuple(new_state)
 
-    return GradientTransformation(init, update, fuse(transformations), Spec("chain", {"links": transformations}))
+    return GradientTransformation(init, update, fuse(transformations), Spec("chain", {}, links=transformations))
 
 
 def _folded(links) -> list:

@@ -26,6 +26,7 @@ from zero.functional.base import (
     tree_leaves,
     update_with,
 )
+from zero.functional.fast.chains import Path, described, explain
 from zero.functional.fast.kernels import keep_placement
 
 __all__ = ["InjectHyperparamsState", "InjectStatefulHyperparamsState", "WrappedScheduleState", "WrappedSchedule",
@@ -172,7 +173,8 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation],
         last: dict[int, GradientTransformation] = {}  # per param list: the inner transformation it last stepped
 
         def build_for(params: list, hyperparams: dict) -> GradientTransformation:
-            tx, key = build(hyperparams), id(params[0]) if params else 0
+            leaves = tree_leaves(params)
+            tx, key = build(hyperparams), id(leaves[0]) if leaves else 0
             if last.get(key, tx) is not tx:
                 keep_placement(last[key], tx)  # new values (a scheduler): keep what the kernel has checked
             last[key] = tx
@@ -205,6 +207,13 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation],
 
         initial = {k: float(v) for k, v in numeric.items()}
         initial.update({k: float(f(f.init())) for k, f in scheduled.items()})
-        return GradientTransformation(init, update, inplace, Spec("inject_hyperparams", {"hyperparams": initial}))
+
+        def describe(params):
+            path = explain(build({k: torch.tensor(v) for k, v in initial.items()}), params)
+            return Path(path.kernel, path.calls, f"inject_hyperparams: read from the state each step; {path.why}",
+                        path.parts)
+
+        return GradientTransformation(init, update, described(inplace, describe),
+                                      Spec("inject_hyperparams", {"hyperparams": initial}))
 
     return wrapped

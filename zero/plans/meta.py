@@ -144,7 +144,8 @@ def _dispatch(obj: Any) -> list[ParamMeta]:
     if isinstance(obj, Mapping):
         return _from_mapping(obj)
     groups = param_groups(obj)
-    return _from_tensors([(None, t, g) for g, group in enumerate(groups) for t in group["params"]])
+    return _from_tensors([(names[i] if names else None, t, g) for g, group in enumerate(groups)
+                          for names in [group.get("param_names")] for i, t in enumerate(group["params"])])
 
 
 def param_groups(params: Any) -> list[dict[str, Any]]:
@@ -152,9 +153,10 @@ def param_groups(params: Any) -> list[dict[str, Any]]:
 
     ``params`` is an iterable of tensors (one group) or of param-group dicts; a group's
     ``"params"`` may be a single tensor or any iterable, and comes back as a list, so generators
-    are read exactly once. Other keys of a group are kept. Which items are tensors is checked by
-    `param_metas`; this only fixes the structure, and raises ``TypeError`` / ``ValueError``
-    naming the group or position that does not fit.
+    are read exactly once. Named params (``(name, tensor)`` pairs) come back as the tensors and
+    the group's ``"param_names"``, as torch keeps them. Other keys of a group are kept. Which
+    items are tensors is checked by `param_metas`; this only fixes the structure, and raises
+    ``TypeError`` / ``ValueError`` naming the group or position that does not fit.
     """
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(params, torch.Tensor):
@@ -164,14 +166,23 @@ def param_groups(params: Any) -> list[dict[str, Any]]:
                         "param-group dicts, an nn.Module, a JAX pytree or a name -> shape mapping")
     items = list(params)
     if not any(isinstance(x, Mapping) for x in items):
-        return [{"params": items}] if items else []
+        return [_named({"params": items})] if items else []
     for k, group in enumerate(items):
         if not isinstance(group, Mapping):
             raise TypeError(f"params mixes tensors and param-group dicts (params[{k}] is a "
                             f"{type(group).__name__}): pass one or the other")
         if "params" not in group:
             raise ValueError(f"param group {k} has no 'params' key")
-    return [{**g, "params": _group_params(g["params"], torch)} for g in items]
+    return [_named({**g, "params": _group_params(g["params"], torch)}) for g in items]
+
+
+def _named(group: dict[str, Any]) -> dict[str, Any]:
+    """A group of ``(name, param)`` pairs (``model.named_parameters()``, as torch optimizers take
+    them) as its params and their ``"param_names"``; other groups as they are."""
+    pairs = group["params"]
+    if not pairs or not all(isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str) for x in pairs):
+        return group
+    return {**group, "params": [p for _, p in pairs], "param_names": [n for n, _ in pairs]}
 
 
 def _group_params(params: Any, torch: Any) -> list:

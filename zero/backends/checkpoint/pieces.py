@@ -56,9 +56,10 @@ def _trainable(optimizer: Any) -> set[int]:
     return {h.local for h in optimizer.mode.holdings() if optimizer._all_params[h.param].requires_grad}
 
 
-def _functional_sets(optimizer: Any) -> Iterator[tuple[dict, tuple[int, ...], list[int]]]:
+def _functional_sets(optimizer: Any) -> Iterator[tuple[dict, tuple[int, ...], list[int], list[str] | None]]:
     """Each set of a `zero.functional` local optimizer's params stepped together: the group's
-    states, the set's positions in the group, their positions across groups. Params without
+    states, the set's positions in the group, their positions across groups, their names in
+    the state's trees (None: lists). Params without
     state start from the transformation's ``init`` (stepped together, as a step would)."""
     optim, trainable, first = optimizer.optim, _trainable(optimizer), 0
     for k, group in enumerate(optim.param_groups):
@@ -66,7 +67,7 @@ def _functional_sets(optimizer: Any) -> Iterator[tuple[dict, tuple[int, ...], li
         optim.ensure_state(k, tuple(i for i in range(n) if first + i in trainable))
         states = optim.set_states(k)
         for idx in list(states):
-            yield states, idx, [first + i for i in idx]
+            yield states, idx, [first + i for i in idx], optim.names_of(k, idx)
         first += n
 
 
@@ -76,8 +77,8 @@ def functional_entries(optimizer: Any) -> Iterator[tuple[Held, str, Any]]:
     under every param of its set; masters under `MASTER_KEY`."""
     by_local = _by_local(optimizer)
     params = [p for g in optimizer.optim.param_groups for p in g["params"]]
-    for states, idx, js in _functional_sets(optimizer):
-        for key, pos, leaf in state_leaves(states[idx], len(idx)):
+    for states, idx, js, names in _functional_sets(optimizer):
+        for key, pos, leaf in state_leaves(states[idx], len(idx), names):
             for j in js if pos is None else [js[pos]]:
                 for h in by_local.get(j, ()):
                     per_param = pos is not None and _shaped_like(leaf, params[j], h, optimizer, key)
@@ -173,7 +174,7 @@ def load_functional(optimizer: Any, names: list[str], sd: dict) -> None:
     loaded into them), then its masters and the groups' settings."""
     by_local = _by_local(optimizer)
     params = [p for g in optimizer.optim.param_groups for p in g["params"]]
-    for states, idx, js in _functional_sets(optimizer):
+    for states, idx, js, tree_names in _functional_sets(optimizer):
         def fill(key: str, pos: int | None, leaf: Any, js: list[int] = js) -> Any:
             held = [h for j in (js if pos is None else [js[pos]]) for h in by_local.get(j, ())]
             for h in held if pos is not None else held[:1]:
@@ -185,7 +186,7 @@ def load_functional(optimizer: Any, names: list[str], sd: dict) -> None:
                 else:
                     leaf = saved
             return leaf
-        states[idx] = map_state_leaves(states[idx], len(idx), fill)
+        states[idx] = map_state_leaves(states[idx], len(idx), fill, tree_names)
     for j, p in enumerate(params):
         stepped = optimizer.masters.stepped(p)
         for h in by_local.get(j, ()) if stepped is not None else ():

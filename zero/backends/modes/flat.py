@@ -59,8 +59,9 @@ class FlatShards(Mode):
         return flat
 
     def local_groups(self, param_groups: list[dict]) -> list[dict]:
-        """Every group's settings, with this rank's shards of that group's buffers as its params."""
-        return [{**{k: v for k, v in g.items() if k != "params"},
+        """Every group's settings, with this rank's shards of that group's buffers as its params
+        (a shard holds pieces of several params: it has no name)."""
+        return [{**{k: v for k, v in g.items() if k not in ("params", "param_names")},
                  "params": [s for s, b in zip(self.shards, self.layout.buffers) if b.group == k]}
                 for k, g in enumerate(param_groups)]
 

@@ -5,6 +5,10 @@ dicts, lr schedulers); `FunctionalOptimizer` is the ``step(gradients)`` form tha
 call one bucket at a time, like torch's private ``_FunctionalAdam`` family but for any
 transformation.
 
+A param group built from named params (``model.named_parameters()``, as torch takes them) gives
+the transformation its params as a dict by name, so masks and labels can be written by name, as
+on the pure path: ``masked(tx, lambda tree: {n: not n.endswith("bias") for n in tree})``.
+
 Both keep one transformation state per *set of parameters stepped together*: a group's params
 that have gradients, or one DDP bucket. The sets repeat every iteration, so each state sees the
 same params every step, and params that never get a gradient (frozen ones) never get state, as
@@ -18,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import optree
 import torch
 
 from zero.functional import sharding
@@ -50,8 +55,10 @@ def with_group_hyperparams(tx: Any, who: str = "tx") -> GradientTransformation:
         raise TypeError(f"{who} must be a zero.functional GradientTransformation, got {type(tx).__name__}")
     spec = getattr(tx, "spec", None)
     if spec is not None and spec.factory is not None:
-        # float64 holds a Python float exactly: torch keeps group settings as Python numbers.
-        return inject_hyperparams(spec.factory, hyperparam_dtype=torch.float64)(**spec.args)
+        # float64 holds a Python float exactly: torch keeps group settings as Python numbers. A mask
+        # is a function of the params, not a schedule of the step: it stays fixed.
+        masks = [k for k in spec.args if "mask" in k]
+        return inject_hyperparams(spec.factory, static_args=masks, hyperparam_dtype=torch.float64)(**spec.args)
     return tx
 
 
@@ -125,14 +132,17 @@ def split_state(state: Any, n: int, parts: list[list[int]]) -> list[Any]:
     return [cut(state, part) for part in parts]
 
 
-def map_state_leaves(state: Any, n: int, fn: Any) -> Any:
+def map_state_leaves(state: Any, n: int, fn: Any, names: list[str] | None = None) -> Any:
     """``state`` (of a transformation initialised on ``n`` params) with each leaf replaced by
     ``fn(key, position, leaf)``: ``key`` is the leaf's path, dotted (NamedTuple fields by name);
     ``position`` the index of the param a per-param leaf belongs to (the lists of length ``n``,
-    as `split_state` reads them), None for leaves the params share (counts, hyperparameters)."""
+    as `split_state` reads them, or with ``names`` the dicts by those names), None for leaves the
+    params share (counts, hyperparameters)."""
     def walk(node: Any, path: tuple[str, ...], pos: int | None) -> Any:
         if isinstance(node, list) and len(node) == n and pos is None:
             return [walk(x, path, i) for i, x in enumerate(node)]
+        if names is not None and isinstance(node, dict) and pos is None and set(node) == set(names):
+            return {k: walk(x, path, names.index(k)) for k, x in node.items()}
         if isinstance(node, tuple) and hasattr(node, "_fields"):
             return type(node)(*[walk(x, path + (f,), pos) for f, x in zip(node._fields, node)])
         if isinstance(node, (tuple, list)):
@@ -143,11 +153,24 @@ def map_state_leaves(state: Any, n: int, fn: Any) -> Any:
     return walk(state, (), None)
 
 
-def state_leaves(state: Any, n: int) -> list[tuple[str, int | None, Any]]:
+def state_leaves(state: Any, n: int, names: list[str] | None = None) -> list[tuple[str, int | None, Any]]:
     """``(key, position, leaf)`` of every leaf of ``state``, as `map_state_leaves` names them."""
     out: list[tuple[str, int | None, Any]] = []
-    map_state_leaves(state, n, lambda key, pos, leaf: out.append((key, pos, leaf)))
+    map_state_leaves(state, n, lambda key, pos, leaf: out.append((key, pos, leaf)), names)
     return out
+
+
+def as_tree(params: list, names: list[str] | None) -> Any:
+    """The tree a transformation steps: the list of params, or a dict by name when named."""
+    return params if names is None else dict(zip(names, params))
+
+
+def _check_names(group: dict, index: int) -> None:
+    names = group.get("param_names")
+    if names is not None and len(set(names)) != len(names):
+        twice = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(f"param group {index} names {twice} more than once: a transformation steps a group's "
+                         "params as a dict by name, so each name must be unique in its group")
 
 
 class _StatesBySet:
@@ -158,9 +181,10 @@ class _StatesBySet:
         self.states: dict[tuple[int, ...], Any] = {}
         self._owner: dict[int, tuple[int, ...]] = {}
 
-    def step(self, idx: tuple[int, ...], params: list, grads: list, group: dict | None = None) -> None:
+    def step(self, idx: tuple[int, ...], params: list, grads: list, group: dict | None = None,
+             names: list[str] | None = None) -> None:
         if idx in self.states or not any(i in self._owner for i in idx):
-            return self._step(idx, params, grads, group)
+            return self._step(idx, params, grads, group, names)
         if not self.per_param:
             clash = sorted({self._owner[i] for i in idx if i in self._owner})
             raise ValueError(f"params {list(idx)} are stepped together, but some were stepped before with "
@@ -171,7 +195,7 @@ class _StatesBySet:
         blocks = sorted({self._owner[i] for i in idx if i in self._owner})
         fresh = tuple(i for i in idx if i not in self._owner)
         for block in blocks + ([fresh] if fresh else []):
-            self._step(block, [params[where[i]] for i in block], [grads[where[i]] for i in block], group)
+            self._step(block, [params[where[i]] for i in block], [grads[where[i]] for i in block], group, None)
 
     def _split_along(self, stepping: set[int]) -> None:
         """Split every set that is partly stepping into its stepping and its resting params."""
@@ -186,15 +210,18 @@ class _StatesBySet:
                 self.states[key] = state
                 self._owner.update(dict.fromkeys(key, key))
 
-    def _step(self, idx: tuple[int, ...], params: list, grads: list, group: dict | None) -> None:
+    def _step(self, idx: tuple[int, ...], params: list, grads: list, group: dict | None,
+              names: list[str] | None) -> None:
         state = self.states.get(idx)
         if state is None:
-            state = self.tx.init(params)
+            state = self.tx.init(as_tree(params, names))
             self._owner.update(dict.fromkeys(idx, idx))
         if group is not None:
             state = _sync_hyperparams(state, group)
-        with sharding.stepping(params):
-            self.states[idx] = inplace_step(self.tx, params, grads, state)
+        # the leaves reach the transformation in the tree's order (a dict's sorted by name)
+        tree = as_tree(params, names)
+        with sharding.stepping(optree.tree_leaves(tree)):
+            self.states[idx] = inplace_step(self.tx, tree, as_tree(grads, names), state)
 
 
 class Optimizer(torch.optim.Optimizer):
@@ -219,7 +246,8 @@ class Optimizer(torch.optim.Optimizer):
         _check_group_settings(param_group, known, len(self.param_groups))
         for key, value in known.items():
             param_group.setdefault(key, value)
-        super().add_param_group(param_group)
+        super().add_param_group(param_group)  # torch reads names off (name, param) pairs
+        _check_names(self.param_groups[-1], len(self.param_groups) - 1)
         self._states.append(_StatesBySet(tx, self._per_param))
 
     @torch.no_grad()
@@ -228,22 +256,42 @@ class Optimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group, states in zip(self.param_groups, self._states):
+        for k, (group, states) in enumerate(zip(self.param_groups, self._states)):
             idx = tuple(i for i, p in enumerate(group["params"]) if p.grad is not None)
             if idx or sharding.every_group():  # sharded rules make collectives: every rank steps every group
                 params = [group["params"][i] for i in idx]
                 grads = [p.grad for p in params]
                 if any(g.is_sparse for g in grads):
                     raise ValueError("zero.functional.Optimizer does not support sparse gradients")
-                states.step(idx, params, grads, group)
+                states.step(idx, params, grads, group, self.names_of(k, idx))
         return loss
+
+    def names_of(self, k: int, idx: tuple[int, ...]) -> list[str] | None:
+        """The names group ``k``'s params at ``idx`` have in the tree the transformation steps,
+        or None (a list): names come from named params, and not under ``per_param``, whose
+        states split by position."""
+        names = self.param_groups[k].get("param_names")
+        return None if names is None or self._per_param else [names[i] for i in idx]
+
+    @property
+    def path(self) -> list:
+        """Per param group, what its step runs (`zero.functional.explain`): the kernel and its
+        calls, or the link that keeps the transformation on the pure path."""
+        from zero.functional.fast.chains import explain
+
+        out = []
+        for k, (group, states) in enumerate(zip(self.param_groups, self._states)):
+            idx = tuple(i for i, p in enumerate(group["params"]) if p.requires_grad)
+            out.append(explain(states.tx, as_tree([group["params"][i] for i in idx], self.names_of(k, idx))))
+        return out
 
     def ensure_state(self, k: int, idx: tuple[int, ...]) -> None:
         """Give group ``k``'s params at positions ``idx`` the state they start from, stepped
         together, unless they have state (a checkpoint then loads into it in place)."""
         states = self._states[k]
         if idx and not any(i in states._owner for i in idx):
-            states.states[idx] = states.tx.init([self.param_groups[k]["params"][i] for i in idx])
+            params = [self.param_groups[k]["params"][i] for i in idx]
+            states.states[idx] = states.tx.init(as_tree(params, self.names_of(k, idx)))
             states._owner.update(dict.fromkeys(idx, idx))
 
     def set_states(self, k: int) -> dict[tuple[int, ...], Any]:

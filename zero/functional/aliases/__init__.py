@@ -28,6 +28,8 @@ def alias(factory: Callable[..., GradientTransformation]) -> Callable[..., Gradi
     def build(*args: Any, **kwargs: Any) -> GradientTransformation:
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
-        return factory(*args, **kwargs)._replace(spec=Spec(factory.__name__, dict(bound.arguments), build))
+        tx = factory(*args, **kwargs)
+        links = tx.spec.links if tx.spec is not None else ()  # kept, so a chain around the alias can fuse it
+        return tx._replace(spec=Spec(factory.__name__, dict(bound.arguments), build, links))
 
     return build

@@ -6,18 +6,23 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import optree
 import torch
 
 from zero.functional.base import (
     GradientTransformation,
+    Spec,
     as_dtype,
     count_inc,
     count_zero,
+    flatten_like,
+    inplace_step,
     tree_leaves,
     tree_map,
     update_with,
     zeros_like,
 )
+from zero.functional.fast.chains import Path, described, explain
 from zero.functional.fast.packing import elementwise_map
 
 __all__ = ['MultiStepsState', 'MultiSteps', 'skip_not_finite', 'skip_large_updates', 'ApplyEvery', 'apply_every']
@@ -100,8 +105,39 @@ class MultiSteps:
     def has_updated(self, state: MultiStepsState) -> bool:
         return int(state.mini_step) == 0 and int(state.gradient_step) > 0
 
+    @torch.no_grad()
+    def inplace(self, params: Any, grads: Any, state: MultiStepsState) -> MultiStepsState:
+        """`update` in place: the accumulators take each micro-step's grads where they are, and
+        the inner optimizer's in-place step runs on the k-th (its kernel, or its update and an add)."""
+        n, k = int(state.mini_step), int(self._k(state.gradient_step))
+        leaves, acc = flatten_like(grads, state.acc_grads, "the accumulated grads")
+        if not leaves:
+            return state._replace(mini_step=count_zero() if n == k - 1 else count_inc(state.mini_step))
+        delta = torch._foreach_sub(leaves, acc) if self._use_grad_mean else leaves
+        if self._use_grad_mean:
+            torch._foreach_div_(delta, float(n + 1))
+        if n != k - 1:
+            torch._foreach_add_(acc, delta)  # rounded to the accumulator's dtype, as `update` keeps it
+            return state._replace(mini_step=count_inc(state.mini_step))
+        total = torch._foreach_add(acc, delta)  # the last micro-step's mean, unrounded, as `update` steps with
+        inner_grads = [t.to(g.dtype) for t, g in zip(total, leaves)]
+        inner_state = inplace_step(self._opt, params, optree.tree_structure(grads).unflatten(inner_grads),
+                                   state.inner_opt_state)
+        torch._foreach_zero_(acc)
+        return MultiStepsState(count_zero(), count_inc(state.gradient_step), inner_state, state.acc_grads,
+                               state.skip_state)
+
+    def _describe(self, params: Any) -> Path:
+        path = explain(self._opt, params)
+        return Path(path.kernel, path.calls, f"MultiSteps: accumulated in place, the kernel on every k-th call; "
+                    f"{path.why}", path.parts)
+
     def gradient_transformation(self) -> GradientTransformation:
-        return GradientTransformation(self.init, self.update)
+        """As an Optax transformation; it steps in place when the inner optimizer does (and no
+        ``should_skip_update_fn`` is set: that runs `update`)."""
+        fast = self._opt.inplace is not None and self._skip is None
+        inplace = described(lambda p, g, s: self.inplace(p, g, s), self._describe) if fast else None
+        return GradientTransformation(self.init, self.update, inplace, Spec("MultiSteps", {"inner": self._opt}))
 
 
 def skip_not_finite(updates: Any, gradient_step: Any, params: Any) -> tuple[torch.Tensor, dict]:

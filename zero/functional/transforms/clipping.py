@@ -14,6 +14,7 @@ from zero.functional.base import (
     NO_PARAMS_MSG,
     EmptyState,
     GradientTransformation,
+    Spec,
     check_non_negative,
     stateless_tx,
     tree_leaves,
@@ -49,7 +50,9 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
             return updates, state
         return elementwise_map(lambda g: g / norm.to(g.dtype) * max_norm, updates), state
 
-    return GradientTransformation(lambda params: EmptyState(), update)
+    # A chain starting with it folds it into its kernel (zero.functional.fast.chains): its spec says so.
+    return GradientTransformation(lambda params: EmptyState(), update, spec=Spec("clip_by_global_norm",
+                                                                                 {"max_norm": max_norm}))
 
 
 def clip_by_block_rms(threshold: float) -> GradientTransformation:

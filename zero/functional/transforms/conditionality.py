@@ -11,13 +11,16 @@ import torch
 from zero.functional import sharding
 from zero.functional.base import (
     GradientTransformation,
+    Spec,
     count_inc,
     count_zero,
+    inplace_step,
     tree_leaves,
     tree_map,
     update_with,
     zeros_like,
 )
+from zero.functional.fast.chains import Path, described, explain
 from zero.functional.fast.packing import elementwise_map
 
 __all__ = ["ApplyIfFiniteState", "apply_if_finite", "ZeroNansState", "zero_nans", "ConditionallyMaskState",
@@ -59,7 +62,25 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int) 
         total = state.total_notfinite if finite else count_inc(state.total_notfinite)
         return updates, ApplyIfFiniteState(notfinite, torch.tensor(finite), total, inner_state)
 
-    return GradientTransformation(init, update)
+    @torch.no_grad()
+    def inplace(params, grads, state):
+        """One finiteness check, then ``inner``'s in-place step, or nothing (a skipped step's zero
+        updates leave the params as they are)."""
+        finite = sharding.all_finite(tree_leaves(grads))
+        notfinite = count_zero() if finite else count_inc(state.notfinite_count)
+        inner_state = state.inner_state
+        if finite or int(notfinite) > max_consecutive_errors:
+            inner_state = inplace_step(inner, params, grads, inner_state)
+        total = state.total_notfinite if finite else count_inc(state.total_notfinite)
+        return ApplyIfFiniteState(notfinite, torch.tensor(finite), total, inner_state)
+
+    def describe(params):
+        path = explain(inner, params)
+        return Path(path.kernel, path.calls, f"apply_if_finite: one finiteness check; {path.why}", path.parts)
+
+    return GradientTransformation(init, update, described(inplace, describe) if inner.inplace else None,
+                                  Spec("apply_if_finite", {"inner": inner,
+                                                           "max_consecutive_errors": max_consecutive_errors}))
 
 
 class ZeroNansState(NamedTuple):

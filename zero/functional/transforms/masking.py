@@ -7,13 +7,18 @@ from collections.abc import Callable, Hashable, Mapping
 from typing import Any, NamedTuple
 
 import optree
+import torch
 
 from zero.functional.base import (
     GradientTransformation,
+    Spec,
+    add_updates,
+    inplace_step,
     tree_leaves,
     tree_map,
     update_with,
 )
+from zero.functional.fast.chains import Path, described, explain
 
 __all__ = ["MaskedNode", "MaskedState", "masked", "PartitionState", "MultiTransformState", "partition",
            "multi_transform"]
@@ -35,6 +40,29 @@ class MaskedState(NamedTuple):
 
 def _mask_tree(tree, mask_tree):
     return tree_map(lambda m, x: x if m else MaskedNode(), mask_tree, tree)
+
+
+def _inverse(mask_tree):
+    return tree_map(lambda m: not bool(m), mask_tree)
+
+
+def _masked_inplace(inner: GradientTransformation, resolve: Any) -> Any:
+    """`masked`'s in-place step: ``inner``'s on the masked-in leaves (its kernel, or its update
+    and an add), the updates added as they are to the others (what `masked` passes through)."""
+    @torch.no_grad()
+    def inplace(params, grads, state):
+        mask_tree = resolve(grads)
+        inner_state = inplace_step(inner, _mask_tree(params, mask_tree), _mask_tree(grads, mask_tree),
+                                   state.inner_state)
+        add_updates(_mask_tree(params, _inverse(mask_tree)), _mask_tree(grads, _inverse(mask_tree)))
+        return MaskedState(inner_state)
+
+    def describe(params):
+        path = explain(inner, _mask_tree(params, resolve(params)))
+        why = f"masked: the masked-out leaves take their updates as they are; {path.why}"
+        return Path(path.kernel, path.calls, why, path.parts)
+
+    return described(inplace, describe)
 
 
 def masked(inner: GradientTransformation, mask: Any | Callable[[Any], Any], *,
@@ -60,7 +88,8 @@ def masked(inner: GradientTransformation, mask: Any | Callable[[Any], Any], *,
                                        extra_args)
         return tree_map(lambda m, n, old: n if m else old, mask_tree, new, updates), MaskedState(inner_state)
 
-    return GradientTransformation(init, update)
+    inplace = _masked_inplace(inner, resolve) if inner.inplace is not None and not mask_compatible_extra_args else None
+    return GradientTransformation(init, update, inplace, Spec("masked", {"inner": inner, "mask": mask}))
 
 
 class PartitionState(NamedTuple):
@@ -105,7 +134,28 @@ def partition(transforms: Mapping[Hashable, GradientTransformation], param_label
             updates, new_states[k] = route(tx, m[k]).update(updates, state.inner_states[k], params, **extra_args)
         return updates, PartitionState(new_states)
 
-    return GradientTransformation(init, update)
+    @torch.no_grad()
+    def inplace(params, grads, state):
+        """Each label's transformation steps its own leaves in place (its kernel, or its update
+        and an add): every leaf has exactly one label."""
+        m, new_states = masks(grads), {}
+        for k, tx in transforms.items():
+            inner = inplace_step(tx, _mask_tree(params, m[k]), _mask_tree(grads, m[k]),
+                                 state.inner_states[k].inner_state)
+            new_states[k] = MaskedState(inner)
+        return PartitionState(new_states)
+
+    def describe(params):
+        m = masks(params)
+        parts = tuple((str(k), explain(tx, _mask_tree(params, m[k]))) for k, tx in transforms.items())
+        kernels = [p.kernel for _, p in parts]
+        kernel = " + ".join(kernels) if all(kernels) else None
+        return Path(kernel, sum(p.calls for _, p in parts), "partition: each label's transformation on its leaves",
+                    parts)
+
+    fast = any(tx.inplace is not None for tx in transforms.values()) and not mask_compatible_extra_args
+    return GradientTransformation(init, update, described(inplace, describe) if fast else None,
+                                  Spec("partition", {"transforms": dict(transforms), "param_labels": param_labels}))
 
 
 multi_transform = partition

@@ -1,0 +1,205 @@
+"""Chains on the fast path, and which path a transformation takes (`explain`).
+
+`fuse` gives a chain the in-place step of the kernel its links spell (`kernels.match`), over the
+links of nested chains and aliases (``chain(clip_by_global_norm(1.0), adamw(...))`` is one list
+of links), with a leading ``clip_by_global_norm`` folded in: one norm, then the kernels'
+``grad_scale``. A chain of a clip and one link that has an in-place step of its own (an
+`inject_hyperparams`, `apply_if_finite`, `masked` ...) scales the grads once and runs that step.
+The combinators' in-place steps live beside their updates; each in-place step carries a
+``describe(params) -> Path`` that `explain` reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from zero.functional.base import GradientTransformation, Spec, inplace_step
+from zero.functional.fast.kernels import Lists, match
+
+__all__ = ["Path", "fuse", "explain", "described"]
+
+
+@dataclass(frozen=True)
+class Path:
+    """What one step of a transformation runs on given params.
+
+    ``kernel`` names torch's kernel (or multi-tensor implementation) the step calls, ``None`` on
+    the pure path (the links' ``update`` in turn, fresh tensors, then an in-place add);
+    ``calls`` is how many kernel calls a step makes; ``why`` says what was folded into the
+    kernel, or which link keeps the chain on the pure path and why. ``parts`` holds the paths
+    of the transformations a combinator routes leaves to (``partition``), by label.
+    """
+
+    kernel: str | None
+    calls: int
+    why: str
+    parts: tuple[tuple[str, Path], ...] = ()
+
+    @property
+    def fused(self) -> bool:
+        return self.kernel is not None and all(p.fused for _, p in self.parts)
+
+    def __str__(self) -> str:
+        head = (f"fused: {self.kernel}, {self.calls} call{'s' if self.calls != 1 else ''} per step"
+                if self.kernel is not None else "pure path")
+        lines = [f"{head} ({self.why})"] + [f"  {label}: {part}" for label, part in self.parts]
+        return "\n".join(lines)
+
+
+def explain(tx: GradientTransformation, params: Any) -> Path:
+    """The path one step of ``tx`` takes on ``params`` (a tree, as ``tx.init`` takes it) when an
+    optimizer steps it in place: `zero.functional.Optimizer`, `ZeroRedundancyOptimizer`.
+
+    >>> import torch, zero.functional as F
+    >>> params = {"w": torch.zeros(3, 3), "b": torch.zeros(3)}
+    >>> tx = F.chain(F.clip_by_global_norm(1.0), F.adamw(1e-3, mask=lambda t: {n: n != "b" for n in t}))
+    >>> print(F.explain(tx, params))  # doctest: +NORMALIZE_WHITESPACE
+    fused: _fused_adamw_, 2 calls per step (clip_by_global_norm folded: one global norm, then the
+    kernel's grad_scale; a weight-decay mask: one call per decay)
+    """
+    describe = getattr(tx.inplace, "describe", None)
+    if describe is not None:
+        return describe(params)
+    return Path(None, 0, why_pure(tx))
+
+
+def described(inplace: Any, describe: Any) -> Any:
+    """``inplace`` with its ``describe(params) -> Path`` attached (for `explain`)."""
+    inplace.describe = describe
+    return inplace
+
+
+def fuse(links: Sequence[GradientTransformation]) -> Any:
+    """The in-place step of a chain of ``links``, or ``None`` if it has none (see the module)."""
+    flat = _flat_links(links, ())
+    specs = [(i, tx.spec) for i, (_, tx) in enumerate(flat) if tx.spec is None or tx.spec.name != "identity"]
+    if any(spec is None for _, spec in specs):
+        return None
+    clip = None
+    if specs and specs[0][1].name == "clip_by_global_norm":
+        clip = float(specs.pop(0)[1].args["max_norm"])
+    kernel = match(specs)
+    if kernel is not None:
+        return _kernel_step(kernel, [path for path, _ in flat], clip)
+    if len(specs) == 1 and flat[specs[0][0]][1].inplace is not None:
+        return _link_step(*flat[specs[0][0]], clip)
+    return None
+
+
+def _flat_links(links: Sequence[GradientTransformation], at: tuple[int, ...]) -> list[tuple[tuple[int, ...], Any]]:
+    """``(path, link)`` of every link, nested chains and aliases opened: ``path`` indexes the
+    nested state tuples."""
+    out = []
+    for i, tx in enumerate(links):
+        spec = tx.spec
+        out += _flat_links(spec.links, at + (i,)) if spec is not None and spec.links else [(at + (i,), tx)]
+    return out
+
+
+def _at(state: Any, path: tuple[int, ...]) -> Any:
+    for i in path:
+        state = state[i]
+    return state
+
+
+def _replaced(state: tuple, path: tuple[int, ...], value: Any) -> tuple:
+    new = list(state)
+    new[path[0]] = value if len(path) == 1 else _replaced(state[path[0]], path[1:], value)
+    return tuple(new)
+
+
+def _kernel_step(kernel: Any, paths: list[tuple[int, ...]], clip: float | None) -> Any:
+    @torch.no_grad()
+    def inplace(params: Any, grads: Any, state: tuple) -> tuple | None:
+        links = tuple(_at(state, path) for path in paths)
+        new = kernel(Lists(params, grads, clip), links)
+        if new is None:
+            return None
+        for path, old, value in zip(paths, links, new):
+            if value is not old:
+                state = _replaced(state, path, value)
+        return state
+
+    def describe(params: Any) -> Path:
+        lists = Lists(params, params, clip)
+        notes = ["clip_by_global_norm folded: one global norm, then "
+                 + ("the kernel's grad_scale" if kernel.grad_scale else "one scaling pass")] if clip is not None else []
+        if kernel.masked:
+            notes.append("a weight-decay mask: one call per decay")
+        return Path(kernel.kernel_name, kernel.calls(lists), "; ".join(notes) or "the chain spells the kernel's rule")
+
+    inplace.kernel = kernel  # its placement is kept across rebuilds: see kernels.keep_placement
+    return described(inplace, describe)
+
+
+def _link_step(path: tuple[int, ...], tx: GradientTransformation, clip: float | None) -> Any:
+    """A chain whose one real link (beside identities and a leading clip) steps in place."""
+    @torch.no_grad()
+    def inplace(params: Any, grads: Any, state: tuple) -> tuple:
+        lists = Lists(params, grads, clip)
+        clipped = lists.treedef.unflatten(lists.clipped(grad_scale_ok=False)[0])
+        return _replaced(state, path, inplace_step(tx, params, clipped, _at(state, path)))
+
+    def describe(params: Any) -> Path:
+        inner = explain(tx, params)
+        if clip is None:
+            return inner
+        return Path(inner.kernel, inner.calls, f"clip_by_global_norm: one global norm and one scaling pass; "
+                    f"then {inner.why}", inner.parts)
+
+    return described(inplace, describe)
+
+
+def why_pure(tx: GradientTransformation) -> str:
+    """Why ``tx`` has no in-place step: the link or setting that keeps it on the pure path."""
+    spec = tx.spec
+    if spec is None:
+        return "a transformation built by hand, or one zero cannot see into: no spec to match a kernel"
+    if spec.name == "from_optax":
+        return "from_optax runs Optax's own update (JAX) through DLPack"
+    if spec.links:
+        return _why_chain(spec.links)
+    inner = spec.args.get("inner")
+    if isinstance(inner, GradientTransformation):
+        return f"{spec.name} around a transformation on the pure path: {why_pure(inner)}"
+    return f"{spec.name} has no in-place step: its update writes fresh tensors"
+
+
+def _why_chain(links: Sequence[GradientTransformation]) -> str:
+    flat = [tx for _, tx in _flat_links(links, ())]
+    for tx in flat:
+        if tx.spec is None:
+            return f"a link without a spec ({_name(tx)}) cannot be matched to a kernel"
+    names = [tx.spec.name for tx in flat if tx.spec.name != "identity"]
+    for tx in flat:
+        hint = _hint(tx.spec, first=tx is flat[0])
+        if hint:
+            return hint
+    return f"no kernel takes the links {' -> '.join(names)}"
+
+
+def _hint(spec: Spec, first: bool) -> str | None:
+    """A setting that rules out every kernel, named."""
+    args = spec.args
+    if spec.name == "scale_by_adam":
+        off = [k for k in ("eps_root", "nesterov", "mu_dtype") if args.get(k)]
+        if off:
+            return f"scale_by_adam({', '.join(f'{k}={args[k]!r}' for k in off)}): torch's Adam kernels have no {off[0]}"
+    if spec.name == "add_decayed_weights" and callable(args.get("weight_decay")):
+        return "a scheduled weight decay: the kernels take one decay per call"
+    if spec.name == "clip_by_global_norm" and not first:
+        return "clip_by_global_norm is folded into a kernel only as the chain's first link"
+    if spec.name == "masked":
+        inner = args["inner"].spec
+        if inner is None or inner.name != "add_decayed_weights":
+            return "a masked link other than a weight decay inside a chain (wrap the whole chain in masked instead)"
+    return None
+
+
+def _name(tx: Any) -> str:
+    fn = getattr(tx.update, "__qualname__", "") or ""
+    return fn.split(".<locals>")[0] or type(tx).__name__
