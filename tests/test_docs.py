@@ -5,7 +5,8 @@ import importlib
 
 import pytest
 
-MODULES = ["zero.functional.fast.chains", "zero.functional.aliases.sgd", "zero.functional.aliases.adam", "zero.functional.aliases.rms",
+MODULES = ["zero.functional.fast.chains",
+           "zero.functional.aliases.sgd", "zero.functional.aliases.adam", "zero.functional.aliases.rms",
            "zero.functional.aliases.sign", "zero.functional.aliases.layerwise", "zero.functional.aliases.factored"]
 
 

@@ -34,6 +34,9 @@ CHAINS = {
         lambda: F.chain(F.clip_by_global_norm(0.5), F.add_decayed_weights(0.01, decays),
                         F.sgd(0.05, momentum=0.9, nesterov=True)),
         "_fused_sgd_", 2),
+    "clip + lion(schedule, mask by name)": (
+        lambda: F.chain(F.clip_by_global_norm(0.5), F.lion(warmup_cosine(), weight_decay=0.1, mask=decays)),
+        "torch._foreach_* (Lion in place)", 2),
     "partition: adamw / adam": (
         lambda: F.partition({"decay": F.adamw(0.01, weight_decay=0.1), "none": F.adam(0.02)},
                             lambda tree: {n: "decay" if ok else "none" for n, ok in decays(tree).items()}),
@@ -142,7 +145,7 @@ def test_explain_names_what_keeps_a_chain_on_the_pure_path():
         (F.chain(F.scale_by_adam(), F.clip_by_global_norm(1.0), F.scale_by_learning_rate(0.1)),
          "only as the chain's first link"),
         (F.chain(F.stateless(lambda u, p: u), F.adam(0.01)), "a link without a spec"),
-        (F.lion(0.01), "a link without a spec (scale_by_lion)"),
+        (F.lamb(0.01), "a link without a spec (scale_by_trust_ratio)"),
     ]
     for tx, why in cases:
         path = F.explain(tx, params)

@@ -311,11 +311,11 @@ def test_a_kernel_step_is_seen_by_autograd_as_an_inplace_change(make):
 def test_a_scheduler_keeps_the_kernels_checked_placement(make, monkeypatch):
     """An lr that changes every step builds the inner chain for the new value; its kernel takes
     over the tensors the last one checked instead of checking every dtype and device again."""
-    from zero.functional.fast import kernels
+    from zero.functional.fast import steps
 
     checks = []
-    groups = kernels._groups
-    monkeypatch.setattr(kernels, "_groups", lambda lists: checks.append(1) or groups(lists))
+    groups = steps._groups
+    monkeypatch.setattr(steps, "_groups", lambda lists: checks.append(1) or groups(lists))
     model, data = model_and_data()
     opt = F.Optimizer(model.parameters(), make())
     train(model, opt, data[:10], torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 / (1 + step)))
@@ -324,11 +324,11 @@ def test_a_scheduler_keeps_the_kernels_checked_placement(make, monkeypatch):
 
 @pytest.mark.parametrize("scheduled", [False, True])
 def test_param_groups_sharing_a_rule_at_two_lrs_keep_a_placement_each(scheduled, monkeypatch):
-    from zero.functional.fast import kernels
+    from zero.functional.fast import steps
 
     checks = []
-    groups = kernels._groups
-    monkeypatch.setattr(kernels, "_groups", lambda lists: checks.append(1) or groups(lists))
+    groups = steps._groups
+    monkeypatch.setattr(steps, "_groups", lambda lists: checks.append(1) or groups(lists))
     model, data = model_and_data()
     opt = F.Optimizer([{"params": model[0].parameters()}, {"params": model[2].parameters(), "lr": 0.01}],
                       F.from_torch(torch.optim.Adam, lr=0.05))

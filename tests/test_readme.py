@@ -6,6 +6,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -26,7 +27,7 @@ ELSEWHERE = {
 @pytest.mark.parametrize("code", BLOCKS, ids=[f"block{i}" for i in range(len(BLOCKS))])
 def test_readme_example_runs(code):
     with contextlib.redirect_stdout(io.StringIO()):
-        exec(compile(code, "README.md", "exec"), {})
+        exec(compile(textwrap.dedent(code), "README.md", "exec"), {})  # a block in a list item is indented
 
 
 def test_every_command_line_is_run_here_or_elsewhere(tmp_path):

@@ -27,7 +27,7 @@ from zero.functional.base import (
     update_with,
 )
 from zero.functional.fast.chains import Path, described, explain
-from zero.functional.fast.kernels import keep_placement
+from zero.functional.fast.steps import keep_placement
 
 __all__ = ["InjectHyperparamsState", "InjectStatefulHyperparamsState", "WrappedScheduleState", "WrappedSchedule",
            "inject_hyperparams"]

@@ -29,7 +29,7 @@ from zero.functional.base import (
     zeros_like,
 )
 from zero.functional.combine import chain
-from zero.functional.fast.kernels import scalar_dtype as _scalar_dtype
+from zero.functional.fast.foreach_kernels import scalar_dtype as _scalar_dtype
 from zero.functional.fast.packing import elementwise_map
 from zero.functional.inject import inject_hyperparams
 

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from zero.functional.base import GradientTransformation, Spec, inplace_step
-from zero.functional.fast.kernels import Lists, match
+from zero.functional.fast.kernels import match
+from zero.functional.fast.steps import Lists
 
 __all__ = ["Path", "fuse", "explain", "described"]
 
@@ -132,7 +133,7 @@ def _kernel_step(kernel: Any, paths: list[tuple[int, ...]], clip: float | None) 
             notes.append("a weight-decay mask: one call per decay")
         return Path(kernel.kernel_name, kernel.calls(lists), "; ".join(notes) or "the chain spells the kernel's rule")
 
-    inplace.kernel = kernel  # its placement is kept across rebuilds: see kernels.keep_placement
+    inplace.kernel = kernel  # its placement is kept across rebuilds: see steps.keep_placement
     return described(inplace, describe)
 
 

@@ -71,7 +71,8 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99, mu_dtype: torch.dtype | Non
                       updates, state.mu)
         return out, ScaleByLionState(count_inc(state.count), mu)
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, spec=Spec("scale_by_lion", {"b1": b1, "b2": b2, "mu_dtype": mu_dtype,
+                                                                           "mode": mode, "smooth_beta": smooth_beta}))
 
 
 def scale_by_sign() -> GradientTransformation:
