@@ -111,6 +111,22 @@ def test_clip_as_grad_scale_in_float32():
         torch.testing.assert_close(got[name], want[name], rtol=2e-6, atol=2e-7, msg=name)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_fused_clip_leaves_the_grads_clipped_as_clip_grad_norm_does(dtype):
+    """The kernel's grad_scale writes the clipped grads back (float32), and float64 grads are
+    clipped in place before the kernel: either way the grads end as clip_grad_norm_ leaves them."""
+    model = named_model(dtype=dtype)
+    grads = grads_at(model, 0)
+    for n, p in model.named_parameters():
+        p.grad = grads[n].clone()
+    F.Optimizer(model.named_parameters(), CHAINS["readme: clip + adamw(schedule, mask by name)"][0]()).step()
+    norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads.values()]))
+    assert norm > 0.5
+    for n, p in model.named_parameters():
+        tol = 1e-6 if dtype == torch.float32 else 1e-13
+        torch.testing.assert_close(p.grad, grads[n] / norm * 0.5, rtol=tol, atol=tol, msg=n)
+
+
 def test_kernel_calls_per_step_are_counted(monkeypatch):
     calls = []
     real = torch._fused_adamw_

@@ -3,8 +3,10 @@
 `fuse` gives a chain the in-place step of the kernel its links spell (`kernels.match`), over the
 links of nested chains and aliases (``chain(clip_by_global_norm(1.0), adamw(...))`` is one list
 of links), with a leading ``clip_by_global_norm`` folded in: one norm, then the kernels'
-``grad_scale``. A chain of a clip and one link that has an in-place step of its own (an
-`inject_hyperparams`, `apply_if_finite`, `masked` ...) scales the grads once and runs that step.
+``grad_scale``. Like ``torch.nn.utils.clip_grad_norm_``, a clipped in-place step leaves the
+grads clipped (see `Lists.clipped`); the pure ``update`` never writes its inputs. A chain of a
+clip and one link that has an in-place step of its own (an `inject_hyperparams`,
+`apply_if_finite`, `masked` ...) clips the grads in place once and runs that step.
 The combinators' in-place steps live beside their updates; each in-place step carries a
 ``describe(params) -> Path`` that `explain` reads.
 """
@@ -128,7 +130,8 @@ def _kernel_step(kernel: Any, paths: list[tuple[int, ...]], clip: float | None) 
     def describe(params: Any) -> Path:
         lists = Lists(params, params, clip)
         notes = ["clip_by_global_norm folded: one global norm, then "
-                 + ("the kernel's grad_scale" if kernel.grad_scale else "one scaling pass")] if clip is not None else []
+                 + ("the kernel's grad_scale" if kernel.grad_scale else "the grads clipped in place")] \
+            if clip is not None else []
         if kernel.masked:
             notes.append("a weight-decay mask: one call per decay")
         return Path(kernel.kernel_name, kernel.calls(lists), "; ".join(notes) or "the chain spells the kernel's rule")
@@ -149,7 +152,7 @@ def _link_step(path: tuple[int, ...], tx: GradientTransformation, clip: float | 
         inner = explain(tx, params)
         if clip is None:
             return inner
-        return Path(inner.kernel, inner.calls, f"clip_by_global_norm: one global norm and one scaling pass; "
+        return Path(inner.kernel, inner.calls, f"clip_by_global_norm: one global norm, the grads clipped in place; "
                     f"then {inner.why}", inner.parts)
 
     return described(inplace, describe)

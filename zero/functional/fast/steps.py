@@ -14,7 +14,7 @@ from zero.functional import sharding
 from zero.functional.base import GradientTransformation, count_inc
 
 __all__ = ["KernelStep", "Lists", "Placement", "keep_placement", "by_decay", "by_device_and_dtype", "marked",
-           "rate_of", "advanced", "same_dtype"]
+           "rate_of", "advanced"]
 
 KernelStep = Callable[["Lists", tuple], Any]
 
@@ -47,9 +47,13 @@ class Lists:
     def clipped(self, grad_scale_ok: bool) -> tuple[list, torch.Tensor | None]:
         """The grads to step with, and the ``grad_scale`` a fused kernel divides them by (or None).
 
-        With a clip the global norm is computed here, once. A kernel that takes ``grad_scale``
-        gets ``norm / max_norm`` as one (a float32 in torch's kernels, so float64 grads are scaled
-        beforehand instead, as `clip_by_global_norm` scales them: ``g / norm * max_norm``).
+        With a clip the global norm is computed here, once, and the grads are left clipped, in
+        place, as ``torch.nn.utils.clip_grad_norm_`` leaves them (the pure `update` never writes
+        its inputs): a kernel that takes ``grad_scale`` gets ``norm / max_norm`` and writes the
+        clipped grads back itself (torch's fused kernels do), in the pass it makes anyway. Its
+        ``grad_scale`` is a float32, so float64 grads are clipped here instead, as
+        `clip_by_global_norm` clips them: ``g / norm * max_norm``. Fresh copies would cost two
+        more passes over fresh memory: 2x the step on 8.4M params.
         """
         if self.clip is None:
             return self.grads, None
@@ -58,15 +62,11 @@ class Lists:
             return self.grads, None
         if grad_scale_ok and all(g.dtype in (torch.float32, torch.bfloat16, torch.float16) for g in self.grads):
             return self.grads, torch.tensor(float(norm) / self.clip, dtype=torch.float32)
-        scaled = [g / norm.to(g.dtype) for g in self.grads] if not same_dtype(self.grads) else \
-            torch._foreach_div(self.grads, norm.to(self.grads[0].dtype))
-        torch._foreach_mul_(scaled, self.clip)
-        return scaled, None
-
-
-def same_dtype(tensors: list) -> bool:
-    """Whether one foreach op can take the list (one dtype; a list of one is always fine)."""
-    return len({t.dtype for t in tensors}) <= 1
+        for group in by_device_and_dtype(self.grads):
+            grads = [self.grads[i] for i in group]
+            torch._foreach_div_(grads, norm.to(grads[0].dtype))
+            torch._foreach_mul_(grads, self.clip)
+        return self.grads, None
 
 
 def keep_placement(old: GradientTransformation, new: GradientTransformation) -> None:
