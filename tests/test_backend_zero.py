@@ -31,6 +31,7 @@ def test_named_params_reach_masks_on_the_fused_kernel():
     names = sorted(n for r in results for n in r["names"])
     assert names == sorted(f"{i}.{k}" for i in range(4) for k in ("weight", "bias")), "each rank names what it owns"
     assert "flat plan's local optimizer steps shards" in results[0]["flat"]
+    assert "flat plan's local optimizer steps shards" in results[0]["flat_factory"], "a factory's mask= default"
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

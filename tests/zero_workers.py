@@ -620,8 +620,11 @@ def named_masks(rank: int, world_size: int, steps: int = 10) -> dict:
         assert_params(ours_m, ref_m, exact=False, what=f"named masks, step {step}")
     assert same_on_every_rank(ours_m)
     out = {"path": str(ours.path[0]), "names": ours.optim.param_groups[0]["param_names"]}
-    try:
-        Zero(make_model().named_parameters(), tx, strategy="flat")
-    except ValueError as e:
-        out["flat"] = str(e)
+    for key, make in (("flat", lambda: Zero(make_model().named_parameters(), tx, strategy="flat")),
+                      ("flat_factory", lambda: Zero(make_model().parameters(), zf.adamw, learning_rate=1e-2,
+                                                    mask=lambda tree: [True] * len(tree), strategy="flat"))):
+        try:
+            make()
+        except ValueError as e:
+            out[key] = str(e)
     return out

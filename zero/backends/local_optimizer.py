@@ -258,10 +258,11 @@ def _saved_by(group: dict) -> str:
 _NOT_ELEMENTWISE = ("LBFGS", "SparseAdam", "Adafactor", "Muon")
 
 
-def check_shardable(optimizer_class: Any) -> None:
+def check_shardable(optimizer_class: Any, defaults: dict) -> None:
     """``ValueError`` when a flat plan cannot run ``optimizer_class``: a ``torch.optim`` class whose
-    rule is not element-wise, or an Optax transformation (`from_optax`), whose rule zero cannot
-    see into. Whole-param plans run both."""
+    rule is not element-wise, an Optax transformation (`from_optax`), whose rule zero cannot
+    see into, or a mask or partition (given in the transformation, or as a factory's ``mask=``
+    default), which picks params a flat shard does not keep apart. Whole-param plans run all."""
     name = getattr(optimizer_class, "__name__", "")
     if isinstance(optimizer_class, type) and name in _NOT_ELEMENTWISE:
         raise ValueError(f"torch.optim.{name} needs whole tensors (its rule is not element-wise), so it cannot "
@@ -269,8 +270,9 @@ def check_shardable(optimizer_class: Any) -> None:
     if isinstance(optimizer_class, GradientTransformation) and _mentions(optimizer_class, "from_optax"):
         raise ValueError("a from_optax transformation runs Optax's own code, which cannot be told that it steps "
                          "pieces of tensors: use a whole-param plan, or zero.functional's own rule")
-    if isinstance(optimizer_class, GradientTransformation) and (_mentions(optimizer_class, "masked")
-                                                                or _mentions(optimizer_class, "partition")):
+    masks = [k for k, v in defaults.items() if "mask" in k and v is not None]
+    if masks or isinstance(optimizer_class, GradientTransformation) and (_mentions(optimizer_class, "masked")
+                                                                         or _mentions(optimizer_class, "partition")):
         raise ValueError("a masked or partitioned transformation picks params by name or position, but a flat "
                          "plan's local optimizer steps shards that each hold pieces of several params: use a "
                          "whole-param plan (names reach the masks there), or put the params each rule steps in "

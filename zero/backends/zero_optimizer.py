@@ -125,7 +125,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self.master_dtype = _master_dtype_of(plan, master_dtype)
         _warn_fp16(metas, self.master_dtype)
         self.mode: Mode = make_mode(self._all_params, metas, plan, self.rank, self.process_group,
-                                    len(self.param_groups), optimizer_class=optimizer_class,
+                                    len(self.param_groups), optimizer_class=optimizer_class, defaults=defaults,
                                     overlap_with_ddp=bool(overlap_with_ddp), reduce_scatter_grads=reduce_scatter_grads,
                                     reduce_dtype=reduce_dtype,
                                     bucket_view=parameters_as_bucket_view,

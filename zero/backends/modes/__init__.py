@@ -36,14 +36,15 @@ __all__ = ["Mode", "WholeParams", "FlatShards", "ReduceScatteredShards", "DDPOve
 
 def make_mode(params: Sequence[torch.Tensor], metas: Sequence[ParamMeta], plan: Plan, rank: int, group: Any,
               n_groups: int, *, optimizer_class: Any, overlap_with_ddp: bool, reduce_scatter_grads: bool,
-              bucket_view: bool | None, chunk_bytes: int, reduce_dtype: torch.dtype | None = None) -> Mode:
+              bucket_view: bool | None, chunk_bytes: int, reduce_dtype: torch.dtype | None = None,
+              defaults: dict | None = None) -> Mode:
     """The mode that executes ``plan`` with these options (``ValueError`` for combinations that cannot run)."""
     if reduce_dtype is not None and not reduce_scatter_grads:
         raise ValueError(f"reduce_dtype={reduce_dtype} is the dtype of the gradients' reduce-scatter, which runs "
                          "only with reduce_scatter_grads=True (with DDP, DDP reduces in the params' dtype; use a "
                          "DDP comm hook to change it): pass reduce_scatter_grads=True and a flat plan, or drop it")
     if plan.flat is not None:
-        check_shardable(optimizer_class)
+        check_shardable(optimizer_class, defaults or {})
         if overlap_with_ddp:
             raise ValueError("overlap_with_ddp=True steps whole params as DDP's buckets arrive: use a "
                              "whole-param plan (flat plans reduce-scatter instead: reduce_scatter_grads=True)")
