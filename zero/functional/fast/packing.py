@@ -109,8 +109,10 @@ class _Packing:
         if len(packed) != 1 + len(self.alone):
             raise ValueError(f"a packed rule returned {len(packed)} tensors for {1 + len(self.alone)} packed inputs")
         out: list[Any] = [None] * len(self.leaves)
-        # views shaped like the leaves, made in one C++ loop (a Python view per leaf costs 3x more)
-        pieces = _unflatten_dense_tensors(packed[0], [self.leaves[i] for i in self.small])
+        if self.one_dim:  # one split: a single op for any number of leaves
+            pieces = packed[0].split(self.sizes)
+        else:  # views shaped like the leaves, made in one C++ loop (a Python view per leaf costs 3x more)
+            pieces = _unflatten_dense_tensors(packed[0], [self.leaves[i] for i in self.small])
         for i, piece in zip(self.small, pieces):
             out[i] = piece
         for i, t in zip(self.alone, packed[1:]):
