@@ -26,7 +26,7 @@ from zero.functional.base import (
     tree_leaves,
     update_with,
 )
-from zero.functional.fast.chains import Path, described, explain
+from zero.functional.fast.chains import described, explain
 from zero.functional.fast.steps import keep_placement
 
 __all__ = ["InjectHyperparamsState", "InjectStatefulHyperparamsState", "WrappedScheduleState", "WrappedSchedule",
@@ -209,9 +209,8 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation],
         initial.update({k: float(f(f.init())) for k, f in scheduled.items()})
 
         def describe(params):
-            path = explain(build({k: torch.tensor(v) for k, v in initial.items()}), params)
-            return Path(path.kernel, path.calls, f"inject_hyperparams: read from the state each step; {path.why}",
-                        path.parts)
+            inner_tx = build({k: torch.tensor(v) for k, v in initial.items()})
+            return explain(inner_tx, params).after("inject_hyperparams: read from the state each step")
 
         return GradientTransformation(init, update, described(inplace, describe),
                                       Spec("inject_hyperparams", {"hyperparams": initial}))

@@ -27,6 +27,7 @@ import torch
 
 from zero.functional import sharding
 from zero.functional.base import GradientTransformation, inplace_step, tree_map
+from zero.functional.fast.chains import Path, explain
 from zero.functional.inject import inject_hyperparams
 
 __all__ = ["Optimizer", "FunctionalOptimizer", "hyperparams_of", "with_group_hyperparams", "check_not_optax",
@@ -274,11 +275,9 @@ class Optimizer(torch.optim.Optimizer):
         return None if names is None or self._per_param else [names[i] for i in idx]
 
     @property
-    def path(self) -> list:
+    def path(self) -> list[Path]:
         """Per param group, what its step runs (`zero.functional.explain`): the kernel and its
         calls, or the link that keeps the transformation on the pure path."""
-        from zero.functional.fast.chains import explain
-
         out = []
         for k, (group, states) in enumerate(zip(self.param_groups, self._states)):
             idx = tuple(i for i, p in enumerate(group["params"]) if p.requires_grad)

@@ -42,6 +42,10 @@ class Path:
     why: str
     parts: tuple[tuple[str, Path], ...] = ()
 
+    def after(self, note: str) -> Path:
+        """This path reached through a combinator that does ``note`` first (a check, a mask ...)."""
+        return Path(self.kernel, self.calls, f"{note}; {self.why}", self.parts)
+
     @property
     def fused(self) -> bool:
         return self.kernel is not None and all(p.fused for _, p in self.parts)
@@ -152,8 +156,7 @@ def _link_step(path: tuple[int, ...], tx: GradientTransformation, clip: float | 
         inner = explain(tx, params)
         if clip is None:
             return inner
-        return Path(inner.kernel, inner.calls, f"clip_by_global_norm: one global norm, the grads clipped in place; "
-                    f"then {inner.why}", inner.parts)
+        return inner.after("clip_by_global_norm: one global norm, the grads clipped in place")
 
     return described(inplace, describe)
 

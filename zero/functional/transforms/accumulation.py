@@ -128,9 +128,7 @@ class MultiSteps:
                                state.skip_state)
 
     def _describe(self, params: Any) -> Path:
-        path = explain(self._opt, params)
-        return Path(path.kernel, path.calls, f"MultiSteps: accumulated in place, the kernel on every k-th call; "
-                    f"{path.why}", path.parts)
+        return explain(self._opt, params).after("MultiSteps: accumulated in place, the inner step every k-th call")
 
     def gradient_transformation(self) -> GradientTransformation:
         """As an Optax transformation; it steps in place when the inner optimizer does (and no

@@ -20,7 +20,7 @@ from zero.functional.base import (
     update_with,
     zeros_like,
 )
-from zero.functional.fast.chains import Path, described, explain
+from zero.functional.fast.chains import described, explain
 from zero.functional.fast.packing import elementwise_map
 
 __all__ = ["ApplyIfFiniteState", "apply_if_finite", "ZeroNansState", "zero_nans", "ConditionallyMaskState",
@@ -75,8 +75,7 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int) 
         return ApplyIfFiniteState(notfinite, torch.tensor(finite), total, inner_state)
 
     def describe(params):
-        path = explain(inner, params)
-        return Path(path.kernel, path.calls, f"apply_if_finite: one finiteness check; {path.why}", path.parts)
+        return explain(inner, params).after("apply_if_finite: one finiteness check")
 
     return GradientTransformation(init, update, described(inplace, describe) if inner.inplace else None,
                                   Spec("apply_if_finite", {"inner": inner,

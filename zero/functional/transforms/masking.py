@@ -58,9 +58,8 @@ def _masked_inplace(inner: GradientTransformation, resolve: Any) -> Any:
         return MaskedState(inner_state)
 
     def describe(params):
-        path = explain(inner, _mask_tree(params, resolve(params)))
-        why = f"masked: the masked-out leaves take their updates as they are; {path.why}"
-        return Path(path.kernel, path.calls, why, path.parts)
+        masked_in = _mask_tree(params, resolve(params))
+        return explain(inner, masked_in).after("masked: the masked-out leaves take their updates as they are")
 
     return described(inplace, describe)
 
