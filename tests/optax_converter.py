@@ -243,13 +243,14 @@ class ZeroProxy(types.ModuleType):
     """An Optax module whose names resolve to zero's where zero has them (functions, MultiSteps and
     the state classes), else to Optax's."""
 
-    def __init__(self, module: types.ModuleType):
+    def __init__(self, module: types.ModuleType, ours: types.ModuleType = F):
         super().__init__(module.__name__)
         self._optax_module = module
+        self._ours = ours
 
     def __getattr__(self, name: str) -> Any:
         original = getattr(self._optax_module, name)
-        ours = getattr(F, name, None)
+        ours = getattr(self._ours, name, None)
         if ours is None or name.startswith("_") or inspect.ismodule(original):
             return original
         if inspect.isfunction(ours) or ours is F.MultiSteps:
@@ -337,16 +338,20 @@ PROXIED = ["optax._src.alias", "optax._src.transform", "optax._src.combine", "op
            "optax.schedules._join"]
 
 
+# Optax modules whose names resolve to a zero namespace other than zero.functional.
+PROXIED_ELSEWHERE = {"optax.contrib._muon": F.contrib}
+
+
 def load(test_module: str) -> types.ModuleType:
     """Execute Optax's ``test_module`` (e.g. ``"optax._src.alias_test"``) with proxies in place of
     the Optax modules it imports; returns the new module."""
     saved = []
-    for name in PROXIED:
+    for name in PROXIED + list(PROXIED_ELSEWHERE):
         parent, _, attr = name.rpartition(".")
         package = importlib.import_module(parent)
         module = importlib.import_module(name)
         saved.append((package, attr, module))
-        setattr(package, attr, ZeroProxy(module))
+        setattr(package, attr, ZeroProxy(module, PROXIED_ELSEWHERE.get(name, F)))
     try:
         origin = importlib.util.find_spec(test_module).origin
         spec = importlib.util.spec_from_file_location("zero_" + test_module.replace(".", "_"), origin)

@@ -29,6 +29,7 @@ MODULES = {
     "layouts": "optax.transforms._layouts_test",
     "masking": "optax.transforms._masking_test",
     "monitoring": "optax.transforms._monitoring_test",
+    "muon": "optax.contrib._muon_test",
 }
 
 # Test (``method`` or ``Class.method``) -> why it cannot apply to zero.

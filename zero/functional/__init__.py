@@ -161,6 +161,7 @@ from zero.functional.adapters.optimizer import split_state
 from zero.functional.adapters.torch_rules import from_torch
 from zero.functional.fast.chains import Path
 from zero.functional.fast.chains import explain
+from zero.functional import contrib
 
 __all__ = [
     "AddNoiseState",
@@ -223,6 +224,7 @@ __all__ = [
     "apply_updates",
     "centralize",
     "chain",
+    "contrib",
     "clip",
     "clip_by_block_rms",
     "clip_by_global_norm",

@@ -20,17 +20,41 @@ __all__ = ["OptimizerState", "OPTIMIZERS", "optimizer_state", "state_bytes", "we
 
 @dataclass(frozen=True)
 class OptimizerState:
-    """State an optimizer keeps per parameter: ``slots`` param-shaped tensors + scalars."""
+    """State an optimizer keeps per parameter: ``slots`` param-shaped tensors + scalars, and
+    the work of its step.
+
+    A rule that orthogonalises matrices (Muon) has ``ns_steps`` > 0: each 2-D parameter (a
+    matrix, as `zero.functional.contrib.muon` routes them) holds ``matrix_slots`` tensors and
+    costs Newton-Schulz matmuls; the others take the elementwise rule of ``slots``.
+    """
 
     slots: int
     scalar_bytes: int = 0
+    matrix_slots: int | None = None  # slots of a matrix, when they differ (Muon: its momentum)
+    ns_steps: int = 0  # Newton-Schulz steps per matrix and step (0: an elementwise rule)
+
+    def is_matrix(self, meta: ParamMeta) -> bool:
+        """Whether ``meta`` is a matrix this rule orthogonalises."""
+        return self.ns_steps > 0 and len(meta.shape) == 2
+
+    def slots_for(self, meta: ParamMeta) -> int:
+        """Param-shaped state tensors ``meta`` holds when trainable."""
+        return self.matrix_slots if self.matrix_slots is not None and self.is_matrix(meta) else self.slots
 
     def bytes_for(self, meta: ParamMeta) -> int:
-        return self.bytes_of(meta.nbytes, 1) if meta.requires_grad else 0
+        return self.slots_for(meta) * meta.nbytes + self.scalar_bytes if meta.requires_grad else 0
 
-    def bytes_of(self, nbytes: int, count: int) -> int:
-        """State of ``count`` trainable params holding ``nbytes`` between them."""
-        return self.slots * nbytes + self.scalar_bytes * count
+    def step_flops(self, meta: ParamMeta) -> int:
+        """Floating-point operations of one step of ``meta`` (0 when frozen): its elements for an
+        elementwise rule; for a matrix orthogonalised, ``ns_steps`` quintic steps on it in the
+        orientation whose Gram matrix is the smaller (``m <= n``): ``X X^T`` (2 m^2 n), its
+        square (2 m^3) and the product with ``X`` (2 m^2 n), plus its elements."""
+        if not meta.requires_grad:
+            return 0
+        if not self.is_matrix(meta):
+            return meta.numel
+        m, n = sorted(meta.shape)
+        return self.ns_steps * (4 * m * m * n + 2 * m**3) + meta.numel
 
 
 OPTIMIZERS: dict[str, OptimizerState] = {
@@ -48,6 +72,8 @@ OPTIMIZERS: dict[str, OptimizerState] = {
     "rprop": OptimizerState(2, 4),
     "lion": OptimizerState(1),
     "lamb": OptimizerState(2, 4),
+    # zero.functional.contrib.muon: a momentum per matrix (5 Newton-Schulz steps); AdamW for the rest
+    "muon": OptimizerState(2, 4, matrix_slots=1, ns_steps=5),
 }
 
 
@@ -66,7 +92,8 @@ def state_bytes(meta: ParamMeta, optimizer: str | OptimizerState = "adam", maste
     master dtype when the optimizer steps master copies."""
     if not meta.requires_grad:
         return 0
-    return optimizer_state(optimizer).bytes_of(meta.numel * state_itemsize(meta.dtype, master_dtype), 1)
+    spec = optimizer_state(optimizer)
+    return spec.slots_for(meta) * meta.numel * state_itemsize(meta.dtype, master_dtype) + spec.scalar_bytes
 
 
 # Float dtypes by precision: a master copy must be at least as precise as its param.
@@ -112,6 +139,8 @@ def weights(metas: Sequence[ParamMeta], weight: Weight = "numel",
     frozen parameters weigh nothing. When no
     parameter has state (plain SGD), ``"state_bytes"`` balances trainable elements instead, since
     any placement is then equally good for memory and compute is what is left to balance.
+    ``"step_flops"`` counts the work of its step (`OptimizerState.step_flops`: its elements,
+    or for Muon's matrices their Newton-Schulz matmuls), so ranks finish their steps together.
     A callable maps each `ParamMeta` to a non-negative int.
     """
     if weight == "numel":
@@ -120,9 +149,12 @@ def weights(metas: Sequence[ParamMeta], weight: Weight = "numel",
         ws = [state_bytes(m, optimizer, master_dtype) +
               (m.numel * master_itemsize(m.dtype, master_dtype) if m.requires_grad else 0) for m in metas]
         return ws if any(ws) else [m.numel if m.requires_grad else 0 for m in metas]
+    if weight == "step_flops":
+        spec = optimizer_state(optimizer)
+        return [spec.step_flops(m) for m in metas]
     if callable(weight):
         return [check_int(f"weight({m.name!r})", weight(m)) for m in metas]
-    raise ValueError(f"unknown weight {weight!r}; use 'numel', 'state_bytes' or a callable")
+    raise ValueError(f"unknown weight {weight!r}; use 'numel', 'state_bytes', 'step_flops' or a callable")
 
 
 def sync_bytes(shard_bytes: Sequence[int], collective: str) -> list[tuple[int, int]]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zero.plans.accounting import master_itemsize, state_itemsize, sync_bytes
+from zero.plans.accounting import master_itemsize, state_bytes, state_itemsize, sync_bytes
 from zero.plans.layout import FlatLayout
 from zero.plans.meta import itemsize
 from zero.plans.partition import Partition
@@ -56,16 +56,14 @@ def partition_costs(metas, part: Partition, spec, master_dtype: str | None = Non
     key_of = {k: j for j, k in enumerate(keys)}
     w = part.world_size
     per_key = [[0] * w for _ in keys]  # trainable bytes each rank owns, per (device, dtype)
-    numel, nbytes, count, masters, state_nbytes = [0] * w, [0] * w, [0] * w, [0] * w, [0] * w
+    numel, nbytes, masters, state = [0] * w, [0] * w, [0] * w, [0] * w
     for m, r in zip(metas, part.owner):
         if m.requires_grad:
             per_key[key_of[m.device, m.dtype]][r] += m.nbytes
             numel[r] += m.numel
             nbytes[r] += m.nbytes
-            count[r] += 1
             masters[r] += m.numel * master_itemsize(m.dtype, master_dtype)
-            state_nbytes[r] += m.numel * state_itemsize(m.dtype, master_dtype)
-    state = [spec.bytes_of(b, c) for b, c in zip(state_nbytes, count)]  # spec.bytes_for, summed per rank
+            state[r] += state_bytes(m, spec, master_dtype)
     bcast, gather = _sync(per_key, w)
     return tuple(RankCost(r, len(part.params_of(r)), numel[r], part.loads[r], param_bytes, grad_bytes,
                           state[r], 0, bcast[r], gather[r], masters[r], nbytes[r]) for r in range(w))

@@ -68,7 +68,7 @@ def diff_plans(a: Plan, b: Plan) -> PlanDiff:
             changed.append(meta.name)
         if not meta.requires_grad:
             continue
-        per_element = spec.slots * itemsize(meta.dtype)
+        per_element = spec.slots_for(meta) * itemsize(meta.dtype)
         for src, dst, count in _overlaps(before, after):
             if src != dst:
                 moves[(src, dst)] += count * per_element

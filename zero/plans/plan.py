@@ -21,9 +21,10 @@ from zero.plans.layout import FlatLayout, flat_layout
 from zero.plans.meta import ParamMeta, gc_paused
 from zero.plans.partition import STRATEGIES, Partition, check_metas, partition
 
-__all__ = ["Plan", "make_plan", "check_plan", "PLAN_STRATEGIES"]
+__all__ = ["Plan", "make_plan", "check_plan", "PLAN_STRATEGIES", "WEIGHTS"]
 
 PLAN_STRATEGIES = STRATEGIES + ("flat",)
+WEIGHTS = ("numel", "state_bytes", "step_flops")
 _FORMAT = 2  # 2: metas hashed as names + a table of rows (plans saved by format 1 must be made again)
 
 
@@ -109,7 +110,9 @@ def make_plan(metas: Sequence[ParamMeta], world_size: int, strategy: str = "sort
               bucket_numel: int | None = None, *, master_dtype: str | None = None) -> Plan:
     """Partition (or flat-shard) ``metas`` over ``world_size`` ranks and account for the result.
 
-    ``strategy``: one of ``PLAN_STRATEGIES``; ``weight``: ``"numel"`` or ``"state_bytes"``;
+    ``strategy``: one of ``PLAN_STRATEGIES``; ``weight``: ``"numel"``, ``"state_bytes"`` or
+    ``"step_flops"`` (the work of each param's step: ``optimizer="muon"`` balances the
+    Newton-Schulz matmuls of its matrices; see `zero.plans.accounting.weights`);
     ``optimizer``: a name from `zero.plans.accounting.OPTIMIZERS`, for the state accounting;
     ``alignment``: shard alignment in elements for ``"flat"``; ``bucket_numel``: for ``"flat"``,
     the most elements per flat buffer (see `zero.flat_layout`); ``master_dtype`` (``"float32"``):
@@ -127,9 +130,12 @@ def make_plan(metas: Sequence[ParamMeta], world_size: int, strategy: str = "sort
     metas = tuple(check_metas(metas))
     if strategy not in PLAN_STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {PLAN_STRATEGIES}")
-    if weight not in ("numel", "state_bytes"):
-        raise ValueError(f"make_plan takes weight 'numel' or 'state_bytes', got {weight!r}")
+    if weight not in WEIGHTS:
+        raise ValueError(f"make_plan takes weight {' or '.join(map(repr, WEIGHTS))}, got {weight!r}")
     spec = optimizer_state(optimizer)
+    if strategy == "flat" and spec.ns_steps:
+        raise ValueError(f"optimizer {optimizer!r} orthogonalises whole matrices, and a flat plan cuts them into "
+                         "pieces: use a whole-param strategy (e.g. 'sorted_greedy', with weight='step_flops')")
     master_dtype = check_master_dtype(master_dtype, metas)
     if strategy == "flat":
         part, flat = None, flat_layout(metas, world_size, alignment, bucket_numel)

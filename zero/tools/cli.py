@@ -12,7 +12,7 @@ from pathlib import Path
 from zero.plans.accounting import OPTIMIZERS
 from zero.plans.diff import diff_plans
 from zero.plans.meta import param_metas
-from zero.plans.plan import PLAN_STRATEGIES, Plan, make_plan
+from zero.plans.plan import PLAN_STRATEGIES, WEIGHTS, Plan, make_plan
 from zero.plans.presets import PRESETS, preset
 
 __all__ = ["main", "load_metas"]
@@ -32,7 +32,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="what changes from plan A to plan B (saved with --json): owners, state moved, costs")
     p.add_argument("-w", "--world-size", type=int, default=8)
     p.add_argument("--strategy", choices=PLAN_STRATEGIES, default="sorted_greedy")
-    p.add_argument("--weight", choices=("numel", "state_bytes"), default="numel")
+    p.add_argument("--weight", choices=WEIGHTS, default="numel",
+                   help="what to balance: elements, optimizer-state bytes, or the work of each step "
+                        "(step_flops; with --optimizer muon, Newton-Schulz matmuls)")
     p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adam")
     p.add_argument("--alignment", type=int, default=1, help="flat shard alignment (elements)")
     p.add_argument("--master-dtype", help="the optimizer steps master copies in this dtype (e.g. float32 for a "

@@ -57,9 +57,9 @@ def with_group_hyperparams(tx: Any, who: str = "tx") -> GradientTransformation:
     spec = getattr(tx, "spec", None)
     if spec is not None and spec.factory is not None:
         # float64 holds a Python float exactly: torch keeps group settings as Python numbers. A mask
-        # is a function of the params, not a schedule of the step: it stays fixed.
-        masks = [k for k in spec.args if "mask" in k]
-        return inject_hyperparams(spec.factory, static_args=masks, hyperparam_dtype=torch.float64)(**spec.args)
+        # (or Muon's dimension numbers) is a function of the params, not a schedule of the step: it stays fixed.
+        fixed = [k for k in spec.args if "mask" in k or "dimension_numbers" in k]
+        return inject_hyperparams(spec.factory, static_args=fixed, hyperparam_dtype=torch.float64)(**spec.args)
     return tx
 
 

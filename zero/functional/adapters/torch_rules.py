@@ -26,6 +26,8 @@ from zero.functional.base import (
     count_zero,
     full_like,
     identity,
+    tree_leaves,
+    tree_map,
     zeros_like,
 )
 from zero.functional.combine import chain
@@ -255,8 +257,61 @@ def _radam(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, decoupled_we
     return chain(_negate(maximize), before, _torch_radam(*betas, eps), after, T.scale_by_learning_rate(lr))
 
 
+class TorchMuonState(NamedTuple):
+    """State of ``torch.optim.Muon`` as `from_torch` runs it.
+
+    Fields:
+        momentum_buffer: torch's ``momentum_buffer``, a pytree like the params.
+    """
+
+    momentum_buffer: Any
+
+
+def _torch_muon(momentum: float, nesterov: bool, ns_coefficients: tuple, eps: float, ns_steps: int,
+                adjust_lr_fn: str | None) -> GradientTransformation:
+    """``torch.optim.Muon``'s direction: ``b = lerp(b, g, 1 - momentum)``, orthogonalised in
+    bfloat16 (of ``lerp(g, b, momentum)`` with ``nesterov``), times its shape's learning-rate ratio."""
+    from zero.functional.contrib.newton_schulz import torch_newton_schulz
+
+    def ratio(shape):
+        rows, cols = shape[:2]
+        if adjust_lr_fn == "match_rms_adamw":
+            return 0.2 * math.sqrt(max(rows, cols))
+        return math.sqrt(max(1, rows / cols))
+
+    def init(params):
+        for p in tree_leaves(params):
+            if p.ndim != 2:
+                raise ValueError(f"torch.optim.Muon steps matrices only, got a param of shape {tuple(p.shape)}: "
+                                 "give the others to another rule (zero.functional.contrib.muon does so itself)")
+        return TorchMuonState(zeros_like(params))
+
+    def update(updates, state, params=None):
+        m = float(momentum)
+        buf = elementwise_map(lambda g, b: b.lerp(g, 1 - m), updates, state.momentum_buffer)
+        look = elementwise_map(lambda g, b: g.lerp(b, m), updates, buf) if nesterov else buf
+        # tree_map, not elementwise_map: the orthogonalisation reads each matrix whole (never a packed buffer)
+        out = tree_map(lambda x: ratio(x.shape) * torch_newton_schulz(x, ns_coefficients, int(ns_steps),
+                                                                      float(eps)).to(x.dtype), look)
+        return out, TorchMuonState(buf)
+
+    return GradientTransformation(init, update, spec=Spec("torch_muon", {"momentum": momentum, "nesterov": nesterov}))
+
+
+def _muon(lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True, ns_coefficients=(3.4445, -4.7750, 2.0315),
+          eps=1e-7, ns_steps=5, adjust_lr_fn=None):
+    if adjust_lr_fn not in (None, "original", "match_rms_adamw"):
+        raise ValueError(f"adjust_lr_fn must be None, 'original' or 'match_rms_adamw', got {adjust_lr_fn!r}")
+    if len(ns_coefficients) != 3:
+        raise ValueError(f"ns_coefficients must be three numbers, got {ns_coefficients!r}")
+    check_non_negative("momentum", momentum)
+    return chain(_torch_muon(momentum, nesterov, tuple(ns_coefficients), eps, ns_steps, adjust_lr_fn),
+                 _decays(weight_decay, True)[1], T.scale_by_learning_rate(lr))
+
+
 TORCH_CLASSES = {"SGD": _sgd, "Adam": _adam, "AdamW": _adamw, "Adagrad": _adagrad, "Adadelta": _adadelta,
-                 "RMSprop": _rmsprop, "Rprop": _rprop, "Adamax": _adamax, "NAdam": _nadam, "RAdam": _radam}
+                 "RMSprop": _rmsprop, "Rprop": _rprop, "Adamax": _adamax, "NAdam": _nadam, "RAdam": _radam,
+                 "Muon": _muon}
 
 
 def from_torch(optimizer_class: type | str, **defaults: Any) -> GradientTransformation:

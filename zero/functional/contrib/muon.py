@@ -1,0 +1,261 @@
+"""Muon: momentum orthogonalised by Newton-Schulz (mirrors ``optax.contrib.muon``,
+``scale_by_muon``, ``scale_by_shape`` and ``MuonState``, argument for argument).
+
+Muon updates a matrix by the orthogonalised (nesterov) momentum of its gradients, scaled by
+its shape; the params that are not matrices go to AdamW. The orthogonalisation needs each
+matrix whole (`zero.functional.contrib.newton_schulz`): under a sharded optimizer each matrix
+belongs to one rank (a whole-param plan), and `weight="step_flops"` plans balance that work.
+``torch.optim.Muon``'s rule (its momentum without bias correction, bfloat16 Newton-Schulz, its
+learning-rate adjustments) is `zero.functional.from_torch` ``("Muon", ...)``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import optree
+import torch
+
+from zero.functional import sharding
+from zero.functional import transforms as T
+from zero.functional.aliases import ScalarOrSchedule, alias
+from zero.functional.aliases.adam import adamw
+from zero.functional.base import (
+    GradientTransformation,
+    Spec,
+    as_dtype,
+    check_non_negative,
+    check_positive,
+    check_unit,
+    count_inc,
+    count_zero,
+    stateless_tx,
+    tree_leaves,
+    tree_map,
+    zeros_like,
+)
+from zero.functional.combine import chain
+from zero.functional.contrib.newton_schulz import (
+    PRECONDITIONINGS,
+    MuonDimensionNumbers,
+    as_matrices,
+    check_coeffs,
+    fans,
+    is_dimension_numbers,
+    newton_schulz,
+    ns_dtype,
+)
+from zero.functional.fast.elementwise import debias, moment
+
+__all__ = ["MuonState", "scale_by_muon", "scale_by_shape", "muon", "NS_COEFFS_PRESETS"]
+
+DEFAULT_NS_COEFFS = (3.4445, -4.7750, 2.0315)
+NS_COEFFS_PRESETS = {
+    "standard": DEFAULT_NS_COEFFS,
+    "dion": ((4.0848, -6.8946, 2.9270), (3.9505, -6.3029, 2.6377), (3.7418, -5.5913, 2.3037),
+             (2.8769, -3.1427, 1.2046), (2.8366, -3.0525, 1.2012)),
+}
+
+DimensionNumbers = MuonDimensionNumbers | Any | Callable[[Any], Any] | None
+
+
+class MuonState(NamedTuple):
+    """State of ``scale_by_muon`` (``optax.contrib.MuonState``).
+
+    Fields:
+        count: steps taken, 0-d int32.
+        mu: the momentum, a pytree like the params (in ``mu_dtype``).
+        ns_coeffs: the Newton-Schulz coefficients, shape (3,) or (ns_steps, 3).
+    """
+
+    count: torch.Tensor
+    mu: Any
+    ns_coeffs: torch.Tensor
+
+
+def _is_dims_leaf(x: Any) -> bool:
+    return x is None or is_dimension_numbers(x)
+
+
+def dims_per_leaf(dimension_numbers: DimensionNumbers, tree: Any) -> list:
+    """For each leaf of ``tree`` (in order), its dimension numbers or None: ``dimension_numbers``
+    is one `MuonDimensionNumbers` for all, a tree of them (a prefix of ``tree``; None marks
+    leaves that are not Muon's), or a function of ``tree`` returning one."""
+    dims = dimension_numbers(tree) if callable(dimension_numbers) else dimension_numbers
+    full = optree.tree_broadcast_prefix(dims, tree, is_leaf=_is_dims_leaf, none_is_leaf=True)
+    return optree.tree_leaves(full, is_leaf=_is_dims_leaf, none_is_leaf=True)
+
+
+def _orthogonalize(x: torch.Tensor, coeffs: torch.Tensor, ns_steps: int, preconditioning: str, eps: float,
+                   dims: Any) -> torch.Tensor:
+    stacked, back = as_matrices(x, dims)
+    return back(newton_schulz(stacked.to(ns_dtype(stacked)), coeffs, ns_steps, preconditioning, eps).to(x.dtype))
+
+
+def scale_by_muon(ns_coeffs: Any = DEFAULT_NS_COEFFS, ns_steps: int = 5, beta: float = 0.95, eps: float = 1e-8,
+                  mu_dtype: torch.dtype | str | None = None, *, nesterov: bool = True, adaptive: bool = False,
+                  preconditioning: str = "frobenius",
+                  weight_dimension_numbers: DimensionNumbers = None) -> GradientTransformation:
+    r"""Muon's rescaling (mirrors ``optax.contrib.scale_by_muon``).
+
+    .. math::
+        m_t = \beta m_{t-1} + (1 - \beta) g_t, \quad
+        u_t = \mathrm{NS}(\hat m_t), \quad
+        \hat m_t = \beta \frac{m_t}{1 - \beta^{t+1}} + (1 - \beta) \frac{g_t}{1 - \beta^t}
+        \ \text{(nesterov)}, \ \text{else}\ \frac{m_t}{1 - \beta^t}
+
+    where NS orthogonalises each matrix (`orthogonalize_via_newton_schulz`).
+
+    Args:
+        ns_coeffs: the quintic's coefficients ``(a, b, c)``, or one triple per step.
+        ns_steps: Newton-Schulz steps (a table of triples uses its last ``ns_steps`` rows).
+        beta: the momentum's decay, in [0, 1).
+        eps: added to the rescaling's denominator.
+        mu_dtype: the momentum's dtype (``None``: the updates').
+        nesterov: the look-ahead momentum above.
+        adaptive: scale each update by ``<m_hat, u>`` (the dual norm of the momentum).
+        preconditioning: the rescaling before the steps: ``"frobenius"``, ``"spectral"``,
+            ``"aol"`` or ``"schatten"``.
+        weight_dimension_numbers: how each leaf reads as matrices (`MuonDimensionNumbers`, a
+            tree of them, or a function of the updates returning one); ``None``: every leaf is
+            a 2-D matrix.
+
+    Returns:
+        A transformation with state `MuonState`. Every leaf it sees must be whole: under a flat
+        plan, which steps pieces of tensors, it is a ``ValueError``.
+    """
+    mu_dtype = as_dtype(mu_dtype, "mu_dtype")
+    check_unit("beta", beta)
+    check_non_negative("eps", eps)
+    check_positive("ns_steps", ns_steps)
+    if preconditioning not in PRECONDITIONINGS:
+        raise ValueError(f"unknown preconditioning {preconditioning!r}; choose one of {PRECONDITIONINGS}")
+    coeffs = check_coeffs(ns_coeffs, ns_steps)
+
+    def init(params):
+        dtype = torch.float64 if any(p.dtype == torch.float64 for p in tree_leaves(params)) else torch.float32
+        return MuonState(count_zero(), zeros_like(params, mu_dtype), coeffs.to(dtype))
+
+    def update(updates, state, params=None):
+        leaves, treedef = optree.tree_flatten(updates)
+        sharding.whole_tensors(leaves, "scale_by_muon (Newton-Schulz on whole matrices)")
+        dims = dims_per_leaf(weight_dimension_numbers, updates)
+        count = count_inc(state.count)
+        mu = [moment(g, m, beta, 1) for g, m in zip(leaves, treedef.flatten_up_to(state.mu))]
+        if nesterov:
+            hat = [beta * debias(m, beta, int(count) + 1) + (1 - beta) * debias(g, beta, count)
+                   for m, g in zip(mu, leaves)]
+        else:
+            hat = [debias(m, beta, count) for m in mu]
+        out = [_orthogonalize(h, state.ns_coeffs, ns_steps, preconditioning, eps, d) for h, d in zip(hat, dims)]
+        if adaptive:
+            out = [torch.sum(h.conj() * o) * o for h, o in zip(hat, out)]
+        if mu_dtype is not None:
+            mu = [m.to(mu_dtype) for m in mu]
+        return treedef.unflatten(out), MuonState(count, treedef.unflatten(mu), state.ns_coeffs)
+
+    spec = Spec("scale_by_muon", {"ns_coeffs": ns_coeffs, "ns_steps": ns_steps, "beta": beta, "eps": eps,
+                                  "mu_dtype": mu_dtype, "nesterov": nesterov, "adaptive": adaptive,
+                                  "preconditioning": preconditioning,
+                                  "weight_dimension_numbers": weight_dimension_numbers})
+    return GradientTransformation(init, update, spec=spec)
+
+
+def scale_by_shape(weight_dimension_numbers: DimensionNumbers = None,
+                   consistent_rms: float | None = None) -> GradientTransformation:
+    """Scale each matrix's update by its shape (``optax.contrib.scale_by_shape``): by
+    ``sqrt(max(1, fan_out / fan_in))`` (Keller Jordan's width scaling) or, with
+    ``consistent_rms``, by ``sqrt(max(fan_in, fan_out)) * consistent_rms`` (Moonlight's, which
+    gives updates the RMS of AdamW's at ``0.2``)."""
+
+    def scale_of(shape, dims):
+        fan_in, fan_out = fans(shape, dims)
+        if consistent_rms is not None:
+            return math.sqrt(max(fan_in, fan_out)) * consistent_rms
+        return math.sqrt(max(1.0, fan_out / fan_in))
+
+    def update(updates, state, params=None):
+        leaves, treedef = optree.tree_flatten(updates)
+        dims = dims_per_leaf(weight_dimension_numbers, updates)
+        return treedef.unflatten([scale_of(u.shape, d) * u for u, d in zip(leaves, dims)]), state
+
+    spec = Spec("scale_by_shape", {"weight_dimension_numbers": weight_dimension_numbers,
+                                   "consistent_rms": consistent_rms})
+    return stateless_tx(update)._replace(spec=spec)
+
+
+def _labels(dimension_numbers: DimensionNumbers) -> Callable[[Any], Any]:
+    """Per leaf, ``"muon"`` or ``"adam"``: by the dimension numbers (None: Adam), or without them
+    by rank (matrices: Muon)."""
+    def labels(tree):
+        if dimension_numbers is None:
+            return tree_map(lambda x: "muon" if x.ndim == 2 else "adam", tree)
+        leaves, treedef = optree.tree_flatten(tree)
+        return treedef.unflatten(["adam" if d is None else "muon" for d in dims_per_leaf(dimension_numbers, tree)])
+    return labels
+
+
+@alias
+def muon(learning_rate: ScalarOrSchedule, ns_coeffs: Any = DEFAULT_NS_COEFFS, ns_steps: int = 5,
+         beta: float = 0.95, eps: float = 1e-8, weight_decay: ScalarOrSchedule = 0.0, weight_decay_mask: Any = None,
+         mu_dtype: torch.dtype | str | None = None, *, nesterov: bool = True, adaptive: bool = False,
+         preconditioning: str = "frobenius", adam_b1: float = 0.9, adam_b2: float = 0.999,
+         adam_eps_root: float = 0.0, adam_weight_decay: ScalarOrSchedule = 0.0,
+         adam_learning_rate: ScalarOrSchedule | None = None, muon_weight_dimension_numbers: DimensionNumbers = None,
+         consistent_rms: float | None = None) -> GradientTransformation:
+    r"""Muon for the matrices, AdamW for the rest (mirrors ``optax.contrib.muon``).
+
+    .. math::
+        u_t = -\eta \big( s(W)\, \mathrm{NS}(\hat m_t) + \lambda W \big)
+
+    on each matrix ``W`` (`scale_by_muon`, then `scale_by_shape`'s ``s``, decoupled decay and
+    the learning rate); every other leaf takes ``adamw(adam_learning_rate, adam_b1, adam_b2,
+    eps, adam_eps_root, weight_decay=adam_weight_decay, nesterov=nesterov)``.
+
+    Args:
+        learning_rate: a float or a schedule.
+        ns_coeffs: the Newton-Schulz coefficients, a table of them, or a preset's name
+            (``"standard"``, ``"dion"``; see ``NS_COEFFS_PRESETS``).
+        ns_steps, beta, eps, mu_dtype, nesterov, adaptive, preconditioning: as in `scale_by_muon`.
+        weight_decay, weight_decay_mask: decoupled decay of the matrices, and where.
+        adam_b1, adam_b2, adam_eps_root, adam_weight_decay, adam_learning_rate: the AdamW of the
+            other leaves (``adam_learning_rate=None``: ``learning_rate``).
+        muon_weight_dimension_numbers: which leaves are Muon's and how they read as matrices: a
+            `MuonDimensionNumbers` tree (None: Adam) or a function of the params returning one;
+            ``None``: the 2-D leaves, each ``(in, out)``.
+        consistent_rms: see `scale_by_shape`.
+
+    Returns:
+        ``partition({"muon": ..., "adam": ...})``, whose state is Optax's
+        (``PartitionState`` of ``MaskedState`` s). ``torch.optim.Muon`` takes a different step
+        (no bias correction, ``lr * weight_decay`` decay, shape ``(out, in)``): see `from_torch`.
+
+    Reference: Jordan et al., Muon: An optimizer for hidden layers in neural networks, 2024;
+    Liu et al., Muon is Scalable for LLM Training, 2025.
+
+    Example:
+        >>> import torch, zero.functional as F
+        >>> tx = F.contrib.muon(0.1)
+        >>> params = {"w": torch.eye(2) * 3, "b": torch.ones(2)}
+        >>> u, _ = tx.update({"w": torch.eye(2), "b": torch.ones(2)}, tx.init(params), params)
+        >>> [round(x, 3) for x in u["w"].diagonal().tolist()]  # the matrix: Newton-Schulz of I / sqrt(2)
+        [-0.111, -0.111]
+        >>> u["b"]  # the vector: AdamW, nesterov as Muon's momentum
+        tensor([-0.1474, -0.1474])
+    """
+    if isinstance(ns_coeffs, str):
+        if ns_coeffs not in NS_COEFFS_PRESETS:
+            raise ValueError(f"unknown ns_coeffs preset {ns_coeffs!r}; choose one of {sorted(NS_COEFFS_PRESETS)}")
+        ns_coeffs = NS_COEFFS_PRESETS[ns_coeffs]
+    dims = MuonDimensionNumbers() if muon_weight_dimension_numbers is None else muon_weight_dimension_numbers
+    matrices = chain(
+        scale_by_muon(ns_coeffs, ns_steps, beta, eps, mu_dtype, nesterov=nesterov, adaptive=adaptive,
+                      preconditioning=preconditioning, weight_dimension_numbers=dims),
+        scale_by_shape(dims, consistent_rms),
+        T.add_decayed_weights(weight_decay, weight_decay_mask),
+        T.scale_by_learning_rate(learning_rate))
+    others = adamw(learning_rate if adam_learning_rate is None else adam_learning_rate, adam_b1, adam_b2, eps,
+                   adam_eps_root, mu_dtype, adam_weight_decay, nesterov=nesterov)
+    return T.partition({"muon": matrices, "adam": others}, _labels(muon_weight_dimension_numbers))
