@@ -8,6 +8,11 @@ Strategies (each deterministic, valid for any world size; ranks may end up empty
 - ``"greedy"``: the same without sorting, in registration order (fairscale's OSS).
 - ``"contiguous"``: consecutive blocks in registration order minimising the largest load, then
   spreading the rest as evenly as that cap allows (no rank left empty while params remain).
+- ``"balanced"``: the busiest rank as light as it can be made: largest first over all groups
+  (LPT), then moves and swaps (of one or two params a side) off the busiest rank while one
+  lowers it. For few large tensors
+  of unequal weight (Muon's matrices weighted by ``"step_flops"``) LPT alone can leave the
+  busiest rank 10% over what is possible; each rank receives its params in registration order.
 
 Both greedy strategies use a heap: O(N log W) rather than torch's O(N x W) scan.
 """
@@ -26,7 +31,7 @@ from zero.plans.meta import ParamMeta
 
 __all__ = ["Partition", "partition", "STRATEGIES", "check_metas", "check_world_size"]
 
-STRATEGIES = ("sorted_greedy", "greedy", "contiguous")
+STRATEGIES = ("sorted_greedy", "greedy", "contiguous", "balanced")
 
 
 @dataclass(frozen=True)
@@ -67,6 +72,8 @@ def partition(metas: Sequence[ParamMeta], world_size: int, strategy: str = "sort
     groups = _registration_order(metas)
     if strategy == "contiguous":
         order = _contiguous([i for g in groups for i in g], ws, world_size)
+    elif strategy == "balanced":
+        order = _balanced(groups, ws, world_size)
     else:
         if strategy == "sorted_greedy":
             # sorted(reverse=True) is stable, so equal weights keep registration order, as in torch.
@@ -103,6 +110,82 @@ def _greedy(groups: list[list[int]], ws: list[int], world_size: int) -> list[lis
         order[rank].append(i)
         heapq.heapreplace(heap, heap[0] + ws[i] * step)
     return order
+
+
+def _balanced(groups: list[list[int]], ws: list[int], world_size: int) -> list[list[int]]:
+    """LPT over every param, then `_best_exchange` off the busiest rank until none lowers it;
+    each rank's params in registration order, group by group (as ``groups`` lists them)."""
+    everything = [i for g in groups for i in g]
+    order = _greedy([sorted(everything, key=ws.__getitem__, reverse=True)], ws, world_size)
+    loads = [sum(ws[i] for i in o) for o in order]
+    held = [_by_weight(o, ws) for o in order]
+    for _ in range(4 * len(everything) + world_size):  # each exchange lowers the busiest rank; a cap, not a guess
+        busiest = max(range(world_size), key=loads.__getitem__)
+        exchange = _best_exchange(busiest, loads, held)
+        if exchange is None:
+            break
+        _, give, target, take = exchange
+        for weight in give:
+            _move(held[busiest], held[target], weight)
+        for weight in take:
+            _move(held[target], held[busiest], weight)
+        loads[busiest] += sum(take) - sum(give)
+        loads[target] += sum(give) - sum(take)
+    position = {i: n for n, i in enumerate(everything)}
+    return [sorted((i for bucket in h.values() for i in bucket), key=position.__getitem__) for h in held]
+
+
+def _by_weight(indices: list[int], ws: list[int]) -> dict[int, list[int]]:
+    held: dict[int, list[int]] = {}
+    for i in indices:
+        held.setdefault(ws[i], []).append(i)
+    return held
+
+
+def _move(src: dict[int, list[int]], dst: dict[int, list[int]], weight: int) -> None:
+    """One param of ``weight`` from ``src`` to ``dst`` (the last registered of that weight)."""
+    i = src[weight].pop()
+    if not src[weight]:
+        del src[weight]
+    dst.setdefault(weight, []).append(i)
+
+
+_PAIRS_UP_TO = 48  # distinct weights on a rank up to which pairs of params are exchanged too
+
+
+def _bundles(held: dict[int, list[int]]) -> list[tuple[int, ...]]:
+    """What a rank can give in one exchange: one param of each distinct weight, and (with few
+    distinct weights) two params: LPT's usual dead end is one large param against two smaller."""
+    singles = sorted(held)
+    bundles = [(w,) for w in singles]
+    if len(singles) <= _PAIRS_UP_TO:
+        bundles += [(a, b) for k, a in enumerate(singles) for b in singles[k:] if a != b or len(held[a]) > 1]
+    return bundles
+
+
+def _best_exchange(busiest: int, loads: list[int], held: list[dict[int, list[int]]]):
+    """The exchange of a bundle (`_bundles`) of ``busiest``'s for a bundle (or nothing) of a
+    lighter ``target``'s that leaves the pair's larger load lowest, as ``(new max, give, target,
+    take)``; None when none brings it below ``busiest``'s load. Params of equal weight are
+    interchangeable, so bundles are of distinct weights; the best ``take`` sums nearest
+    ``sum(give)`` minus half the gap between the two ranks."""
+    top, best = loads[busiest], None
+    mine = _bundles(held[busiest])
+    for target in sorted(range(len(loads)), key=loads.__getitem__):
+        gap = top - loads[target]
+        if gap <= 0:
+            break  # targets come lightest first: the rest are as busy
+        theirs = sorted([((), 0)] + [(b, sum(b)) for b in _bundles(held[target])], key=lambda x: x[1])
+        sums = [t for _, t in theirs]
+        for give in mine:
+            k = bisect.bisect_left(sums, sum(give) - gap / 2)
+            for take, took in theirs[max(k - 1, 0):k + 1]:
+                delta = sum(give) - took
+                if 0 < delta < gap:
+                    candidate = (max(top - delta, loads[target] + delta), give, target, take)
+                    if best is None or candidate < best:
+                        best = candidate
+    return best if best is not None and best[0] < top else None
 
 
 def _contiguous(seq: list[int], ws: list[int], world_size: int) -> list[list[int]]:

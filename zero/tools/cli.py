@@ -100,10 +100,12 @@ def _plan(args: argparse.Namespace) -> int:
         return 0
     metas = load_metas(args)
     if args.compare:
+        matrices = OPTIMIZERS[args.optimizer].ns_steps > 0  # Muon: whole matrices, and work to balance
+        weights = ("numel", "state_bytes", "step_flops") if matrices else ("numel", "state_bytes")
         plans = [make_plan(metas, args.world_size, s, w, args.optimizer, args.alignment,
                            master_dtype=args.master_dtype)
-                 for s in PLAN_STRATEGIES for w in ("numel", "state_bytes")
-                 if not (s == "flat" and w == "state_bytes")]
+                 for s in PLAN_STRATEGIES for w in weights
+                 if s != "flat" or (w == "numel" and not matrices)]
         print(render(compare_table(plans)))
         return 0
     plan = make_plan(metas, args.world_size, args.strategy, args.weight, args.optimizer, args.alignment,
