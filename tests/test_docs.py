@@ -8,7 +8,7 @@ import pytest
 MODULES = ["zero.functional.fast.chains",
            "zero.functional.aliases.sgd", "zero.functional.aliases.adam", "zero.functional.aliases.rms",
            "zero.functional.aliases.sign", "zero.functional.aliases.layerwise", "zero.functional.aliases.factored",
-           "zero.functional.contrib.muon"]
+           "zero.functional.contrib._muon"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -179,17 +179,19 @@ def whole_tensors(leaves: Sequence[torch.Tensor], what: str) -> None:
     """``ValueError`` unless every leaf is a whole tensor in its own shape: for rules that read a
     tensor's shape or all its elements at once (``centralize``, ``adaptive_grad_clip``...), which a
     rank stepping pieces of tensors (a flat plan) cannot run."""
-    found = _sharded(leaves, what)
-    if found is None:
-        return
-    sharding, pieces = found
+    sharding, stepped = _SHARDING.get(), _LEAVES.get()
+    if sharding is None or (stepped is not None and all(_whole(sharding, pc) for pc in stepped)):
+        return  # every param this rank steps is whole, so any leaves of them are (inside masked too)
+    sharding, pieces = _sharded(leaves, what)
     for leaf, pc in zip(leaves, pieces):
-        whole = (len(pc.tensors) == 1 and sharding.numels and pc.lengths[0] == leaf.numel()
-                 == sharding.numels[pc.tensors[0]])
-        if not whole:
+        if not (_whole(sharding, pc) and pc.lengths[0] == leaf.numel()):
             raise ValueError(f"{what} needs each tensor whole, but this sharded step holds pieces of tensors "
                              "(a flat plan): use a whole-param plan (ZeroRedundancyOptimizer(..., plan=...) "
                              "without flat buckets)")
+
+
+def _whole(sharding: Sharding, pc: Pieces) -> bool:
+    return len(pc.tensors) == 1 and bool(sharding.numels) and pc.lengths[0] == sharding.numels[pc.tensors[0]]
 
 
 def all_finite(leaves: Sequence[torch.Tensor]) -> bool:

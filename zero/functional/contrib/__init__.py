@@ -2,7 +2,7 @@
 layout included) and re-exported from here, as ``optax.contrib.<name>`` is.
 """
 
-from zero.functional.contrib.muon import MuonState, muon, scale_by_muon, scale_by_shape
+from zero.functional.contrib._muon import MuonState, muon, scale_by_muon, scale_by_shape
 from zero.functional.contrib.newton_schulz import MuonDimensionNumbers, orthogonalize_via_newton_schulz
 
 __all__ = ["MuonState", "muon", "scale_by_muon", "scale_by_shape", "MuonDimensionNumbers",

@@ -1,0 +1,62 @@
+"""Per-rank bodies of the Muon backend tests (run by `distributed.run_ranks` in fresh processes):
+Muon under ZeRO against one process, and the count of Newton-Schulz runs on each rank."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import zero
+import zero.functional as zf
+from tests.zero_workers import ddp_grads, make_model, same_on_every_rank, set_grads
+from zero.backends import ZeroRedundancyOptimizer as Zero
+from zero.functional.contrib import _muon as muon_module
+
+
+def assert_close_f64(a, b, what: str) -> None:
+    """Float64 params equal to a relative 1e-9."""
+    for (name, x), y in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(x, y, rtol=1e-9, atol=1e-12, msg=lambda m, n=name: f"{what}: {n}: {m}")
+
+
+class CountingNewtonSchulz:
+    """Counts Newton-Schulz runs (one per matrix orthogonalised), patched over the Muon module."""
+
+    def __init__(self):
+        self.calls, self._orig = 0, muon_module.newton_schulz
+
+    def __enter__(self):
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return self._orig(*args, **kwargs)
+        muon_module.newton_schulz = counted
+        return self
+
+    def __exit__(self, *exc):
+        muon_module.newton_schulz = self._orig
+
+
+def muon_whole(rank: int, world_size: int, steps: int = 20) -> dict:
+    """``contrib.muon`` under a flops-balanced whole plan vs one process, float64, by name; each
+    rank counts the matrices it orthogonalises."""
+    tx = zf.contrib.muon(0.02, weight_decay=0.01, adam_weight_decay=0.01)
+    ours_m, ref_m = make_model(dtypes=(torch.float64,)), make_model(dtypes=(torch.float64,))
+    plan = zero.make_plan(zero.param_metas(ours_m), world_size, "balanced", "step_flops", "muon")
+    ours = Zero(ours_m.named_parameters(), tx, plan=plan)
+    ref = zf.Optimizer(ref_m.named_parameters(), tx)
+    calls = 0
+    for step in range(steps):
+        grads = ddp_grads(list(ours_m.parameters()), step, rank, world_size)
+        set_grads(ours_m, grads)
+        with CountingNewtonSchulz() as count:
+            ours.step()
+        calls += count.calls
+        set_grads(ref_m, grads)
+        ref.step()
+        assert_close_f64(ours_m, ref_m, f"muon, step {step}")
+    assert same_on_every_rank(ours_m)
+    owned = [i for i in plan.partition.params_of(rank) if len(plan.metas[i].shape) == 2]
+    counts = [None] * world_size
+    dist.all_gather_object(counts, calls)
+    return {"calls": calls, "owned_matrices": len(owned), "all_calls": counts,
+            "matrices": sum(len(m.shape) == 2 for m in plan.metas)}
