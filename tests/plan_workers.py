@@ -25,6 +25,9 @@ RULES = {
     "sgd_nesterov": (torch.optim.SGD, dict(lr=1e-2, momentum=0.9, nesterov=True, weight_decay=1e-3), "sgd_momentum"),
     "clip_adamw": (zf.chain(zf.clip_by_global_norm(1.0), zf.adamw(1e-2, weight_decay=0.1)), {}, None),
     "lamb": (zf.lamb(1e-2, weight_decay=0.01), {}, None),
+    # rules that read whole tensors' axes: units, rows, mean squares summed over every rank's pieces
+    "whole_tensor_rules": (zf.chain(zf.adaptive_grad_clip(0.05), zf.centralize(), zf.clip_by_block_rms(0.02),
+                                    zf.sgd(1e-2, momentum=0.9)), {}, None),
 }
 
 

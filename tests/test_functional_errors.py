@@ -120,12 +120,13 @@ def test_a_saved_state_of_another_kind_of_transformation_is_named():
 
 
 @pytest.mark.parametrize("make, name", [
-    (lambda: F.centralize(), "centralize"), (lambda: F.clip_by_block_rms(1.0), "clip_by_block_rms"),
-    (lambda: F.adaptive_grad_clip(0.1), "adaptive_grad_clip"), (lambda: F.novograd(0.1), "scale_by_novograd"),
-    (lambda: F.sm3(0.1), "scale_by_sm3"), (lambda: F.adafactor(0.1, min_dim_size_to_factor=2), "scale_by_factored_rms"),
+    (lambda: F.novograd(0.1), "scale_by_novograd"), (lambda: F.sm3(0.1), "scale_by_sm3"),
+    (lambda: F.adafactor(0.1, min_dim_size_to_factor=2), "scale_by_factored_rms"),
+    (lambda: F.contrib.scale_by_muon(), "scale_by_muon"),
 ])
 def test_per_tensor_rules_refuse_pieces_of_tensors(make, name):
-    """A rank stepping half of a tensor (a flat plan) cannot centre or clip it by its own shape."""
+    """A rank stepping half of a tensor (a flat plan) cannot keep per-tensor state of it, nor
+    orthogonalise it."""
     from zero.functional import sharding
 
     whole, half = torch.ones(2, 3), torch.ones(3)
@@ -136,6 +137,45 @@ def test_per_tensor_rules_refuse_pieces_of_tensors(make, name):
         tx.update([whole], tx.init([whole]), [whole])  # a whole tensor steps
     with sharding.installed(rules), sharding.stepping([half]), pytest.raises(ValueError, match=name):
         tx.update([half], tx.init([half]), [half])
+
+
+@pytest.mark.parametrize("make", [
+    lambda: F.centralize(), lambda: F.clip_by_block_rms(0.05), lambda: F.adaptive_grad_clip(0.1),
+    lambda: F.chain(F.adaptive_grad_clip(0.1), F.centralize(), F.clip_by_block_rms(0.05)),
+])
+def test_axis_rules_over_pieces_equal_the_whole_tensors(make):
+    """Rows, units and mean squares summed out of pieces cut anywhere (mid-row, mid-unit, several
+    tensors in one leaf, padding) equal the whole tensors' (here one process holds every piece:
+    the ranks' sum is the identity)."""
+    from zero.functional import sharding
+
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(4, 5), (3, 2, 2), (2, 3, 2, 3), (7,)]
+    grads = [torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes]
+    params = [torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes]
+    flat_g, flat_p = torch.cat([g.reshape(-1) for g in grads]), torch.cat([p.reshape(-1) for p in params])
+    cuts, numels = [0, 7, 23, 40, len(flat_g)], [g.numel() for g in grads]
+    starts = [sum(numels[:t]) for t in range(len(shapes))]
+    leaves, pieces = [], {}
+    for lo, hi in zip(cuts, cuts[1:]):  # each leaf: a run of the concatenated tensors, then 2 of padding
+        ts = [t for t in range(len(shapes)) if starts[t] < hi and starts[t] + numels[t] > lo]
+        spans = [(max(lo, starts[t]), min(hi, starts[t] + numels[t])) for t in ts]
+        leaf_g = torch.cat([flat_g[lo:hi], torch.zeros(2, dtype=torch.float64)])
+        leaf_p = torch.cat([flat_p[lo:hi], torch.zeros(2, dtype=torch.float64)])
+        piece = sharding.Pieces(tuple(ts), tuple(b - a for a, b in spans), tuple(a - starts[t] for t, (a, _) in
+                                                                                zip(ts, spans)))
+        pieces[id(leaf_p)] = piece
+        leaves.append((leaf_g, leaf_p))
+    rules = sharding.Sharding(pieces, (torch.float64,) * len(shapes), lambda t: t, numels=tuple(numels),
+                              shapes=tuple(shapes))
+    tx = make()
+    expected, _ = tx.update(grads, tx.init(params), params)
+    lp = [p for _, p in leaves]
+    with sharding.installed(rules), sharding.stepping(lp):
+        out, _ = tx.update([g for g, _ in leaves], tx.init(lp), lp)
+    got = torch.cat([o[:-2] for o in out])
+    torch.testing.assert_close(got, torch.cat([e.reshape(-1) for e in expected]), rtol=1e-12, atol=1e-14)
+    assert all(torch.equal(o[-2:], torch.zeros(2, dtype=torch.float64)) for o in out)  # padding stays 0
 
 
 @pytest.mark.parametrize("make, words", [

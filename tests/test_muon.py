@@ -5,7 +5,6 @@ Optax's own Muon test module runs through the converter in `test_optax_suite`.
 
 import numpy as np
 import optax
-import optree
 import pytest
 import torch
 
@@ -130,9 +129,9 @@ def test_optimizer_param_groups_set_muon_hyperparameters():
     """Under zero.functional.Optimizer the alias's numbers are group keys; callables stay fixed."""
     w = torch.nn.Parameter(torch.randn(4, 3))
     b = torch.nn.Parameter(torch.randn(3))
-    # As in Optax, the function also sees the masked trees (MaskedNode leaves): map over the tree.
-    tx = F.contrib.muon(0.1, muon_weight_dimension_numbers=lambda tree: optree.tree_map(
-        lambda p: Dims(1, 0) if p.ndim == 2 else None, tree))
+    # The function also sees the trees muon masks for its matrices (the other leaves as empty tensors).
+    tx = F.contrib.muon(0.1, muon_weight_dimension_numbers=lambda tree: [Dims(1, 0) if p.ndim == 2 else None
+                                                                         for p in tree])
     opt = F.Optimizer([w, b], tx)
     assert {"lr", "ns_steps", "beta", "weight_decay", "adam_b1"} <= opt.param_groups[0].keys()
     opt.param_groups[0]["lr"] = 0.0

@@ -14,14 +14,17 @@ import zero.functional as zf
 from zero.backends import ZeroRedundancyOptimizer as Zero
 
 TORCH_RULES = ("adamw", "sgd_nesterov")
-# all-reduces per step: one per group (2) for the global norm; two per group for LAMB's norms
-REDUCES = {"adamw": 0, "sgd_nesterov": 0, "clip_adamw": 2, "lamb": 4}
+# all-reduces per step: one per group (2) for the global norm; two per group for LAMB's norms; per
+# group, two for adaptive_grad_clip's unit norms (grads, params), one each for centralize's row
+# means and clip_by_block_rms's mean squares
+REDUCES = {"adamw": 0, "sgd_nesterov": 0, "clip_adamw": 2, "lamb": 4, "whole_tensor_rules": 8}
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_flat_plans_match_one_process(world_size):
-    """20 steps of AdamW, SGD(Nesterov), clip_by_global_norm + AdamW and LAMB on float64 params of
-    uneven sizes (one larger than total / W), two groups and a frozen bias."""
+    """20 steps of AdamW, SGD(Nesterov), clip_by_global_norm + AdamW, LAMB, and adaptive_grad_clip +
+    centralize + clip_by_block_rms + SGD (whole tensors' units and rows out of pieces cut across
+    rows) on float64 params of uneven sizes (one larger than total / W), two groups and a frozen bias."""
     results = run_ranks(w.flat_matrix, world_size, timeout=240)
     for rank, by_rule in enumerate(results):
         for name, r in by_rule.items():

@@ -11,6 +11,10 @@ update finite). They ask this module, never compute those over their leaves them
   whole tensors each leaf holds, and gives a ``reduce`` that sums a tensor over the ranks. Each
   answer is then one partial sum per piece and one small ``reduce``.
 
+Sums over some axes of each tensor (`axis_sums`, `axis_means`: ``centralize``'s row means,
+``clip_by_block_rms``'s mean square, ``adaptive_grad_clip``'s unit norms) are answered the same
+way: one partial sum per piece and unit, one ``reduce`` of every unit of every tensor.
+
 Every rank must ask the same questions in the same order, since each is a collective: a
 sharded `zero.functional.Optimizer` therefore steps every param group on every step, even one
 with no gradients on this rank.
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -27,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["Pieces", "Sharding", "installed", "every_group", "global_norm", "tensor_norms", "all_finite",
-           "whole_tensors"]
+           "whole_tensors", "axis_sums", "axis_means"]
 
 
 @dataclass(frozen=True)
@@ -40,6 +45,7 @@ class Pieces:
 
     tensors: tuple[int, ...]
     lengths: tuple[int, ...]
+    starts: tuple[int, ...] = ()  # where each piece starts in its flattened tensor (for `axis_sums`)
 
     @property
     def used(self) -> int:
@@ -60,6 +66,7 @@ class Sharding:
     reduce: Callable[[torch.Tensor], torch.Tensor]
     every_group: bool = True  # the ranks' reductions pair up only if each steps every group
     numels: tuple[int, ...] = ()  # whole tensor t's number of elements (for `whole_tensors`)
+    shapes: tuple[tuple[int, ...], ...] = ()  # whole tensor t's shape (for `axis_sums`)
 
     @property
     def n_tensors(self) -> int:
@@ -188,6 +195,111 @@ def whole_tensors(leaves: Sequence[torch.Tensor], what: str) -> None:
             raise ValueError(f"{what} needs each tensor whole, but this sharded step holds pieces of tensors "
                              "(a flat plan): use a whole-param plan (ZeroRedundancyOptimizer(..., plan=...) "
                              "without flat buckets)")
+
+
+AxesOf = Callable[[tuple[int, ...]], tuple[int, ...] | None]
+
+
+def axis_sums(leaves: Sequence[torch.Tensor], axes_of: AxesOf) -> list[torch.Tensor | None]:
+    """Per leaf, its whole tensor's sums over ``axes_of(shape)`` (keeping those axes as size 1),
+    or None for a tensor ``axes_of`` leaves alone (returns None).
+
+    Unsharded, or when this rank steps whole tensors: ``leaf.sum(axes, keepdim=True)``. Over a
+    flat plan's pieces: a leaf-shaped tensor whose every element holds the sum of its unit
+    (its tensor's elements that share its coordinates on the other axes), 0 for the elements of
+    tensors left alone and for padding.
+    """
+    found = _pieces_of(leaves, "sums over a tensor's axes")
+    if found is None:
+        return [None if (axes := axes_of(tuple(x.shape))) is None else _sum(x, axes) for x in leaves]
+    sharding, pieces = found
+    units, where = _units(sharding, axes_of)
+    sums = torch.zeros(units, dtype=torch.float64)
+    ids = [_unit_ids(sharding, pc, where, leaf.device) for pc, leaf in zip(pieces, leaves)]
+    for leaf, (index, used) in zip(leaves, ids):
+        if leaf.is_complex():
+            raise ValueError("sums over a tensor's axes of complex pieces are not supported: use a whole-param plan")
+        keep = index >= 0
+        sums.index_add_(0, index[keep].cpu(), leaf.reshape(-1)[:used][keep].to(device="cpu", dtype=torch.float64))
+    total = sharding.reduce(sums)
+    return [_spread(total, index, used, leaf) for leaf, (index, used) in zip(leaves, ids)]
+
+
+def axis_means(leaves: Sequence[torch.Tensor], axes_of: AxesOf) -> list[torch.Tensor | None]:
+    """`axis_sums` divided by the number of elements each sum is over: ``leaf.mean(axes,
+    keepdim=True)`` unsharded."""
+    found = _pieces_of(leaves, "means over a tensor's axes")
+    if found is None:
+        return [None if (axes := axes_of(tuple(x.shape))) is None else _mean(x, axes) for x in leaves]
+    sharding, pieces = found
+    counts = torch.tensor([math.prod(shape[a] for a in axes) if (axes := axes_of(shape)) is not None else 1
+                           for shape in sharding.shapes], dtype=torch.float64)
+    # padding has count 0 from _expand: clamp it to 1 (its sum is 0 as well)
+    return [s / _expand(counts, pc, s).clamp(min=1) for s, pc in zip(axis_sums(leaves, axes_of), pieces)]
+
+
+def _sum(x: torch.Tensor, axes: tuple[int, ...]) -> torch.Tensor:
+    return x.sum(dim=axes, keepdim=True) if axes else x.clone()  # torch reads dim=() as every axis
+
+
+def _mean(x: torch.Tensor, axes: tuple[int, ...]) -> torch.Tensor:
+    return x.mean(dim=axes, keepdim=True) if axes else x.clone()
+
+
+def _pieces_of(leaves: Sequence[torch.Tensor], what: str) -> tuple[Sharding, tuple[Pieces, ...]] | None:
+    """The pieces of a flat plan's step, or None when every leaf is a whole tensor in its shape
+    (no sharding, or a whole-param plan: per-tensor sums need no collective there)."""
+    sharding, stepped = _SHARDING.get(), _LEAVES.get()
+    if sharding is None or (stepped is not None and all(_whole(sharding, pc) for pc in stepped)):
+        return None
+    if not sharding.shapes or any(not pc.starts for pc in (stepped or ())):
+        raise ValueError(f"{what} needs the shapes of the tensors and where each piece starts; this backend's "
+                         "sharding does not give them")
+    return _sharded(leaves, what)
+
+
+def _units(sharding: Sharding, axes_of: AxesOf) -> tuple[int, list]:
+    """How many units all tensors have, and per tensor (first unit, strides of its kept axes as
+    (stride in the tensor, size, stride among units)) or None when ``axes_of`` leaves it alone."""
+    where, first = [], 0
+    for shape in sharding.shapes:
+        axes = axes_of(shape)
+        if axes is None:
+            where.append(None)
+            continue
+        strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+        kept = [d for d in range(len(shape)) if d not in axes]
+        unit_strides = [math.prod(shape[e] for e in kept[k + 1:]) for k in range(len(kept))]
+        where.append((first, [(strides[d], shape[d], u) for d, u in zip(kept, unit_strides)]))
+        first += math.prod(shape[d] for d in kept)
+    return first, where
+
+
+def _unit_ids(sharding: Sharding, pc: Pieces, where: list, device) -> tuple[torch.Tensor, int]:
+    """The unit of each used element of a leaf (-1 where its tensor is left alone), and how many
+    elements are used (the rest is padding)."""
+    parts = []
+    for t, start, length in zip(pc.tensors, pc.starts, pc.lengths):
+        if where[t] is None:
+            parts.append(torch.full((length,), -1, dtype=torch.int64, device=device))
+            continue
+        first, kept = where[t]
+        idx = torch.arange(start, start + length, device=device)
+        unit = torch.full_like(idx, first)
+        for stride, size, unit_stride in kept:
+            unit += (idx // stride) % size * unit_stride
+        parts.append(unit)
+    index = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device=device)
+    return index, pc.used
+
+
+def _spread(total: torch.Tensor, index: torch.Tensor, used: int, leaf: torch.Tensor) -> torch.Tensor:
+    """Each used element of ``leaf`` gets its unit's sum (0 where left alone or padding)."""
+    out = torch.zeros(leaf.numel(), dtype=leaf.dtype, device=leaf.device)
+    if used:
+        values = total.to(device=leaf.device, dtype=leaf.dtype)[index.clamp(min=0)]
+        out[:used] = torch.where(index >= 0, values, torch.zeros((), dtype=leaf.dtype, device=leaf.device))
+    return out.view(leaf.shape)
 
 
 def _whole(sharding: Sharding, pc: Pieces) -> bool:

@@ -78,6 +78,9 @@ class Plan:
         if data.get("format") != _FORMAT:
             raise ValueError(f"unsupported plan format {data.get('format')!r} (expected {_FORMAT})")
         inputs = data["inputs"]
+        if inputs["weight"] == "custom":
+            raise ValueError("this plan was weighted by a function, which JSON does not hold: make it again with "
+                             "zero.make_plan and the same weight function")
         plan = make_plan([ParamMeta.from_dict(m) for m in inputs["metas"]], inputs["world_size"],
                          inputs["strategy"], inputs["weight"], inputs["optimizer"], inputs["alignment"],
                          inputs.get("bucket_numel"), master_dtype=inputs.get("master_dtype"))
@@ -112,7 +115,9 @@ def make_plan(metas: Sequence[ParamMeta], world_size: int, strategy: str = "sort
 
     ``strategy``: one of ``PLAN_STRATEGIES``; ``weight``: ``"numel"``, ``"state_bytes"`` or
     ``"step_flops"`` (the work of each param's step: ``optimizer="muon"`` balances the
-    Newton-Schulz matmuls of its matrices; see `zero.plans.accounting.weights`);
+    Newton-Schulz matmuls of its matrices; see `zero.plans.accounting.weights`), or a function
+    of a `ParamMeta` (e.g. Muon's cost with embeddings routed to AdamW; such a plan is saved as
+    ``weight="custom"`` and `Plan.from_json` cannot rebuild it);
     ``optimizer``: a name from `zero.plans.accounting.OPTIMIZERS`, for the state accounting;
     ``alignment``: shard alignment in elements for ``"flat"``; ``bucket_numel``: for ``"flat"``,
     the most elements per flat buffer (see `zero.flat_layout`); ``master_dtype`` (``"float32"``):
@@ -130,8 +135,11 @@ def make_plan(metas: Sequence[ParamMeta], world_size: int, strategy: str = "sort
     metas = tuple(check_metas(metas))
     if strategy not in PLAN_STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {PLAN_STRATEGIES}")
-    if weight not in WEIGHTS:
-        raise ValueError(f"make_plan takes weight {' or '.join(map(repr, WEIGHTS))}, got {weight!r}")
+    if not callable(weight) and weight not in WEIGHTS:
+        raise ValueError(f"make_plan takes weight {', '.join(map(repr, WEIGHTS))} or a function of a ParamMeta, "
+                         f"got {weight!r}")
+    if callable(weight) and strategy == "flat":
+        raise ValueError("a flat plan splits elements evenly and takes no weight function")
     spec = optimizer_state(optimizer)
     if strategy == "flat" and spec.ns_steps:
         raise ValueError(f"optimizer {optimizer!r} orthogonalises whole matrices, and a flat plan cuts them into "
@@ -148,6 +156,7 @@ def make_plan(metas: Sequence[ParamMeta], world_size: int, strategy: str = "sort
         mean = sum(ws) / world_size
         bound = max(max(ws), mean)  # whole tensors: no rank can hold less than the largest one
     busiest = max(r.load for r in ranks)
+    weight = "custom" if callable(weight) else weight
     plan = Plan(metas, world_size, strategy, weight, str(optimizer).lower(), alignment, bucket_numel, part, flat,
                 ranks, busiest / mean if mean else 1.0, busiest / bound if bound else 1.0, "", master_dtype)
     return dataclasses.replace(plan, fingerprint=_fingerprint(plan))

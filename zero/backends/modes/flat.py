@@ -67,10 +67,11 @@ class FlatShards(Mode):
 
     def _rules(self, reduce: Callable[[torch.Tensor], torch.Tensor]) -> Sharding:
         """What `zero.functional.sharding` needs: the pieces of whole params each shard holds."""
-        pieces = {id(s): Pieces(tuple(p.param for p in ps), tuple(p.end - p.start for p in ps))
+        pieces = {id(s): Pieces(tuple(p.param for p in ps), tuple(p.end - p.start for p in ps),
+                                tuple(p.start for p in ps))
                   for s, ps in zip(self.shards, self._pieces)}
         return Sharding(pieces, tuple(p.dtype for p in self.params), reduce,
-                        numels=tuple(p.numel() for p in self.params))
+                        numels=tuple(p.numel() for p in self.params), shapes=tuple(tuple(p.shape) for p in self.params))
 
     def step(self, local: LocalStep, closure: Callable[[], float] | None, kwargs: dict, begin: Begin) -> Any:
         verify = begin()

@@ -52,9 +52,10 @@ class DDPOverlap(WholeParams):
             raise ValueError("this rule needs the whole model's gradients (a global norm, a finiteness check ...), "
                              "but overlap_with_ddp=True steps one DDP bucket at a time: use overlap_with_ddp=False")
 
-        pieces = {id(p): sharding.Pieces((i,), (p.numel(),)) for i, p in self.stand_ins.items()}
+        pieces = {id(p): sharding.Pieces((i,), (p.numel(),), (0,)) for i, p in self.stand_ins.items()}
         return sharding.Sharding(pieces, tuple(p.dtype for p in self.params), refuse, every_group=False,
-                                 numels=tuple(p.numel() for p in self.params))
+                                 numels=tuple(p.numel() for p in self.params),
+                                 shapes=tuple(tuple(p.shape) for p in self.params))
 
     def step(self, local: LocalStep, closure: Callable[[], float] | None, kwargs: dict, begin: Begin) -> Any:
         """The step ran inside backward: only a closure (which runs backward) is left."""

@@ -51,10 +51,11 @@ class WholeParams(Mode):
     def _rules(self) -> sharding.Sharding:
         """Each owned param is the whole of itself; rules over the whole model sum over the ranks."""
         device = self.params[0].device
-        pieces = {id(p): sharding.Pieces((i,), (p.numel(),))
+        pieces = {id(p): sharding.Pieces((i,), (p.numel(),), (0,))
                   for i, p in enumerate(self.params) if self.plan.partition.owner[i] == self.rank}
         return sharding.Sharding(pieces, tuple(p.dtype for p in self.params), comm.summed(self.group, device),
-                                 numels=tuple(p.numel() for p in self.params))
+                                 numels=tuple(p.numel() for p in self.params),
+                                 shapes=tuple(tuple(p.shape) for p in self.params))
 
     def local_groups(self, param_groups: list[dict]) -> list[dict]:
         return local_groups(param_groups, self.indices[self.rank], self.params)

@@ -48,6 +48,7 @@ from zero.functional.contrib.newton_schulz import (
     ns_dtype,
 )
 from zero.functional.fast.elementwise import debias, moment
+from zero.functional.transforms.masking import MaskedNode
 
 __all__ = ["MuonState", "scale_by_muon", "scale_by_shape", "muon", "NS_COEFFS_PRESETS"]
 
@@ -79,11 +80,19 @@ def _is_dims_leaf(x: Any) -> bool:
     return x is None or is_dimension_numbers(x)
 
 
+def _unmasked(tree: Any) -> Any:
+    """``tree`` as a dimension-numbers function expects it: the leaves `muon` routes elsewhere
+    (`MaskedNode` here, where Optax shows them too) as empty 1-D tensors, which such a function
+    reads as "not a matrix", so ``lambda t: {n: ... p.ndim == 2 ...}`` works on masked trees."""
+    return optree.tree_map(lambda x: torch.empty(0) if isinstance(x, MaskedNode) else x, tree,
+                           is_leaf=lambda x: isinstance(x, MaskedNode))
+
+
 def dims_per_leaf(dimension_numbers: DimensionNumbers, tree: Any) -> list:
     """For each leaf of ``tree`` (in order), its dimension numbers or None: ``dimension_numbers``
     is one `MuonDimensionNumbers` for all, a tree of them (a prefix of ``tree``; None marks
     leaves that are not Muon's), or a function of ``tree`` returning one."""
-    dims = dimension_numbers(tree) if callable(dimension_numbers) else dimension_numbers
+    dims = dimension_numbers(_unmasked(tree)) if callable(dimension_numbers) else dimension_numbers
     full = optree.tree_broadcast_prefix(dims, tree, is_leaf=_is_dims_leaf, none_is_leaf=True)
     return optree.tree_leaves(full, is_leaf=_is_dims_leaf, none_is_leaf=True)
 

@@ -111,7 +111,7 @@ def newton_schulz(x: torch.Tensor, coeffs: torch.Tensor, ns_steps: int, precondi
     tall ones transposed, so the Gram matrix ``X X^H`` is the smaller square."""
     tall = x.shape[-2] > x.shape[-1]
     if tall:
-        x = x.mT
+        x = x.mT.contiguous()  # a transposed view would make every matmul read strided (1.5x slower on CPU)
     c = coeffs.to(x.dtype)
     rows = c.expand(ns_steps, 3) if c.ndim == 1 else c
     x, gram = _precondition(x, preconditioning, eps)

@@ -19,7 +19,6 @@ from zero.functional.base import (
     count_inc,
     count_zero,
     stateless_tx,
-    tree_leaves,
     tree_map,
 )
 from zero.functional.fast.elementwise import plus_scaled, times
@@ -108,12 +107,17 @@ def add_noise(eta: float, gamma: float, key: int = 0) -> GradientTransformation:
                                   update)
 
 
+def _all_but_first(shape: tuple[int, ...]) -> tuple[int, ...] | None:
+    return tuple(range(1, len(shape))) if len(shape) > 1 else None
+
+
 def centralize() -> GradientTransformation:
     """Subtract from each update of 2 or more dimensions its mean over all but the first (gradient
-    centralisation; ``optax.centralize``). Needs whole tensors (not a flat plan's pieces)."""
+    centralisation; ``optax.centralize``). Under a flat plan the means are over whole tensors
+    (`zero.functional.sharding.axis_means`: one small all-reduce)."""
     def update(updates, state, params=None):
-        sharding.whole_tensors(tree_leaves(updates), "centralize")
-        return tree_map(lambda g: g - g.mean(tuple(range(1, g.dim())), keepdim=True) if g.dim() > 1 else g,
-                        updates), state
+        leaves, treedef = optree.tree_flatten(updates)
+        means = sharding.axis_means(leaves, _all_but_first)
+        return treedef.unflatten([g if m is None else g - m for g, m in zip(leaves, means)]), state
 
     return stateless_tx(update)

@@ -18,7 +18,6 @@ from zero.functional.base import (
     check_non_negative,
     stateless_tx,
     tree_leaves,
-    tree_map,
 )
 from zero.functional.fast.elementwise import abs_sq
 from zero.functional.fast.packing import elementwise_map
@@ -55,11 +54,18 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
                                                                                  {"max_norm": max_norm}))
 
 
+def _every_axis(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(range(len(shape)))
+
+
 def clip_by_block_rms(threshold: float) -> GradientTransformation:
-    """Scale each update so its root mean square is at most ``threshold`` (``optax.clip_by_block_rms``)."""
+    """Scale each update so its root mean square is at most ``threshold`` (``optax.clip_by_block_rms``);
+    under a flat plan each mean square is its whole tensor's (`zero.functional.sharding.axis_means`)."""
     def update(updates, state, params=None):
-        sharding.whole_tensors(tree_leaves(updates), "clip_by_block_rms")
-        return tree_map(lambda u: u / torch.clamp(torch.sqrt(abs_sq(u).mean()) / threshold, min=1.0), updates), state
+        leaves, treedef = optree.tree_flatten(updates)
+        squares = sharding.axis_means([abs_sq(u) for u in leaves], _every_axis)
+        return treedef.unflatten([u / torch.clamp(torch.sqrt(ms) / threshold, min=1.0)
+                                  for u, ms in zip(leaves, squares)]), state
 
     return stateless_tx(update)
 
@@ -67,34 +73,43 @@ def clip_by_block_rms(threshold: float) -> GradientTransformation:
 _UNIT_AXES = {2: (0,), 3: (0,), 4: (0, 1, 2), 5: (0, 1, 2, 3)}
 
 
-def _unitwise_norm(x: torch.Tensor, axis: int | tuple[int, ...] | None) -> torch.Tensor:
-    """Optax's ``unitwise_norm``: per output unit (axis 0 of a linear layer's IO kernel, the
-    spatial and input axes of a HWIO conv), or the whole tensor for scalars and vectors."""
-    if axis is None and x.squeeze().dim() <= 1:
-        axis = tuple(range(x.dim()))
-    elif axis is None:
-        if x.dim() not in _UNIT_AXES:
-            raise ValueError(f"adaptive_grad_clip expects params of 1 to 5 dimensions, got shape {tuple(x.shape)}: "
+def _unit_axes(axis: int | tuple[int, ...] | None):
+    """Optax's ``unitwise_norm``'s axes for a tensor of a shape: per output unit (axis 0 of a
+    linear layer's IO kernel, the spatial and input axes of a HWIO conv), or every axis for
+    scalars and vectors; ``axis`` given: those."""
+    def axes_of(shape: tuple[int, ...]) -> tuple[int, ...]:
+        if axis is not None:
+            return (axis,) if isinstance(axis, int) else tuple(axis)
+        if sum(d != 1 for d in shape) <= 1:
+            return tuple(range(len(shape)))
+        if len(shape) not in _UNIT_AXES:
+            raise ValueError(f"adaptive_grad_clip expects params of 1 to 5 dimensions, got shape {shape}: "
                              "pass axis= to name the reduction axes")
-        axis = _UNIT_AXES[x.dim()]
-    squared = abs_sq(x).sum(dim=axis, keepdim=True) if x.dim() else abs_sq(x)
-    return torch.sqrt(squared).expand(x.shape)
+        return _UNIT_AXES[len(shape)]
+    return axes_of
+
+
+def _unitwise_norms(leaves: list[torch.Tensor], axis: int | tuple[int, ...] | None) -> list[torch.Tensor]:
+    """Each leaf's unit norms, broadcastable to it (whole tensors' under a flat plan)."""
+    return [torch.sqrt(s) for s in sharding.axis_sums([abs_sq(x) for x in leaves], _unit_axes(axis))]
 
 
 def adaptive_grad_clip(clipping: float, eps: float = 1e-3,
                        axis: int | tuple[int, ...] | None = None) -> GradientTransformation:
     """Clip each unit's gradient to ``clipping * max(|param unit|, eps)`` (AGC, NFNets;
-    ``optax.adaptive_grad_clip``). Needs whole tensors (not a flat plan's pieces)."""
+    ``optax.adaptive_grad_clip``). Under a flat plan the units are whole tensors' (one small
+    all-reduce for the gradients' norms and one for the params')."""
     def update(updates, state, params=None):
         if params is None:
             raise ValueError(NO_PARAMS_MSG)
-        sharding.whole_tensors(tree_leaves(updates), "adaptive_grad_clip")
+        grads, treedef = optree.tree_flatten(updates)
+        g_norms, p_norms = _unitwise_norms(grads, axis), _unitwise_norms(treedef.flatten_up_to(params), axis)
 
-        def one(g, p):
-            g_norm, max_norm = _unitwise_norm(g, axis), clipping * torch.clamp(_unitwise_norm(p, axis), min=eps)
+        def one(g, g_norm, p_norm):
+            max_norm = clipping * torch.clamp(p_norm, min=eps)
             return torch.where(g_norm < max_norm, g, g * (max_norm / torch.clamp(g_norm, min=1e-6)))
 
-        return tree_map(one, updates, params), state
+        return treedef.unflatten([one(*x) for x in zip(grads, g_norms, p_norms)]), state
 
     return stateless_tx(update)
 
