@@ -97,3 +97,18 @@ def test_cli_plans_by_flops():
     plan = zero.make_plan(preset("gpt2"), 8, "balanced", "step_flops", "muon")
     again = zero.Plan.from_json(plan.to_json())
     assert again.fingerprint == plan.fingerprint and json.loads(plan.to_json())["inputs"]["weight"] == "step_flops"
+
+
+def test_a_weight_function_plans_but_does_not_round_trip_json():
+    """Muon with the embeddings routed to AdamW: a cost only the user knows, as a function."""
+    metas = preset("gpt2")
+    fn = lambda m: MUON.step_flops(m) if m.name.startswith("h.") else m.numel  # noqa: E731
+    plan = zero.make_plan(metas, 16, "balanced", fn, "muon")
+    assert plan.weight == "custom" and plan.max_over_bound <= 1.05
+    assert zero.make_plan(metas, 16, "sorted_greedy", fn, "muon").max_over_bound > 1.09  # LPT's 1.095
+    with pytest.raises(ValueError, match="weighted by a function"):
+        zero.Plan.from_json(plan.to_json())
+    with pytest.raises(ValueError, match="takes no weight function"):
+        zero.make_plan(metas, 16, "flat", fn)
+    with pytest.raises(ValueError, match="'step_flops' or a function"):
+        zero.make_plan(metas, 16, weight="flops")
