@@ -10,7 +10,7 @@ import zero
 import zero.functional as zf
 from tests.zero_workers import ddp_grads, make_model, same_on_every_rank, set_grads
 from zero.backends import ZeroRedundancyOptimizer as Zero
-from zero.functional.contrib import _muon as muon_module
+from zero.functional.contrib import newton_schulz as ns_module
 
 
 def assert_close_f64(a, b, what: str) -> None:
@@ -20,20 +20,20 @@ def assert_close_f64(a, b, what: str) -> None:
 
 
 class CountingNewtonSchulz:
-    """Counts Newton-Schulz runs (one per matrix orthogonalised), patched over the Muon module."""
+    """Counts Newton-Schulz runs (one per matrix orthogonalised), patched where `orthogonalize` calls it."""
 
     def __init__(self):
-        self.calls, self._orig = 0, muon_module.newton_schulz
+        self.calls, self._orig = 0, ns_module.newton_schulz
 
     def __enter__(self):
         def counted(*args, **kwargs):
             self.calls += 1
             return self._orig(*args, **kwargs)
-        muon_module.newton_schulz = counted
+        ns_module.newton_schulz = counted
         return self
 
     def __exit__(self, *exc):
-        muon_module.newton_schulz = self._orig
+        ns_module.newton_schulz = self._orig
 
 
 def muon_whole(rank: int, world_size: int, steps: int = 20) -> dict:

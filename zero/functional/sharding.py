@@ -186,8 +186,7 @@ def whole_tensors(leaves: Sequence[torch.Tensor], what: str) -> None:
     """``ValueError`` unless every leaf is a whole tensor in its own shape: for rules that read a
     tensor's shape or all its elements at once (``centralize``, ``adaptive_grad_clip``...), which a
     rank stepping pieces of tensors (a flat plan) cannot run."""
-    sharding, stepped = _SHARDING.get(), _LEAVES.get()
-    if sharding is None or (stepped is not None and all(_whole(sharding, pc) for pc in stepped)):
+    if _stepping_whole():
         return  # every param this rank steps is whole, so any leaves of them are (inside masked too)
     sharding, pieces = _sharded(leaves, what)
     for leaf, pc in zip(leaves, pieces):
@@ -249,9 +248,9 @@ def _mean(x: torch.Tensor, axes: tuple[int, ...]) -> torch.Tensor:
 def _pieces_of(leaves: Sequence[torch.Tensor], what: str) -> tuple[Sharding, tuple[Pieces, ...]] | None:
     """The pieces of a flat plan's step, or None when every leaf is a whole tensor in its shape
     (no sharding, or a whole-param plan: per-tensor sums need no collective there)."""
-    sharding, stepped = _SHARDING.get(), _LEAVES.get()
-    if sharding is None or (stepped is not None and all(_whole(sharding, pc) for pc in stepped)):
+    if _stepping_whole():
         return None
+    sharding, stepped = _SHARDING.get(), _LEAVES.get()
     if not sharding.shapes or any(not pc.starts for pc in (stepped or ())):
         raise ValueError(f"{what} needs the shapes of the tensors and where each piece starts; this backend's "
                          "sharding does not give them")
@@ -300,6 +299,12 @@ def _spread(total: torch.Tensor, index: torch.Tensor, used: int, leaf: torch.Ten
         values = total.to(device=leaf.device, dtype=leaf.dtype)[index.clamp(min=0)]
         out[:used] = torch.where(index >= 0, values, torch.zeros((), dtype=leaf.dtype, device=leaf.device))
     return out.view(leaf.shape)
+
+
+def _stepping_whole() -> bool:
+    """No sharding, or every param this rank steps is a whole tensor (a whole-param plan)."""
+    sharding, stepped = _SHARDING.get(), _LEAVES.get()
+    return sharding is None or (stepped is not None and all(_whole(sharding, pc) for pc in stepped))
 
 
 def _whole(sharding: Sharding, pc: Pieces) -> bool:

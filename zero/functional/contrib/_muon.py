@@ -40,12 +40,10 @@ from zero.functional.combine import chain
 from zero.functional.contrib.newton_schulz import (
     PRECONDITIONINGS,
     MuonDimensionNumbers,
-    as_matrices,
     check_coeffs,
     fans,
     is_dimension_numbers,
-    newton_schulz,
-    ns_dtype,
+    orthogonalize,
 )
 from zero.functional.fast.elementwise import debias, moment
 from zero.functional.transforms.masking import MaskedNode
@@ -95,12 +93,6 @@ def dims_per_leaf(dimension_numbers: DimensionNumbers, tree: Any) -> list:
     dims = dimension_numbers(_unmasked(tree)) if callable(dimension_numbers) else dimension_numbers
     full = optree.tree_broadcast_prefix(dims, tree, is_leaf=_is_dims_leaf, none_is_leaf=True)
     return optree.tree_leaves(full, is_leaf=_is_dims_leaf, none_is_leaf=True)
-
-
-def _orthogonalize(x: torch.Tensor, coeffs: torch.Tensor, ns_steps: int, preconditioning: str, eps: float,
-                   dims: Any) -> torch.Tensor:
-    stacked, back = as_matrices(x, dims)
-    return back(newton_schulz(stacked.to(ns_dtype(stacked)), coeffs, ns_steps, preconditioning, eps).to(x.dtype))
 
 
 def scale_by_muon(ns_coeffs: Any = DEFAULT_NS_COEFFS, ns_steps: int = 5, beta: float = 0.95, eps: float = 1e-8,
@@ -158,7 +150,7 @@ def scale_by_muon(ns_coeffs: Any = DEFAULT_NS_COEFFS, ns_steps: int = 5, beta: f
                    for m, g in zip(mu, leaves)]
         else:
             hat = [debias(m, beta, count) for m in mu]
-        out = [_orthogonalize(h, state.ns_coeffs, ns_steps, preconditioning, eps, d) for h, d in zip(hat, dims)]
+        out = [orthogonalize(h, state.ns_coeffs, ns_steps, preconditioning, eps, d) for h, d in zip(hat, dims)]
         if adaptive:
             out = [torch.sum(h.conj() * o) * o for h, o in zip(hat, out)]
         if mu_dtype is not None:
@@ -201,7 +193,7 @@ def _labels(dimension_numbers: DimensionNumbers) -> Callable[[Any], Any]:
     def labels(tree):
         if dimension_numbers is None:
             return tree_map(lambda x: "muon" if x.ndim == 2 else "adam", tree)
-        leaves, treedef = optree.tree_flatten(tree)
+        treedef = optree.tree_structure(tree)
         return treedef.unflatten(["adam" if d is None else "muon" for d in dims_per_leaf(dimension_numbers, tree)])
     return labels
 

@@ -18,7 +18,8 @@ from typing import Any, NamedTuple
 import torch
 
 __all__ = ["MuonDimensionNumbers", "is_dimension_numbers", "PRECONDITIONINGS", "as_matrices", "fans",
-           "newton_schulz", "orthogonalize_via_newton_schulz", "ns_dtype", "check_coeffs", "torch_newton_schulz"]
+           "newton_schulz", "orthogonalize_via_newton_schulz", "ns_dtype", "check_coeffs", "torch_newton_schulz",
+           "orthogonalize"]
 
 PRECONDITIONINGS = ("frobenius", "spectral", "aol", "schatten")
 
@@ -148,9 +149,15 @@ def orthogonalize_via_newton_schulz(x: torch.Tensor, ns_coeffs: Any, ns_steps: i
     coeffs = torch.as_tensor(ns_coeffs)
     if coeffs.ndim > 2 or coeffs.shape[-1] != 3:
         raise ValueError(f"Newton-Schulz coefficients must have shape (3,) or (n, 3), got {tuple(coeffs.shape)}")
-    stacked, back = as_matrices(x, None if x.ndim == 2 else dimension_numbers)
-    dtype = ns_dtype(stacked)
-    return back(newton_schulz(stacked.to(dtype), coeffs, ns_steps, preconditioning, eps).to(x.dtype))
+    return orthogonalize(x, coeffs, ns_steps, preconditioning, eps, None if x.ndim == 2 else dimension_numbers)
+
+
+def orthogonalize(x: torch.Tensor, coeffs: torch.Tensor, ns_steps: int, preconditioning: str, eps: float,
+                  dims: Any) -> torch.Tensor:
+    """``x`` read as matrices by ``dims``, orthogonalised in `ns_dtype` by one `newton_schulz`
+    run, in ``x``'s shape and dtype (arguments already checked)."""
+    stacked, back = as_matrices(x, dims)
+    return back(newton_schulz(stacked.to(ns_dtype(stacked)), coeffs, ns_steps, preconditioning, eps).to(x.dtype))
 
 
 def torch_newton_schulz(g: torch.Tensor, coeffs: tuple[float, float, float], ns_steps: int,
