@@ -29,6 +29,10 @@ def test_functional_loads_no_jax_and_no_backends():
     assert loaded("zero.functional", ["jax", "optax", "zero.backends"]) == []
 
 
+def test_the_jax_mesh_executor_loads_no_torch():
+    assert loaded("zero.backends.jax_mesh", ["torch", "zero.functional"]) == []
+
+
 def imports(path: pathlib.Path) -> list[tuple[str, bool]]:
     """Every module ``path`` imports, with whether the import runs at module level.
 
@@ -65,6 +69,7 @@ FORBIDDEN = {
               ("torch", "jax", "optree", "rich")),
     "functional": (("torch.distributed", "zero.backends", "zero.tools"), ("jax", "optax")),
     "backends": (("zero.tools",), ()),
+    "backends/jax_mesh": (("torch", "zero.functional", "zero.tools"), ()),  # jax and optax only
     "": (("torch.distributed", "zero.backends", "zero.tools", "torch", "jax"), ()),  # the root package
 }
 

@@ -7,20 +7,23 @@ Machinery: ``comm`` (collectives), ``sync`` (the param sync), ``local_optimizer`
 ``grad_scaler`` (a loss scale that agrees across ranks); ``masters`` (master weights);
 ``checkpoint`` (sharded checkpoints in torch.distributed.checkpoint's format).
 ``modes/``: one object per way of executing a plan; a new ZeRO mode goes there.
+``jax_mesh``: the same plans executed on a JAX device mesh (jax and optax, never torch).
 """
 
-from zero.backends.averagers import HierarchicalModelAverager
-from zero.backends.averagers import PeriodicModelAverager
-from zero.backends.averagers import average_parameters
-from zero.backends.checkpoint import get_state_dict
-from zero.backends.checkpoint import set_state_dict
-from zero.backends.grad_scaler import ShardedGradScaler
-from zero.backends.overlap import hook_with_zero_step
-from zero.backends.overlap import hook_with_zero_step_interleaved
-from zero.backends.post_localsgd import PostLocalSGDOptimizer
-from zero.backends.post_localsgd import register_post_local_sgd_hook
-from zero.backends.rpc_optimizer import DistributedOptimizer
-from zero.backends.zero_optimizer import ZeroRedundancyOptimizer
+_LAZY = {  # name -> module: loaded on first access, so zero.backends.jax_mesh never loads torch
+    "HierarchicalModelAverager": "zero.backends.averagers",
+    "PeriodicModelAverager": "zero.backends.averagers",
+    "average_parameters": "zero.backends.averagers",
+    "get_state_dict": "zero.backends.checkpoint",
+    "set_state_dict": "zero.backends.checkpoint",
+    "ShardedGradScaler": "zero.backends.grad_scaler",
+    "hook_with_zero_step": "zero.backends.overlap",
+    "hook_with_zero_step_interleaved": "zero.backends.overlap",
+    "PostLocalSGDOptimizer": "zero.backends.post_localsgd",
+    "register_post_local_sgd_hook": "zero.backends.post_localsgd",
+    "DistributedOptimizer": "zero.backends.rpc_optimizer",
+    "ZeroRedundancyOptimizer": "zero.backends.zero_optimizer",
+}
 
 __all__ = [
     "DistributedOptimizer",
@@ -36,3 +39,11 @@ __all__ = [
     "register_post_local_sgd_hook",
     "set_state_dict",
 ]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'zero.backends' has no attribute {name!r}")

@@ -69,9 +69,10 @@ def split_bucket(bucket: Bucket, direct_numel: int) -> tuple[Bucket, tuple[int, 
     return _bucket(bucket.device, bucket.dtype, bucket.rank, [i for i, _ in small], [n for _, n in small]), large
 
 
-def _bucket(device: str, dtype: str, rank: int, params: list[int], sizes: list[int]) -> Bucket:
-    """Params packed in order, each from an offset of ``ALIGN_BYTES``, as a fresh tensor would be."""
-    quantum = max(1, ALIGN_BYTES // itemsize(dtype))
+def _bucket(device: str, dtype: str, rank: int, params: list[int], sizes: list[int],
+            align_bytes: int = ALIGN_BYTES) -> Bucket:
+    """Params packed in order, each from an offset of ``align_bytes``, as a fresh tensor would be."""
+    quantum = max(1, align_bytes // itemsize(dtype))
     offsets, end = [], 0
     for n in sizes:
         offsets.append(end)
@@ -111,15 +112,17 @@ def row_chunks(bucket: Bucket, chunk_numel: int, row_numel: int) -> tuple[tuple[
     return tuple(tuple(c) for c in chunks)
 
 
-def bucket_views(metas: Sequence[ParamMeta], part: Partition) -> BucketLayout:
+def bucket_views(metas: Sequence[ParamMeta], part: Partition, align_bytes: int = ALIGN_BYTES) -> BucketLayout:
     """Offsets of each trainable parameter inside its owner's bucket, per (device, dtype).
 
     Parameters appear in the order the owner's local optimizer receives them
     (``part.params_of(rank)``), as torch lays out its buckets. Each starts ``ALIGN_BYTES`` from
     the bucket's start, as a tensor of its own would: CPU kernels pick their vector paths by
     alignment, so a param viewed at an odd offset computes its forward with other roundings.
+    ``align_bytes=1`` packs params back to back (a JAX mesh's rows, where no kernel sees them).
     """
     metas = check_metas(metas)
+    check_int("align_bytes", align_bytes, 1)
     if len(part.owner) != len(metas):
         raise ValueError(f"partition covers {len(part.owner)} params but metas has {len(metas)}")
     keys = list(dict.fromkeys(_key(m) for m in metas if m.requires_grad))
@@ -128,7 +131,7 @@ def bucket_views(metas: Sequence[ParamMeta], part: Partition) -> BucketLayout:
         for rank in range(part.world_size):
             idx = [i for i in part.params_of(rank)
                    if metas[i].requires_grad and _key(metas[i]) == (device, dtype)]
-            buckets.append(_bucket(device, dtype, rank, idx, [metas[i].numel for i in idx]))
+            buckets.append(_bucket(device, dtype, rank, idx, [metas[i].numel for i in idx], align_bytes))
     return BucketLayout(part.world_size, tuple(buckets))
 
 

@@ -1,0 +1,179 @@
+"""The JAX side of `test_jax_mesh.py`, run in a subprocess with 8 CPU devices (XLA_FLAGS must be
+set before jax starts): every check's figures, printed as one JSON object for the tests to judge.
+
+``python tests/jax_mesh_checks.py PLANS.json`` (PLANS.json: the two-executor test's saved plans).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+from jax_mesh_twin import STEPS, grads, initial  # noqa: E402
+
+import zero  # noqa: E402
+from zero.backends import jax_mesh  # noqa: E402
+
+jax.config.update("jax_enable_x64", True)
+SHAPES = {"b1": (33,), "b2": (5,), "emb": (100, 16), "w1": (16, 33), "w2": (33, 5)}  # 2331 elements, uneven
+RULES = {  # name: (transformation, zero's accounting name)
+    "adamw": (lambda: optax.adamw(1e-2, weight_decay=0.1), "adamw"),
+    "lion": (lambda: optax.lion(1e-3, weight_decay=0.1), "lion"),
+    "clip_adam": (lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)), "adam"),
+}
+PLANS = {"flat": dict(strategy="flat", bucket_numel=1000), "whole": dict(strategy="sorted_greedy")}
+COMPILES = []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda name, *_, **__: COMPILES.append(name) if name == "/jax/core/compile/backend_compile_duration" else None)
+
+
+def mesh_of(n: int) -> Mesh:
+    return Mesh(np.array(jax.devices()[:n]), ("data",))
+
+
+def tree_of(rng, dtype) -> dict:
+    return {k: jnp.asarray(rng.standard_normal(s).astype(dtype)) for k, s in SHAPES.items()}
+
+
+def worst(a, b) -> float:
+    return max(float(jnp.max(jnp.abs(x - y)) / jnp.max(jnp.abs(y))) for x, y in zip(jax.tree.leaves(a),
+                                                                                      jax.tree.leaves(b)))
+
+
+def collectives(step, *args) -> dict[str, int]:
+    text = step._jitted.lower(*args).compile().as_text()
+    return {op: len(re.findall(rf"= \S+ {op}(-start)?\(", text)) for op in ("all-gather", "all-reduce")}
+
+
+def parity(rule: str, kind: str, dtype) -> dict:
+    """50 steps on 8 devices against Optax unsharded, state bytes per device, compiles, collectives."""
+    make, accounting = RULES[rule]
+    rng = np.random.default_rng(0)
+    params = tree_of(rng, dtype)
+    plan = zero.make_plan(zero.param_metas(params), 8, optimizer=accounting, **PLANS[kind])
+    tx, mesh = make(), mesh_of(8)
+    state, step = jax_mesh.init(tx, params, plan, mesh), jax_mesh.update(tx, plan, mesh)
+    ref_step = jax.jit(lambda g, s, p: (lambda u, s: (optax.apply_updates(p, u), s))(*tx.update(g, s, p)))
+    ref, ref_state, ours, rel, compiles = params, tx.init(params), params, 0.0, []
+    placed_bytes = jax_mesh.state_bytes(state, mesh)
+    for _ in range(50):
+        g = tree_of(rng, dtype)
+        before = len(COMPILES)
+        ours, state = step(g, state, ours)
+        compiles.append(len(COMPILES) - before)
+        ref, ref_state = ref_step(g, ref_state, ref)
+        rel = max(rel, worst(ours, ref))
+    gathered = jax_mesh.gather_state(state, tx, params, plan, mesh)
+    buffers = jax_mesh.packing(plan)
+    return {"rel": rel, "state_rel": worst(gathered, ref_state), "bytes": jax_mesh.state_bytes(state, mesh),
+            "init_bytes": placed_bytes, "plan_bytes": [r.state_bytes for r in plan.ranks],
+            "scalar_bytes": [zero.plans.accounting.optimizer_state(accounting).scalar_bytes
+                             * (len(buffers) if kind == "flat" else len(plan.partition.params_of(r)))
+                             for r in range(8)],
+            "owned": [sum(b.owned[r] for b in buffers) for r in range(8)], "buffers": len(buffers),
+            "itemsize": np.dtype(dtype).itemsize, "compiles_after_first": sum(compiles[1:]),
+            "collectives": collectives(step, jax.device_put(g, step._placed.replicated), state,
+                                       jax.device_put(ours, step._placed.replicated))}
+
+
+def two_executors(plan_texts: list[str]) -> list[dict]:
+    """The torch ranks' plans on a 4-device mesh: 20 AdamW steps from the same numbers."""
+    out = []
+    for text in plan_texts:
+        plan, tx, mesh = zero.Plan.from_json(text), optax.adamw(1e-2, weight_decay=0.1), mesh_of(4)
+        params = [jnp.asarray(x) for x in initial()]
+        state, step = jax_mesh.init(tx, params, plan, mesh), jax_mesh.update(tx, plan, mesh)
+        for k in range(STEPS):
+            params, state = step([jnp.asarray(g) for g in grads(k)], state, params)
+        out.append({"params": [np.asarray(p).tolist() for p in params],
+                    "state_bytes": jax_mesh.state_bytes(state, mesh)})
+    return out
+
+
+def errors() -> dict[str, str]:
+    """The message each wrong input raises (or "no error")."""
+    params = tree_of(np.random.default_rng(0), np.float32)
+    metas = zero.param_metas(params)
+    plan, mesh = zero.make_plan(metas, 8, "flat"), mesh_of(8)
+    cases = {
+        "mesh_size": lambda: jax_mesh.init(optax.adam(1e-2), params, zero.make_plan(metas, 4), mesh),
+        "other_params": lambda: jax_mesh.init(optax.adam(1e-2), {**params, "w1": jnp.zeros((16, 34))}, plan, mesh),
+        "axis": lambda: jax_mesh.update(optax.adam(1e-2), plan, mesh, axis="model"),
+        "not_a_plan": lambda: jax_mesh.init(optax.adam(1e-2), params, plan.to_json(), mesh),
+        "lamb": lambda: jax_mesh.init(optax.lamb(1e-2), params, plan, mesh),
+        "mask": lambda: jax_mesh.init(optax.adamw(1e-2, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)),
+                                      params, plan, mesh),
+        "adafactor": lambda: jax_mesh.init(optax.adafactor(1e-2, min_dim_size_to_factor=8), params, plan, mesh),
+        "frozen": lambda: jax_mesh.init(optax.adam(1e-2), params,
+                                        zero.make_plan([m._replace(requires_grad=m.name != "b2") for m in metas], 8),
+                                        mesh),
+        "grads_tree": lambda: jax_mesh.update(optax.adam(1e-2), plan, mesh)(
+            {k: v for k, v in params.items() if k != "b2"}, jax_mesh.init(optax.adam(1e-2), params, plan, mesh),
+            params),
+    }
+    out = {}
+    for name, call in cases.items():
+        try:
+            call()
+            out[name] = "no error"
+        except (ValueError, TypeError) as err:
+            out[name] = f"{type(err).__name__}: {err}"
+    return out
+
+
+def checkpoint_moves() -> dict:
+    """10 steps on the mesh, 10 in torch from its gathered state (through a torch checkpoint), 10
+    on the mesh from torch's state: against 30 steps on the mesh alone."""
+    import torch
+
+    import zero.functional as zf
+
+    params = {f"p{i}": jnp.asarray(x) for i, x in enumerate(initial())}
+    plan, mesh, tx, ttx = (zero.make_plan(zero.param_metas(params), 8, "flat"), mesh_of(8),
+                           optax.adamw(1e-2, weight_decay=0.1), zf.adamw(1e-2, weight_decay=0.1))
+    step = jax_mesh.update(tx, plan, mesh)
+    g = lambda k: {f"p{i}": jnp.asarray(x) for i, x in enumerate(grads(k))}
+    alone, state = params, jax_mesh.init(tx, params, plan, mesh)
+    for k in range(30):
+        alone, state = step(g(k), state, alone)
+    p, state = params, jax_mesh.init(tx, params, plan, mesh)
+    for k in range(10):
+        p, state = step(g(k), state, p)
+    saved = {"params": {k: torch.from_numpy(np.array(v)) for k, v in p.items()},
+             "state": zf.from_optax_state(jax_mesh.gather_state(state, tx, params, plan, mesh))}
+    torch.save(saved, "/tmp/zero_jax_mesh_ckpt.pt")
+    loaded = torch.load("/tmp/zero_jax_mesh_ckpt.pt", weights_only=False)
+    tp, ts = loaded["params"], loaded["state"]
+    for k in range(10, 20):
+        u, ts = ttx.update({n: torch.from_numpy(np.array(x)) for n, x in g(k).items()}, ts, tp)
+        tp = zf.apply_updates(tp, u)
+    p = {k: jnp.asarray(v.numpy()) for k, v in tp.items()}
+    state = jax_mesh.place_state(zf.to_optax_state(ts), tx, params, plan, mesh)
+    for k in range(20, 30):
+        p, state = step(g(k), state, p)
+    return {"rel": worst(p, alone), "bytes": jax_mesh.state_bytes(state, mesh),
+            "plan_bytes": [r.state_bytes - 4 for r in plan.ranks]}
+
+
+def main() -> None:
+    with open(sys.argv[1]) as f:
+        plan_texts = json.load(f)
+    out = {"parity": {f"{rule}-{kind}-{np.dtype(dt).name}": parity(rule, kind, dt)
+                      for rule in RULES for kind in PLANS for dt in (np.float64,)},
+           "errors": errors(), "two_executors": two_executors(plan_texts), "checkpoint": checkpoint_moves()}
+    out["parity"].update({f"{rule}-{kind}-float32": parity(rule, kind, np.float32)
+                          for rule, kind in (("adamw", "flat"), ("clip_adam", "whole"))})
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

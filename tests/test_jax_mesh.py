@@ -1,0 +1,120 @@
+"""`zero.backends.jax_mesh`: Optax on a JAX device mesh, its state placed by a `zero.Plan`.
+
+The JAX side runs in a subprocess with 8 CPU devices (`jax_mesh_checks.py`: XLA's device count
+is fixed when jax starts), once for the module; the tests judge its figures. The two-executor
+test runs the same saved plans on 4 gloo ranks with `ZeroRedundancyOptimizer`.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax_mesh_workers as w
+import numpy as np
+import pytest
+from distributed import run_ranks
+from jax_mesh_twin import SHAPES
+
+pytest.importorskip("optax", reason="the JAX mesh executor needs the zero[jax] extra")
+
+import zero  # noqa: E402
+
+HERE = pathlib.Path(__file__).parent
+SLOTS = {"adamw": 2, "lion": 1, "clip_adam": 2}  # per-param state leaves: (mu, nu) or mu
+CASES = [f"{rule}-{kind}-float64" for rule in SLOTS for kind in ("flat", "whole")] + [
+    "adamw-flat-float32", "clip_adam-whole-float32"]
+
+
+def twin_plans() -> list[str]:
+    metas = zero.param_metas(w.twin_model())
+    return [zero.make_plan(metas, 4, "flat", bucket_numel=400).to_json(),
+            zero.make_plan(metas, 4, "sorted_greedy").to_json()]
+
+
+@pytest.fixture(scope="module")
+def mesh_run(tmp_path_factory) -> dict:
+    plans = tmp_path_factory.mktemp("jax_mesh") / "plans.json"
+    plans.write_text(json.dumps(twin_plans()))
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, str(HERE / "jax_mesh_checks.py"), str(plans)], capture_output=True,
+                         text=True, env=env, timeout=240)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return json.loads(out.stdout)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_mesh_steps_equal_optax_unsharded(mesh_run, case):
+    """50 steps under a flat plan (3 buffers) and a whole-param plan on 8 devices, uneven sizes."""
+    r = mesh_run["parity"][case]
+    tol = 1e-12 if case.endswith("float64") else 1e-6
+    assert r["rel"] <= tol, f"{case}: params differ from Optax's by {r['rel']}"
+    assert r["state_rel"] <= 10 * tol, f"{case}: gathered state differs from Optax's by {r['state_rel']}"
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_each_device_holds_the_plans_state_bytes(mesh_run, case):
+    """The plan accounts torch's per-param scalars (Adam's ``step``); Optax keeps one count, replicated."""
+    r, slots = mesh_run["parity"][case], SLOTS[case.split("-")[0]]
+    per_param = [p - s for p, s in zip(r["plan_bytes"], r["scalar_bytes"])]
+    owned = [n * slots * r["itemsize"] for n in r["owned"]]
+    if "-flat-" in case:
+        assert r["init_bytes"] == r["bytes"] == per_param, f"{case}: bytes per device against the plan's"
+    else:  # a row per rank, padded to the longest: the busiest rank's bytes on every device
+        assert owned == per_param, f"{case}: each device's own elements against the plan's rank"
+        assert r["init_bytes"] == r["bytes"] == [max(per_param)] * 8, f"{case}: rows padded to the busiest"
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_compiles_once_and_gathers_each_buffer_once(mesh_run, case):
+    r = mesh_run["parity"][case]
+    assert r["compiles_after_first"] == 0, f"{case}: steps after the first compiled again"
+    assert r["collectives"]["all-gather"] == r["buffers"], f"{case}: one all-gather per buffer"
+    assert r["collectives"]["all-reduce"] <= (1 if case.startswith("clip") else 0), f"{case}: all-reduces"
+
+
+ERRORS = {
+    "mesh_size": r"ValueError: the plan is for 4 ranks but mesh axis 'data' has 8 devices",
+    "other_params": r"ValueError: the plan was made for other params: param 3 \('w1' in the plan\) has shape",
+    "axis": r"ValueError: the mesh has no axis 'model'",
+    "not_a_plan": r"TypeError: plan must be a zero.Plan",
+    "lamb": r"ValueError: this transformation does not treat every element alike: param 'b1'",
+    "mask": r"ValueError: this transformation does not treat every element alike: param 'emb'",
+    "adafactor": r"ValueError: optimizer state leaf \[0\]\.v_row\['b1'\] has shape \(1,\)",
+    "frozen": r"ValueError: the plan marks param 'b2' frozen",
+    "grads_tree": r"ValueError: the grads' tree .* is not the params'",
+}
+
+
+@pytest.mark.parametrize("case", sorted(ERRORS))
+def test_wrong_input_is_an_error_naming_it(mesh_run, case):
+    import re
+
+    assert re.match(ERRORS[case], mesh_run["errors"][case]), mesh_run["errors"][case]
+
+
+@pytest.mark.timeout(300)
+def test_one_plan_two_executors_torch_ranks_and_a_jax_mesh(mesh_run):
+    """Saved plans of a torch model (flat, whole), 20 AdamW steps from the same numbers on 4 gloo
+    ranks and on a 4-device mesh: the same params, the same state per rank."""
+    ranks = run_ranks(w.run_plans, 4, twin_plans(), timeout=240)
+    for k, (kind, jax_side) in enumerate(zip(("flat", "whole"), mesh_run["two_executors"])):
+        torch_params = [np.asarray(p) for p in ranks[0][k]["params"]]
+        assert [p.shape for p in torch_params] == SHAPES
+        for rank in ranks[1:]:
+            assert rank[k]["params"] == ranks[0][k]["params"], f"{kind}: torch ranks disagree"
+        for i, (a, b) in enumerate(zip(jax_side["params"], torch_params)):
+            rel = np.max(np.abs(np.asarray(a) - b)) / np.max(np.abs(b))
+            assert rel <= 1e-12, f"{kind}: param {i} differs between the executors by {rel}"
+        torch_bytes = [rank[k]["state_bytes"] for rank in ranks]
+        expected = torch_bytes if kind == "flat" else [max(torch_bytes)] * 4  # rows padded to the busiest
+        assert jax_side["state_bytes"] == expected, f"{kind}: state bytes {jax_side['state_bytes']} vs {torch_bytes}"
+
+
+def test_state_moves_to_a_torch_checkpoint_and_back(mesh_run):
+    """10 mesh steps, 10 torch steps from the gathered state saved with torch.save, 10 mesh steps
+    from torch's state placed again: equal to 30 mesh steps (float64)."""
+    r = mesh_run["checkpoint"]
+    assert r["rel"] <= 1e-12, r
+    assert r["bytes"] == r["plan_bytes"]

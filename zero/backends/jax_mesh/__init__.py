@@ -1,0 +1,12 @@
+"""The same plans on a JAX device mesh: ZeRO-1 optimizer state for Optax, placed by a `zero.Plan`.
+
+Imports jax and optax, never torch. `init` places ``tx.init(params)`` by the plan along one
+mesh axis, `update` gives the jitted step; `gather_state` / `place_state` move a state between
+the mesh's layout and Optax's (and so, through `zero.functional.from_optax_state`, to a torch
+run and back); `state_bytes` says what each device holds.
+"""
+
+from zero.backends.jax_mesh.executor import gather_state, init, place_state, state_bytes, update
+from zero.backends.jax_mesh.packing import packing
+
+__all__ = ["gather_state", "init", "packing", "place_state", "state_bytes", "update"]

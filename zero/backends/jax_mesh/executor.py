@@ -1,0 +1,213 @@
+"""ZeRO-1 for Optax on a JAX device mesh: the state placed by a plan, the step sharded by it.
+
+A transformation sees its params, gradients and state as the plan's buffers (see `packing`),
+each sharded in equal slices along the mesh axis. Under ``jit`` every device then computes
+the step for its slice only, XLA all-reduces what a global reduction needs, and the new params
+leave replicated: one all-gather of the updated buffers, as ZeRO's param sync. The state
+stays placed between steps (its buffers are donated to the next state).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+
+from zero.backends.jax_mesh.packing import pack, packing, unpack
+from zero.backends.jax_mesh.rules import check_rule, check_state, is_per_param
+from zero.plans.meta import param_metas
+from zero.plans.plan import Plan, check_plan
+
+__all__ = ["init", "update", "gather_state", "place_state", "state_bytes"]
+
+
+class _Placed:
+    """One plan on one mesh axis: its buffers, shardings, and the checks of what it is given."""
+
+    def __init__(self, plan: Plan, mesh: Mesh, axis: str):
+        if not isinstance(plan, Plan):
+            raise TypeError(f"plan must be a zero.Plan (zero.make_plan(zero.param_metas(params), ...)), got "
+                            f"{type(plan).__name__}")
+        if axis not in mesh.axis_names:
+            raise ValueError(f"the mesh has no axis {axis!r}; its axes are {mesh.axis_names}")
+        if plan.world_size != mesh.shape[axis]:
+            raise ValueError(f"the plan is for {plan.world_size} ranks but mesh axis {axis!r} has "
+                             f"{mesh.shape[axis]} devices: make the plan for {mesh.shape[axis]}")
+        frozen = [m.name for m in plan.metas if not m.requires_grad]
+        if frozen:
+            raise ValueError(f"the plan marks param {frozen[0]!r} frozen, but a mesh steps every leaf it is given: "
+                             "plan the trainable leaves only, and pass only those")
+        self.plan, self.mesh, self.axis = plan, mesh, axis
+        self.buffers = packing(plan)
+        self.sharded = NamedSharding(mesh, PartitionSpec(axis))
+        self.replicated = NamedSharding(mesh, PartitionSpec())
+
+    def check(self, tx: optax.GradientTransformation, params: Any) -> None:
+        """``ValueError`` when ``params`` are not the plan's (naming the first that differs), or
+        ``tx`` cannot be placed or stepped on buffers (see `rules`)."""
+        given = param_metas(params)
+        check_plan(self.plan, [g._replace(device=p.device, group=p.group) for g, p in zip(given, self.plan.metas)],
+                   self.plan.world_size)
+        check_state(tx, params)
+        check_rule(tx, params, [m.name for m in given])
+
+    def pack(self, leaves) -> tuple[jax.Array, ...]:
+        return tuple(jax.lax.with_sharding_constraint(b, self.sharded) for b in pack(leaves, self.buffers))
+
+    def shardings(self, state_shapes: Any) -> Any:
+        """Each state leaf's placement: a buffer's leaves sharded, scalars replicated."""
+        lengths = {(b.length,) for b in self.buffers}
+
+        def place(path, leaf):
+            if leaf.shape == ():
+                return self.replicated
+            if tuple(leaf.shape) in lengths:
+                return self.sharded
+            raise ValueError(f"optimizer state leaf {jax.tree_util.keystr(path)} of the packed step has shape "
+                             f"{tuple(leaf.shape)}, not a buffer's: no plan can place it")
+
+        return jax.tree_util.tree_map_with_path(place, state_shapes)
+
+    def view_of(self, params: Any) -> Any:
+        """The buffers' abstract values, for ``jax.eval_shape``."""
+        leaves = jax.tree.leaves(params)
+        return tuple(jax.ShapeDtypeStruct((b.length,), leaves[b.params[0]].dtype) for b in self.buffers)
+
+
+def init(tx: optax.GradientTransformation, params: Any, plan: Plan, mesh: Mesh, axis: str = "data") -> Any:
+    """``tx.init`` of ``params`` placed by ``plan`` along ``axis`` of ``mesh``.
+
+    The state is the transformation's own, over the plan's buffers instead of the params' tree:
+    each per-param leaf (Adam's ``mu``) is one buffer per plan buffer, sharded so that device
+    ``r`` holds rank ``r``'s elements; scalars (counts) are replicated. It is built under ``jit``
+    with those output shardings, so no device ever holds it whole. `gather_state` gives it in the
+    params' tree (Optax's layout), `place_state` places such a state.
+    """
+    placed = _Placed(plan, mesh, axis)
+    placed.check(tx, params)
+
+    def build(params):
+        return tx.init(placed.pack(jax.tree.leaves(params)))
+
+    return jax.jit(build, out_shardings=placed.shardings(jax.eval_shape(build, params)))(params)
+
+
+def update(tx: optax.GradientTransformation, plan: Plan, mesh: Mesh, axis: str = "data") -> Callable:
+    """A step ``(grads, state, params) -> (params, state)`` of ``tx`` placed by ``plan``.
+
+    Each device steps its slice of every buffer; the state keeps its placement (the old one is
+    donated), the params come back replicated. The first call checks the params against the plan
+    and compiles; later calls with the same tree reuse the compiled step.
+    """
+    placed = _Placed(plan, mesh, axis)
+    return _Step(tx, placed)
+
+
+class _Step:
+    """The jitted step of `update`, compiled on the first call (it needs the params' tree)."""
+
+    def __init__(self, tx: optax.GradientTransformation, placed: _Placed):
+        self._tx, self._placed, self._jitted, self._treedef = tx, placed, None, None
+
+    def __call__(self, grads: Any, state: Any, params: Any) -> tuple[Any, Any]:
+        treedef = jax.tree.structure(params)
+        if self._jitted is None:
+            self._placed.check(self._tx, params)
+            state_shapes = jax.eval_shape(self._tx.init, self._placed.view_of(params))
+            self._jitted = jax.jit(self._step, donate_argnums=1,
+                                   out_shardings=(self._placed.replicated, self._placed.shardings(state_shapes)))
+            self._treedef = treedef
+        elif treedef != self._treedef:
+            raise ValueError(f"these params are another tree than the first step's: {treedef} against {self._treedef}")
+        if jax.tree.structure(grads) != treedef:
+            raise ValueError(f"the grads' tree {jax.tree.structure(grads)} is not the params' {treedef}")
+        replicated = self._placed.replicated  # the sharding every step's params come back with: one compile
+        return self._jitted(jax.device_put(grads, replicated), state, jax.device_put(params, replicated))
+
+    def _step(self, grads, state, params):
+        leaves, treedef = jax.tree.flatten(params)
+        view = self._placed.pack(leaves)
+        updates, state = self._tx.update(self._placed.pack(treedef.flatten_up_to(grads)), state, view)
+        stepped = optax.apply_updates(view, updates)
+        # gathered whole before they are cut into params: one all-gather a buffer, then local slices
+        gathered = [jax.lax.with_sharding_constraint(b, self._placed.replicated) for b in stepped]
+        return treedef.unflatten(unpack(gathered, self._placed.buffers, leaves)), state
+
+
+def gather_state(state: Any, tx: optax.GradientTransformation, params: Any, plan: Plan, mesh: Mesh,
+                 axis: str = "data") -> Any:
+    """``state`` (from `init` or a step) in Optax's layout, ``tx.init(params)``'s tree, whole on
+    the mesh's first device (as a consolidated checkpoint is on one rank): for
+    `zero.functional.from_optax_state`, which reads single-device arrays, and a torch checkpoint.
+    Each buffer travels to the host and is cut into params there, so no other device holds it whole."""
+    placed = _Placed(plan, mesh, axis)
+    tree, view = _trees(tx, params, placed)
+    nodes = [[np.asarray(b) for b in n] if like else np.asarray(n) for n, like in zip(_nodes(state, view), tree.likes)]
+    out = tree.upper.unflatten([tree.treedef.unflatten(unpack(n, placed.buffers, like)) if like else n
+                                for n, like in zip(nodes, tree.likes)])
+    return jax.device_put(out, SingleDeviceSharding(mesh.devices.flat[0]))
+
+
+def place_state(optax_state: Any, tx: optax.GradientTransformation, params: Any, plan: Plan, mesh: Mesh,
+                axis: str = "data") -> Any:
+    """An Optax state of ``tx.init(params)``'s layout (from `gather_state`, or a torch run through
+    `zero.functional.to_optax_state`) placed as `init` places it: packed on the host, each device
+    sent only its slice."""
+    placed = _Placed(plan, mesh, axis)
+    tree, view = _trees(tx, params, placed)
+    nodes = _nodes(jax.tree.map(np.asarray, optax_state), tree)
+    return view.upper.unflatten([
+        tuple(jax.device_put(b, placed.sharded) for b in pack(jax.tree.leaves(n), placed.buffers, np)) if like
+        else jax.device_put(n, placed.replicated) for n, like in zip(nodes, tree.likes)])
+
+
+def state_bytes(state: Any, mesh: Mesh, axis: str = "data") -> tuple[int, ...]:
+    """Bytes of ``state``'s sharded leaves on the device at each position along ``axis`` (the
+    per-param state a plan accounts for; replicated scalars are left out)."""
+    where = mesh.axis_names.index(axis)
+    devices = [np.asarray(np.take(mesh.devices, r, axis=where)).flat[0] for r in range(mesh.shape[axis])]
+    out = [0] * len(devices)
+    for leaf in jax.tree.leaves(state):
+        if leaf.sharding.is_fully_replicated:
+            continue
+        for shard in leaf.addressable_shards:
+            if shard.device in devices:
+                out[devices.index(shard.device)] += shard.data.nbytes
+    return tuple(out)
+
+
+class _Layout:
+    """A state's tree cut at its per-param nodes: ``upper`` over nodes, ``likes`` the params'
+    leaves (shapes) for a per-param node and None for a scalar."""
+
+    def __init__(self, shapes: Any, treedef: Any, per_param: Callable[[Any], bool], likes: list):
+        self.treedef, self.per_param = treedef, per_param
+        nodes, self.upper = jax.tree.flatten(shapes, is_leaf=per_param)
+        self.likes = [likes if per_param(n) else None for n in nodes]
+
+
+def _trees(tx, params, placed: _Placed) -> tuple[_Layout, _Layout]:
+    """The layouts of ``tx``'s state over the params' tree and over the plan's buffers."""
+    leaves, treedef = jax.tree.flatten(params)
+    shapes = [tuple(x.shape) for x in leaves]
+    buffers = placed.view_of(params)
+    view_def = jax.tree.structure(buffers)
+    tree = _Layout(jax.eval_shape(tx.init, params), treedef, lambda n: is_per_param(n, treedef, shapes), leaves)
+    view = _Layout(jax.eval_shape(tx.init, buffers), view_def,
+                   lambda n: is_per_param(n, view_def, [b.shape for b in buffers]), list(buffers))
+    if [like is None for like in tree.likes] != [like is None for like in view.likes]:
+        raise ValueError("this transformation's state over the params' tree and over buffers differ in layout: "
+                         "it cannot move between them")
+    return tree, view
+
+
+def _nodes(state: Any, layout: _Layout) -> list:
+    nodes, upper = jax.tree.flatten(state, is_leaf=layout.per_param)
+    if upper != layout.upper:
+        raise ValueError(f"the state's tree {upper} is not this transformation's {layout.upper}: pass the state "
+                         "of the same transformation and params")
+    return nodes

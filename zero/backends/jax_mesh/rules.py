@@ -1,0 +1,119 @@
+"""Which Optax transformations a mesh can step on packed buffers, decided before any step.
+
+The mesh hands a transformation its params, gradients and state as a few long 1-D buffers
+(see `zero.backends.jax_mesh.packing`), so each device steps only its slice and XLA inserts
+the collectives of global reductions (``clip_by_global_norm``'s norm) itself. That is exact
+for a rule that treats every element alike, and silently wrong for one that does not: a mask
+or a partition by name or by shape, a per-tensor norm (LAMB's trust ratio), whole matrices
+(Muon), factored state (Adafactor). Optax's transformations are closures, so instead of
+reading them we run them: `check_rule` steps a small twin of the params (same tree, same
+ranks, each dimension cut to a few elements) as a tree and as packed buffers, and refuses the
+rule, naming the first param whose update differs, unless both agree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+__all__ = ["check_state", "check_rule", "is_per_param"]
+
+_STEPS = 2  # the second step reads the state the first wrote
+_GAP = 1  # zeros between a twin's params, as padding lies between a plan's
+
+
+def is_per_param(node: Any, treedef: Any, shapes: Sequence[tuple[int, ...]]) -> bool:
+    """Whether a state node holds one leaf per param, each shaped like it (Adam's ``mu``)."""
+    leaves, structure = jax.tree.flatten(node)
+    return structure == treedef and all(tuple(leaf.shape) == tuple(s) for leaf, s in zip(leaves, shapes))
+
+
+def check_state(tx: optax.GradientTransformation, params: Any) -> None:
+    """``ValueError`` naming the first state leaf that is neither a scalar nor one of a set of
+    leaves shaped like the params: a plan has no place for it."""
+    leaves, treedef = jax.tree.flatten(params)
+    shapes = [tuple(x.shape) for x in leaves]
+    state = jax.eval_shape(tx.init, params)
+    found = jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda n: is_per_param(n, treedef, shapes))[0]
+    for path, node in found:
+        if not is_per_param(node, treedef, shapes) and node.shape != ():
+            raise ValueError(f"optimizer state leaf {jax.tree_util.keystr(path)} has shape {tuple(node.shape)}: it is "
+                             "neither a scalar nor one of a set shaped like the params, so no plan can place it "
+                             "(e.g. Adafactor's factored moments); step this rule unsharded")
+
+
+def check_rule(tx: optax.GradientTransformation, params: Any, names: Sequence[str]) -> None:
+    """``ValueError`` unless ``tx`` steps a twin of ``params`` packed into buffers exactly as it
+    steps the twin as a tree, naming the first param whose update differs."""
+    leaves, treedef = jax.tree.flatten(params)
+    rng = np.random.default_rng(0)
+    twin = [rng.standard_normal(_twin_shape(x.shape)).astype(_twin_dtype(x.dtype)) for x in leaves]
+    grads = [[rng.standard_normal(t.shape).astype(t.dtype) for t in twin] for _ in range(_STEPS)]
+    as_tree = [treedef.unflatten([jnp.asarray(x) for x in g]) for g in grads]
+    expected = _run(tx, treedef.unflatten([jnp.asarray(x) for x in twin]), as_tree)
+    layout = _twin_layout(twin)
+    try:
+        packed = _run(tx, _pack(twin, layout), [_pack(g, layout) for g in grads])
+    except Exception as err:  # a mask or a partition by tree: the rule cannot even run on buffers
+        raise ValueError(f"this transformation cannot step packed buffers ({type(err).__name__}: {err}); "
+                         "zero.backends.jax_mesh steps rules that treat every element alike (with global "
+                         "reductions such as clip_by_global_norm): step it unsharded") from err
+    for step, (want, got) in enumerate(zip(expected, packed)):
+        scale = max(float(np.max(np.abs(u))) for u in jax.tree.leaves(want)) or 1.0
+        for i, (u, buffer_u) in enumerate(zip(jax.tree.leaves(want), _unpack(got, layout, twin))):
+            if not np.allclose(np.asarray(buffer_u), np.asarray(u), rtol=1e-4, atol=1e-5 * scale):
+                raise ValueError(f"this transformation does not treat every element alike: param {names[i]!r} gets "
+                                 f"another update (step {step + 1}) when its elements are packed with the others' "
+                                 "(a mask or partition by name or shape, a per-tensor norm such as LAMB's, or "
+                                 "whole matrices such as Muon's); step it unsharded")
+
+
+def _run(tx, params, grads_per_step) -> list[Any]:
+    state, out = tx.init(params), []
+    for grads in grads_per_step:
+        updates, state = tx.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+        out.append(updates)
+    return out
+
+
+def _twin_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Each dimension cut to a few elements, unequal so that no matrix turns square."""
+    return tuple(min(d, 3 + j) for j, d in enumerate(shape))
+
+
+def _twin_dtype(dtype) -> np.dtype:
+    return np.float64 if dtype == jnp.float64 and jax.config.jax_enable_x64 else np.float32
+
+
+def _twin_layout(twin: list[np.ndarray]) -> list[list[int]]:
+    """The twin's params in buffers of at most two, by dtype, as a plan may cut them."""
+    by_dtype: dict[Any, list[int]] = {}
+    for i, t in enumerate(twin):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    return [members[k:k + 2] for members in by_dtype.values() for k in range(0, len(members), 2)]
+
+
+def _pack(leaves, layout) -> tuple[jax.Array, ...]:
+    out = []
+    for members in layout:
+        parts = []
+        for i in members:
+            parts += [np.ravel(leaves[i]), np.zeros(_GAP, leaves[i].dtype)]
+        out.append(jnp.asarray(np.concatenate(parts + [np.zeros(2, leaves[members[0]].dtype)])))
+    return tuple(out)
+
+
+def _unpack(view, layout, like) -> list[jax.Array]:
+    out = [None] * len(like)
+    for flat, members in zip(view, layout):
+        pos = 0
+        for i in members:
+            out[i] = flat[pos:pos + like[i].size].reshape(like[i].shape)
+            pos += like[i].size + _GAP
+    return out
