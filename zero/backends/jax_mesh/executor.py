@@ -17,7 +17,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from zero.backends.jax_mesh.packing import pack, packing, unpack
+from zero.backends.jax_mesh.packing import pack, pack_slices, packing, unpack
 from zero.backends.jax_mesh.rules import check_rule, check_state, is_per_param
 from zero.plans.meta import param_metas
 from zero.plans.plan import Plan, check_plan
@@ -56,7 +56,7 @@ class _Placed:
         check_rule(tx, params, [m.name for m in given])
 
     def pack(self, leaves) -> tuple[jax.Array, ...]:
-        return tuple(jax.lax.with_sharding_constraint(b, self.sharded) for b in pack(leaves, self.buffers))
+        return pack_slices(leaves, self.buffers, self.mesh, self.axis)
 
     def shardings(self, state_shapes: Any) -> Any:
         """Each state leaf's placement: a buffer's leaves sharded, scalars replicated."""

@@ -11,17 +11,19 @@ carry padding, which `Buffer.owned` leaves out).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 from zero.plans.layout import bucket_views
 from zero.plans.plan import Plan
 
-__all__ = ["Buffer", "packing", "pack", "unpack"]
+__all__ = ["Buffer", "packing", "pack", "pack_slices", "unpack"]
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,40 @@ def pack(leaves: Sequence[jax.Array], buffers: Sequence[Buffer], xp: Any = jnp) 
             pos = start + size
         parts.append(xp.zeros(buf.length - pos, dtype))
         out.append(xp.concatenate(parts))
+    return tuple(out)
+
+
+def pack_slices(leaves: Sequence[jax.Array], buffers: Sequence[Buffer], mesh: Any, axis: str) -> tuple[jax.Array, ...]:
+    """`pack`, sharded along ``axis`` of ``mesh``, with each device copying only the pieces of
+    its own slice out of the (replicated) ``leaves``: packing whole buffers first would copy every
+    param on every device."""
+    world = mesh.shape[axis]
+    branches = [functools.partial(_slices, buffers=buffers, rank=r, world=world) for r in range(world)]
+
+    def local(leaves):
+        return jax.lax.switch(jax.lax.axis_index(axis), branches, leaves)
+
+    specs = tuple(PartitionSpec(axis) for _ in buffers)
+    return jax.shard_map(local, mesh=mesh, in_specs=PartitionSpec(), out_specs=specs, check_vma=False)(list(leaves))
+
+
+def _slices(leaves, buffers: Sequence[Buffer], rank: int, world: int) -> tuple[jax.Array, ...]:
+    """Rank ``rank``'s slice of every buffer, from the pieces of params that fall in it."""
+    out = []
+    for buf in buffers:
+        width, dtype = buf.length // world, leaves[buf.params[0]].dtype if buf.params else jnp.float32
+        lo, hi, parts = rank * width, (rank + 1) * width, []
+        pos = lo
+        for i, start, size in sorted(zip(buf.params, buf.starts, buf.sizes), key=lambda e: e[1]):
+            a, b = max(start, lo), min(start + size, hi)
+            if a >= b:
+                continue
+            if a > pos:
+                parts.append(jnp.zeros(a - pos, dtype))
+            parts.append(jnp.ravel(leaves[i])[a - start:b - start].astype(dtype))
+            pos = b
+        parts.append(jnp.zeros(hi - pos, dtype))
+        out.append(jnp.concatenate(parts))
     return tuple(out)
 
 
