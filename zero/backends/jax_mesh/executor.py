@@ -49,7 +49,7 @@ class _Placed:
     def check(self, tx: optax.GradientTransformation, params: Any) -> None:
         """``ValueError`` when ``params`` are not the plan's (naming the first that differs), or
         ``tx`` cannot be placed or stepped on buffers (see `rules`)."""
-        given = param_metas(params)
+        given = param_metas(jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params))  # numpy too
         check_plan(self.plan, [g._replace(device=p.device, group=p.group) for g, p in zip(given, self.plan.metas)],
                    self.plan.world_size)
         check_state(tx, params)
