@@ -41,7 +41,9 @@ def mesh_of(n: int) -> Mesh:
 
 
 def tree_of(rng, dtype) -> dict:
-    return {k: jnp.asarray(rng.standard_normal(s).astype(dtype)) for k, s in SHAPES.items()}
+    """``dtype="mixed"``: w1 and b2 in bfloat16, the rest float32 (buffers per dtype)."""
+    dtypes = {k: (jnp.bfloat16 if k in ("w1", "b2") else np.float32) if dtype == "mixed" else dtype for k in SHAPES}
+    return {k: jnp.asarray(rng.standard_normal(s), dtypes[k]) for k, s in SHAPES.items()}
 
 
 def worst(a, b) -> float:
@@ -80,7 +82,7 @@ def parity(rule: str, kind: str, dtype) -> dict:
                              * (len(buffers) if kind == "flat" else len(plan.partition.params_of(r)))
                              for r in range(8)],
             "owned": [sum(b.owned[r] for b in buffers) for r in range(8)], "buffers": len(buffers),
-            "itemsize": np.dtype(dtype).itemsize, "compiles_after_first": sum(compiles[1:]),
+            "itemsize": np.dtype(np.float32 if dtype == "mixed" else dtype).itemsize, "compiles_after_first": sum(compiles[1:]),
             "collectives": collectives(step, jax.device_put(g, step._placed.replicated), state,
                                        jax.device_put(ours, step._placed.replicated))}
 
@@ -172,6 +174,7 @@ def main() -> None:
            "errors": errors(), "two_executors": two_executors(plan_texts), "checkpoint": checkpoint_moves()}
     out["parity"].update({f"{rule}-{kind}-float32": parity(rule, kind, np.float32)
                           for rule, kind in (("adamw", "flat"), ("clip_adam", "whole"))})
+    out["parity"]["adamw-flat-mixed"] = parity("adamw", "flat", "mixed")
     print(json.dumps(out))
 
 
