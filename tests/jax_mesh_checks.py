@@ -22,6 +22,7 @@ from jax_mesh_twin import STEPS, grads, initial  # noqa: E402
 
 import zero  # noqa: E402
 from zero.backends import jax_mesh  # noqa: E402
+from zero.backends.jax_mesh import executor  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 SHAPES = {"b1": (33,), "b2": (5,), "emb": (100, 16), "w1": (16, 33), "w2": (33, 5)}  # 2331 elements, uneven
@@ -75,6 +76,8 @@ def parity(rule: str, kind: str, dtype) -> dict:
         ref, ref_state = ref_step(g, ref_state, ref)
         rel = max(rel, worst(ours, ref))
     gathered = jax_mesh.gather_state(state, tx, params, plan, mesh)
+    init_memory = executor._init_program(tx, executor._Placed(plan, mesh, "data"), params).lower(
+        params).compile().memory_analysis()  # what one device's init program allocates
     buffers = jax_mesh.packing(plan)
     return {"rel": rel, "state_rel": worst(gathered, ref_state), "bytes": jax_mesh.state_bytes(state, mesh),
             "init_bytes": placed_bytes, "plan_bytes": [r.state_bytes for r in plan.ranks],
@@ -82,7 +85,10 @@ def parity(rule: str, kind: str, dtype) -> dict:
                              * (len(buffers) if kind == "flat" else len(plan.partition.params_of(r)))
                              for r in range(8)],
             "owned": [sum(b.owned[r] for b in buffers) for r in range(8)], "buffers": len(buffers),
-            "itemsize": np.dtype(np.float32 if dtype == "mixed" else dtype).itemsize, "compiles_after_first": sum(compiles[1:]),
+            "init_allocates": init_memory.temp_size_in_bytes + init_memory.output_size_in_bytes,
+            "state_whole": sum(x.nbytes for x in jax.tree.leaves(gathered)),
+            "itemsize": np.dtype(np.float32 if dtype == "mixed" else dtype).itemsize,
+            "compiles_after_first": sum(compiles[1:]),
             "collectives": collectives(step, jax.device_put(g, step._placed.replicated), state,
                                        jax.device_put(ours, step._placed.replicated))}
 

@@ -69,6 +69,15 @@ def test_each_device_holds_the_plans_state_bytes(mesh_run, case):
 
 
 @pytest.mark.parametrize("case", CASES)
+def test_init_never_holds_the_state_whole_on_a_device(mesh_run, case):
+    """What the compiled init allocates on one device: its slice and the replicated count (each
+    output rounded up to 64 bytes by the allocator), against the whole state."""
+    r = mesh_run["parity"][case]
+    slack = 64 * (2 * r["buffers"] + 1)
+    assert r["init_allocates"] <= max(r["bytes"]) + slack < r["state_whole"], (case, r["init_allocates"])
+
+
+@pytest.mark.parametrize("case", CASES)
 def test_compiles_once_and_gathers_each_buffer_once(mesh_run, case):
     r = mesh_run["parity"][case]
     assert r["compiles_after_first"] == 0, f"{case}: steps after the first compiled again"

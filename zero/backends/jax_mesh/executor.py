@@ -89,11 +89,16 @@ def init(tx: optax.GradientTransformation, params: Any, plan: Plan, mesh: Mesh, 
     """
     placed = _Placed(plan, mesh, axis)
     placed.check(tx, params)
+    return _init_program(tx, placed, params)(params)
+
+
+def _init_program(tx: optax.GradientTransformation, placed: _Placed, params: Any) -> Callable:
+    """``tx.init`` over the packed params, jitted with the state's shardings as its outputs."""
 
     def build(params):
         return tx.init(placed.pack(jax.tree.leaves(params)))
 
-    return jax.jit(build, out_shardings=placed.shardings(jax.eval_shape(build, params)))(params)
+    return jax.jit(build, out_shardings=placed.shardings(jax.eval_shape(build, params)))
 
 
 def update(tx: optax.GradientTransformation, plan: Plan, mesh: Mesh, axis: str = "data") -> Callable:
