@@ -120,6 +120,7 @@ def errors() -> dict[str, str]:
         "lamb": lambda: jax_mesh.init(optax.lamb(1e-2), params, plan, mesh),
         "mask": lambda: jax_mesh.init(optax.adamw(1e-2, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)),
                                       params, plan, mesh),
+        "muon": lambda: jax_mesh.init(optax.contrib.muon(1e-2), params, plan, mesh),
         "adafactor": lambda: jax_mesh.init(optax.adafactor(1e-2, min_dim_size_to_factor=8), params, plan, mesh),
         "frozen": lambda: jax_mesh.init(optax.adam(1e-2), params,
                                         zero.make_plan([m._replace(requires_grad=m.name != "b2") for m in metas], 8),

@@ -92,6 +92,7 @@ ERRORS = {
     "not_a_plan": r"TypeError: plan must be a zero.Plan",
     "lamb": r"ValueError: this transformation does not treat every element alike: param 'b1'",
     "mask": r"ValueError: this transformation does not treat every element alike: param 'emb'",
+    "muon": r"ValueError: optimizer state leaf \.inner_states\['adam'\]\.inner_state\[0\]\.mu\['b1'\] has shape",
     "adafactor": r"ValueError: optimizer state leaf \[0\]\.v_row\['b1'\] has shape \(1,\)",
     "frozen": r"ValueError: the plan marks param 'b2' frozen",
     "grads_tree": r"ValueError: the grads' tree .* is not the params'",

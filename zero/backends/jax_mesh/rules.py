@@ -21,6 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from zero.backends.jax_mesh.packing import Buffer, pack, unpack
+
 __all__ = ["check_state", "check_rule", "is_per_param"]
 
 _STEPS = 2  # the second step reads the state the first wrote
@@ -43,8 +45,9 @@ def check_state(tx: optax.GradientTransformation, params: Any) -> None:
     for path, node in found:
         if not is_per_param(node, treedef, shapes) and node.shape != ():
             raise ValueError(f"optimizer state leaf {jax.tree_util.keystr(path)} has shape {tuple(node.shape)}: it is "
-                             "neither a scalar nor one of a set shaped like the params, so no plan can place it "
-                             "(e.g. Adafactor's factored moments); step this rule unsharded")
+                             "neither a scalar nor part of a set of leaves shaped like all the params (factored "
+                             "moments such as Adafactor's, or state over the params a mask or partition picks, "
+                             "such as Muon's), so no plan can place it; step this rule unsharded")
 
 
 def check_rule(tx: optax.GradientTransformation, params: Any, names: Sequence[str]) -> None:
@@ -57,15 +60,16 @@ def check_rule(tx: optax.GradientTransformation, params: Any, names: Sequence[st
     as_tree = [treedef.unflatten([jnp.asarray(x) for x in g]) for g in grads]
     expected = _run(tx, treedef.unflatten([jnp.asarray(x) for x in twin]), as_tree)
     layout = _twin_layout(twin)
+    as_buffers = lambda leaves: tuple(jnp.asarray(b) for b in pack(leaves, layout, np))
     try:
-        packed = _run(tx, _pack(twin, layout), [_pack(g, layout) for g in grads])
+        packed = _run(tx, as_buffers(twin), [as_buffers(g) for g in grads])
     except Exception as err:  # a mask or a partition by tree: the rule cannot even run on buffers
         raise ValueError(f"this transformation cannot step packed buffers ({type(err).__name__}: {err}); "
                          "zero.backends.jax_mesh steps rules that treat every element alike (with global "
                          "reductions such as clip_by_global_norm): step it unsharded") from err
     for step, (want, got) in enumerate(zip(expected, packed)):
         scale = max(float(np.max(np.abs(u))) for u in jax.tree.leaves(want)) or 1.0
-        for i, (u, buffer_u) in enumerate(zip(jax.tree.leaves(want), _unpack(got, layout, twin))):
+        for i, (u, buffer_u) in enumerate(zip(jax.tree.leaves(want), unpack(got, layout, twin))):
             if not np.allclose(np.asarray(buffer_u), np.asarray(u), rtol=1e-4, atol=1e-5 * scale):
                 raise ValueError(f"this transformation does not treat every element alike: param {names[i]!r} gets "
                                  f"another update (step {step + 1}) when its elements are packed with the others' "
@@ -91,29 +95,18 @@ def _twin_dtype(dtype) -> np.dtype:
     return np.float64 if dtype == jnp.float64 and jax.config.jax_enable_x64 else np.float32
 
 
-def _twin_layout(twin: list[np.ndarray]) -> list[list[int]]:
-    """The twin's params in buffers of at most two, by dtype, as a plan may cut them."""
+def _twin_layout(twin: list[np.ndarray]) -> tuple[Buffer, ...]:
+    """The twin's params in buffers of at most two, by dtype, a zero between params and two
+    after, as a plan's padding lies between and after its params."""
     by_dtype: dict[Any, list[int]] = {}
     for i, t in enumerate(twin):
         by_dtype.setdefault(t.dtype, []).append(i)
-    return [members[k:k + 2] for members in by_dtype.values() for k in range(0, len(members), 2)]
-
-
-def _pack(leaves, layout) -> tuple[jax.Array, ...]:
     out = []
-    for members in layout:
-        parts = []
-        for i in members:
-            parts += [np.ravel(leaves[i]), np.zeros(_GAP, leaves[i].dtype)]
-        out.append(jnp.asarray(np.concatenate(parts + [np.zeros(2, leaves[members[0]].dtype)])))
+    for members in by_dtype.values():
+        for k in range(0, len(members), 2):
+            params = members[k:k + 2]
+            sizes = [twin[i].size for i in params]
+            starts = [0, sizes[0] + _GAP][:len(params)]
+            out.append(Buffer(str(twin[params[0]].dtype), starts[-1] + sizes[-1] + 2, tuple(params), tuple(starts),
+                              tuple(sizes), ()))
     return tuple(out)
-
-
-def _unpack(view, layout, like) -> list[jax.Array]:
-    out = [None] * len(like)
-    for flat, members in zip(view, layout):
-        pos = 0
-        for i in members:
-            out[i] = flat[pos:pos + like[i].size].reshape(like[i].shape)
-            pos += like[i].size + _GAP
-    return out
