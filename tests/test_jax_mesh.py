@@ -130,3 +130,10 @@ def test_state_moves_to_a_torch_checkpoint_and_back(mesh_run):
     r = mesh_run["checkpoint"]
     assert r["rel"] <= 1e-12, r
     assert r["bytes"] == r["plan_bytes"]
+
+
+def test_a_plan_along_one_axis_of_a_two_axis_mesh(mesh_run):
+    """Data 4 x model 2: the state sharded along "data", each "model" pair holding the same slice."""
+    r = mesh_run["two_axes"]
+    assert r["rel"] <= 1e-12, r
+    assert r["bytes"] == r["plan_bytes"]
