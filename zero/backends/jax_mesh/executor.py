@@ -50,8 +50,11 @@ class _Placed:
         """``ValueError`` when ``params`` are not the plan's (naming the first that differs), or
         ``tx`` cannot be placed or stepped on buffers (see `rules`)."""
         given = param_metas(jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params))  # numpy too
+        if len(given) != len(self.plan.metas):
+            raise ValueError(f"the plan is for {len(self.plan.metas)} params but the tree has {len(given)} leaves: "
+                             "make it with zero.make_plan(zero.param_metas(params), ...) for these params")
         check_plan(self.plan, [g._replace(device=p.device, group=p.group) for g, p in zip(given, self.plan.metas)],
-                   self.plan.world_size)
+                   self.plan.world_size)  # a mesh has no devices or groups in the plan's sense: shapes and dtypes
         check_state(tx, params)
         check_rule(tx, params, [m.name for m in given])
 
