@@ -133,6 +133,9 @@ def errors() -> dict[str, str]:
         "mesh_size": lambda: jax_mesh.init(optax.adam(1e-2), params, zero.make_plan(metas, 4), mesh),
         "other_params": lambda: jax_mesh.init(optax.adam(1e-2), {**params, "w1": jnp.zeros((16, 34))}, plan, mesh),
         "extra_param": lambda: jax_mesh.init(optax.adam(1e-2), {**params, "w3": jnp.zeros(3)}, plan, mesh),
+        "gather_other_params": lambda: jax_mesh.gather_state(
+            jax_mesh.init(optax.adam(1e-2), params, plan, mesh), optax.adam(1e-2), {**params, "b1": jnp.zeros(3)},
+            plan, mesh),
         "axis": lambda: jax_mesh.update(optax.adam(1e-2), plan, mesh, axis="model"),
         "not_a_plan": lambda: jax_mesh.init(optax.adam(1e-2), params, plan.to_json(), mesh),
         "lamb": lambda: jax_mesh.init(optax.lamb(1e-2), params, plan, mesh),

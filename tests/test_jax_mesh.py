@@ -89,6 +89,7 @@ ERRORS = {
     "mesh_size": r"ValueError: the plan is for 4 ranks but mesh axis 'data' has 8 devices",
     "other_params": r"ValueError: the plan was made for other params: param 3 \('w1' in the plan\) has shape",
     "extra_param": r"ValueError: the plan is for 5 params but the tree has 6 leaves",
+    "gather_other_params": r"ValueError: the plan was made for other params: param 0 \('b1' in the plan\) has shape",
     "axis": r"ValueError: the mesh has no axis 'model'",
     "not_a_plan": r"TypeError: plan must be a zero.Plan",
     "lamb": r"ValueError: this transformation does not treat every element alike: param 'b1'",

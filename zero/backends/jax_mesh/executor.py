@@ -47,16 +47,21 @@ class _Placed:
         self.replicated = NamedSharding(mesh, PartitionSpec())
 
     def check(self, tx: optax.GradientTransformation, params: Any) -> None:
-        """``ValueError`` when ``params`` are not the plan's (naming the first that differs), or
-        ``tx`` cannot be placed or stepped on buffers (see `rules`)."""
+        """``ValueError`` when ``params`` are not the plan's, or ``tx`` cannot be placed or stepped
+        on buffers (see `rules`)."""
+        names = self.check_params(params)
+        check_state(tx, params)
+        check_rule(tx, params, names)
+
+    def check_params(self, params: Any) -> list[str]:
+        """``ValueError`` naming the first param that differs from the plan's; the params' names."""
         given = param_metas(jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params))  # numpy too
         if len(given) != len(self.plan.metas):
             raise ValueError(f"the plan is for {len(self.plan.metas)} params but the tree has {len(given)} leaves: "
                              "make it with zero.make_plan(zero.param_metas(params), ...) for these params")
         check_plan(self.plan, [g._replace(device=p.device, group=p.group) for g, p in zip(given, self.plan.metas)],
                    self.plan.world_size)  # a mesh has no devices or groups in the plan's sense: shapes and dtypes
-        check_state(tx, params)
-        check_rule(tx, params, [m.name for m in given])
+        return [m.name for m in given]
 
     def pack(self, leaves) -> tuple[jax.Array, ...]:
         return pack_slices(leaves, self.buffers, self.mesh, self.axis)
@@ -153,6 +158,7 @@ def gather_state(state: Any, tx: optax.GradientTransformation, params: Any, plan
     `zero.functional.from_optax_state`, which reads single-device arrays, and a torch checkpoint.
     Each buffer travels to the host and is cut into params there, so no other device holds it whole."""
     placed = _Placed(plan, mesh, axis)
+    placed.check_params(params)
     tree, view = _trees(tx, params, placed)
     nodes = [[np.asarray(b) for b in n] if like else np.asarray(n) for n, like in zip(_nodes(state, view), tree.likes)]
     out = tree.upper.unflatten([tree.treedef.unflatten(unpack(n, placed.buffers, like)) if like else n
@@ -166,6 +172,7 @@ def place_state(optax_state: Any, tx: optax.GradientTransformation, params: Any,
     `zero.functional.to_optax_state`) placed as `init` places it: packed on the host, each device
     sent only its slice."""
     placed = _Placed(plan, mesh, axis)
+    placed.check_params(params)
     tree, view = _trees(tx, params, placed)
     nodes = _nodes(jax.tree.map(np.asarray, optax_state), tree)
     return view.upper.unflatten([
