@@ -160,7 +160,7 @@ def errors() -> dict[str, str]:
     return out
 
 
-def checkpoint_moves() -> dict:
+def checkpoint_moves(folder: str) -> dict:
     """10 steps on the mesh, 10 in torch from its gathered state (through a torch checkpoint), 10
     on the mesh from torch's state: against 30 steps on the mesh alone."""
     import torch
@@ -180,8 +180,9 @@ def checkpoint_moves() -> dict:
         p, state = step(g(k), state, p)
     saved = {"params": {k: torch.from_numpy(np.array(v)) for k, v in p.items()},
              "state": zf.from_optax_state(jax_mesh.gather_state(state, tx, params, plan, mesh))}
-    torch.save(saved, "/tmp/zero_jax_mesh_ckpt.pt")
-    loaded = torch.load("/tmp/zero_jax_mesh_ckpt.pt", weights_only=False)
+    path = os.path.join(folder, "mesh_state.pt")
+    torch.save(saved, path)
+    loaded = torch.load(path, weights_only=False)
     tp, ts = loaded["params"], loaded["state"]
     for k in range(10, 20):
         u, ts = ttx.update({n: torch.from_numpy(np.array(x)) for n, x in g(k).items()}, ts, tp)
@@ -199,7 +200,8 @@ def main() -> None:
         plan_texts = json.load(f)
     out = {"parity": {f"{rule}-{kind}-{np.dtype(dt).name}": parity(rule, kind, dt)
                       for rule in RULES for kind in PLANS for dt in (np.float64,)},
-           "errors": errors(), "two_executors": two_executors(plan_texts), "checkpoint": checkpoint_moves(),
+           "errors": errors(), "two_executors": two_executors(plan_texts),
+           "checkpoint": checkpoint_moves(os.path.dirname(sys.argv[1])),  # the test's own temporary folder
            "two_axes": two_axes()}
     out["parity"].update({f"{rule}-{kind}-float32": parity(rule, kind, np.float32)
                           for rule, kind in (("adamw", "flat"), ("clip_adam", "whole"))})

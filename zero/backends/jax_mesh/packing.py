@@ -70,18 +70,7 @@ def _row_buffer(rows, metas) -> Buffer:
 def pack(leaves: Sequence[jax.Array], buffers: Sequence[Buffer], xp: Any = jnp) -> tuple[jax.Array, ...]:
     """Each buffer filled from ``leaves`` (flattened, in plan order), zeros between and after;
     ``xp=numpy`` packs on the host."""
-    out = []
-    for buf in buffers:
-        dtype = leaves[buf.params[0]].dtype if buf.params else xp.float32
-        parts, pos = [], 0
-        for i, start, size in sorted(zip(buf.params, buf.starts, buf.sizes), key=lambda e: e[1]):
-            if start > pos:
-                parts.append(xp.zeros(start - pos, dtype))
-            parts.append(xp.ravel(leaves[i]).astype(dtype))
-            pos = start + size
-        parts.append(xp.zeros(buf.length - pos, dtype))
-        out.append(xp.concatenate(parts))
-    return tuple(out)
+    return _slices(leaves, buffers, rank=0, world=1, xp=xp)  # one rank's slice of one rank is the whole
 
 
 def pack_slices(leaves: Sequence[jax.Array], buffers: Sequence[Buffer], mesh: Any, axis: str) -> tuple[jax.Array, ...]:
@@ -98,11 +87,12 @@ def pack_slices(leaves: Sequence[jax.Array], buffers: Sequence[Buffer], mesh: An
     return jax.shard_map(local, mesh=mesh, in_specs=PartitionSpec(), out_specs=specs, check_vma=False)(list(leaves))
 
 
-def _slices(leaves, buffers: Sequence[Buffer], rank: int, world: int) -> tuple[jax.Array, ...]:
-    """Rank ``rank``'s slice of every buffer, from the pieces of params that fall in it."""
+def _slices(leaves, buffers: Sequence[Buffer], rank: int, world: int, xp: Any = jnp) -> tuple[jax.Array, ...]:
+    """Rank ``rank``'s slice of every buffer (of ``world`` equal ones), from the pieces of params
+    that fall in it, zeros between and after."""
     out = []
     for buf in buffers:
-        width, dtype = buf.length // world, leaves[buf.params[0]].dtype if buf.params else jnp.float32
+        width, dtype = buf.length // world, leaves[buf.params[0]].dtype if buf.params else xp.float32
         lo, hi, parts = rank * width, (rank + 1) * width, []
         pos = lo
         for i, start, size in sorted(zip(buf.params, buf.starts, buf.sizes), key=lambda e: e[1]):
@@ -110,11 +100,11 @@ def _slices(leaves, buffers: Sequence[Buffer], rank: int, world: int) -> tuple[j
             if a >= b:
                 continue
             if a > pos:
-                parts.append(jnp.zeros(a - pos, dtype))
-            parts.append(jnp.ravel(leaves[i])[a - start:b - start].astype(dtype))
+                parts.append(xp.zeros(a - pos, dtype))
+            parts.append(xp.ravel(leaves[i])[a - start:b - start].astype(dtype))
             pos = b
-        parts.append(jnp.zeros(hi - pos, dtype))
-        out.append(jnp.concatenate(parts))
+        parts.append(xp.zeros(hi - pos, dtype))
+        out.append(xp.concatenate(parts))
     return tuple(out)
 
 
