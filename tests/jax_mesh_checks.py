@@ -146,6 +146,8 @@ def errors() -> dict[str, str]:
         "frozen": lambda: jax_mesh.init(optax.adam(1e-2), params,
                                         zero.make_plan([m._replace(requires_grad=m.name != "b2") for m in metas], 8),
                                         mesh),
+        "hybrid": lambda: jax_mesh.init(optax.adam(1e-2), params,
+                                        zero.make_plan(metas, 8, "flat", whole=lambda m: m.name == "w1"), mesh),
         "grads_tree": lambda: jax_mesh.update(optax.adam(1e-2), plan, mesh)(
             {k: v for k, v in params.items() if k != "b2"}, jax_mesh.init(optax.adam(1e-2), params, plan, mesh),
             params),

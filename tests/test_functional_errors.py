@@ -130,8 +130,9 @@ def test_per_tensor_rules_refuse_pieces_of_tensors(make, name):
     from zero.functional import sharding
 
     whole, half = torch.ones(2, 3), torch.ones(3)
-    pieces = {id(whole): sharding.Pieces((0,), (6,)), id(half): sharding.Pieces((1,), (3,))}
-    rules = sharding.Sharding(pieces, (torch.float32, torch.float32), lambda t: t, numels=(6, 6))
+    pieces = {id(whole): sharding.Pieces((0,), (6,), (0,)), id(half): sharding.Pieces((1,), (3,), (0,))}
+    rules = sharding.Sharding(pieces, (torch.float32, torch.float32), lambda t: t, numels=(6, 6),
+                              shapes=((2, 3), (2, 3)))
     tx = make()
     with sharding.installed(rules), sharding.stepping([whole]):
         tx.update([whole], tx.init([whole]), [whole])  # a whole tensor steps

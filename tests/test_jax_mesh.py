@@ -97,6 +97,7 @@ ERRORS = {
     "muon": r"ValueError: optimizer state leaf \.inner_states\['adam'\]\.inner_state\[0\]\.mu\['b1'\] has shape",
     "adafactor": r"ValueError: optimizer state leaf \[0\]\.v_row\['b1'\] has shape \(1,\)",
     "frozen": r"ValueError: the plan marks param 'b2' frozen",
+    "hybrid": r"ValueError: a hybrid plan \(flat, with 1 params whole\)",
     "grads_tree": r"ValueError: the grads' tree .* is not the params'",
 }
 

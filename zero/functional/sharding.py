@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Pieces", "Sharding", "installed", "every_group", "global_norm", "tensor_norms", "all_finite",
-           "whole_tensors", "axis_sums", "axis_means"]
+__all__ = ["Pieces", "Sharding", "installed", "every_group", "stepping", "subset", "global_norm", "tensor_norms",
+           "all_finite", "whole_tensors", "axis_sums", "axis_means", "every_axis"]
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,11 @@ class Sharding:
     dtypes: tuple[torch.dtype, ...]
     reduce: Callable[[torch.Tensor], torch.Tensor]
     every_group: bool = True  # the ranks' reductions pair up only if each steps every group
+    # Every leaf of every rank is a whole tensor in its own shape (a whole-param plan): per-tensor
+    # quantities need no collective. A property of the plan, not of one rank's leaves, so that
+    # every rank takes the same path (a flat shard may happen to hold exactly one tensor).
+    whole_params: bool = False
+    names: tuple[str, ...] = ()  # whole tensor t's name, for errors
     numels: tuple[int, ...] = ()  # whole tensor t's number of elements (for `whole_tensors`)
     shapes: tuple[tuple[int, ...], ...] = ()  # whole tensor t's shape (for `axis_sums`)
 
@@ -105,6 +110,21 @@ def stepping(params: Sequence[torch.Tensor]) -> Iterator[None]:
     except KeyError:
         raise ValueError("a sharded step got a param the backend did not register") from None
     token = _LEAVES.set(pieces)
+    try:
+        yield
+    finally:
+        _LEAVES.reset(token)
+
+
+@contextlib.contextmanager
+def subset(keep: Sequence[bool]) -> Iterator[None]:
+    """Inside the block, the trees being transformed hold only the leaves where ``keep`` is True
+    (``masked`` and ``partition`` hand their inner transformations the masked-in leaves)."""
+    pieces = _LEAVES.get()
+    if _SHARDING.get() is None or pieces is None or len(pieces) != len(keep):
+        yield  # unsharded, or not the stepped params' own leaves: the checks below say so if it matters
+        return
+    token = _LEAVES.set(tuple(pc for pc, k in zip(pieces, keep) if k))
     try:
         yield
     finally:
@@ -182,21 +202,42 @@ def _expand(norms: torch.Tensor, pc: Pieces, leaf: torch.Tensor) -> torch.Tensor
     return out.view(leaf.shape)
 
 
-def whole_tensors(leaves: Sequence[torch.Tensor], what: str) -> None:
+def whole_tensors(leaves: Sequence[torch.Tensor], what: str,
+                  needs: Callable[[tuple[int, ...]], bool] | None = None) -> None:
     """``ValueError`` unless every leaf is a whole tensor in its own shape: for rules that read a
-    tensor's shape or all its elements at once (``centralize``, ``adaptive_grad_clip``...), which a
-    rank stepping pieces of tensors (a flat plan) cannot run."""
-    if _stepping_whole():
-        return  # every param this rank steps is whole, so any leaves of them are (inside masked too)
+    tensor's shape or all its elements at once (Newton-Schulz, factored moments, per-tensor
+    state), which a rank stepping pieces of tensors (a flat plan) cannot run.
+
+    ``needs(shape)``: only tensors of such shapes must be whole; the rule treats the others
+    element by element, so their pieces in a 1-D shard step as they would whole (Adafactor's
+    vectors, beside the matrices it factors; a hybrid plan keeps those whole).
+    """
+    if _stepping_whole() or _LEAVES.get() is None:
+        return  # every rank steps whole tensors; or no step (a transformation's init): the step checks
     sharding, pieces = _sharded(leaves, what)
     for leaf, pc in zip(leaves, pieces):
-        if not (_whole(sharding, pc) and pc.lengths[0] == leaf.numel()):
-            raise ValueError(f"{what} needs each tensor whole, but this sharded step holds pieces of tensors "
-                             "(a flat plan): use a whole-param plan (ZeroRedundancyOptimizer(..., plan=...) "
-                             "without flat buckets)")
+        if _whole(sharding, pc) and pc.lengths[0] == leaf.numel() and _own_shape(sharding, pc, leaf):
+            continue
+        cut = [t for t in pc.tensors if needs is None or not sharding.shapes or needs(sharding.shapes[t])]
+        if cut:
+            t = cut[0]
+            name = f" ({sharding.names[t]})" if sharding.names else ""
+            shape = f" of shape {sharding.shapes[t]}" if sharding.shapes else ""
+            raise ValueError(f"{what} needs each tensor whole, but this sharded step holds pieces of param "
+                             f"{t}{name}{shape} (a flat plan): keep it whole (zero.make_plan(..., 'flat', "
+                             "whole=...): a hybrid plan), or use a whole-param plan")
+
+
+def _own_shape(sharding: Sharding, pc: Pieces, leaf: torch.Tensor) -> bool:
+    return not sharding.shapes or tuple(leaf.shape) == tuple(sharding.shapes[pc.tensors[0]])
 
 
 AxesOf = Callable[[tuple[int, ...]], tuple[int, ...] | None]
+
+
+def every_axis(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """An `AxesOf` for sums over the whole tensor (its mean square: ``clip_by_block_rms``)."""
+    return tuple(range(len(shape)))
 
 
 def axis_sums(leaves: Sequence[torch.Tensor], axes_of: AxesOf) -> list[torch.Tensor | None]:
@@ -302,9 +343,9 @@ def _spread(total: torch.Tensor, index: torch.Tensor, used: int, leaf: torch.Ten
 
 
 def _stepping_whole() -> bool:
-    """No sharding, or every param this rank steps is a whole tensor (a whole-param plan)."""
-    sharding, stepped = _SHARDING.get(), _LEAVES.get()
-    return sharding is None or (stepped is not None and all(_whole(sharding, pc) for pc in stepped))
+    """No sharding, or every rank steps whole tensors only (a whole-param plan)."""
+    sharding = _SHARDING.get()
+    return sharding is None or sharding.whole_params
 
 
 def _whole(sharding: Sharding, pc: Pieces) -> bool:

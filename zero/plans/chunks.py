@@ -87,11 +87,12 @@ def _boxes(shape: tuple[int, ...], dim: int, lead: tuple[int, ...], lo: int, hi:
 def param_chunks(index: int, numel: int, partition: Partition | None,
                  flat: FlatLayout | None) -> tuple[tuple[int, int, int], ...]:
     """Every rank's ``(rank, start, end)`` range of param ``index``'s elements: the owner's whole
-    range under a whole-param plan, the flat layout's segments under a flat one."""
-    if flat is not None:
-        return tuple((s.rank, s.start, s.end) for s in flat.segments(index) if s.end > s.start)
-    assert partition is not None
-    return ((partition.owner[index], 0, numel),) if numel else ()
+    range under a whole-param plan, the flat layout's segments under a flat one; under a hybrid
+    (both given), the owner's for the params it keeps whole (owner >= 0), else the segments."""
+    if partition is not None and (flat is None or partition.owner[index] >= 0):
+        return ((partition.owner[index], 0, numel),) if numel else ()
+    assert flat is not None
+    return tuple((s.rank, s.start, s.end) for s in flat.segments(index) if s.end > s.start)
 
 
 def held_by(rank: int, local_params: Sequence[int] | None, flat: FlatLayout | None,

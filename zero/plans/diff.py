@@ -12,6 +12,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from zero.plans.accounting import optimizer_state
+from zero.plans.chunks import param_chunks
 from zero.plans.meta import itemsize
 from zero.plans.plan import Plan
 
@@ -82,9 +83,7 @@ def diff_plans(a: Plan, b: Plan) -> PlanDiff:
 
 def placement(plan: Plan, index: int) -> tuple[Range, ...]:
     """Which ranks hold which elements of param ``index`` under ``plan``."""
-    if plan.flat is not None:
-        return tuple((s.rank, s.start, s.end) for s in plan.flat.segments(index))
-    return ((plan.partition.owner[index], 0, plan.metas[index].numel),)
+    return param_chunks(index, plan.metas[index].numel, plan.partition, plan.flat)
 
 
 def _overlaps(before: tuple[Range, ...], after: tuple[Range, ...]):

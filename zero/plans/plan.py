@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from zero.plans.accounting import check_master_dtype, optimizer_state, weights
 from zero.plans.cost import RankCost, flat_costs, partition_costs, stage_bytes
+from zero.plans.hybrid import Whole, hybrid_placement, resolve_whole
 from zero.plans.layout import FlatLayout, flat_layout
 from zero.plans.meta import ParamMeta, gc_paused
 from zero.plans.partition import STRATEGIES, Partition, check_metas, partition
@@ -39,13 +40,19 @@ class Plan:
     optimizer: str
     alignment: int
     bucket_numel: int | None  # flat buffers' cap (None: one per group, device and dtype)
-    partition: Partition | None  # None for "flat"
+    partition: Partition | None  # None for "flat" (but a hybrid's: its whole params, owner -1 for the rest)
     flat: FlatLayout | None  # only for "flat"
     ranks: tuple[RankCost, ...]
     max_over_mean: float  # the busiest rank's load / the mean load
     max_over_bound: float  # the busiest rank's load / the best any plan could do (see make_plan)
     fingerprint: str
     master_dtype: str | None = None  # the optimizer steps copies of 16-bit params in this dtype
+    whole: tuple[int, ...] = ()  # a hybrid plan's params kept whole (by `partition`); the rest are in `flat`
+
+    @property
+    def hybrid(self) -> bool:
+        """A flat plan that keeps some params whole (`zero.plans.hybrid`)."""
+        return bool(self.whole)
 
     def stage_bytes(self) -> dict[str, int]:
         """The busiest rank's bytes with nothing sharded, as planned (ZeRO-1), with gradients
@@ -83,7 +90,8 @@ class Plan:
                              "zero.make_plan and the same weight function")
         plan = make_plan([ParamMeta.from_dict(m) for m in inputs["metas"]], inputs["world_size"],
                          inputs["strategy"], inputs["weight"], inputs["optimizer"], inputs["alignment"],
-                         inputs.get("bucket_numel"), master_dtype=inputs.get("master_dtype"))
+                         inputs.get("bucket_numel"), master_dtype=inputs.get("master_dtype"),
+                         whole=inputs.get("whole"))
         if plan.fingerprint != data["fingerprint"]:
             raise ValueError(f"plan fingerprint {data['fingerprint']} does not match the recomputed "
                              f"{plan.fingerprint}: the file was edited or zero's planner changed")
@@ -110,7 +118,7 @@ class Plan:
 @gc_paused()  # builds per-param lists for up to 100k params (see gc_paused)
 def make_plan(metas: Sequence[ParamMeta], world_size: int, strategy: str = "sorted_greedy",
               weight: str = "numel", optimizer: str = "adam", alignment: int = 1,
-              bucket_numel: int | None = None, *, master_dtype: str | None = None) -> Plan:
+              bucket_numel: int | None = None, *, master_dtype: str | None = None, whole: Whole = None) -> Plan:
     """Partition (or flat-shard) ``metas`` over ``world_size`` ranks and account for the result.
 
     ``strategy``: one of ``PLAN_STRATEGIES``; ``weight``: ``"numel"``, ``"state_bytes"`` or
@@ -125,6 +133,12 @@ def make_plan(metas: Sequence[ParamMeta], world_size: int, strategy: str = "sort
     each rank holds those of what it owns (``RankCost.master_bytes``); ``weight="state_bytes"``
     then balances masters and state.
 
+    ``whole`` (``"flat"`` only) makes a *hybrid* plan (`zero.plans.hybrid`): the params it names
+    (a list of names, or a function of a `ParamMeta`) are each owned whole by one rank, balanced
+    by ``weight`` (``"balanced"``), and the rest are flat-sharded. For rules that need some tensors
+    whole: Muon's matrices, Adafactor's factored matrices, SM3's covers. ``None``: what
+    ``optimizer`` needs whole (``"muon"``: its matrices), else nothing (a plain flat plan).
+
     Balance is reported two ways, since they answer different questions: ``max_over_mean`` is
     the busiest rank's load over the mean (how far from an even split: what memory per rank
     costs), ``max_over_bound`` over the best any plan of this kind could do, which for
@@ -138,14 +152,19 @@ def make_plan(metas: Sequence[ParamMeta], world_size: int, strategy: str = "sort
     if not callable(weight) and weight not in WEIGHTS:
         raise ValueError(f"make_plan takes weight {', '.join(map(repr, WEIGHTS))} or a function of a ParamMeta, "
                          f"got {weight!r}")
-    if callable(weight) and strategy == "flat":
-        raise ValueError("a flat plan splits elements evenly and takes no weight function")
+    if whole is not None and strategy != "flat":
+        raise ValueError(f"whole= picks the params a flat plan keeps whole; strategy {strategy!r} keeps every param "
+                         "whole already: drop whole=, or use strategy='flat'")
     spec = optimizer_state(optimizer)
-    if strategy == "flat" and spec.ns_steps:
-        raise ValueError(f"optimizer {optimizer!r} orthogonalises whole matrices, and a flat plan cuts them into "
-                         "pieces: use a whole-param strategy (e.g. 'sorted_greedy', with weight='step_flops')")
     master_dtype = check_master_dtype(master_dtype, metas)
-    if strategy == "flat":
+    keep = resolve_whole(metas, whole, spec) if strategy == "flat" else ()
+    if callable(weight) and strategy == "flat" and not keep:
+        raise ValueError("a flat plan splits elements evenly and takes no weight function (a hybrid plan, with "
+                         "whole=, balances its whole params by one)")
+    if keep:
+        part, flat, ranks, mean, bound = hybrid_placement(metas, keep, world_size, weight, spec, alignment,
+                                                          bucket_numel, master_dtype)
+    elif strategy == "flat":
         part, flat = None, flat_layout(metas, world_size, alignment, bucket_numel)
         ranks = flat_costs(metas, flat, spec, master_dtype)
         mean = bound = sum(r.load for r in ranks) / world_size
@@ -158,7 +177,7 @@ def make_plan(metas: Sequence[ParamMeta], world_size: int, strategy: str = "sort
     busiest = max(r.load for r in ranks)
     weight = "custom" if callable(weight) else weight
     plan = Plan(metas, world_size, strategy, weight, str(optimizer).lower(), alignment, bucket_numel, part, flat,
-                ranks, busiest / mean if mean else 1.0, busiest / bound if bound else 1.0, "", master_dtype)
+                ranks, busiest / mean if mean else 1.0, busiest / bound if bound else 1.0, "", master_dtype, keep)
     return dataclasses.replace(plan, fingerprint=_fingerprint(plan))
 
 
@@ -188,8 +207,10 @@ def _fingerprint(plan: Plan) -> str:
     """
     table: dict[tuple, int] = {}
     rows = [table.setdefault(m[1:6], len(table)) for m in plan.metas]  # m[1:6]: shape ... requires_grad
-    placement = (plan.partition.order if plan.partition else
+    placement = (plan.partition.order if plan.flat is None else
                  [(b.group, b.device, b.dtype, b.params, b.padded_numel) for b in plan.flat.buffers])
+    if plan.hybrid:  # (plain plans keep their fingerprints)
+        placement = [placement, plan.partition.order]
     h = hashlib.sha256("\0".join([m.name for m in plan.metas]).encode())
     h.update(_int64_bytes(rows))
     masters = [plan.master_dtype] if plan.master_dtype else []  # plans without masters keep their fingerprints
@@ -207,17 +228,22 @@ def _int64_bytes(values: list[int]) -> bytes:
 
 def _payload(plan: Plan) -> dict:
     """Everything a plan says, as JSON-able data."""
-    placement = ({"owner": list(plan.partition.owner),
-                  "order": [list(o) for o in plan.partition.order]} if plan.partition else
-                 {"flat": [{"group": b.group, "device": b.device, "dtype": b.dtype, "params": list(b.params),
-                            "offsets": list(b.offsets), "numel": b.numel,
-                            "padded_numel": b.padded_numel} for b in plan.flat.buffers]})
+    whole = {"owner": list(plan.partition.owner), "order": [list(o) for o in plan.partition.order]} \
+        if plan.partition else {}
+    if plan.flat is None:
+        placement = whole
+    else:
+        flat = [{"group": b.group, "device": b.device, "dtype": b.dtype, "params": list(b.params),
+                 "offsets": list(b.offsets), "numel": b.numel, "padded_numel": b.padded_numel}
+                for b in plan.flat.buffers]
+        placement = {"whole": whole, "flat": flat} if plan.hybrid else {"flat": flat}
     return {
         "format": _FORMAT,
         "inputs": {"metas": [m.to_dict() for m in plan.metas], "world_size": plan.world_size,
                    "strategy": plan.strategy, "weight": plan.weight, "optimizer": plan.optimizer,
                    "alignment": plan.alignment, "bucket_numel": plan.bucket_numel,
-                   "master_dtype": plan.master_dtype},
+                   "master_dtype": plan.master_dtype,
+                   "whole": [plan.metas[i].name for i in plan.whole] if plan.hybrid else None},
         "placement": placement,
         "ranks": [{**r.__dict__, "total_bytes": r.total_bytes, "total_bytes_grads_sharded": r.total_bytes_grads_sharded}
                   for r in plan.ranks],

@@ -11,11 +11,16 @@ def mib(n: int) -> str:
     return f"{n / 2**20:,.1f}"
 
 
+def strategy(plan) -> str:
+    """The plan's strategy, with a hybrid's whole params counted."""
+    return f"{plan.strategy} + {len(plan.whole)} whole" if plan.hybrid else plan.strategy
+
+
 def plan_table(plan, max_rows: int = 16):
     from rich.table import Table
 
     masters = f", {plan.master_dtype} masters" if plan.master_dtype else ""
-    t = Table(title=f"{plan.strategy} on {plan.world_size} ranks, weight={plan.weight}, "
+    t = Table(title=f"{strategy(plan)} on {plan.world_size} ranks, weight={plan.weight}, "
                     f"optimizer={plan.optimizer}{masters}: busiest rank / mean {plan.max_over_mean:.4f}, "
                     f"/ best possible {plan.max_over_bound:.4f}, "
                     f"fingerprint {plan.fingerprint}")
@@ -47,7 +52,7 @@ def compare_table(plans: Sequence):
         t.add_column(col, justify="right")
     for p in plans:
         states = [r.state_bytes for r in p.ranks]
-        t.add_row(p.strategy, p.weight, f"{p.max_over_mean:.4f}", f"{p.max_over_bound:.4f}",
+        t.add_row(strategy(p), p.weight, f"{p.max_over_mean:.4f}", f"{p.max_over_bound:.4f}",
                   mib(max(states)), mib(min(states)),
                   mib(max(r.broadcast_bytes[0] for r in p.ranks)), mib(p.ranks[0].all_gather_bytes[0]),
                   mib(p.ranks[0].padding_bytes), p.fingerprint)

@@ -37,6 +37,10 @@ class _Placed:
         if plan.world_size != mesh.shape[axis]:
             raise ValueError(f"the plan is for {plan.world_size} ranks but mesh axis {axis!r} has "
                              f"{mesh.shape[axis]} devices: make the plan for {mesh.shape[axis]}")
+        if plan.hybrid:
+            raise ValueError(f"a hybrid plan (flat, with {len(plan.whole)} params whole) needs the rules that want "
+                             "whole tensors, which a mesh refuses (see jax_mesh.rules): make the plan without "
+                             "whole= (a flat plan) or use a whole-param strategy")
         frozen = [m.name for m in plan.metas if not m.requires_grad]
         if frozen:
             raise ValueError(f"the plan marks param {frozen[0]!r} frozen, but a mesh steps every leaf it is given: "

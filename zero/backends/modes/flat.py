@@ -71,7 +71,8 @@ class FlatShards(Mode):
                                 tuple(p.start for p in ps))
                   for s, ps in zip(self.shards, self._pieces)}
         return Sharding(pieces, tuple(p.dtype for p in self.params), reduce,
-                        numels=tuple(p.numel() for p in self.params), shapes=tuple(tuple(p.shape) for p in self.params))
+                        numels=tuple(p.numel() for p in self.params), shapes=tuple(tuple(p.shape) for p in self.params),
+                        names=tuple(m.name for m in self.metas))
 
     def step(self, local: LocalStep, closure: Callable[[], float] | None, kwargs: dict, begin: Begin) -> Any:
         verify = begin()
@@ -206,15 +207,18 @@ def flat_to_global(shards: Sequence[dict], plan: Plan, param_groups: list[dict],
 
 def flat_to_local(saved: dict, plan: Plan, rank: int, per_element: set[str] | None) -> dict[str, Any]:
     """This rank's local state dict (one entry per shard) cut out of a global one."""
-    layout, metas = plan.flat, plan.metas
-    order = local_buffer_order(layout, len(saved["param_groups"]))
-    state: dict[int, dict] = {}
-    for j, bi in enumerate(order):
-        st = _shard_state(layout.buffers[bi], saved["state"], metas, rank, per_element)
-        if st:
-            state[j] = st
-    sizes = [sum(layout.buffers[bi].group == k for bi in order) for k in range(len(saved["param_groups"]))]
+    states = flat_local_states(saved, plan, rank, per_element)
+    state = {j: st for j, st in enumerate(states) if st}
+    order = local_buffer_order(plan.flat, len(saved["param_groups"]))
+    sizes = [sum(plan.flat.buffers[bi].group == k for bi in order) for k in range(len(saved["param_groups"]))]
     return local_dict(state, sizes, saved, rank, plan.fingerprint)
+
+
+def flat_local_states(saved: dict, plan: Plan, rank: int, per_element: set[str] | None) -> list[dict]:
+    """Each of this rank's shards' state (in the local optimizer's order), cut out of a global
+    state dict (empty where its params have none)."""
+    order = local_buffer_order(plan.flat, len(saved["param_groups"]))
+    return [_shard_state(plan.flat.buffers[bi], saved["state"], plan.metas, rank, per_element) for bi in order]
 
 
 def _shard_state(buf: FlatBuffer, saved_state: dict, metas: Sequence[ParamMeta], rank: int,

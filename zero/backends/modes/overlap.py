@@ -55,7 +55,7 @@ class DDPOverlap(WholeParams):
         pieces = {id(p): sharding.Pieces((i,), (p.numel(),), (0,)) for i, p in self.stand_ins.items()}
         return sharding.Sharding(pieces, tuple(p.dtype for p in self.params), refuse, every_group=False,
                                  numels=tuple(p.numel() for p in self.params),
-                                 shapes=tuple(tuple(p.shape) for p in self.params))
+                                 shapes=tuple(tuple(p.shape) for p in self.params), whole_params=True)
 
     def step(self, local: LocalStep, closure: Callable[[], float] | None, kwargs: dict, begin: Begin) -> Any:
         """The step ran inside backward: only a closure (which runs backward) is left."""

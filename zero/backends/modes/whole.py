@@ -55,7 +55,7 @@ class WholeParams(Mode):
                   for i, p in enumerate(self.params) if self.plan.partition.owner[i] == self.rank}
         return sharding.Sharding(pieces, tuple(p.dtype for p in self.params), comm.summed(self.group, device),
                                  numels=tuple(p.numel() for p in self.params),
-                                 shapes=tuple(tuple(p.shape) for p in self.params))
+                                 shapes=tuple(tuple(p.shape) for p in self.params), whole_params=True)
 
     def local_groups(self, param_groups: list[dict]) -> list[dict]:
         return local_groups(param_groups, self.indices[self.rank], self.params)

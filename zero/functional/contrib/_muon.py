@@ -4,7 +4,8 @@
 Muon updates a matrix by the orthogonalised (nesterov) momentum of its gradients, scaled by
 its shape; the params that are not matrices go to AdamW. The orthogonalisation needs each
 matrix whole (`zero.functional.contrib.newton_schulz`): under a sharded optimizer each matrix
-belongs to one rank (a whole-param plan), and `weight="step_flops"` plans balance that work.
+belongs to one rank (a whole-param plan, or a hybrid plan: flat, with the matrices whole), and
+`weight="step_flops"` plans balance that work.
 ``torch.optim.Muon``'s rule (its momentum without bias correction, bfloat16 Newton-Schulz, its
 learning-rate adjustments) is `zero.functional.from_torch` ``("Muon", ...)``.
 """
@@ -189,10 +190,14 @@ def scale_by_shape(weight_dimension_numbers: DimensionNumbers = None,
 
 def _labels(dimension_numbers: DimensionNumbers) -> Callable[[Any], Any]:
     """Per leaf, ``"muon"`` or ``"adam"``: by the dimension numbers (None: Adam), or without them
-    by rank (matrices: Muon)."""
+    by rank (matrices: Muon). Under a hybrid plan the matrices are whole and the flat shards
+    (1-D, pieces of the other params) go to Adam; a shard holding a piece of a matrix is a
+    ``ValueError``, not a matrix stepped by Adam."""
     def labels(tree):
-        if dimension_numbers is None:
+        if dimension_numbers is None:  # by rank: a flat shard's pieces are 1-D, so every matrix must be whole
+            sharding.whole_tensors(tree_leaves(tree), "muon's routing of matrices", needs=lambda shape: len(shape) == 2)
             return tree_map(lambda x: "muon" if x.ndim == 2 else "adam", tree)
+        sharding.whole_tensors(tree_leaves(tree), "muon_weight_dimension_numbers (labels by position)")
         treedef = optree.tree_structure(tree)
         return treedef.unflatten(["adam" if d is None else "muon" for d in dims_per_leaf(dimension_numbers, tree)])
     return labels

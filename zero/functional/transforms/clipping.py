@@ -54,16 +54,12 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
                                                                                  {"max_norm": max_norm}))
 
 
-def _every_axis(shape: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(range(len(shape)))
-
-
 def clip_by_block_rms(threshold: float) -> GradientTransformation:
     """Scale each update so its root mean square is at most ``threshold`` (``optax.clip_by_block_rms``);
     under a flat plan each mean square is its whole tensor's (`zero.functional.sharding.axis_means`)."""
     def update(updates, state, params=None):
         leaves, treedef = optree.tree_flatten(updates)
-        squares = sharding.axis_means([abs_sq(u) for u in leaves], _every_axis)
+        squares = sharding.axis_means([abs_sq(u) for u in leaves], sharding.every_axis)
         return treedef.unflatten([u / torch.clamp(torch.sqrt(ms) / threshold, min=1.0)
                                   for u, ms in zip(leaves, squares)]), state
 

@@ -107,7 +107,8 @@ def scale_by_factored_rms(factored: bool = True, decay_rate: float = 0.8, step_o
         if params is None:
             raise ValueError(NO_PARAMS_MSG)
         g_leaves, treedef = optree.tree_flatten(updates)
-        sharding.whole_tensors(g_leaves, "scale_by_factored_rms (adafactor)")
+        sharding.whole_tensors(g_leaves, "scale_by_factored_rms (adafactor)",  # the vectors step by element
+                               needs=lambda shape: _factored_dims(shape, factored, min_dim_size_to_factor) is not None)
         decay = decay_rate_fn(int(state.count) - step_offset, decay_rate)
         columns = [treedef.flatten_up_to(t) for t in (state.v_row, state.v_col, state.v, params)]
         results = [one(g, *rest, decay) for g, *rest in zip(g_leaves, *columns)]
@@ -119,13 +120,15 @@ def scale_by_factored_rms(factored: bool = True, decay_rate: float = 0.8, step_o
 
 def scale_by_param_block_rms(min_scale: float = 1e-3) -> GradientTransformation:
     """Multiply each update by its param's root mean square, at least ``min_scale``
-    (``optax.scale_by_param_block_rms``)."""
+    (``optax.scale_by_param_block_rms``); under a flat plan each mean square is its whole
+    param's (`zero.functional.sharding.axis_means`)."""
     def update(updates, state, params=None):
         if params is None:
             raise ValueError(NO_PARAMS_MSG)
-        sharding.whole_tensors(tree_leaves(updates), "scale_by_param_block_rms")
-        scale = lambda p: torch.clamp(torch.sqrt(abs_sq(p).mean()), min=min_scale)
-        return optree.tree_map(lambda u, p: u * scale(p), updates, params), state
+        leaves, treedef = optree.tree_flatten(updates)
+        squares = sharding.axis_means([abs_sq(p) for p in treedef.flatten_up_to(params)], sharding.every_axis)
+        return treedef.unflatten([u * torch.clamp(torch.sqrt(ms), min=min_scale)
+                                  for u, ms in zip(leaves, squares)]), state
 
     return GradientTransformation(lambda params: EmptyState(), update)
 
@@ -173,7 +176,8 @@ def scale_by_sm3(b1: float = 0.9, b2: float = 1.0, eps: float = 1e-8) -> Gradien
 
     def update(updates, state, params=None):
         g_leaves, treedef = optree.tree_flatten(updates)
-        sharding.whole_tensors(g_leaves, "scale_by_sm3")
+        # a vector's cover is the vector: its pieces in a flat shard step as they would whole
+        sharding.whole_tensors(g_leaves, "scale_by_sm3", needs=lambda shape: len(shape) >= 2)
         covers, nus = treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.nu)
         accums = [_sm3_accumulate(g, c, b2) for g, c in zip(g_leaves, covers)]
         scaled = [g * torch.where(a > 0, torch.rsqrt(a + eps), 0.0) for g, a in zip(g_leaves, accums)]

@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
+from zero.functional import sharding
 from zero.functional.base import (
     GradientTransformation,
     Spec,
@@ -42,6 +43,11 @@ def _mask_tree(tree, mask_tree):
     return tree_map(lambda m, x: x if m else MaskedNode(), mask_tree, tree)
 
 
+def _keep(tree, mask_tree) -> list[bool]:
+    """Per leaf of ``tree``, whether ``mask_tree`` (a prefix of it) keeps it."""
+    return tree_leaves(tree_map(lambda m, x: tree_map(lambda _: bool(m), x), mask_tree, tree))
+
+
 def _inverse(mask_tree):
     return tree_map(lambda m: not bool(m), mask_tree)
 
@@ -52,8 +58,9 @@ def _masked_inplace(inner: GradientTransformation, resolve: Any) -> Any:
     @torch.no_grad()
     def inplace(params, grads, state):
         mask_tree = resolve(grads)
-        inner_state = inplace_step(inner, _mask_tree(params, mask_tree), _mask_tree(grads, mask_tree),
-                                   state.inner_state)
+        with sharding.subset(_keep(grads, mask_tree)):
+            inner_state = inplace_step(inner, _mask_tree(params, mask_tree), _mask_tree(grads, mask_tree),
+                                       state.inner_state)
         add_updates(_mask_tree(params, _inverse(mask_tree)), _mask_tree(grads, _inverse(mask_tree)))
         return MaskedState(inner_state)
 
@@ -83,8 +90,9 @@ def masked(inner: GradientTransformation, mask: Any | Callable[[Any], Any], *,
             shape = optree.tree_structure(updates)
             extra_args = {k: _mask_tree(v, mask_tree) if optree.tree_structure(v) == shape else v
                           for k, v in extra_args.items()}
-        new, inner_state = update_with(inner, _mask_tree(updates, mask_tree), state.inner_state, inner_params,
-                                       extra_args)
+        with sharding.subset(_keep(updates, mask_tree)):
+            new, inner_state = update_with(inner, _mask_tree(updates, mask_tree), state.inner_state, inner_params,
+                                           extra_args)
         return tree_map(lambda m, n, old: n if m else old, mask_tree, new, updates), MaskedState(inner_state)
 
     inplace = _masked_inplace(inner, resolve) if inner.inplace is not None and not mask_compatible_extra_args else None
@@ -139,8 +147,9 @@ def partition(transforms: Mapping[Hashable, GradientTransformation], param_label
         and an add): every leaf has exactly one label."""
         m, new_states = masks(grads), {}
         for k, tx in transforms.items():
-            inner = inplace_step(tx, _mask_tree(params, m[k]), _mask_tree(grads, m[k]),
-                                 state.inner_states[k].inner_state)
+            with sharding.subset(_keep(grads, m[k])):
+                inner = inplace_step(tx, _mask_tree(params, m[k]), _mask_tree(grads, m[k]),
+                                     state.inner_states[k].inner_state)
             new_states[k] = MaskedState(inner)
         return PartitionState(new_states)
 

@@ -1,0 +1,171 @@
+"""Per-rank bodies of the hybrid-plan tests: flat plans that keep some params whole, for the rules
+that need them whole (Muon, Adafactor, SM3, NovoGrad), against one process."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from muon_workers import CountingNewtonSchulz
+from plan_workers import _worst, fixed_grads, groups_of, make_model
+from zero_workers import ddp_grads, same_on_every_rank, set_grads
+
+import zero
+import zero.functional as zf
+from zero.backends import ZeroRedundancyOptimizer as Zero
+from zero.backends import checkpoint
+from zero.backends.state_dict import state_nbytes
+
+
+def matrices(meta) -> bool:
+    return len(meta.shape) == 2
+
+
+def everything(meta) -> bool:
+    return True
+
+
+def first_weight(meta) -> bool:
+    return meta.shape == (33, 7)
+
+# name: (transformation, whole=, plan optimizer): make_model's weights are 33x7, 5x33, 64x5, 40x64
+# and 3x40; Adafactor factors the four whose smaller side is at least 5 and steps the 3x40 (and
+# the biases) element by element, in the shards.
+RULES = {
+    "muon": (lambda: zf.contrib.muon(0.02, weight_decay=0.01, adam_weight_decay=0.01), None, "muon"),
+    "adafactor": (lambda: zf.adafactor(1e-2, min_dim_size_to_factor=5, weight_decay_rate=0.01),
+                  lambda m: len(m.shape) == 2 and min(m.shape) >= 5, "sgd"),
+    "sm3": (lambda: zf.sm3(1e-2), matrices, "sgd"),
+    "novograd": (lambda: zf.novograd(1e-2, weight_decay=0.01), everything, "sgd"),
+    # rules that read whole tensors' axes, on whole params and on shards in one step
+    "axis_rules": (lambda: zf.chain(zf.adaptive_grad_clip(0.05), zf.centralize(), zf.clip_by_block_rms(0.02),
+                                    zf.sgd(1e-2, momentum=0.9)), first_weight, "sgd_momentum"),
+}
+
+
+def hybrid_plan(groups, world_size: int, rule: str, whole=RULES, weight: str = "numel"):
+    _, default_whole, optimizer = RULES[rule]
+    return zero.make_plan(zero.param_metas(groups), world_size, "flat", weight, optimizer,
+                          whole=default_whole if whole is RULES else whole)
+
+
+def rules_vs_one_process(rank: int, world_size: int, rules: list[str], steps: int = 20) -> dict:
+    """`rule_vs_one_process` for each of ``rules``, in one set of ranks."""
+    return {rule: rule_vs_one_process(rank, world_size, rule, steps) for rule in rules}
+
+
+def rule_vs_one_process(rank: int, world_size: int, rule: str, steps: int = 20) -> dict:
+    """``rule`` under its hybrid plan and one process, float64, two param groups, one frozen
+    bias; each rank counts its Newton-Schulz runs."""
+    ours_m, ref_m = make_model(), make_model()
+    groups = groups_of(ours_m, True)
+    plan = hybrid_plan(groups, world_size, rule, weight="step_flops" if rule == "muon" else "numel")
+    ours = Zero(groups, RULES[rule][0](), plan=plan)
+    ref = zf.Optimizer(groups_of(ref_m, True), RULES[rule][0]())
+    worst, calls = 0.0, 0
+    for step in range(steps):
+        grads = ddp_grads(list(ours_m.parameters()), step, rank, world_size)
+        set_grads(ours_m, grads)
+        set_grads(ref_m, grads)
+        with CountingNewtonSchulz() as count:
+            ours.step()
+        calls += count.calls
+        ref.step()
+        worst = max(worst, _worst(ours_m, ref_m))
+    owned = [i for i in plan.partition.params_of(rank) if len(plan.metas[i].shape) == 2]
+    counts = [None] * world_size
+    dist.all_gather_object(counts, calls)
+    return {"worst": worst, "same": same_on_every_rank(ours_m), "calls": calls, "owned_matrices": len(owned),
+            "all_calls": counts, "whole": len(plan.whole), "buffers": len(plan.flat.buffers),
+            "state_bytes": _tensor_bytes(ours), "mode": type(ours.mode).__name__}
+
+
+def _tensor_bytes(opt) -> int:
+    leaves = [x for x in zf.base.tree_leaves(opt.optim.tx_states) if isinstance(x, torch.Tensor)] \
+        if hasattr(opt.optim, "tx_states") else []
+    return sum(x.nbytes for x in leaves)
+
+
+def refused(rank: int, world_size: int, rule: str, whole) -> str:
+    """The error a step of ``rule`` under a hybrid plan keeping ``whole`` whole raises."""
+    model = make_model()
+    groups = groups_of(model, True)
+    opt = Zero(groups, RULES[rule][0](), plan=hybrid_plan(groups, world_size, rule, whole))
+    set_grads(model, fixed_grads(list(model.parameters()), 0))
+    try:
+        opt.step()
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def adamw_leg(rank: int, world_size: int, load_from: str | None, save_to: str, start: int, steps: int) -> dict:
+    """torch's AdamW under a hybrid plan (its matrices whole): resume from ``load_from``, train,
+    save. A path ending ``.pt`` is a global (torch) state dict, any other a sharded checkpoint."""
+    model = make_model()
+    groups = groups_of(model, False)
+    plan = zero.make_plan(zero.param_metas(groups), world_size, "flat", optimizer="adamw", whole=matrices)
+    opt = Zero(groups, torch.optim.AdamW, plan=plan, lr=1e-2, weight_decay=0.1)
+    if load_from and not load_from.endswith(".pt"):
+        checkpoint.load(load_from, model, opt)
+    elif load_from:
+        saved = torch.load(load_from, weights_only=True)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["optim"])
+    for step in range(start, start + steps):
+        set_grads(model, fixed_grads(list(model.parameters()), step))
+        opt.step()
+    if not save_to.endswith(".pt"):
+        checkpoint.save(save_to, model, opt)
+    else:
+        opt.consolidate_state_dict(to=0)
+        if rank == 0:
+            torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, save_to)
+        dist.barrier()
+    return {"params": [p.detach().double().numpy().copy() for p in model.parameters()],
+            "state_bytes": state_nbytes(opt.optim), "planned": plan.ranks[rank].state_bytes}
+
+
+def functional_resume(rank: int, world_size: int, steps: int = 10) -> float:
+    """Muon's transformation state saved after ``steps`` and loaded into a fresh optimizer on the
+    same plan: ``steps`` more equal ``2 * steps`` straight (largest relative difference)."""
+    tx = RULES["muon"][0]
+    straight_m, resumed_m = make_model(), make_model()
+    straight_g, resumed_g = groups_of(straight_m, True), groups_of(resumed_m, True)
+    plan = hybrid_plan(straight_g, world_size, "muon")
+    straight = Zero(straight_g, tx(), plan=plan)
+    first = Zero(resumed_g, tx(), plan=plan)
+    for step in range(steps):
+        for m, opt in ((straight_m, straight), (resumed_m, first)):
+            set_grads(m, fixed_grads(list(m.parameters()), step))
+            opt.step()
+    first.consolidate_state_dict(to=0)
+    saved = [first.state_dict() if rank == 0 else None]
+    dist.broadcast_object_list(saved, src=0)
+    resumed = Zero(resumed_g, tx(), plan=plan)
+    resumed.load_state_dict(saved[0])
+    for step in range(steps, 2 * steps):
+        for m, opt in ((straight_m, straight), (resumed_m, resumed)):
+            set_grads(m, fixed_grads(list(m.parameters()), step))
+            opt.step()
+    return _worst(resumed_m, straight_m)
+
+
+def one_tensor_shard(rank: int, world_size: int, steps: int = 5) -> float:
+    """A flat plan whose rank-0 shard is exactly one whole 2x2 matrix while rank 1's holds two
+    vectors: ``centralize`` (row means) must still take every rank through the same all-reduce
+    and read the matrix's rows, not its flat shard's."""
+    def params():
+        torch.manual_seed(0)
+        return [torch.nn.Parameter(torch.randn(*s, dtype=torch.float64)) for s in ((2, 2), (2,), (2,))]
+
+    ours_p, ref_p = params(), params()
+    tx = lambda: zf.chain(zf.centralize(), zf.sgd(0.1, momentum=0.9))  # noqa: E731
+    ours = Zero(ours_p, tx(), strategy="flat")
+    ref = zf.Optimizer(ref_p, tx())
+    for step in range(steps):
+        for ps in (ours_p, ref_p):
+            for p, g in zip(ps, fixed_grads(ps, step)):
+                p.grad = g
+        ours.step()
+        ref.step()
+    return max(float((a - b).abs().max().detach()) for a, b in zip(ours_p, ref_p))

@@ -1,0 +1,168 @@
+"""Hybrid plans: a flat plan that keeps some params whole (`zero.plans.hybrid`), executed by
+`zero.backends.modes.HybridShards`, for the rules that need tensors whole."""
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import zero
+from tests import hybrid_workers as hw
+from tests import plan_workers as pw
+from tests.distributed import run_ranks
+from zero.backends import ZeroRedundancyOptimizer as Zero
+from zero.plans.accounting import optimizer_state, state_bytes
+from zero.plans.diff import placement
+
+# -- the plan (metadata only) ---------------------------------------------------------------------
+
+
+def _covered_once(plan):
+    """Every trainable param's elements are held exactly once: whole by one owner, or in flat segments."""
+    for i, m in enumerate(plan.metas):
+        ranges = placement(plan, i)
+        if not m.requires_grad:
+            continue
+        held = sorted((s, e) for _, s, e in ranges)
+        assert held[0][0] == 0 and held[-1][1] == m.numel, (m.name, ranges)
+        assert all(a[1] == b[0] for a, b in zip(held, held[1:])), (m.name, ranges)
+
+
+@pytest.mark.parametrize("world_size", [8, 64])
+def test_a_muon_flat_plan_keeps_every_matrix_whole(world_size):
+    metas = zero.preset("gpt2")
+    plan = zero.make_plan(metas, world_size, "flat", "step_flops", "muon")
+    matrices = [i for i, m in enumerate(metas) if len(m.shape) == 2 and m.requires_grad]
+    assert plan.hybrid and plan.whole == tuple(matrices)
+    assert all(plan.partition.owner[i] >= 0 for i in matrices)
+    assert all(plan.flat.segments(i) == () for i in matrices)  # none of them in a flat buffer
+    assert all(plan.partition.owner[i] == -1 for i in range(len(metas)) if i not in matrices)
+    _covered_once(plan)
+    # state: Muon's matrices hold their momentum on their owner, the rest AdamW's in padded shards
+    spec = optimizer_state("muon")
+    whole = sum(state_bytes(metas[i], spec) for i in matrices)
+    flat = sum(2 * b.padded_numel * 4 + world_size * spec.scalar_bytes for b in plan.flat.buffers)
+    assert sum(r.state_bytes for r in plan.ranks) == whole + flat
+    assert plan.max_over_bound <= 1.05  # the whole matrices by flops, the flat part even
+    assert f"flat + {len(matrices)} whole" in str(plan)
+
+
+def test_a_hybrid_plan_round_trips_through_json_and_its_fingerprint_says_what_is_whole():
+    metas = zero.preset("gpt2")
+    plan = zero.make_plan(metas, 4, "flat", optimizer="muon")
+    assert zero.Plan.from_json(plan.to_json()) == plan
+    plain = zero.make_plan(metas, 4, "flat")
+    assert not plain.hybrid and plain.partition is None
+    other = zero.make_plan(metas, 4, "flat", whole=lambda m: len(m.shape) >= 2 and m.numel > 10**6)
+    assert len({plan.fingerprint, plain.fingerprint, other.fingerprint}) == 3
+    moved = zero.diff_plans(plain, plan)  # element by element: a matrix gathered whole moves its pieces
+    assert moved.changed and moved.moved_bytes > 0
+    assert placement(plan, plan.whole[0]) == ((plan.partition.owner[plan.whole[0]], 0, metas[plan.whole[0]].numel),)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(strategy="balanced", whole=["h.0.attn.c_attn.weight"]), ValueError, "whole= picks the params a flat"),
+    (dict(whole="wte.weight"), TypeError, "whole must be param names"),
+    (dict(whole=["no.such.param"]), ValueError, r"whole names params \['no.such.param'\]"),
+    (dict(whole=lambda m: 1), TypeError, "returned a int; it must return a bool"),
+    (dict(optimizer="muon", whole=["wte.weight"]), ValueError, "is a matrix the optimizer orthogonalises"),
+    (dict(weight=lambda m: m.numel), ValueError, "takes no weight function"),
+])
+def test_bad_whole_arguments_are_named(kwargs, error, match):
+    kwargs = {"strategy": "flat", **kwargs}
+    with pytest.raises(error, match=match):
+        zero.make_plan(zero.preset("gpt2"), 4, **kwargs)
+
+
+def test_whole_by_name_refuses_frozen_and_ambiguous_params():
+    metas = [zero.ParamMeta("a", (4, 4)), zero.ParamMeta("b", (4,), requires_grad=False)]
+    with pytest.raises(ValueError, match=r"whole names frozen params \['b'\]"):
+        zero.make_plan(metas, 2, "flat", whole=["b"])
+    with pytest.raises(ValueError, match="two params are named 'a'"):
+        zero.make_plan(metas + [zero.ParamMeta("a", (3,))], 2, "flat", whole=["a"])
+
+
+# -- execution on gloo ranks ----------------------------------------------------------------------
+
+RULES = ["muon", "adafactor", "sm3", "novograd", "axis_rules"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world_size, rules", [(2, ["muon", "adafactor"]), (3, RULES), (4, ["muon", "adafactor"])])
+def test_whole_tensor_rules_under_hybrid_plans_equal_one_process(world_size, rules):
+    """Muon, Adafactor (factored matrices whole, its vectors and a 3x40 matrix in shards), SM3,
+    NovoGrad (every param whole: its state is per tensor) and the axis rules, 20 steps, float64,
+    two param groups and a frozen bias; each matrix orthogonalised once across the group. (Every
+    rule at 3 ranks; the two with shards of several shapes at 2 and 4 too.)"""
+    results = run_ranks(hw.rules_vs_one_process, world_size, rules, 20)
+    for rule in rules:
+        per_rank = [r[rule] for r in results]
+        assert all(r["mode"] == "HybridShards" for r in per_rank)
+        assert max(r["worst"] for r in per_rank) <= 1e-9, (rule, [r["worst"] for r in per_rank])
+        assert all(r["same"] for r in per_rank), rule
+        assert per_rank[0]["whole"] > 0 and (rule == "novograd") == (per_rank[0]["buffers"] == 0), rule
+    muon = [r["muon"] for r in results]
+    assert all(r["calls"] == 20 * r["owned_matrices"] for r in muon)
+    assert sum(muon[0]["all_calls"]) == 20 * 5  # make_model's five matrices, each once a step
+
+
+@pytest.mark.usefixtures("one_rank")
+@pytest.mark.parametrize("rule, whole, match", [
+    ("novograd", hw.matrices, r"scale_by_novograd needs each tensor whole.*param (\d+) \(\1\) of shape \(\d+,\)"),
+    ("sm3", hw.first_weight, r"scale_by_sm3 needs each tensor whole.*param (\d+) \(\1\) of shape \(\d+, \d+\)"),
+    ("muon", hw.first_weight, r"muon's routing of matrices needs each tensor whole.*of shape \(\d+, \d+\)"),
+])
+def test_a_rule_given_pieces_of_a_tensor_it_needs_whole_names_it(rule, whole, match):
+    """A hybrid plan that leaves in the flat buffers a tensor the rule needs whole: a ValueError
+    naming the param, not a rule stepped over a shard (Muon would have sent the matrix's pieces
+    to AdamW)."""
+    plan_of = {"muon": "sgd"}  # a plan made for another optimizer, so make_plan lets the matrix through
+    model = pw.make_model()
+    groups = pw.groups_of(model, True)
+    plan = zero.make_plan(zero.param_metas(groups), 1, "flat", optimizer=plan_of.get(rule, "sgd"), whole=whole)
+    opt = Zero(groups, hw.RULES[rule][0](), plan=plan)
+    for p, g in zip(model.parameters(), pw.fixed_grads(list(model.parameters()), 0)):
+        p.grad = g
+    with pytest.raises(ValueError, match=match):
+        opt.step()
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_hybrid_plans_refuse_what_they_cannot_run():
+    model = pw.make_model()
+    plan = zero.make_plan(zero.param_metas(model.parameters()), 1, "flat", whole=hw.matrices)
+    with pytest.raises(ValueError, match="reduce_scatter_grads=True does not run a hybrid plan"):
+        Zero(model.parameters(), torch.optim.AdamW, plan=plan, reduce_scatter_grads=True)
+    with pytest.raises(ValueError, match="Adafactor needs whole tensors"):
+        Zero(model.parameters(), torch.optim.Adafactor, plan=plan)
+    opt = Zero(model.parameters(), torch.optim.AdamW, plan=plan)
+    with pytest.raises(ValueError, match="cannot extend a flat plan"):
+        opt.add_param_group({"params": [nn.Parameter(torch.ones(2, dtype=torch.float64))]})
+
+
+@pytest.mark.timeout(300)
+def test_hybrid_state_moves_through_torch_and_sharded_checkpoints(tmp_path):
+    """torch's AdamW: hybrid on 2 ranks -> torch state dict (loaded by plain AdamW too) -> hybrid on
+    3 -> sharded checkpoint -> hybrid on 4 (each plan its own owners and shards): 15 steps equal
+    one process, with exactly the plan's state bytes on every rank."""
+    a = run_ranks(hw.adamw_leg, 2, None, str(tmp_path / "a.pt"), 0, 5)
+    saved = torch.load(tmp_path / "a.pt", weights_only=True)
+    torch.optim.AdamW(pw.groups_of(pw.make_model(), False), lr=1e-2, weight_decay=0.1).load_state_dict(saved["optim"])
+    b = run_ranks(hw.adamw_leg, 3, str(tmp_path / "a.pt"), str(tmp_path / "b"), 5, 5)
+    c = run_ranks(hw.adamw_leg, 4, str(tmp_path / "b"), str(tmp_path / "c.pt"), 10, 5)
+    assert all(r["state_bytes"] == r["planned"] for r in a + b + c)
+    for got, want in zip(c[0]["params"], pw.single_process(15)):
+        np.testing.assert_allclose(got, want.double().numpy(), rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.timeout(240)
+def test_muon_state_reloads_onto_the_same_hybrid_plan():
+    assert run_ranks(hw.functional_resume, 2, 10) == [0.0, 0.0]
+
+
+@pytest.mark.timeout(240)
+def test_a_flat_shard_holding_one_whole_tensor_takes_the_same_collectives():
+    """Rank 0's shard is exactly one 2x2 matrix and rank 1's two vectors. Before the fix rank 0
+    took the whole-param shortcut (no all-reduce, the shard read as a vector) and rank 1 waited in
+    the all-reduce until the timeout."""
+    assert run_ranks(hw.one_tensor_shard, 2, 5, pg_timeout=30) == [0.0, 0.0]

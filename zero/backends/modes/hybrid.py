@@ -1,0 +1,99 @@
+"""Hybrid plans (`zero.plans.hybrid`): the params the plan keeps whole are stepped by their owner,
+as under a whole-param plan (`WholeParams`), and the rest in flat shards (`FlatShards`).
+
+One local optimizer steps both: per param group, this rank's whole params, then its shards of
+that group's buffers (a rule routing by rank, as Muon does, sends the matrices to
+Newton-Schulz and the 1-D shards to AdamW). After the step the whole params travel by their
+owners' rows and the shards by one all-gather per buffer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from zero.backends.modes.flat import FlatShards, flat_local_states, flat_to_global, local_buffer_order
+from zero.backends.modes.whole import WholeParams
+from zero.backends.state_dict import assemble, local_dict, to_global
+from zero.backends.sync import ViewWatch
+from zero.functional.sharding import Sharding
+from zero.plans.chunks import Held, param_chunks
+from zero.plans.meta import ParamMeta
+from zero.plans.plan import Plan
+
+__all__ = ["HybridShards"]
+
+
+class HybridShards(FlatShards):
+    """A hybrid plan's whole params (``self.whole``, a `WholeParams`) beside its flat shards."""
+
+    def __init__(self, params: Sequence[torch.Tensor], metas: Sequence[ParamMeta], plan: Plan, rank: int,
+                 group: Any, n_groups: int, bucket_view: bool | None, chunk_bytes: int):
+        # First, so that the flat side's rules (built in its __init__) take in the whole params' pieces.
+        self.whole = WholeParams(params, metas, plan, rank, group, n_groups, bucket_view, chunk_bytes)
+        super().__init__(params, metas, plan, rank, group)
+        self.storage = ViewWatch(self.params, self.storage.indices + self.whole.storage.indices)
+
+    def _rules(self, reduce: Callable[[torch.Tensor], torch.Tensor]) -> Sharding:
+        flat = super()._rules(reduce)
+        return dataclasses.replace(flat, pieces={**flat.pieces, **self.whole.rules.pieces})
+
+    def local_groups(self, param_groups: list[dict]) -> list[dict]:
+        """Per group: this rank's whole params, then its shards (no names: shards have none)."""
+        return [{**f, "params": w["params"] + f["params"]}
+                for w, f in zip(self.whole.local_groups(param_groups), super().local_groups(param_groups))]
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        self.whole.sync.sync()
+        super().sync()
+
+    def _split(self) -> list[tuple[list[int], list[int]]]:
+        """Per group: how many whole params and shards this rank's local optimizer holds."""
+        n_groups = len(self.whole.indices[self.rank])
+        order = local_buffer_order(self.layout, n_groups)
+        return [(len(self.whole.indices[self.rank][k]), sum(self.layout.buffers[bi].group == k for bi in order))
+                for k in range(n_groups)]
+
+    def holdings(self) -> tuple[Held, ...]:
+        whole = iter(self.whole.holdings())
+        flat = super().holdings()
+        out, j, shard = [], 0, 0
+        for n_whole, n_shards in self._split():
+            for _ in range(n_whole):
+                out.append(dataclasses.replace(next(whole), local=j))
+                j += 1
+            for _ in range(n_shards):
+                out += [dataclasses.replace(h, local=j) for h in flat if h.local == shard]
+                j, shard = j + 1, shard + 1
+        return tuple(out)
+
+    def chunks(self, index: int) -> tuple[tuple[int, int, int], ...]:
+        return param_chunks(index, self.params[index].numel(), self.plan.partition, self.layout)
+
+    def to_global(self, shards: Sequence[dict], param_groups: list[dict], per_element: set[str] | None) -> dict:
+        """Each rank's local dict cut into its whole params' and its shards' (by the counts per
+        group every rank's plan gives), merged as each side merges its own."""
+        whole_shards, flat_shards = [], []
+        for rank, shard in enumerate(shards):
+            counts = [len(idx) for idx in self.whole.indices[rank]]
+            groups = [g["params"] for g in shard["param_groups"]]
+            whole_shards.append({"state": shard["state"],
+                                 "param_groups": [{"params": g[:n]} for g, n in zip(groups, counts)]})
+            flat_js = [j for g, n in zip(groups, counts) for j in g[n:]]
+            flat_shards.append({"state": {p: shard["state"][j] for p, j in enumerate(flat_js) if j in shard["state"]},
+                                "param_groups": []})
+        state = to_global(whole_shards, self.whole.indices, param_groups, self.plan.partition.owner)["state"]
+        state |= flat_to_global(flat_shards, self.plan, param_groups, per_element)["state"]
+        return assemble(state, shards, param_groups, self.plan.fingerprint)
+
+    def to_local(self, saved: dict, per_element: set[str] | None) -> dict:
+        flat = iter(flat_local_states(saved, self.plan, self.rank, per_element))
+        states, sizes = [], []
+        for idx, (_, n_shards) in zip(self.whole.indices[self.rank], self._split()):
+            states += [saved["state"].get(i) for i in idx] + [next(flat) for _ in range(n_shards)]
+            sizes.append(len(idx) + n_shards)
+        return local_dict({j: st for j, st in enumerate(states) if st}, sizes, saved, self.rank, self.plan.fingerprint)
