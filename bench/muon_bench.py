@@ -8,6 +8,8 @@ Moonlight route them). Rows, each timed on every rank and reported for the slowe
 
 - zero's ZeroRedundancyOptimizer, ``contrib.muon``, plan ``balanced`` by ``step_flops``;
 - the same with a plan balanced by elements (``sorted_greedy``, ``numel``: torch's rule);
+- a hybrid plan: the Muon matrices whole (balanced by flops), the rest flat-sharded
+  (``make_plan(..., "flat", whole=...)``);
 - every rank runs ``contrib.muon`` on all params (Moonlight's distributed Muon orthogonalises
   each gathered matrix on every rank; this row is that work without its gathers, so it flatters
   the reference);
@@ -35,6 +37,7 @@ import zero.functional as F  # noqa: E402
 from zero.plans.accounting import optimizer_state  # noqa: E402
 
 MUON = optimizer_state("muon")
+FLOPS_KEYS = ("flops", "numel flops", "hybrid flops")  # each plan's flops per rank, beside the timings
 
 
 class Block(nn.Module):
@@ -94,10 +97,15 @@ def zero_step(model: nn.Module, weight) -> tuple:
     from zero.backends import ZeroRedundancyOptimizer
 
     metas = zero.param_metas(model)
-    plan = zero.make_plan(metas, torch.distributed.get_world_size(), "balanced" if weight == "flops" else
-                          "sorted_greedy", muon_flops if weight == "flops" else "numel", "muon")
+    world = torch.distributed.get_world_size()
+    if weight == "hybrid":  # loads: the whole matrices' flops plus each rank's flat elements
+        plan = zero.make_plan(metas, world, "flat", muon_flops, "muon", whole=lambda m: is_muons(m.name, m.shape))
+        flops = [r.load for r in plan.ranks]
+    else:
+        plan = zero.make_plan(metas, world, "balanced" if weight == "flops" else "sorted_greedy",
+                              muon_flops if weight == "flops" else "numel", "muon")
+        flops = [sum(muon_flops(metas[i]) for i in plan.partition.params_of(r)) for r in range(world)]
     opt = ZeroRedundancyOptimizer(model.named_parameters(), muon_tx(), plan=plan)
-    flops = [sum(muon_flops(metas[i]) for i in plan.partition.params_of(r)) for r in range(plan.world_size)]
     return opt.step, flops
 
 
@@ -119,6 +127,8 @@ def worker(rank: int, world_size: int, layers: int, width: int, repeat: int, wit
     out["zero ZeRO, plan balanced by Newton-Schulz flops"] = median_ms(step, repeat)
     step, out["numel flops"] = zero_step(with_grads(gpt(layers, width)), "numel")
     out["zero ZeRO, plan balanced by elements (torch's rule)"] = median_ms(step, repeat)
+    step, out["hybrid flops"] = zero_step(with_grads(gpt(layers, width)), "hybrid")
+    out["zero ZeRO, hybrid plan (matrices whole by flops, the rest flat)"] = median_ms(step, repeat)
     every = F.Optimizer(with_grads(gpt(layers, width)).named_parameters(), muon_tx())
     out["every rank: contrib.muon on every matrix (Moonlight's NS work)"] = median_ms(every.step, repeat)
     if with_torch:  # bfloat16 Newton-Schulz on every device: on CPU 15-30x our float32 time
@@ -147,10 +157,11 @@ def main() -> int:
         table.add_column(column, justify="left" if column in ("system",) else "right")
     for world_size in args.ranks:
         ranks = run(worker, world_size, args.layers, args.width, args.repeat, not args.no_torch, timeout=1800)
-        slowest = {k: max(r[k] for r in ranks) for k in ranks[0] if k not in ("flops", "numel flops")}
+        slowest = {k: max(r[k] for r in ranks) for k in ranks[0] if k not in FLOPS_KEYS}
         ref = slowest["every rank: contrib.muon on every matrix (Moonlight's NS work)"]
         for system, ms in slowest.items():
-            key = "flops" if "Newton-Schulz" in system else "numel flops" if "elements" in system else None
+            key = ("flops" if "Newton-Schulz" in system else "numel flops" if "elements" in system
+                   else "hybrid flops" if "hybrid" in system else None)
             balance = f"{max(ranks[0][key]) / statistics.mean(ranks[0][key]):.3f}" if key else ""
             table.add_row(str(world_size), system, f"{ms:.1f}", f"{ms / ref:.2f}x", balance)
     Console(width=160).print(table)

@@ -49,8 +49,9 @@ def hybrid_plan(groups, world_size: int, rule: str, whole=RULES, weight: str = "
 
 
 def rules_vs_one_process(rank: int, world_size: int, rules: list[str], steps: int = 20) -> dict:
-    """`rule_vs_one_process` for each of ``rules``, in one set of ranks."""
-    return {rule: rule_vs_one_process(rank, world_size, rule, steps) for rule in rules}
+    """`rule_vs_one_process` for each of ``rules`` (``"muon_by_name"``: `named_muon`), in one set of ranks."""
+    return {rule: named_muon(rank, world_size, steps) if rule == "muon_by_name" else
+            rule_vs_one_process(rank, world_size, rule, steps) for rule in rules}
 
 
 def rule_vs_one_process(rank: int, world_size: int, rule: str, steps: int = 20) -> dict:
@@ -169,3 +170,37 @@ def one_tensor_shard(rank: int, world_size: int, steps: int = 5) -> float:
         ours.step()
         ref.step()
     return max(float((a - b).abs().max().detach()) for a, b in zip(ours_p, ref_p))
+
+
+def by_name(tree):
+    """Muon's dimension numbers by name, as Moonlight routes: the first layer (the 'embedding')
+    and the biases to AdamW, the other weights to Muon as torch's (out, in) matrices."""
+    dims = zf.contrib.MuonDimensionNumbers(1, 0)
+    return {n: dims if n.endswith("weight") and not n.startswith("0.") else None for n in tree}
+
+
+def muon_by_name(name: str) -> bool:
+    return name.endswith("weight") and not name.startswith("0.")
+
+
+def named_muon_tx():
+    return zf.contrib.muon(0.02, weight_decay=0.01, adam_weight_decay=0.01, muon_weight_dimension_numbers=by_name)
+
+
+def named_muon(rank: int, world_size: int, steps: int = 20) -> float:
+    """Muon routed by name (`by_name`) under a hybrid plan whose whole params are those Muon
+    weights (the first layer's weight stays flat, with AdamW): against one process."""
+    ours_m, ref_m = make_model(), make_model()
+    plan = zero.make_plan(zero.param_metas(ours_m), world_size, "flat", optimizer="muon",
+                          whole=lambda m: muon_by_name(m.name))
+    ours = Zero(ours_m.named_parameters(), named_muon_tx(), plan=plan)
+    ref = zf.Optimizer(ref_m.named_parameters(), named_muon_tx())
+    worst = 0.0
+    for step in range(steps):
+        grads = ddp_grads(list(ours_m.parameters()), step, rank, world_size)
+        set_grads(ours_m, grads)
+        set_grads(ref_m, grads)
+        ours.step()
+        ref.step()
+        worst = max(worst, _worst(ours_m, ref_m))
+    return worst

@@ -40,12 +40,10 @@ def test_muon_state_bytes_per_param_kind():
     assert sum(r.state_bytes for r in plan.ranks) == sum(state_bytes(m, "muon") for m in plan.metas)
 
 
-def test_flat_plans_never_cut_a_matrix_muon_orthogonalises():
-    """A flat plan for Muon keeps its matrices whole (a hybrid, `tests/test_hybrid.py`); one that
-    would leave a matrix in the flat buffers is refused."""
-    assert zero.make_plan(preset("gpt2"), 4, "flat", optimizer="muon").hybrid
-    with pytest.raises(ValueError, match="is a matrix the optimizer orthogonalises"):
-        zero.make_plan(preset("gpt2"), 4, "flat", optimizer="muon", whole=["wte.weight"])
+def test_flat_plans_for_muon_keep_its_matrices_whole():
+    """A flat plan for Muon is a hybrid that keeps every matrix whole (`tests/test_hybrid.py`)."""
+    plan = zero.make_plan(preset("gpt2"), 4, "flat", optimizer="muon")
+    assert plan.whole == tuple(i for i, m in enumerate(plan.metas) if len(m.shape) == 2)
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama-7b"])

@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 
+import optree
 import torch
 
 __all__ = ["Pieces", "Sharding", "installed", "every_group", "stepping", "subset", "global_norm", "tensor_norms",
@@ -220,12 +221,40 @@ def whole_tensors(leaves: Sequence[torch.Tensor], what: str,
             continue
         cut = [t for t in pc.tensors if needs is None or not sharding.shapes or needs(sharding.shapes[t])]
         if cut:
-            t = cut[0]
-            name = f" ({sharding.names[t]})" if sharding.names else ""
-            shape = f" of shape {sharding.shapes[t]}" if sharding.shapes else ""
+            shape = f" of shape {sharding.shapes[cut[0]]}" if sharding.shapes else ""
             raise ValueError(f"{what} needs each tensor whole, but this sharded step holds pieces of param "
-                             f"{t}{name}{shape} (a flat plan): keep it whole (zero.make_plan(..., 'flat', "
+                             f"{name_of(cut[0])}{shape} (a flat plan): keep it whole (zero.make_plan(..., 'flat', "
                              "whole=...): a hybrid plan), or use a whole-param plan")
+
+
+def cut_tensors(leaves: Sequence[torch.Tensor]) -> list[tuple[int, ...]] | None:
+    """Per leaf, the whole tensors it holds pieces of (empty for a whole tensor in its own
+    shape); None when every rank steps whole tensors, or outside a step."""
+    if _stepping_whole() or _LEAVES.get() is None:
+        return None
+    sharding, pieces = _sharded(leaves, "which tensors a leaf holds pieces of")
+    return [() if _whole(sharding, pc) and pc.lengths[0] == leaf.numel() and _own_shape(sharding, pc, leaf)
+            else pc.tensors for leaf, pc in zip(leaves, pieces)]
+
+
+def whole_tree() -> tuple[dict[str, torch.Tensor], list[int]]:
+    """The step's whole tensors as a dict by name, each an empty ``meta`` tensor of its shape and
+    dtype (for a rule's function of the params' tree, asked about the whole tensors), and which
+    tensor each of the dict's leaves is, in ``tree_leaves`` order."""
+    sharding = _SHARDING.get()
+    names = sharding.names if sharding is not None else ()
+    if not names or len(set(names)) != len(names) or not sharding.shapes:
+        raise ValueError("this sharded step does not know its tensors' names and shapes (or two share a name)")
+    meta = [torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in zip(sharding.shapes, sharding.dtypes)]
+    tree = dict(zip(names, meta))
+    at = {id(x): t for t, x in enumerate(meta)}
+    return tree, [at[id(x)] for x in optree.tree_leaves(tree)]
+
+
+def name_of(t: int) -> str:
+    """Whole tensor ``t``'s name in errors: its index, and its name when the step knows it."""
+    sharding = _SHARDING.get()
+    return f"{t} ({sharding.names[t]})" if sharding is not None and sharding.names else str(t)
 
 
 def _own_shape(sharding: Sharding, pc: Pieces, leaf: torch.Tensor) -> bool:

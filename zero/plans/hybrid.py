@@ -28,22 +28,16 @@ Whole = Collection[str] | Callable[[ParamMeta], bool] | None
 
 def resolve_whole(metas: Sequence[ParamMeta], whole: Whole, spec: OptimizerState) -> tuple[int, ...]:
     """The indices of the trainable params to keep whole: ``whole`` names them or is a test of a
-    `ParamMeta`; ``None``: what the optimizer needs whole (Muon's matrices), else none. Every
-    matrix an orthogonalising optimizer steps must be among them (``ValueError`` naming one that
-    is not)."""
+    `ParamMeta`; ``None``: what the optimizer needs whole (Muon's matrices), else none.
+
+    Which params a rule needs whole can depend on more than metadata (Muon's dimension numbers
+    route by name), so the step checks it: a rule handed pieces of a tensor it needs whole is a
+    ``ValueError`` naming the param (`zero.functional.sharding.whole_tensors`)."""
     if whole is None:
-        keep = [i for i, m in enumerate(metas) if m.requires_grad and spec.is_matrix(m)]
-    elif callable(whole):
-        keep = [i for i, m in enumerate(metas) if m.requires_grad and _test(whole, m)]
-    else:
-        keep = _named(metas, whole)
-    chosen = set(keep)
-    for i, m in enumerate(metas):
-        if m.requires_grad and spec.is_matrix(m) and i not in chosen:
-            raise ValueError(f"param {m.name!r} {tuple(m.shape)} is a matrix the optimizer orthogonalises, but "
-                             "whole= leaves it in the flat buffers, cut into pieces: keep it whole (whole=None "
-                             "keeps every matrix whole)")
-    return tuple(keep)
+        return tuple(i for i, m in enumerate(metas) if m.requires_grad and spec.is_matrix(m))
+    if callable(whole):
+        return tuple(i for i, m in enumerate(metas) if m.requires_grad and _test(whole, m))
+    return tuple(_named(metas, whole))
 
 
 def _test(whole: Callable[[ParamMeta], bool], meta: ParamMeta) -> bool:

@@ -42,9 +42,18 @@ class HybridShards(FlatShards):
         return dataclasses.replace(flat, pieces={**flat.pieces, **self.whole.rules.pieces})
 
     def local_groups(self, param_groups: list[dict]) -> list[dict]:
-        """Per group: this rank's whole params, then its shards (no names: shards have none)."""
-        return [{**f, "params": w["params"] + f["params"]}
-                for w, f in zip(self.whole.local_groups(param_groups), super().local_groups(param_groups))]
+        """Per group: this rank's whole params, then its shards. A named group names the shards
+        ``<flat shard k>`` (buffer ``k``): a rule that routes by name (Muon's dimension numbers)
+        sees the whole params by their names and is checked on the shards' pieces
+        (`zero.functional.sharding.cut_tensors`)."""
+        out = []
+        for k, (w, f) in enumerate(zip(self.whole.local_groups(param_groups), super().local_groups(param_groups))):
+            group = {**f, "params": w["params"] + f["params"]}
+            if "param_names" in w:
+                shards = [bi for bi, b in enumerate(self.layout.buffers) if b.group == k]
+                group["param_names"] = w["param_names"] + [f"<flat shard {bi}>" for bi in shards]
+            out.append(group)
+        return out
 
     @torch.no_grad()
     def sync(self) -> None:

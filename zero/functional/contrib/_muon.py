@@ -188,6 +188,29 @@ def scale_by_shape(weight_dimension_numbers: DimensionNumbers = None,
     return stateless_tx(update)._replace(spec=spec)
 
 
+def _check_cut(dimension_numbers: DimensionNumbers, tree: Any, cut: list[tuple[int, ...]]) -> None:
+    """Under a hybrid plan: no flat shard may be labelled Muon's, nor hold a piece of a param the
+    dimension numbers (a function of the params, asked about every whole param by name) make
+    Muon's. ``ValueError`` naming it, else the shard's pieces would step as AdamW's."""
+    if not callable(dimension_numbers):
+        raise ValueError("muon_weight_dimension_numbers as a tree labels leaves by position, but this step holds "
+                         "flat shards of several params (a hybrid plan): pass a function of the params' tree, "
+                         "which is asked by name")
+    for d, ts in zip(dims_per_leaf(dimension_numbers, tree), cut):
+        if ts and d is not None:
+            raise ValueError(f"muon_weight_dimension_numbers labels a flat shard (pieces of params "
+                             f"{', '.join(map(sharding.name_of, ts))}) as a Muon weight: keep Muon's weights whole "
+                             "(zero.make_plan(..., whole=...)); shards step with AdamW")
+    tree, order = sharding.whole_tree()
+    muons = {t for t, d in zip(order, dims_per_leaf(dimension_numbers, tree)) if d is not None}
+    for ts in cut:
+        for t in ts:
+            if t in muons:
+                raise ValueError(f"muon_weight_dimension_numbers makes param {sharding.name_of(t)} a Muon weight, "
+                                 "but the plan left it in the flat buffers, in pieces: keep it whole "
+                                 "(zero.make_plan(..., 'flat', whole=...))")
+
+
 def _labels(dimension_numbers: DimensionNumbers) -> Callable[[Any], Any]:
     """Per leaf, ``"muon"`` or ``"adam"``: by the dimension numbers (None: Adam), or without them
     by rank (matrices: Muon). Under a hybrid plan the matrices are whole and the flat shards
@@ -197,9 +220,11 @@ def _labels(dimension_numbers: DimensionNumbers) -> Callable[[Any], Any]:
         if dimension_numbers is None:  # by rank: a flat shard's pieces are 1-D, so every matrix must be whole
             sharding.whole_tensors(tree_leaves(tree), "muon's routing of matrices", needs=lambda shape: len(shape) == 2)
             return tree_map(lambda x: "muon" if x.ndim == 2 else "adam", tree)
-        sharding.whole_tensors(tree_leaves(tree), "muon_weight_dimension_numbers (labels by position)")
-        treedef = optree.tree_structure(tree)
-        return treedef.unflatten(["adam" if d is None else "muon" for d in dims_per_leaf(dimension_numbers, tree)])
+        cut = sharding.cut_tensors(tree_leaves(tree))
+        if cut is not None and any(cut):
+            _check_cut(dimension_numbers, tree, cut)
+        dims = dims_per_leaf(dimension_numbers, tree)
+        return optree.tree_structure(tree).unflatten(["adam" if d is None else "muon" for d in dims])
     return labels
 
 
