@@ -12,6 +12,7 @@ from tests import hybrid_workers as hw
 from tests import plan_workers as pw
 from tests.distributed import run_ranks
 from zero.backends import ZeroRedundancyOptimizer as Zero
+from zero.backends.state_dict import state_nbytes
 from zero.plans.accounting import optimizer_state, state_bytes
 from zero.plans.diff import placement
 
@@ -209,3 +210,28 @@ def test_a_flat_shard_holding_one_whole_tensor_takes_the_same_collectives():
     took the whole-param shortcut (no all-reduce, the shard read as a vector) and rank 1 waited in
     the all-reduce until the timeout."""
     assert run_ranks(hw.one_tensor_shard, 2, 5, pg_timeout=30) == [0.0, 0.0]
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_bf16_params_step_on_fp32_masters_under_a_hybrid_plan():
+    """bf16 params, fp32 masters of what the rank steps (whole matrices, flat shards): the plan's
+    master and state bytes exactly, and the same bf16 params as a whole-param plan's (AdamW is
+    element-wise, so where a param sits does not change its step)."""
+    def run(strategy, **whole):
+        model = pw.make_model(dtype=torch.bfloat16)
+        groups = pw.groups_of(model, False)
+        plan = zero.make_plan(zero.param_metas(groups), 1, strategy, optimizer="adamw", master_dtype="float32",
+                              **whole)
+        opt = Zero(groups, torch.optim.AdamW, plan=plan, master_dtype=torch.float32, lr=1e-2, weight_decay=0.1)
+        for step in range(5):
+            for p, g in zip(model.parameters(), pw.fixed_grads(list(model.parameters()), step)):
+                p.grad = g
+            opt.step()
+        assert (opt.masters.nbytes(), state_nbytes(opt.optim)) == (plan.ranks[0].master_bytes,
+                                                                   plan.ranks[0].state_bytes)
+        return [p.detach().clone() for p in model.parameters()], type(opt.mode).__name__
+
+    hybrid, mode = run("flat", whole=hw.matrices)
+    whole, _ = run("balanced")
+    assert mode == "HybridShards"
+    assert all(torch.equal(a, b) for a, b in zip(hybrid, whole))

@@ -147,7 +147,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     @property
     def partition(self):
         """The `zero.Partition` this optimizer executes (owner of each param, in ``param_groups``
-        order); None under a flat plan, whose placement is ``plan.flat``."""
+        order); None under a flat plan, whose placement is ``plan.flat``; under a hybrid plan,
+        the owners of the params it keeps whole (-1 for the rest, in ``plan.flat``)."""
         return self.plan.partition
 
     @property
