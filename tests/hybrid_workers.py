@@ -3,6 +3,8 @@ that need them whole (Muon, Adafactor, SM3, NovoGrad), against one process."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from muon_workers import CountingNewtonSchulz
@@ -12,7 +14,7 @@ from zero_workers import ddp_grads, same_on_every_rank, set_grads
 import zero
 import zero.functional as zf
 from zero.backends import ZeroRedundancyOptimizer as Zero
-from zero.backends import checkpoint
+from zero.backends import checkpoint, comm
 from zero.backends.state_dict import state_nbytes
 
 
@@ -204,3 +206,75 @@ def named_muon(rank: int, world_size: int, steps: int = 20) -> float:
         ref.step()
         worst = max(worst, _worst(ours_m, ref_m))
     return worst
+
+
+def reduce_scattered_vs_ddp(rank: int, world_size: int, rules: list[str], steps: int = 6, micro: int = 2) -> dict:
+    """Per rule: ours under its hybrid plan with ``reduce_scatter_grads=True`` (no DDP; params from
+    rank 0's by broadcast) against DDP + one optimizer over all params, each rank on its own
+    data, ``micro`` micro-batches a step (all but the last under ``no_sync``). Also: after each
+    step, which ranks still hold a whole param's gradient (its owner only)."""
+    from plan_workers import _batch, _iteration
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    out = {}
+    for rule in rules:
+        ours_m, ref_m = make_model(seed=rank), make_model(seed=0)
+        groups = groups_of(ours_m, True)
+        plan = hybrid_plan(groups, world_size, rule)
+        ours = Zero(groups, RULES[rule][0](), plan=plan, reduce_scatter_grads=True)
+        ddp = DDP(ref_m, bucket_cap_mb=0.005)
+        ref = zf.Optimizer(groups_of(ref_m, True), RULES[rule][0]())
+        worst, kept, reduces = 0.0, True, []
+        params = list(ours_m.parameters())
+        for step in range(steps):
+            for m in range(micro):
+                with ours.no_sync() if m < micro - 1 else contextlib.nullcontext():
+                    ours_m(_batch(step, rank, m)).square().mean().backward()
+            with CountingReduces() as count:
+                ours.step()
+            reduces.append(count.calls)
+            kept &= all((params[i].grad is not None) == (plan.partition.owner[i] == rank) for i in plan.whole)
+            ours.zero_grad()
+            _iteration(ddp, ref, ddp.no_sync, step, rank, micro)
+            worst = max(worst, _worst(ours_m, ref_m))
+        out[rule] = {"worst": worst, "only_owners_keep_whole_grads": kept, "mode": type(ours.mode).__name__,
+                     "reduces": reduces, "whole": len(plan.whole)}
+    return out
+
+
+class CountingReduces:
+    """Counts the whole params' reduces a step issues."""
+
+    def __init__(self):
+        self.calls, self._orig = 0, comm.reduce_sum_to
+
+    def __enter__(self):
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return self._orig(*args, **kwargs)
+        comm.reduce_sum_to = counted
+        return self
+
+    def __exit__(self, *exc):
+        comm.reduce_sum_to = self._orig
+
+
+def masters_reduced(rank: int, world_size: int, steps: int = 4) -> list:
+    """bf16 params on fp32 masters, gradients reduced in fp32, AdamW: a hybrid plan (matrices
+    whole) with ``reduce_scatter_grads=True``; returns the params (compared with a flat plan's)."""
+    out = []
+    for whole in (matrices, None):
+        model = make_model(seed=rank, dtype=torch.bfloat16)
+        groups = groups_of(model, False)
+        plan = zero.make_plan(zero.param_metas(groups), world_size, "flat", optimizer="adamw",
+                              master_dtype="float32", whole=whole)
+        opt = Zero(groups, torch.optim.AdamW, plan=plan, reduce_scatter_grads=True, master_dtype=torch.float32,
+                   reduce_dtype=torch.float32, lr=1e-2, weight_decay=0.1)
+        from plan_workers import _batch
+
+        for step in range(steps):
+            model(_batch(step, rank).to(torch.bfloat16)).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        out.append([p.detach().float().numpy().copy() for p in model.parameters()])
+    return out

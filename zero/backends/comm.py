@@ -84,6 +84,12 @@ def reduce_scatter_sum(output: torch.Tensor, rows: torch.Tensor, group: Any) -> 
     return _REDUCE_SCATTER(output, rows, op=dist.ReduceOp.SUM, group=group, async_op=True)
 
 
+def reduce_sum_to(tensor: torch.Tensor, owner: int, group: Any) -> Any:
+    """Start summing ``tensor`` over the ranks into group rank ``owner``'s (the others' are left
+    undefined); returns the work to ``wait()`` on."""
+    return dist.reduce(tensor, dst=global_rank(group, owner), op=dist.ReduceOp.SUM, group=group, async_op=True)
+
+
 def new_subgroup(parent: Any, blocks: tuple[tuple[int, ...], ...]) -> Any:
     """The block of ``parent``'s ranks this process is in, as a new group.
 

@@ -5,7 +5,8 @@
 - `FlatShards` (flat plans): steps a 1-D shard per flat buffer, its gradient the pieces of the
   params' gradients copied in; syncs by one all-gather per buffer.
 - `HybridShards` (hybrid plans: flat, with some params whole): `WholeParams` for the whole
-  params and `FlatShards` for the rest, under one local optimizer.
+  params and `FlatShards` for the rest, under one local optimizer; `HybridReduceScattered` with
+  ``reduce_scatter_grads=True`` (each whole param's gradient reduced into its owner).
 - `ReduceScatteredShards` (flat plans, ``reduce_scatter_grads=True``): the shards' gradients are
   reduce-scattered during backward, in place of DDP; the step is pipelined buffer by buffer.
 - `DDPOverlap` (whole-param plans by DDP's buckets, ``overlap_with_ddp=True``): steps each
@@ -27,14 +28,15 @@ import torch
 from zero.backends.local_optimizer import check_shardable
 from zero.backends.modes.base import Mode
 from zero.backends.modes.flat import FlatShards
-from zero.backends.modes.hybrid import HybridShards
+from zero.backends.modes.hybrid import HybridReduceScattered, HybridShards
 from zero.backends.modes.overlap import DDPOverlap
 from zero.backends.modes.reduce_scatter import ReduceScatteredShards
 from zero.backends.modes.whole import WholeParams
 from zero.plans.meta import ParamMeta
 from zero.plans.plan import Plan
 
-__all__ = ["Mode", "WholeParams", "FlatShards", "HybridShards", "ReduceScatteredShards", "DDPOverlap", "make_mode"]
+__all__ = ["Mode", "WholeParams", "FlatShards", "HybridShards", "HybridReduceScattered", "ReduceScatteredShards",
+           "DDPOverlap", "make_mode"]
 
 
 def make_mode(params: Sequence[torch.Tensor], metas: Sequence[ParamMeta], plan: Plan, rank: int, group: Any,
@@ -51,11 +53,10 @@ def make_mode(params: Sequence[torch.Tensor], metas: Sequence[ParamMeta], plan: 
         if overlap_with_ddp:
             raise ValueError("overlap_with_ddp=True steps whole params as DDP's buckets arrive: use a "
                              "whole-param plan (flat plans reduce-scatter instead: reduce_scatter_grads=True)")
+        if plan.hybrid and reduce_scatter_grads:
+            return HybridReduceScattered(params, metas, plan, rank, group, n_groups, bucket_view, chunk_bytes,
+                                         reduce_dtype)
         if plan.hybrid:
-            if reduce_scatter_grads:
-                raise ValueError("reduce_scatter_grads=True does not run a hybrid plan yet (its whole params' "
-                                 "gradients would need reducing to their owners): wrap the model in DDP and drop "
-                                 "reduce_scatter_grads, or make the plan without whole=")
             return HybridShards(params, metas, plan, rank, group, n_groups, bucket_view, chunk_bytes)
         if reduce_scatter_grads:
             return ReduceScatteredShards(params, metas, plan, rank, group, reduce_dtype)

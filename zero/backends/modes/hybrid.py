@@ -5,6 +5,10 @@ One local optimizer steps both: per param group, this rank's whole params, then 
 that group's buffers (a rule routing by rank, as Muon does, sends the matrices to
 Newton-Schulz and the 1-D shards to AdamW). After the step the whole params travel by their
 owners' rows and the shards by one all-gather per buffer.
+
+With ``reduce_scatter_grads=True`` (`HybridReduceScattered`) the shards' gradients are
+reduce-scattered during backward as under a flat plan, and each whole param's gradient is
+summed into its owner by one reduce at the step; the other ranks then drop it.
 """
 
 from __future__ import annotations
@@ -15,7 +19,11 @@ from typing import Any
 
 import torch
 
+from zero.backends import comm
+from zero.backends.local_optimizer import LocalStep
+from zero.backends.modes.base import Begin
 from zero.backends.modes.flat import FlatShards, flat_local_states, flat_to_global, local_buffer_order
+from zero.backends.modes.reduce_scatter import ReduceScatteredShards
 from zero.backends.modes.whole import WholeParams
 from zero.backends.state_dict import assemble, local_dict, to_global
 from zero.backends.sync import ViewWatch
@@ -24,17 +32,19 @@ from zero.plans.chunks import Held, param_chunks
 from zero.plans.meta import ParamMeta
 from zero.plans.plan import Plan
 
-__all__ = ["HybridShards"]
+__all__ = ["HybridShards", "HybridReduceScattered"]
 
 
-class HybridShards(FlatShards):
-    """A hybrid plan's whole params (``self.whole``, a `WholeParams`) beside its flat shards."""
+class _Hybrid:
+    """What a hybrid plan's whole params (``self.whole``, a `WholeParams`) add to a flat mode."""
+
+    whole: WholeParams
 
     def __init__(self, params: Sequence[torch.Tensor], metas: Sequence[ParamMeta], plan: Plan, rank: int,
-                 group: Any, n_groups: int, bucket_view: bool | None, chunk_bytes: int):
+                 group: Any, n_groups: int, bucket_view: bool | None, chunk_bytes: int, **flat: Any):
         # First, so that the flat side's rules (built in its __init__) take in the whole params' pieces.
         self.whole = WholeParams(params, metas, plan, rank, group, n_groups, bucket_view, chunk_bytes)
-        super().__init__(params, metas, plan, rank, group)
+        super().__init__(params, metas, plan, rank, group, **flat)
         self.storage = ViewWatch(self.params, self.storage.indices + self.whole.storage.indices)
 
     def _rules(self, reduce: Callable[[torch.Tensor], torch.Tensor]) -> Sharding:
@@ -60,7 +70,7 @@ class HybridShards(FlatShards):
         self.whole.sync.sync()
         super().sync()
 
-    def _split(self) -> list[tuple[list[int], list[int]]]:
+    def _split(self) -> list[tuple[int, int]]:
         """Per group: how many whole params and shards this rank's local optimizer holds."""
         n_groups = len(self.whole.indices[self.rank])
         order = local_buffer_order(self.layout, n_groups)
@@ -106,3 +116,53 @@ class HybridShards(FlatShards):
             states += [saved["state"].get(i) for i in idx] + [next(flat) for _ in range(n_shards)]
             sizes.append(len(idx) + n_shards)
         return local_dict({j: st for j, st in enumerate(states) if st}, sizes, saved, self.rank, self.plan.fingerprint)
+
+
+class HybridShards(_Hybrid, FlatShards):
+    """A hybrid plan, its gradients left on every rank by DDP: the whole params are stepped by
+    their owners with their own gradients, the shards with copies of theirs."""
+
+
+class HybridReduceScattered(_Hybrid, ReduceScatteredShards):
+    """A hybrid plan with ``reduce_scatter_grads=True``: no DDP. The shards' gradients are
+    reduce-scattered during backward; each whole param's is summed into its owner at the step,
+    one reduce per param in the plan's order (the same on every rank), and dropped elsewhere."""
+
+    def __init__(self, params: Sequence[torch.Tensor], metas: Sequence[ParamMeta], plan: Plan, rank: int,
+                 group: Any, n_groups: int, bucket_view: bool | None, chunk_bytes: int,
+                 reduce_dtype: torch.dtype | None = None):
+        super().__init__(params, metas, plan, rank, group, n_groups, bucket_view, chunk_bytes,
+                         reduce_dtype=reduce_dtype)
+        self.reduce_dtype = reduce_dtype
+        with torch.no_grad():  # start from rank 0's params, as DDP does (the flat ones already did)
+            for i in plan.whole:
+                comm.broadcast_from(self.params[i].data, 0, group)
+
+    def step(self, local: LocalStep, closure: Callable[[], float] | None, kwargs: dict, begin: Begin) -> Any:
+        return FlatShards.step(self, local, closure, kwargs, begin)  # not pipelined per buffer: one local step
+
+    def take_grads(self, master_dtype: torch.dtype | None) -> None:
+        super().take_grads(master_dtype)
+        world = self.layout.world_size
+        for i in self.plan.whole:
+            p, owner = self.params[i], self.plan.partition.owner[i]
+            if p.grad is None:
+                raise ValueError(f"param {self.metas[i].name} got no gradient in this iteration: with "
+                                 "reduce_scatter_grads=True every trainable param needs one (as DDP without "
+                                 "find_unused_parameters); freeze it before building the optimizer")
+            grad = p.grad if self.reduce_dtype is None else p.grad.to(self.reduce_dtype)
+            comm.wait_for(comm.reduce_sum_to(grad, owner, self.group), self.group, "the whole params' reduce")
+            if owner != self.rank:
+                p.grad = None  # ZeRO-2: only the owner keeps it
+                continue
+            grad.div_(world)
+            if grad.dtype == p.dtype:
+                p.grad = grad
+            elif grad.dtype == master_dtype:  # straight to the master, as the shards' (use_reduced_grads)
+                p.grad, self.wide[id(p)] = None, grad
+            else:
+                p.grad = grad.to(p.dtype)
+
+    def zero_grad(self, default: Callable[[], None]) -> None:
+        default()  # the whole params' grads
+        super().zero_grad(default)  # the shards' buffers, zeroed in place, the flat params' grads viewing them
