@@ -7,9 +7,10 @@ import contextlib
 
 import torch
 import torch.distributed as dist
-from muon_workers import CountingNewtonSchulz
+from checkpoint_workers import train
+from muon_workers import CountingCalls, side_by_side
 from plan_workers import _worst, fixed_grads, groups_of, make_model
-from zero_workers import ddp_grads, same_on_every_rank, set_grads
+from zero_workers import same_on_every_rank, set_grads
 
 import zero
 import zero.functional as zf
@@ -64,28 +65,13 @@ def rule_vs_one_process(rank: int, world_size: int, rule: str, steps: int = 20) 
     plan = hybrid_plan(groups, world_size, rule, weight="step_flops" if rule == "muon" else "numel")
     ours = Zero(groups, RULES[rule][0](), plan=plan)
     ref = zf.Optimizer(groups_of(ref_m, True), RULES[rule][0]())
-    worst, calls = 0.0, 0
-    for step in range(steps):
-        grads = ddp_grads(list(ours_m.parameters()), step, rank, world_size)
-        set_grads(ours_m, grads)
-        set_grads(ref_m, grads)
-        with CountingNewtonSchulz() as count:
-            ours.step()
-        calls += count.calls
-        ref.step()
-        worst = max(worst, _worst(ours_m, ref_m))
+    calls, worst = side_by_side(ours_m, ours, ref_m, ref, rank, world_size, steps)
     owned = [i for i in plan.partition.params_of(rank) if len(plan.metas[i].shape) == 2]
     counts = [None] * world_size
     dist.all_gather_object(counts, calls)
     return {"worst": worst, "same": same_on_every_rank(ours_m), "calls": calls, "owned_matrices": len(owned),
             "all_calls": counts, "whole": len(plan.whole), "buffers": len(plan.flat.buffers),
-            "state_bytes": _tensor_bytes(ours), "mode": type(ours.mode).__name__}
-
-
-def _tensor_bytes(opt) -> int:
-    leaves = [x for x in zf.base.tree_leaves(opt.optim.tx_states) if isinstance(x, torch.Tensor)] \
-        if hasattr(opt.optim, "tx_states") else []
-    return sum(x.nbytes for x in leaves)
+            "mode": type(ours.mode).__name__}
 
 
 def refused(rank: int, world_size: int, rule: str, whole) -> str:
@@ -114,9 +100,7 @@ def adamw_leg(rank: int, world_size: int, load_from: str | None, save_to: str, s
         saved = torch.load(load_from, weights_only=True)
         model.load_state_dict(saved["model"])
         opt.load_state_dict(saved["optim"])
-    for step in range(start, start + steps):
-        set_grads(model, fixed_grads(list(model.parameters()), step))
-        opt.step()
+    train(model, opt, start, steps)
     if not save_to.endswith(".pt"):
         checkpoint.save(save_to, model, opt)
     else:
@@ -197,15 +181,7 @@ def named_muon(rank: int, world_size: int, steps: int = 20) -> float:
                           whole=lambda m: muon_by_name(m.name))
     ours = Zero(ours_m.named_parameters(), named_muon_tx(), plan=plan)
     ref = zf.Optimizer(ref_m.named_parameters(), named_muon_tx())
-    worst = 0.0
-    for step in range(steps):
-        grads = ddp_grads(list(ours_m.parameters()), step, rank, world_size)
-        set_grads(ours_m, grads)
-        set_grads(ref_m, grads)
-        ours.step()
-        ref.step()
-        worst = max(worst, _worst(ours_m, ref_m))
-    return worst
+    return side_by_side(ours_m, ours, ref_m, ref, rank, world_size, steps)[1]
 
 
 def reduce_scattered_vs_ddp(rank: int, world_size: int, rules: list[str], steps: int = 6, micro: int = 2) -> dict:
@@ -230,7 +206,7 @@ def reduce_scattered_vs_ddp(rank: int, world_size: int, rules: list[str], steps:
             for m in range(micro):
                 with ours.no_sync() if m < micro - 1 else contextlib.nullcontext():
                     ours_m(_batch(step, rank, m)).square().mean().backward()
-            with CountingReduces() as count:
+            with CountingCalls(comm, "reduce_sum_to") as count:  # the whole params' reduces
                 ours.step()
             reduces.append(count.calls)
             kept &= all((params[i].grad is not None) == (plan.partition.owner[i] == rank) for i in plan.whole)
@@ -240,23 +216,6 @@ def reduce_scattered_vs_ddp(rank: int, world_size: int, rules: list[str], steps:
         out[rule] = {"worst": worst, "only_owners_keep_whole_grads": kept, "mode": type(ours.mode).__name__,
                      "reduces": reduces, "whole": len(plan.whole)}
     return out
-
-
-class CountingReduces:
-    """Counts the whole params' reduces a step issues."""
-
-    def __init__(self):
-        self.calls, self._orig = 0, comm.reduce_sum_to
-
-    def __enter__(self):
-        def counted(*args, **kwargs):
-            self.calls += 1
-            return self._orig(*args, **kwargs)
-        comm.reduce_sum_to = counted
-        return self
-
-    def __exit__(self, *exc):
-        comm.reduce_sum_to = self._orig
 
 
 def masters_reduced(rank: int, world_size: int, steps: int = 4) -> list:
