@@ -64,7 +64,7 @@ def _named(metas: Sequence[ParamMeta], names: Collection[str]) -> list[int]:
     return sorted(index[n] for n in set(names))
 
 
-def only(metas: Sequence[ParamMeta], indices: Collection[int], keep: bool) -> list[ParamMeta]:
+def _only(metas: Sequence[ParamMeta], indices: Collection[int], keep: bool) -> list[ParamMeta]:
     """``metas`` with the params outside (``keep=True``) or inside (False) ``indices`` frozen."""
     return [m if (i in indices) == keep or not m.requires_grad else m._replace(requires_grad=False)
             for i, m in enumerate(metas)]
@@ -85,9 +85,9 @@ def hybrid_placement(metas: Sequence[ParamMeta], keep: tuple[int, ...], world_si
         owner[i] = part.owner[k]
     order = tuple(tuple(keep[k] for k in o) for o in part.order)
     part = Partition(world_size, part.strategy, part.weight, tuple(owner), order, part.loads)
-    flat = flat_layout(only(metas, chosen, keep=False), world_size, alignment, bucket_numel)
+    flat = flat_layout(_only(metas, chosen, keep=False), world_size, alignment, bucket_numel)
     flat_ranks = flat_costs(metas, flat, spec, master_dtype)
-    whole_ranks = partition_costs(only(metas, chosen, keep=True), part, spec, master_dtype)
+    whole_ranks = partition_costs(_only(metas, chosen, keep=True), part, spec, master_dtype)
     ranks = tuple(_merged(f, w, w.load + _flat_load(f, weight)) for f, w in zip(flat_ranks, whole_ranks))
     mean = sum(r.load for r in ranks) / world_size
     return part, flat, ranks, mean, max(max(weights(sub, weight, spec, master_dtype)), mean)
