@@ -70,7 +70,7 @@ class Sharding:
     # quantities need no collective. A property of the plan, not of one rank's leaves, so that
     # every rank takes the same path (a flat shard may happen to hold exactly one tensor).
     whole_params: bool = False
-    names: tuple[str, ...] = ()  # whole tensor t's name, for errors
+    names: tuple[str, ...] = ()  # whole tensor t's name (for errors, and `whole_tree`)
     numels: tuple[int, ...] = ()  # whole tensor t's number of elements (for `whole_tensors`)
     shapes: tuple[tuple[int, ...], ...] = ()  # whole tensor t's shape (for `axis_sums`)
 
@@ -213,26 +213,24 @@ def whole_tensors(leaves: Sequence[torch.Tensor], what: str,
     element by element, so their pieces in a 1-D shard step as they would whole (Adafactor's
     vectors, beside the matrices it factors; a hybrid plan keeps those whole).
     """
-    if _stepping_whole() or _LEAVES.get() is None:
-        return  # every rank steps whole tensors; or no step (a transformation's init): the step checks
-    sharding, pieces = _sharded(leaves, what)
-    for leaf, pc in zip(leaves, pieces):
-        if _whole(sharding, pc) and pc.lengths[0] == leaf.numel() and _own_shape(sharding, pc, leaf):
-            continue
-        cut = [t for t in pc.tensors if needs is None or not sharding.shapes or needs(sharding.shapes[t])]
+    shapes = _SHARDING.get().shapes if _SHARDING.get() is not None else ()
+    for pieces_of in cut_tensors(leaves, what) or ():  # None: every rank steps whole tensors, or no step
+        cut = [t for t in pieces_of if needs is None or not shapes or needs(shapes[t])]
         if cut:
-            shape = f" of shape {sharding.shapes[cut[0]]}" if sharding.shapes else ""
+            shape = f" of shape {shapes[cut[0]]}" if shapes else ""
             raise ValueError(f"{what} needs each tensor whole, but this sharded step holds pieces of param "
                              f"{name_of(cut[0])}{shape} (a flat plan): keep it whole (zero.make_plan(..., 'flat', "
                              "whole=...): a hybrid plan), or use a whole-param plan")
 
 
-def cut_tensors(leaves: Sequence[torch.Tensor]) -> list[tuple[int, ...]] | None:
+def cut_tensors(leaves: Sequence[torch.Tensor], what: str = "which tensors a leaf holds pieces of"
+                ) -> list[tuple[int, ...]] | None:
     """Per leaf, the whole tensors it holds pieces of (empty for a whole tensor in its own
-    shape); None when every rank steps whole tensors, or outside a step."""
+    shape); None when every rank steps whole tensors, or outside a step (a transformation's
+    init: the step checks). ``what`` names the asker in errors."""
     if _stepping_whole() or _LEAVES.get() is None:
         return None
-    sharding, pieces = _sharded(leaves, "which tensors a leaf holds pieces of")
+    sharding, pieces = _sharded(leaves, what)
     return [() if _whole(sharding, pc) and pc.lengths[0] == leaf.numel() and _own_shape(sharding, pc, leaf)
             else pc.tensors for leaf, pc in zip(leaves, pieces)]
 

@@ -23,7 +23,7 @@ from zero.backends import comm
 from zero.backends.local_optimizer import LocalStep
 from zero.backends.modes.base import Begin
 from zero.backends.modes.flat import FlatShards, flat_local_states, flat_to_global, local_buffer_order
-from zero.backends.modes.reduce_scatter import ReduceScatteredShards
+from zero.backends.modes.reduce_scatter import ReduceScatteredShards, no_gradient
 from zero.backends.modes.whole import WholeParams
 from zero.backends.state_dict import assemble, local_dict, to_global
 from zero.backends.sync import ViewWatch
@@ -147,9 +147,7 @@ class HybridReduceScattered(_Hybrid, ReduceScatteredShards):
         for i in self.plan.whole:
             p, owner = self.params[i], self.plan.partition.owner[i]
             if p.grad is None:
-                raise ValueError(f"param {self.metas[i].name} got no gradient in this iteration: with "
-                                 "reduce_scatter_grads=True every trainable param needs one (as DDP without "
-                                 "find_unused_parameters); freeze it before building the optimizer")
+                raise no_gradient(self.metas[i].name)
             grad = p.grad if self.reduce_dtype is None else p.grad.to(self.reduce_dtype)
             comm.wait_for(comm.reduce_sum_to(grad, owner, self.group), self.group, "the whole params' reduce")
             if owner != self.rank:

@@ -34,7 +34,7 @@ from zero.plans.layout import FlatLayout
 from zero.plans.meta import ParamMeta
 from zero.plans.plan import Plan
 
-__all__ = ["GradShards", "ReduceScatteredShards"]
+__all__ = ["GradShards", "ReduceScatteredShards", "no_gradient"]
 
 
 class GradShards:
@@ -123,9 +123,7 @@ class GradShards:
             missing = [i for i in self.layout.buffers[bi].params if i not in self._seen[bi]]
             if missing:
                 self.end_iteration()
-                raise ValueError(f"param {self.metas[missing[0]].name} got no gradient in this iteration: with "
-                                 "reduce_scatter_grads=True every trainable param needs one (as DDP without "
-                                 "find_unused_parameters); freeze it before building the optimizer")
+                raise no_gradient(self.metas[missing[0]].name)
             self._start(bi)
 
     def wait(self, bi: int, world_size: int) -> None:
@@ -220,6 +218,12 @@ class ReduceScatteredShards(FlatShards):
     def join_hook(self, step: Callable[[], Any]) -> JoinHook:
         raise NotImplementedError("Join with reduce_scatter_grads=True: a joined rank would have to shadow "
                                   "the gradients' reduce-scatters too; use DDP + Join for uneven inputs")
+
+
+def no_gradient(name: str) -> ValueError:
+    return ValueError(f"param {name} got no gradient in this iteration: with reduce_scatter_grads=True every "
+                      "trainable param needs one (as DDP without find_unused_parameters); freeze it before building "
+                      "the optimizer")
 
 
 def _refuse_ddp(ids: set[int]) -> Callable:
