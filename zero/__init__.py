@@ -1,5 +1,10 @@
 """zero: sharded optimizers whose plans are values.
 
+- ``plans/``: pure functions of parameter metadata: who owns what, layouts, costs, what a rank holds.
+- ``functional/``: Optax-shaped update rules on torch tensors, and adapters to torch.optim and Optax.
+- ``backends/``: execution (the only layer touching torch.distributed): ZeRO, its modes, state formats.
+- ``tools/``: programs on top of the layers (the command line, the demo, the launcher).
+
 ``import zero`` loads the plan layer only (`zero.plans`, standard library); names from the other layers
 resolve on first access, importing torch then.
 """
@@ -9,6 +14,7 @@ from zero.plans.accounting import state_bytes
 from zero.plans.ddp_buckets import assign_ddp_buckets
 from zero.plans.ddp_buckets import ddp_buckets
 from zero.plans.diff import diff_plans
+from zero.plans.holdings import holdings
 from zero.plans.layout import bucket_views
 from zero.plans.layout import flat_layout
 from zero.plans.layout import split_bucket
@@ -32,6 +38,7 @@ __all__ = [
     "ddp_buckets",
     "diff_plans",
     "flat_layout",
+    "holdings",
     "make_plan",
     "param_metas",
     "partition",

@@ -1,27 +1,33 @@
 """Execution: the only layer that imports ``torch.distributed``.
 
-It takes plans from `zero` and transformations from `zero.functional` and runs collectives.
-Machinery: ``comm`` (collectives), ``sync`` (the param sync), ``local_optimizer``,
-``state_dict``. Systems: ``zero_optimizer`` (the wiring of plan -> mode -> local optimizer),
-``overlap`` (DDP comm hooks), ``averagers`` and ``post_localsgd``, ``rpc_optimizer``,
-``grad_scaler`` (a loss scale that agrees across ranks); ``masters`` (master weights);
-``checkpoint`` (sharded checkpoints in torch.distributed.checkpoint's format).
-``modes/``: one object per way of executing a plan; a new ZeRO mode goes there.
-``jax_mesh``: the same plans executed on a JAX device mesh (jax and optax, never torch).
+It takes plans from `zero` and transformations from `zero.functional` and runs them. Where things
+live, one line each:
+
+- ``zero_optimizer``: `ZeroRedundancyOptimizer`, the wiring plan -> mode -> rank state.
+- ``rank_state``: `RankState`, what a rank holds (its holdings, local optimizer, masters) and its local step.
+- ``modes/``: one executor per way of running a plan (live buffers, gradients, syncs); a new mode goes there.
+- ``checkpoint/``: the state formats, each written once over a rank's holdings; a new format goes there.
+- ``comm``: the collectives; ``sync``: the params' sync after a step; ``local_optimizer``: what a rank steps with.
+- ``consistency``: every rank in the same call, alive (check-ins, heartbeats, naming the rank that stopped).
+- ``precision``: master weights, loss scaling (`ShardedGradScaler`), the dtypes a run steps and reduces in.
+- ``ddp_hooks``: DDP comm hooks that step a ZeRO optimizer inside backward.
+- ``dist_optim/``: torch.distributed.optim's other members (averagers, post-local SGD, RPC).
+- ``jax_mesh/``: the same plans executed on a JAX device mesh (jax and optax, never torch).
 """
 
 _LAZY = {  # name -> module: loaded on first access, so zero.backends.jax_mesh never loads torch
-    "HierarchicalModelAverager": "zero.backends.averagers",
-    "PeriodicModelAverager": "zero.backends.averagers",
-    "average_parameters": "zero.backends.averagers",
+    "HierarchicalModelAverager": "zero.backends.dist_optim.averagers",
+    "PeriodicModelAverager": "zero.backends.dist_optim.averagers",
+    "average_parameters": "zero.backends.dist_optim.averagers",
     "get_state_dict": "zero.backends.checkpoint",
     "set_state_dict": "zero.backends.checkpoint",
-    "ShardedGradScaler": "zero.backends.grad_scaler",
-    "hook_with_zero_step": "zero.backends.overlap",
-    "hook_with_zero_step_interleaved": "zero.backends.overlap",
-    "PostLocalSGDOptimizer": "zero.backends.post_localsgd",
-    "register_post_local_sgd_hook": "zero.backends.post_localsgd",
-    "DistributedOptimizer": "zero.backends.rpc_optimizer",
+    "ShardedGradScaler": "zero.backends.precision",
+    "hook_with_zero_step": "zero.backends.ddp_hooks",
+    "hook_with_zero_step_interleaved": "zero.backends.ddp_hooks",
+    "PostLocalSGDOptimizer": "zero.backends.dist_optim.post_localsgd",
+    "register_post_local_sgd_hook": "zero.backends.dist_optim.post_localsgd",
+    "DistributedOptimizer": "zero.backends.dist_optim.rpc",
+    "RankState": "zero.backends.rank_state",
     "ZeroRedundancyOptimizer": "zero.backends.zero_optimizer",
 }
 
@@ -30,6 +36,7 @@ __all__ = [
     "HierarchicalModelAverager",
     "PeriodicModelAverager",
     "PostLocalSGDOptimizer",
+    "RankState",
     "ShardedGradScaler",
     "ZeroRedundancyOptimizer",
     "average_parameters",

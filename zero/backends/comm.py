@@ -1,27 +1,25 @@
-"""Collectives as free functions: the only place that calls ``torch.distributed`` directly.
+"""Collectives as free functions, each taking the process group explicitly, on gloo (CPU) and
+NCCL (CUDA). With `zero.backends.consistency` (which checks that every rank makes the same
+calls and names a rank that stops) the only place that calls ``torch.distributed`` directly.
 
-Each function takes the process group explicitly and works on gloo (CPU) and NCCL (CUDA). All of
-them block on the group's own timeout, so a peer that died or skipped a call surfaces as an error
-from torch.distributed instead of a hang.
+The asynchronous ones return works to wait on with `zero.backends.consistency.wait_for`, which
+names the rank that stopped answering when a collective fails, instead of torch's words alone.
 """
 
 from __future__ import annotations
 
 import math
 import pickle
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import optree
 import torch
 import torch.distributed as dist
-from torch.distributed import DistStoreError
 
-from zero.backends.watch import Place, watch_of
-
-__all__ = ["resolve_group", "group_rank", "group_size", "global_rank", "in_group", "device_for", "summed", "wait_for",
-           "all_gather_rows", "broadcast_from",
-           "all_reduce_sum", "reduce_scatter_sum", "check_in", "new_subgroup", "send_tree", "recv_tree"]
+__all__ = ["resolve_group", "group_rank", "group_size", "global_rank", "in_group", "device_for", "summed",
+           "all_gather_rows", "all_gather_into", "broadcast_from", "all_reduce_sum", "reduce_scatter_sum",
+           "reduce_sum_to", "new_subgroup", "twin_group", "send_tree", "recv_tree"]
 
 # torch 2.13 renamed all_gather_into_tensor; keep working on the 2.x releases before it.
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -124,111 +122,18 @@ def all_gather_rows(rows: torch.Tensor, rank: int, group: Any, async_op: bool = 
 _GLOO_STAGING = 1 << 16
 
 
+def all_gather_into(output: torch.Tensor, mine: torch.Tensor, group: Any) -> Any:
+    """Start gathering every rank's ``mine`` into ``output`` (``[world_size * n]``, rank order);
+    returns the work to wait on."""
+    return _ALL_GATHER(output, mine, group=group, async_op=True)
+
+
 def broadcast_from(tensor: torch.Tensor, owner: int, group: Any, async_op: bool = False) -> Any:
     """In place: ``tensor`` on group rank ``owner`` overwrites it on every other rank (``async_op``:
     returns the work to wait on)."""
     return dist.broadcast(tensor, src=global_rank(group, owner), group=group, async_op=async_op)
 
 
-Facts = Sequence[tuple[str, Any]]  # (label, value) pairs, e.g. ("param group 0's lr", 0.001)
-
-
-def wait_for(work: Any, group: Any, what: str) -> None:
-    """Wait on ``work``, one of zero's collectives; if it fails, say which rank stopped answering."""
-    try:
-        work.wait()
-    except RuntimeError as e:
-        raise _failed(e, group, what) from e
-
-
-def _failed(error: RuntimeError, group: Any, what: str) -> RuntimeError:
-    """A failed collective, with the ranks whose heartbeat stopped (`zero.backends.watch`) named."""
-    watch = watch_of(group)
-    try:
-        silent = watch.silent() if watch is not None else None
-    except (RuntimeError, DistStoreError):
-        silent = None
-    who = (f"rank {', '.join(map(str, silent))} did not answer" if silent else
-           "the rendezvous store is unreachable too (with env:// or tcp:// it lives on rank 0)" if silent is None
-           else "every rank still answers")
-    return RuntimeError(f"rank {group_rank(group)} (of {group_size(group)}) waited for {what} and the collective "
-                        f"failed; {who}: it has stopped or left the process group ({error})")
-
-
-def check_in(what: str, fields: Mapping[str, int], group: Any, device: torch.device,
-             facts: Mapping[str, Callable[[], Facts]] | None = None, place: Place | None = None) -> Callable[[], None]:
-    """Start checking that all ranks are in the same call ``what`` with equal ``fields``; returns ``verify``.
-
-    ``fields`` names the ints every rank must agree on (steps taken, checksums of the params and
-    of the param groups ...); every call passes the same number of them. ``verify()`` waits, then
-    raises ``ValueError`` on every rank if some rank differs, naming that rank and what differs.
-    A field that is a checksum has a ``facts`` function listing what it sums up as labelled values:
-    only when the checksums differ do the ranks exchange those, and the error names the first
-    label whose values differ and both values, never the checksum.
-    The collective has the same size on every rank, so ranks that diverged (one adds a param
-    group while another steps, or one skipped a step) meet here and get a clear error instead of
-    pairing collectives of different sizes, which gloo answers by aborting the process or
-    hanging. Started before a local step and verified after it, its latency hides behind the
-    step's compute. A rank that never joins (it skipped the call, or stopped) is named in bounded
-    time from ``place`` (where this rank is: `zero.backends.watch`), not after the group's timeout.
-    """
-    rank, size = group_rank(group), group_size(group)
-    watch = watch_of(group) if place is not None else None
-    values = [_CALLS[what], *fields.values()]
-    rows = torch.tensor([values] * size, dtype=torch.int64, device=device)  # others' rows are overwritten
-    work = _ALL_GATHER(rows.view(-1), rows[rank], group=group, async_op=True)
-
-    def verify() -> None:
-        if watch is not None:
-            watch.wait(work.is_completed, place)
-        try:
-            work.wait()
-        except RuntimeError as e:
-            raise _failed(e, group, f"the other ranks in {what}") from e
-        got = rows.tolist()
-        column = next((j for j in range(len(values)) if any(row[j] != got[0][j] for row in got)), None)
-        if column is None:
-            return
-        odd = next(r for r, row in enumerate(got) if row[column] != got[rank][column])
-        if column == 0:
-            names = {v: k for k, v in _CALLS.items()}
-            raise ValueError(f"rank {rank} is in {what} but rank {odd} is in {names.get(got[odd][0], 'another call')}: "
-                             f"every rank must make the same calls ({', '.join(_CALLS)}) in the same order")
-        name = list(fields)[column - 1]
-        describe = (facts or {}).get(name)
-        if describe is None:
-            detail = f"{got[rank][column]} here, {got[odd][column]} on rank {odd}"
-        else:  # every rank found the same column: they all exchange that field's facts
-            everyone = _all_gather_object(list(describe()), group)
-            odd = next((r for r, theirs in enumerate(everyone) if theirs != everyone[rank]), odd)
-            detail = _first_difference(everyone[rank], everyone[odd], odd)
-        raise ValueError(f"rank {rank} and rank {odd} differ in {name} at {what} ({detail}): every rank must "
-                         "build the same optimizer and make the same calls")
-
-    return verify
-
-
-def _all_gather_object(obj: Any, group: Any) -> list[Any]:
-    out: list[Any] = [None] * group_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
-
-
-def _first_difference(mine: Facts, theirs: Facts, odd: int) -> str:
-    """``param group 0's lr is 0.001 here and 0.002 on rank 1``: the first fact that differs."""
-    for (label, a), (other, b) in zip(mine, theirs):
-        if label != other:
-            return f"{label} here where rank {odd} has {other}"
-        if a != b:
-            return f"{label} is {a!r} here and {b!r} on rank {odd}"
-    if len(mine) != len(theirs):
-        extra, where = (mine[len(theirs)][0], "here only") if len(mine) > len(theirs) else \
-            (theirs[len(mine)][0], f"on rank {odd} only")
-        return f"{extra} exists {where}"
-    return "their details agree as exchanged"
-
-
-_CALLS: dict[str, int] = {"step": 1, "add_param_group": 2, "consolidate_state_dict": 3}
 class _TensorSlot:
     """Stands in for a tensor in a pickled skeleton: its position in the flat payload."""
 
@@ -236,6 +141,20 @@ class _TensorSlot:
 
     def __init__(self, dtype: torch.dtype, shape: torch.Size, offset: int):
         self.dtype, self.shape, self.offset = dtype, tuple(shape), offset
+
+
+_TWINS: dict[tuple, Any] = {}
+
+
+def twin_group(group: Any) -> Any:
+    """A gloo group of ``group``'s ranks, made on first use (a collective then), for collectives on
+    another thread: a background save's run while training's run on ``group``, and two threads
+    must not share one group's order of collectives."""
+    ranks = tuple(dist.get_process_group_ranks(group))
+    key = (ranks, id(dist.distributed_c10d._get_default_store()))  # a new init_process_group brings a new store
+    if key not in _TWINS:
+        _TWINS[key] = dist.new_group(list(ranks), backend="gloo")
+    return _TWINS[key]
 
 
 def send_tree(tree: Any, dst: int, group: Any, device: torch.device) -> None:

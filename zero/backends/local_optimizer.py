@@ -1,106 +1,25 @@
-"""The rank-local side of a sharded optimizer: which groups it gets, and the optimizer over them.
+"""The local optimizer of a rank: which groups it gets, what it is, and what its state looks like.
 
 The local optimizer is whatever the user named: a ``torch.optim.Optimizer`` class, or a
-`zero.functional` transformation (or factory), run through `zero.functional.Optimizer`.
+`zero.functional` transformation (or factory), run through `zero.functional.Optimizer`. Its groups
+are every param group's settings with the tensors this rank steps (`local_groups`, read from the
+plan's `zero.plans.holdings`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from zero.backends.masters import MASTER_KEY, Masters, Scaling
-from zero.functional import GradientTransformation, Optimizer, inject_hyperparams, sharding
+from zero.functional import GradientTransformation, Optimizer, inject_hyperparams
 from zero.functional.adapters.optimizer import check_not_optax
+from zero.plans.holdings import Holdings, LocalTensor
 
-__all__ = ["LocalStep", "make_local_optimizer", "local_groups", "copy_hyperparams", "is_functional", "check_state_keys",
-           "per_element_keys", "check_shardable", "initial_state"]
-
-
-class LocalStep:
-    """This rank's local optimizer, the outer param groups it mirrors, and the steps taken.
-
-    The outer groups are the truth users and lr schedulers write: the local optimizer's groups copy
-    them before it reads them (`push`), and hand back the settings it fills in when it is built or
-    loaded or has stepped (`pull`). A mode counts a step (`stepped`) once every rank agreed to take it.
-    """
-
-    def __init__(self, optim: torch.optim.Optimizer, param_groups: list[dict], masters: Masters | None = None):
-        self.optim, self.param_groups, self.steps = optim, param_groups, 0
-        self.masters = masters if masters is not None else Masters(None)
-        self.scaling: Scaling | None = None  # set for the steps a GradScaler drives
-        self.pull()
-
-    def push(self) -> None:
-        copy_hyperparams(self.param_groups, self.optim.param_groups)
-
-    def pull(self) -> None:
-        copy_hyperparams(self.optim.param_groups, self.param_groups)
-
-    def stepped(self) -> None:
-        """Count a step every rank agreed to take, and bring back the settings the local optimizer
-        wrote into its groups while stepping (as torch's ZeRO does after each step)."""
-        self.steps += 1
-        self.pull()
-
-    def run(self, rules: sharding.Sharding, closure: Any = None, grads: dict | None = None, **kwargs: Any) -> Any:
-        """One step of the local optimizer; ``rules`` answer a `zero.functional` rule's questions
-        about whole tensors (global norms ...), since the local params are pieces of the model.
-
-        With masters, the gradients are cast up into them first (after the closure, which makes
-        the gradients), and the stepped masters are rounded into their tensors after. ``grads``:
-        gradients wider than their tensor's dtype, by ``id(tensor)``, for its master."""
-        loss = None
-        if closure is not None and self.masters.dtype is not None:
-            with torch.enable_grad():
-                loss, closure = closure(), None
-        pairs = self.masters.grads_in(self.optim, grads or {})
-        if not self._finite(rules):
-            self.masters.release(pairs)
-            return loss
-        functional = is_functional(self.optim)
-        installed = sharding.installed(self.masters.rules(rules)) if functional else contextlib.nullcontext()
-        try:
-            with installed:
-                if closure is None:
-                    out = self.optim.step(**kwargs)
-                else:
-                    with torch.enable_grad():
-                        out = self.optim.step(closure=closure, **kwargs)
-        finally:
-            self.masters.release(pairs)
-        self.masters.write_back(pairs)
-        return loss if loss is not None else out
-
-    def _finite(self, rules: sharding.Sharding) -> bool:
-        """Without a loss scale, True; with one, unscale what steps and agree that it is finite."""
-        if self.scaling is None:
-            return True
-        grads = [p.grad for g in self.optim.param_groups for p in g["params"] if p.grad is not None]
-        device = next((p.device for g in self.optim.param_groups for p in g["params"]), torch.device("cpu"))
-        return self.scaling.unscale_and_agree(grads, rules.reduce, device)
-
-    def add_group(self, group: dict, frozen: set[int]) -> None:
-        """A new group for the local optimizer (its tensors get masters as the first ones did)."""
-        self.optim.add_param_group(self.masters.wrap([group], frozen)[0])
-
-    def state_dict(self) -> dict:
-        """The local optimizer's state dict, each master under `MASTER_KEY` of its param's state."""
-        return self.masters.add_to(self.optim.state_dict(), self.optim, always=is_functional(self.optim))
-
-    def load_state_dict(self, local: dict) -> None:
-        """Load a local state dict (masters included) into the local optimizer."""
-        self.optim.load_state_dict(self.masters.take_from(local, self.optim))
-        self.pull()
-
-    def per_element_keys(self) -> set[str] | None:
-        """`per_element_keys` of the local optimizer, the masters included."""
-        keys = per_element_keys(self.optim)
-        return None if keys is None else keys | {MASTER_KEY}
+__all__ = ["make_local_optimizer", "local_groups", "copy_hyperparams", "is_functional", "check_state_keys",
+           "per_element_keys", "check_shardable", "initial_state", "state_nbytes"]
 
 
 def make_local_optimizer(optimizer_class: Any, groups: list[dict], defaults: dict,
@@ -135,19 +54,28 @@ def is_functional(optim: torch.optim.Optimizer) -> bool:
     return isinstance(optim, Optimizer)
 
 
-def local_groups(param_groups: list[dict], indices: Sequence[Sequence[int]], params: list[torch.Tensor]) -> list[dict]:
-    """The local optimizer's groups: every global group's settings, with only the owned params.
+def local_groups(param_groups: list[dict], held: Holdings, tensor_of: Callable[[LocalTensor], torch.Tensor],
+                 named: bool = True) -> list[dict]:
+    """The local optimizer's groups: every global group's settings, with the tensors this rank
+    steps (``tensor_of`` each of ``held.tensors``, in order).
 
     Every rank gets every group, possibly empty, so group ``k`` means the same on all ranks.
-    Named groups keep the names of the params they hold (transformations step them by name).
-    """
-    out, first = [], 0  # ``indices`` count across groups: ``first`` is the group's first
-    for g, idx in zip(param_groups, indices):
-        local = {**{k: v for k, v in g.items() if k != "params"}, "params": [params[i] for i in idx]}
-        if "param_names" in g:
-            local["param_names"] = [g["param_names"][i - first] for i in idx]
-        out.append(local)
-        first += len(g["params"])
+    With ``named``, a group of named params keeps the names of what it holds (transformations
+    step them by name): a whole param its own, this rank's shard of flat buffer ``k``
+    ``<flat shard k>``."""
+    firsts = [0]
+    for g in param_groups:
+        firsts.append(firsts[-1] + len(g["params"]))
+    out = [{**{k: v for k, v in g.items() if k not in ("params", "param_names")}, "params": []} for g in param_groups]
+    for g, local in zip(param_groups, out):
+        if named and "param_names" in g:
+            local["param_names"] = []
+    for t in held.tensors:
+        local = out[t.group]
+        local["params"].append(tensor_of(t))
+        if "param_names" in local:
+            names = param_groups[t.group]["param_names"]
+            local["param_names"].append(names[t.param - firsts[t.group]] if t.whole else f"<flat shard {t.buffer}>")
     return out
 
 
@@ -202,6 +130,11 @@ def initial_state(optim: torch.optim.Optimizer, which: set[int]) -> None:
                                  "(stepping a CPU copy of it failed), so its state cannot be made to load into")
             optim.state[p] = {k: (torch.zeros_like(p) if v.shape == (2,) else torch.zeros_like(v))
                               if isinstance(v, torch.Tensor) else v for k, v in probed.items()}
+
+
+def state_nbytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of tensor state a torch optimizer holds (what `zero.make_plan` predicts per rank)."""
+    return sum(v.nbytes for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor))
 
 
 def per_element_keys(optim: torch.optim.Optimizer) -> set[str] | None:

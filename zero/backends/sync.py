@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from zero.backends import comm
+from zero.backends.consistency import wait_for
 from zero.plans.layout import BucketLayout, Piece, SyncRows, sync_rows
 
 __all__ = ["ParamSync", "ViewWatch", "DIRECT_NUMEL", "PAD_LIMIT"]
@@ -50,14 +51,14 @@ class ParamSync:
                 if not self.views:
                     self._copy(plan.pieces[self.rank][c], rows[self.rank], to_rows=True)
                 for work in comm.all_gather_rows(rows, self.rank, self.group, async_op=True):
-                    comm.wait_for(work, self.group, "the params' all-gather")
+                    wait_for(work, self.group, "the params' all-gather")
                 if not self.views:
                     for r, per_chunk in enumerate(plan.pieces):
                         if r != self.rank:
                             self._copy(per_chunk[c], rows[r], to_rows=False)
             for owner, i in plan.direct:
                 work = comm.broadcast_from(self.params[i].detach(), owner, self.group, async_op=True)
-                comm.wait_for(work, self.group, "the params' broadcast")
+                wait_for(work, self.group, "the params' broadcast")
 
     def release(self) -> None:
         """Give bucket-viewed params their own storage again (before a rebuild)."""

@@ -3,16 +3,18 @@ and Optax. Loads torch, never jax (the Optax bridge imports it on first use) nor
 
 Where things live (every public name is re-exported here, one a line):
 
-- ``base``, ``update``, ``combine``, ``inject``, ``sharding``: the core: `GradientTransformation`
-  and tree helpers, `apply_updates`, `chain`, `inject_hyperparams`, and the whole-tensor
-  quantities a sharded step completes across ranks.
+- ``base``, ``update``, ``combine``, ``inject``, ``sharding``, ``elementwise``, ``foreach``: the
+  core: `GradientTransformation` and tree helpers, `apply_updates`, `chain`, `inject_hyperparams`,
+  the whole-tensor quantities a sharded step completes across ranks, and the floor every rule
+  computes on (the elementwise maths the rules share, and their list forms run as torch's
+  foreach ops with small CPU leaves packed into one tensor).
 - ``transforms/``: Optax's transformations, one module per topic (``adam``, ``rms``, ``clipping``,
   ``masking`` ...). A new transformation goes in the module of its topic.
 - ``schedules/``: step count -> hyperparameter functions. A new schedule goes here.
 - ``aliases/``: the optimizers (one `chain` each), one module per family. A new alias goes here.
 - ``contrib/``: ``optax.contrib``'s rules, one rule a module. A new contrib rule goes here.
-- ``fast/``: the fast paths of the same maths: packing small tensors, fused list maths, and
-  torch's fused kernels for chains that spell a torch rule. A new kernel goes in ``fast/kernels``.
+- ``kernels/``: in-place steps on torch's fused and multi-tensor kernels for chains that spell a
+  torch rule (`explain` says which). A new kernel goes in ``kernels/``.
 - ``adapters/``: `from_torch`, `Optimizer` / `FunctionalOptimizer`, `from_optax`.
 """
 
@@ -159,8 +161,8 @@ from zero.functional.adapters.optimizer import FunctionalOptimizer
 from zero.functional.adapters.optimizer import Optimizer
 from zero.functional.adapters.optimizer import split_state
 from zero.functional.adapters.torch_rules import from_torch
-from zero.functional.fast.chains import Path
-from zero.functional.fast.chains import explain
+from zero.functional.kernels.chains import Path
+from zero.functional.kernels.chains import explain
 from zero.functional import contrib
 
 __all__ = [

@@ -16,10 +16,14 @@ import optree
 import torch
 
 __all__ = ["GradientTransformation", "Spec", "EmptyState", "identity", "stateless_tx", "set_to_zero", "stateless",
-           "stateless_with_tree_map", "inplace_step", "add_updates", "tree_map", "takes_extra_args", "update_with",
-           "with_extra_args_support", "as_dtype",
+           "stateless_with_tree_map", "inplace_step", "step_in_place", "add_updates", "tree_map", "takes_extra_args",
+           "update_with", "with_extra_args_support", "as_dtype",
            "flatten_like", "check_structure", "tree_leaves", "zeros_like", "full_like", "count_zero", "count_inc",
-           "NO_PARAMS_MSG", "check_positive", "check_unit", "check_non_negative"]
+           "NO_PARAMS_MSG", "check_positive", "check_unit", "check_non_negative", "Schedule", "ScalarOrSchedule"]
+
+# A schedule: step count (an int or a 0-d tensor; a tensor of counts, elementwise) -> hyperparameter value.
+Schedule = Callable[[Any], Any]
+ScalarOrSchedule = float | Schedule
 
 NO_PARAMS_MSG = "this transformation needs the current params: call update(updates, state, params)"
 _INT32_MAX = 2**31 - 1
@@ -29,7 +33,7 @@ class Spec(NamedTuple):
     """What a transformation is, as data: the factory that built it and the arguments it got.
 
     Combinators read specs instead of closures: `chain` looks for a fused kernel for its links
-    (`zero.functional.fast.kernels`); `zero.functional.Optimizer` reads the hyperparameters of
+    (`zero.functional.kernels.fused`); `zero.functional.Optimizer` reads the hyperparameters of
     `inject_hyperparams` from its spec to show them as param-group keys, and rebuilds an alias
     (whose spec has its ``factory``) under `inject_hyperparams` so param groups can set them.
     """
@@ -199,20 +203,29 @@ def stateless_with_tree_map(f: Callable[[torch.Tensor, torch.Tensor | None], tor
 
 
 @torch.no_grad()
-def inplace_step(tx: GradientTransformation, params: Any, grads: Any, state: Any) -> Any:
+def inplace_step(tx: GradientTransformation, params: Any, grads: Any, state: Any,
+                 leaves: list[torch.Tensor] | None = None) -> Any:
     """One step of ``tx`` on a tree of params (a list, a dict by name ...), updating them in
-    place; returns the new state.
+    place; returns the new state. The outermost call: combinators step their inner
+    transformations with `step_in_place`, and autograd is told once, here (``leaves``: the
+    params' leaves in any order, when the caller holds them: the tree is then not flattened).
 
-    Uses ``tx.inplace`` when the transformation has one that takes these tensors, else
-    ``tx.update`` then an in-place add.
+    torch's fused kernels write params without telling autograd; a for-loop step does. Telling
+    it makes a backward that saved a param before this step raise, as with torch.optim's default
+    step (e.g. several RPC trainers), instead of mixing values.
     """
+    new_state = step_in_place(tx, params, grads, state)
+    torch.autograd.graph.increment_version(tree_leaves(params) if leaves is None else leaves)
+    return new_state
+
+
+def step_in_place(tx: GradientTransformation, params: Any, grads: Any, state: Any) -> Any:
+    """`inplace_step` inside another in-place step (a combinator's inner transformation): uses
+    ``tx.inplace`` when the transformation has one that takes these tensors, else ``tx.update``
+    then an in-place add; returns the new state."""
     if tx.inplace is not None:
         new_state = tx.inplace(params, grads, state)
         if new_state is not None:
-            # torch's fused kernels write params without telling autograd; a for-loop step does.
-            # Tell it, so a backward that saved a param before this step raises as with
-            # torch.optim's default step (e.g. several RPC trainers) instead of mixing values.
-            torch.autograd.graph.increment_version(tree_leaves(params))
             return new_state
     updates, state = tx.update(grads, state, params)
     add_updates(params, updates)

@@ -8,7 +8,7 @@ from zero.functional.base import (
     check_structure,
     update_with,
 )
-from zero.functional.fast.chains import fuse
+from zero.functional.kernels.chains import fuse
 
 __all__ = ['chain', 'named_chain']
 
@@ -18,7 +18,7 @@ def chain(*transformations: GradientTransformation) -> GradientTransformation:
 
     Mirrors ``optax.chain``. When the links spell a rule torch has a fused kernel for (e.g.
     ``scale_by_adam`` then ``scale_by_learning_rate``: Adam), the chain also gets that kernel as
-    its ``inplace`` step (`zero.functional.fast.kernels`); ``update`` is always the links in turn.
+    its ``inplace`` step (`zero.functional.kernels.fused`); ``update`` is always the links in turn.
     Extra keyword arguments to ``update`` (Optax's extra args, e.g. ``value=``) go to the links
     that take them; the others never see them.
     """

@@ -22,12 +22,12 @@ from zero.functional.base import (
     as_dtype,
     count_inc,
     count_zero,
-    inplace_step,
+    step_in_place,
     tree_leaves,
     update_with,
 )
-from zero.functional.fast.chains import described, explain
-from zero.functional.fast.steps import keep_placement
+from zero.functional.kernels.chains import described, explain
+from zero.functional.kernels.steps import keep_placement
 
 __all__ = ["InjectHyperparamsState", "InjectStatefulHyperparamsState", "WrappedScheduleState", "WrappedSchedule",
            "inject_hyperparams"]
@@ -172,9 +172,8 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation],
 
         last: dict[int, GradientTransformation] = {}  # per param list: the inner transformation it last stepped
 
-        def build_for(params: list, hyperparams: dict) -> GradientTransformation:
-            leaves = tree_leaves(params)
-            tx, key = build(hyperparams), id(leaves[0]) if leaves else 0
+        def build_for(params: Any, hyperparams: dict) -> GradientTransformation:
+            tx, key = build(hyperparams), _first_id(params)
             if last.get(key, tx) is not tx:
                 keep_placement(last[key], tx)  # new values (a scheduler): keep what the kernel has checked
             last[key] = tx
@@ -202,7 +201,7 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation],
 
         def inplace(params, grads, state):
             hp, schedule_states = current(state, params, {})
-            inner_state = inplace_step(build_for(params, hp), params, grads, state.inner_state)
+            inner_state = step_in_place(build_for(params, hp), params, grads, state.inner_state)
             return InjectStatefulHyperparamsState(count_inc(state.count), hp, schedule_states, inner_state)
 
         initial = {k: float(v) for k, v in numeric.items()}
@@ -216,3 +215,14 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation],
                                       Spec("inject_hyperparams", {"hyperparams": initial}))
 
     return wrapped
+
+
+def _first_id(params: Any) -> int:
+    """An identity of a param tree that lasts from step to step (its first param's), read without
+    flattening a list or a dict by name, as `zero.functional.Optimizer` steps them (0 when empty)."""
+    if isinstance(params, dict) and params:
+        return id(next(iter(params.values())))
+    if isinstance(params, list) and params and isinstance(params[0], torch.Tensor):
+        return id(params[0])
+    leaves = tree_leaves(params)
+    return id(leaves[0]) if leaves else 0

@@ -28,6 +28,7 @@ import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
+from typing import Any
 
 import optree
 import torch
@@ -100,14 +101,15 @@ def every_group() -> bool:
 
 
 @contextlib.contextmanager
-def stepping(params: Sequence[torch.Tensor]) -> Iterator[None]:
-    """Inside the block, leaf ``k`` of the trees being transformed is a piece of ``params[k]``'s."""
+def stepping(params: Any) -> Iterator[None]:
+    """Inside the block, leaf ``k`` of the trees being transformed is a piece of leaf ``k`` of the
+    tree ``params`` (flattened only when a sharding is installed: unsharded steps pay nothing)."""
     sharding = _SHARDING.get()
     if sharding is None:
         yield
         return
     try:
-        pieces = tuple(sharding.pieces[id(p)] for p in params)
+        pieces = tuple(sharding.pieces[id(p)] for p in optree.tree_leaves(params))
     except KeyError:
         raise ValueError("a sharded step got a param the backend did not register") from None
     token = _LEAVES.set(pieces)

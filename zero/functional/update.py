@@ -9,7 +9,7 @@ import optree
 import torch
 
 from zero.functional.base import check_structure
-from zero.functional.fast.packing import map_lists
+from zero.functional.foreach import map_lists
 
 __all__ = ['apply_updates', 'incremental_update', 'periodic_update']
 

@@ -2,7 +2,9 @@
 
 metadata (`meta`) -> ownership (`partition`) or element shards (`layout.flat_layout`) -> bucket
 and sync layouts (`layout`), DDP buckets (`ddp_buckets`), what each rank's local optimizer sees
-(`shards`) -> what it all costs (`accounting`, `cost`) -> one printable, saveable `Plan` (`plan`).
+(`shards`) -> what it all costs (`accounting`, `cost`) -> one printable, saveable `Plan` (`plan`)
+-> what each rank holds under it (`holdings`: the seam every executor and state format reads,
+with `chunks`' boxes of each param for sharded checkpoints).
 `averaging_schedule` is post-local SGD's schedule; `presets` are shape lists of known models.
 The public names are re-exported by the package root: ``zero.make_plan``, ``zero.partition`` ...
 """

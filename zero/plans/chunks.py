@@ -19,7 +19,7 @@ from math import prod
 from zero.plans.layout import FlatLayout
 from zero.plans.partition import Partition
 
-__all__ = ["Box", "Held", "range_boxes", "param_chunks", "held_by"]
+__all__ = ["Box", "Held", "range_boxes", "param_chunks"]
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,8 @@ class Box:
 @dataclass(frozen=True)
 class Held:
     """Elements ``start:end`` of param ``param`` (flattened) are at ``offset`` of local tensor ``local``
-    (the rank's local optimizer's ``local``-th param: an owned param, or a flat shard)."""
+    (the rank's local optimizer's ``local``-th param: an owned param, or a flat shard; see
+    `zero.plans.holdings`)."""
 
     param: int
     local: int
@@ -94,16 +95,3 @@ def param_chunks(index: int, numel: int, partition: Partition | None,
     assert flat is not None
     return tuple((s.rank, s.start, s.end) for s in flat.segments(index) if s.end > s.start)
 
-
-def held_by(rank: int, local_params: Sequence[int] | None, flat: FlatLayout | None,
-            buffer_order: Sequence[int] | None, numels: Sequence[int]) -> tuple[Held, ...]:
-    """What ``rank``'s local optimizer holds of each param.
-
-    Whole-param plans: ``local_params`` (global index of each local param, `shards.local_order`).
-    Flat plans: ``buffer_order`` (the buffer each local shard is a slice of)."""
-    if flat is None:
-        assert local_params is not None
-        return tuple(Held(i, j, 0, 0, numels[i]) for j, i in enumerate(local_params))
-    assert buffer_order is not None
-    return tuple(Held(p.param, j, p.offset, p.start, p.end)
-                 for j, bi in enumerate(buffer_order) for p in flat.buffers[bi].pieces(rank) if p.end > p.start)

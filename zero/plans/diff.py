@@ -116,7 +116,7 @@ def _rank_deltas(a: Plan, b: Plan) -> tuple[tuple[int, int, int], ...]:
 def plan_facts(plan: Plan) -> list[tuple[str, object]]:
     """What a plan is, as labelled values in an order that names the first difference that matters:
     the params (index, name, shape, dtype, group), the plan's settings, then where each param lives.
-    Ranks whose plans' fingerprints differ exchange these to say how (see `zero.backends.comm.check_in`)."""
+    Ranks whose plans' fingerprints differ exchange these to say how (see `zero.backends.consistency.check_in`)."""
     facts: list[tuple[str, object]] = [("the number of params", len(plan.metas))]
     facts += [(f"param {i}", f"{m.name} {tuple(m.shape)} {m.dtype} in group {m.group}, "
                              f"{'trainable' if m.requires_grad else 'frozen'}") for i, m in enumerate(plan.metas)]

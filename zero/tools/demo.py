@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from zero.backends.state_dict import state_nbytes
+from zero.backends.local_optimizer import state_nbytes
 from zero.tools import launch
 
 __all__ = ["main", "run_rank", "train_and_save", "load_and_train", "plain_training"]

@@ -1,6 +1,12 @@
-"""Sharded checkpoints in `torch.distributed.checkpoint`'s format: each rank saves what it holds.
+"""The state formats, each written once over what a rank holds (`zero.plans.holdings`, kept by
+the optimizer's `zero.backends.rank_state.RankState`). A new format goes here, as a module.
 
-The state dicts are the ones ``torch.distributed.checkpoint.state_dict.get_state_dict`` makes for
+- ``consolidated``: torch's one optimizer state dict over all params, put together on one rank
+  (``consolidate_state_dict`` / ``state_dict`` / ``load_state_dict``).
+- ``dcp`` and ``dcp_pieces``: sharded checkpoints in `torch.distributed.checkpoint`'s format,
+  each rank saving what it holds; ``files``: checkpoint directories (`save`, `load`, `describe`).
+
+DCP's state dicts are the ones ``torch.distributed.checkpoint.state_dict.get_state_dict`` makes for
 FSDP2: the model's by fully qualified name (DDP's ``module.`` and ``torch.compile``'s
 ``_orig_mod.`` left out), the optimizer's as ``{"state": {fqn: {key: tensor}}, "param_groups":
 [{..., "params": [fqn, ...]}]}``. Every tensor has its param's shape and dtype; a rank puts in
@@ -21,7 +27,7 @@ world size, another plan, FSDP2's row shards). Master weights travel under ``"ma
 extra or reshaped FQN, an unfinished save: a ``ValueError`` naming it).
 """
 
+from zero.backends.checkpoint.dcp import get_state_dict, model_fqns, set_state_dict
 from zero.backends.checkpoint.files import describe, load, read_metadata, save
-from zero.backends.checkpoint.state_dicts import get_state_dict, model_fqns, set_state_dict
 
 __all__ = ["get_state_dict", "set_state_dict", "save", "load", "read_metadata", "describe", "model_fqns"]

@@ -9,9 +9,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from zero.backends.checkpoint.pieces import quiet
-from zero.backends.checkpoint.state_dicts import get_state_dict, resolve_options, set_state_dict, unwrap_post_local_sgd
-from zero.backends.masters import MASTER_KEY
+from zero.backends import comm
+from zero.backends.checkpoint.dcp import get_state_dict, resolve_options, set_state_dict, unwrap_post_local_sgd
+from zero.backends.checkpoint.dcp_pieces import quiet
+from zero.backends.precision import MASTER_KEY
 
 __all__ = ["save", "load", "read_metadata", "describe"]
 
@@ -35,22 +36,9 @@ def save(checkpoint_id: Any, model: nn.Module, optimizer: Any, *, masters: bool 
 
         # DCP's default stager cannot copy a ShardedTensor; this one copies every piece before returning
         dcp_kwargs.setdefault("async_stager", BlockingAsyncStager())
+        # the save's collectives run on a thread while training's run on the optimizer's group
         return dcp.async_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=checkpoint_id,
-                              process_group=_saving_group(inner), **dcp_kwargs)
-
-
-def _saving_group(optimizer: Any) -> Any:
-    """A gloo group of the optimizer's ranks for background saves, made at the first one: the
-    save's collectives run on a thread while training's run on the optimizer's group, and two
-    threads must not share one group's order of collectives."""
-    import torch.distributed as dist
-
-    group = getattr(optimizer, "_saving_group", None)
-    if group is None:
-        group = dist.new_group(dist.get_process_group_ranks(optimizer.process_group or dist.group.WORLD),
-                               backend="gloo")
-        optimizer._saving_group = group
-    return group
+                              process_group=comm.twin_group(inner.process_group), **dcp_kwargs)
 
 
 def load(checkpoint_id: Any, model: nn.Module, optimizer: Any, *, options: Any = None) -> None:

@@ -6,7 +6,7 @@ the mesh's layout and Optax's (and so, through `zero.functional.from_optax_state
 run and back); `state_bytes` says what each device holds.
 """
 
+from zero.backends.jax_mesh.buffers import packing
 from zero.backends.jax_mesh.executor import gather_state, init, place_state, state_bytes, update
-from zero.backends.jax_mesh.packing import packing
 
 __all__ = ["gather_state", "init", "packing", "place_state", "state_bytes", "update"]

@@ -17,7 +17,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from zero.backends.jax_mesh.packing import pack, pack_slices, packing, unpack
+from zero.backends.jax_mesh.buffers import pack, pack_slices, packing, unpack
 from zero.backends.jax_mesh.rules import check_rule, check_state, is_per_param
 from zero.plans.meta import param_metas
 from zero.plans.plan import Plan, check_plan

@@ -1,7 +1,7 @@
 """Which Optax transformations a mesh can step on packed buffers, decided before any step.
 
 The mesh hands a transformation its params, gradients and state as a few long 1-D buffers
-(see `zero.backends.jax_mesh.packing`), so each device steps only its slice and XLA inserts
+(see `zero.backends.jax_mesh.buffers`), so each device steps only its slice and XLA inserts
 the collectives of global reductions (``clip_by_global_norm``'s norm) itself. That is exact
 for a rule that treats every element alike, and silently wrong for one that does not: a mask
 or a partition by name or by shape, a per-tensor norm (LAMB's trust ratio), whole matrices
@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from zero.backends.jax_mesh.packing import Buffer, pack, unpack
+from zero.backends.jax_mesh.buffers import Buffer, pack, unpack
 
 __all__ = ["check_state", "check_rule", "is_per_param"]
 

@@ -4,46 +4,49 @@
   syncs by all-gathering rows of packed params, or broadcasts.
 - `FlatShards` (flat plans): steps a 1-D shard per flat buffer, its gradient the pieces of the
   params' gradients copied in; syncs by one all-gather per buffer.
-- `HybridShards` (hybrid plans: flat, with some params whole): `WholeParams` for the whole
-  params and `FlatShards` for the rest, under one local optimizer; `HybridReduceScattered` with
-  ``reduce_scatter_grads=True`` (each whole param's gradient reduced into its owner).
 - `ReduceScatteredShards` (flat plans, ``reduce_scatter_grads=True``): the shards' gradients are
-  reduce-scattered during backward, in place of DDP; the step is pipelined buffer by buffer.
+  reduce-scattered during backward, in place of DDP (`ReducedGradients`); the step is pipelined
+  buffer by buffer.
+- `HybridShards` (hybrid plans: flat, with some params whole): the whole params stepped by their
+  owners and synced by rows, the rest as `FlatShards`; `HybridReduceScattered` with
+  ``reduce_scatter_grads=True`` (each whole param's gradient reduced into its owner).
 - `DDPOverlap` (whole-param plans by DDP's buckets, ``overlap_with_ddp=True``): steps each
   bucket's owned params inside DDP's comm hook; syncs at the end of backward.
 
-Each answers the questions of `Mode` (`base`): what this rank steps, a step with its gradients and
-sync, the map between local and global state, and what freezing params, adding a group,
-``zero_grad``, ``no_sync`` and ``Join`` mean in it. A new mode is a `Mode` subclass in a module
-here and one branch of `make_mode`; `ZeroRedundancyOptimizer` does not change.
+Each answers the questions of `Mode` (`base`): which live tensor the local optimizer steps for
+each of the rank's holdings, a step with its gradients and sync, and what freezing params,
+adding a group, ``zero_grad``, ``no_sync`` and ``Join`` mean in it. Modes map no state: what a
+rank holds is the plan's (`zero.plans.holdings`), kept by the optimizer's `RankState`, and every
+state format reads it there. A new mode is a `Mode` subclass (one base) in a module here and one
+branch of `make_mode`; `ZeroRedundancyOptimizer` does not change.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from zero.backends.local_optimizer import check_shardable
 from zero.backends.modes.base import Mode
+from zero.backends.modes.ddp_overlap import DDPOverlap
 from zero.backends.modes.flat import FlatShards
 from zero.backends.modes.hybrid import HybridReduceScattered, HybridShards
-from zero.backends.modes.overlap import DDPOverlap
 from zero.backends.modes.reduce_scatter import ReduceScatteredShards
 from zero.backends.modes.whole import WholeParams
+from zero.backends.rank_state import RankState
 from zero.plans.meta import ParamMeta
-from zero.plans.plan import Plan
 
 __all__ = ["Mode", "WholeParams", "FlatShards", "HybridShards", "HybridReduceScattered", "ReduceScatteredShards",
            "DDPOverlap", "make_mode"]
 
 
-def make_mode(params: Sequence[torch.Tensor], metas: Sequence[ParamMeta], plan: Plan, rank: int, group: Any,
-              n_groups: int, *, optimizer_class: Any, overlap_with_ddp: bool, reduce_scatter_grads: bool,
-              bucket_view: bool | None, chunk_bytes: int, reduce_dtype: torch.dtype | None = None,
-              defaults: dict | None = None) -> Mode:
-    """The mode that executes ``plan`` with these options (``ValueError`` for combinations that cannot run)."""
+def make_mode(state: RankState, metas: list[ParamMeta], *, optimizer_class: Any, overlap_with_ddp: bool,
+              reduce_scatter_grads: bool, bucket_view: bool | None, chunk_bytes: int,
+              reduce_dtype: torch.dtype | None = None, defaults: dict | None = None) -> Mode:
+    """The mode that executes the rank state's plan with these options (``ValueError`` for
+    combinations that cannot run)."""
+    plan = state.plan
     if reduce_dtype is not None and not reduce_scatter_grads:
         raise ValueError(f"reduce_dtype={reduce_dtype} is the dtype of the gradients' reduce-scatter, which runs "
                          "only with reduce_scatter_grads=True (with DDP, DDP reduces in the params' dtype; use a "
@@ -54,15 +57,14 @@ def make_mode(params: Sequence[torch.Tensor], metas: Sequence[ParamMeta], plan: 
             raise ValueError("overlap_with_ddp=True steps whole params as DDP's buckets arrive: use a "
                              "whole-param plan (flat plans reduce-scatter instead: reduce_scatter_grads=True)")
         if plan.hybrid and reduce_scatter_grads:
-            return HybridReduceScattered(params, metas, plan, rank, group, n_groups, bucket_view, chunk_bytes,
-                                         reduce_dtype)
+            return HybridReduceScattered(state, metas, bucket_view, chunk_bytes, reduce_dtype)
         if plan.hybrid:
-            return HybridShards(params, metas, plan, rank, group, n_groups, bucket_view, chunk_bytes)
+            return HybridShards(state, metas, bucket_view, chunk_bytes)
         if reduce_scatter_grads:
-            return ReduceScatteredShards(params, metas, plan, rank, group, reduce_dtype)
-        return FlatShards(params, metas, plan, rank, group)
+            return ReduceScatteredShards(state, metas, reduce_dtype)
+        return FlatShards(state, metas)
     if reduce_scatter_grads:
         raise ValueError("reduce_scatter_grads=True needs a flat plan (strategy='flat'): whole-param plans "
                          "leave every rank the full gradients, as DDP does")
     cls = DDPOverlap if overlap_with_ddp else WholeParams
-    return cls(params, metas, plan, rank, group, n_groups, bucket_view, chunk_bytes)
+    return cls(state, metas, bucket_view, chunk_bytes)

@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch.distributed.algorithms.join import JoinHook
 
-from zero.backends.local_optimizer import LocalStep
+from zero.backends.local_optimizer import local_groups
+from zero.backends.rank_state import RankState
 from zero.backends.sync import ViewWatch
-from zero.plans.chunks import Held
+from zero.functional import sharding
+from zero.plans.holdings import Holdings, LocalTensor
 from zero.plans.meta import ParamMeta
 from zero.plans.plan import Plan
 
-__all__ = ["Mode", "Begin"]
+__all__ = ["Mode", "Begin", "no_accumulation"]
 
 # Called by a mode's `step` before it touches anything: checks the params, starts the ranks'
 # check-in and hands the outer groups' settings to the local optimizer; returns ``verify``.
@@ -23,75 +25,106 @@ Begin = Callable[[], Callable[[], None]]
 
 
 class Mode:
-    """One way of executing a `zero.Plan` on this rank.
+    """One way of executing a `zero.Plan` on this rank: the live tensors, gradients and syncs.
 
     `ZeroRedundancyOptimizer` holds one mode, chosen once at construction (`zero.backends.modes.make_mode`),
-    and calls only these methods: what this rank steps (`local_groups`), one step with its
-    gradients and sync (`step`), the map between the local optimizer's state and the global state
-    dict (`to_global`, `to_local`), and what a change of params (`retrain`, `extend`), ``zero_grad``,
-    ``no_sync`` and ``Join`` mean in this mode. A mode reads nothing of the optimizer: what it
-    needs comes as arguments.
+    beside the rank's `RankState` (the plan, what it gives this rank, the local optimizer), which
+    the mode reads and steps. A mode answers: which tensor the local optimizer steps for each of
+    the rank's holdings (`tensor`), one step with its gradients and sync (`step`), and what a change
+    of params (`retrain`, `extend`), ``zero_grad``, ``no_sync`` and ``Join`` mean in it. It maps no
+    state: every state format reads the holdings (`zero.backends.checkpoint`).
     """
 
     storage: ViewWatch  # the params whose storage the mode's sync writes (their storage must not move)
     scaler_sees_grads = True  # the params' .grad are the gradients stepped, as a GradScaler reads them
 
-    def __init__(self, params: Sequence[torch.Tensor], plan: Plan, rank: int, group: Any):
-        self.params, self.plan, self.rank, self.group = list(params), plan, rank, group
+    def __init__(self, state: RankState):
+        self.state = state
         self.trainable = [p.requires_grad for p in self.params]
 
-    def local_groups(self, param_groups: list[dict]) -> list[dict]:
-        """The local optimizer's groups: every global group's settings, with what this rank steps."""
+    @property
+    def params(self) -> list[torch.Tensor]:
+        return self.state.params
+
+    @property
+    def plan(self) -> Plan:
+        return self.state.plan
+
+    @property
+    def holdings(self) -> Holdings:
+        return self.state.holdings
+
+    @property
+    def rank(self) -> int:
+        return self.state.rank
+
+    @property
+    def group(self) -> Any:
+        return self.state.process_group
+
+    def tensor(self, t: LocalTensor) -> torch.Tensor:
+        """The live tensor the local optimizer steps for ``t``, one of this rank's holdings."""
         raise NotImplementedError
 
-    def step(self, local: LocalStep, closure: Callable[[], float] | None, kwargs: dict, begin: Begin) -> Any:
+    def local_groups(self) -> list[dict]:
+        """The local optimizer's groups: every global group's settings, with what this rank steps.
+        Named groups name what they hold, but under a plain flat plan, whose shards have no name."""
+        named = self.plan.flat is None or self.plan.hybrid
+        return local_groups(self.state.param_groups, self.holdings, self.tensor, named)
+
+    def build_rules(self, reduce: Callable[[torch.Tensor], torch.Tensor],
+                    every_group: bool = True) -> sharding.Sharding:
+        """What `zero.functional.sharding` needs to answer whole-tensor questions in a step: the
+        pieces of whole params each local tensor holds (from the holdings), and the ranks' sum."""
+        held, params = self.holdings, self.params
+        pieces = {}
+        for j, t in enumerate(held.tensors):
+            hs = held.pieces(j)
+            pieces[id(self.tensor(t))] = sharding.Pieces(tuple(h.param for h in hs), tuple(h.end - h.start for h in hs),
+                                                         tuple(h.start for h in hs))
+        whole = self.plan.flat is None  # every rank steps whole params: a property of the plan
+        return sharding.Sharding(pieces, tuple(p.dtype for p in params), reduce, every_group=every_group,
+                                 whole_params=whole, names=() if whole else tuple(m.name for m in self.plan.metas),
+                                 numels=tuple(p.numel() for p in params), shapes=tuple(tuple(p.shape) for p in params))
+
+    def step(self, closure: Callable[[], float] | None, kwargs: dict, begin: Begin) -> Any:
         """One optimizer step: the gradients of what this rank steps, the local step, the sync."""
-        raise NotImplementedError
-
-    def to_global(self, shards: Sequence[dict], param_groups: list[dict], per_element: set[str] | None) -> dict:
-        """The global (plain ``torch.optim``) state dict out of every rank's local one."""
-        raise NotImplementedError
-
-    def to_local(self, saved: dict, per_element: set[str] | None) -> dict:
-        """This rank's local state dict, cut out of a global one."""
-        raise NotImplementedError
-
-    def holdings(self) -> tuple[Held, ...]:
-        """What this rank's local optimizer holds of each param (`zero.plans.chunks.Held`)."""
-        raise NotImplementedError
-
-    def chunks(self, index: int) -> tuple[tuple[int, int, int], ...]:
-        """Every rank's ``(rank, start, end)`` elements of param ``index``'s state."""
         raise NotImplementedError
 
     def trainability_changed(self) -> bool:
         """Whether a param was frozen or unfrozen since the mode was built (read every step)."""
         return [p.requires_grad for p in self.params] != self.trainable
 
-    def retrain(self, metas: Sequence[ParamMeta]) -> None:
+    def retrain(self, metas: list[ParamMeta]) -> None:
         """Follow params frozen or unfrozen since the mode was built (``metas``: the params now)."""
         raise NotImplementedError
 
     def check_extendable(self) -> None:
         """``ValueError`` if ``add_param_group`` cannot extend this mode (before anything changes)."""
 
-    def extend(self, plan: Plan, params: Sequence[torch.Tensor], metas: Sequence[ParamMeta], n_groups: int) -> None:
-        """Execute ``plan``, made for the params with a new group, from now on."""
+    def extend(self, metas: list[ParamMeta]) -> None:
+        """Execute the rank state's plan, made again for the params with a new group, from now on."""
         raise NotImplementedError
 
     def zero_grad(self, default: Callable[[], None]) -> None:
         """``zero_grad``: torch's (``default``) unless the mode keeps the gradients itself."""
         default()
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        raise RuntimeError("no_sync() is for reduce_scatter_grads=True; with DDP use ddp_model.no_sync()")
-        yield  # pragma: no cover
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """Backward passes inside only accumulate: for modes that reduce gradients themselves."""
+        return no_accumulation()
 
     def join_hook(self, step: Callable[[], Any]) -> JoinHook:
         """What a rank that ran out of inputs does under ``Join``: by default it still steps the
         params it owns (``step``), with the shadowed, all-reduced gradients, and syncs them."""
         return _StepJoinHook(step)
+
+
+@contextlib.contextmanager
+def no_accumulation() -> Iterator[None]:
+    """``no_sync`` where gradients are DDP's to reduce, not the optimizer's: an error saying so."""
+    raise RuntimeError("no_sync() is for reduce_scatter_grads=True; with DDP use ddp_model.no_sync()")
+    yield  # pragma: no cover
 
 
 class _StepJoinHook(JoinHook):

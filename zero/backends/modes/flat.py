@@ -3,49 +3,80 @@
 Per buffer of the layout (one per param group, device and dtype) the trainable params become
 views into one flat tensor. This rank's local optimizer steps one 1-D tensor per buffer: its
 shard of it, itself a view, so the step writes straight into the params. Its gradient is a
-shard-sized tensor, filled with the pieces of the params' gradients that fall in the shard (or
-written there directly by a reduce-scatter). After the step one all-gather per buffer writes
-every rank's shard into every replica, in place. State per rank is exactly the plan's: one set
-per buffer, shaped like the shard.
+shard-sized tensor, filled by the mode's `Gradients`: with the pieces of the params' gradients
+that fall in the shard (DDP left them on every rank), or by a reduce-scatter
+(`zero.backends.modes.reduce_scatter`). After the step one all-gather per buffer writes every
+rank's shard into every replica, in place. State per rank is exactly the plan's: one set per
+buffer, shaped like the shard.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.distributed.algorithms.join import JoinHook
 
 from zero.backends import comm
-from zero.backends.local_optimizer import LocalStep
-from zero.backends.modes.base import Begin, Mode
-from zero.backends.state_dict import assemble, is_per_element, local_dict
+from zero.backends.consistency import wait_for
+from zero.backends.modes.base import Begin, Mode, no_accumulation
+from zero.backends.rank_state import RankState
 from zero.backends.sync import ViewWatch
-from zero.functional.sharding import Pieces, Sharding
-from zero.plans.chunks import Held, held_by, param_chunks
-from zero.plans.layout import FlatBuffer, FlatLayout
+from zero.plans.holdings import LocalTensor
+from zero.plans.layout import FlatBuffer
 from zero.plans.meta import ParamMeta
-from zero.plans.plan import Plan
 
-__all__ = ["FlatShards", "flat_to_global", "flat_to_local"]
+__all__ = ["FlatShards", "Gradients", "CopiedGradients"]
+
+
+class Gradients:
+    """Where a flat mode's shards get their gradients, and what ``zero_grad``, ``no_sync`` and
+    ``Join`` mean for them (one object per mode, chosen by it; it keeps no reference to the mode)."""
+
+    scaler_sees_grads = True  # the params' .grad are the gradients stepped, as a GradScaler reads them
+
+    def take(self, mode: FlatShards, master_dtype: torch.dtype | None) -> dict[int, torch.Tensor]:
+        """Give each of ``mode``'s shards (and whole params) the gradient it steps with; returns
+        the gradients kept wider than their tensor's dtype, for its master (by ``id(tensor)``)."""
+        raise NotImplementedError
+
+    def zero_grad(self, default: Callable[[], None]) -> None:
+        default()
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        return no_accumulation()
+
+    def check_join(self) -> None:
+        """``NotImplementedError`` if a rank that ran out of inputs cannot shadow these gradients."""
+
+
+class CopiedGradients(Gradients):
+    """The params' gradients, averaged by DDP on every rank: each shard gets copies of the pieces
+    of them that fall in it; whole params (a hybrid plan's) step with their own."""
+
+    def take(self, mode: FlatShards, master_dtype: torch.dtype | None) -> dict[int, torch.Tensor]:
+        mode.load_grads()
+        return {}
 
 
 class FlatShards(Mode):
     """The flat buffers of the plan's layout, this rank's shard of each, and their sync."""
 
-    def __init__(self, params: Sequence[torch.Tensor], metas: Sequence[ParamMeta], plan: Plan, rank: int,
-                 group: Any):
-        super().__init__(params, plan, rank, group)
-        self.metas, self.layout = metas, plan.flat
-        layout = plan.flat
-        self.flats = [self._allocate(b) for b in layout.buffers]
-        self.shards = [f[rank * b.shard_numel:(rank + 1) * b.shard_numel].detach()
-                       for f, b in zip(self.flats, layout.buffers)]
+    def __init__(self, state: RankState, metas: list[ParamMeta],
+                 gradients: Callable[[FlatShards], Gradients] | None = None):
+        super().__init__(state)
+        self.metas, self.layout = metas, self.plan.flat
+        self.flats = [self._allocate(b) for b in self.layout.buffers]
+        self.shards = [f[self.rank * b.shard_numel:(self.rank + 1) * b.shard_numel].detach()
+                       for f, b in zip(self.flats, self.layout.buffers)]
         self._grads = [torch.zeros_like(s) for s in self.shards]
-        self._pieces = [b.pieces(rank) for b in layout.buffers]
+        self._pieces = [b.pieces(self.rank) for b in self.layout.buffers]
         self.wide: dict[int, torch.Tensor] = {}  # see take_grads
-        self.storage = ViewWatch(self.params, [i for b in layout.buffers for i in b.params])
-        self.rules = self._rules(comm.summed(group, self.params[0].device))
+        self.storage = ViewWatch(self.params, [i for b in self.layout.buffers for i in b.params])
+        self.rules = self.build_rules(comm.summed(self.group, self.state.device))
+        self.gradients = gradients(self) if gradients is not None else CopiedGradients()
 
     def _allocate(self, buf: FlatBuffer) -> torch.Tensor:
         example = self.params[buf.params[0]]
@@ -58,45 +89,45 @@ class FlatShards(Mode):
                 p.data = view.view_as(p)
         return flat
 
-    def local_groups(self, param_groups: list[dict]) -> list[dict]:
-        """Every group's settings, with this rank's shards of that group's buffers as its params
-        (a shard holds pieces of several params: it has no name)."""
-        return [{**{k: v for k, v in g.items() if k not in ("params", "param_names")},
-                 "params": [s for s, b in zip(self.shards, self.layout.buffers) if b.group == k]}
-                for k, g in enumerate(param_groups)]
+    def tensor(self, t: LocalTensor) -> torch.Tensor:
+        return self.params[t.param] if t.whole else self.shards[t.buffer]  # whole: a hybrid plan's
 
-    def _rules(self, reduce: Callable[[torch.Tensor], torch.Tensor]) -> Sharding:
-        """What `zero.functional.sharding` needs: the pieces of whole params each shard holds."""
-        pieces = {id(s): Pieces(tuple(p.param for p in ps), tuple(p.end - p.start for p in ps),
-                                tuple(p.start for p in ps))
-                  for s, ps in zip(self.shards, self._pieces)}
-        return Sharding(pieces, tuple(p.dtype for p in self.params), reduce,
-                        numels=tuple(p.numel() for p in self.params), shapes=tuple(tuple(p.shape) for p in self.params),
-                        names=tuple(m.name for m in self.metas))
+    @property
+    def scaler_sees_grads(self) -> bool:
+        return self.gradients.scaler_sees_grads
 
-    def step(self, local: LocalStep, closure: Callable[[], float] | None, kwargs: dict, begin: Begin) -> Any:
+    def step(self, closure: Callable[[], float] | None, kwargs: dict, begin: Begin) -> Any:
         verify = begin()
         loss = None
         if closure is not None:  # the shards' gradients are copies: take them after the closure ran
             with torch.enable_grad():
                 loss = closure()
         try:
-            self.take_grads(local.masters.dtype)
-            out = local.run(self.rules, grads=self.wide, **kwargs)
+            self.take_grads(self.state.masters.dtype)
+            out = self.state.run(self.rules, grads=self.wide, **kwargs)
         finally:
             self.clear_grads()
         verify()  # before any param moves: ranks that diverged get a ValueError, not mismatched collectives
-        local.stepped()
+        self.state.stepped()
         self.sync()
         return loss if loss is not None else out
 
     def take_grads(self, master_dtype: torch.dtype | None) -> None:
-        """Give each shard its gradient: here, the pieces of the params' gradients that fall in it.
-        (``self.wide``: gradients kept in a wider dtype than their shard's, for its master.)"""
-        self.load_grads()
-        self.wide = {}
+        """Give each shard its gradient (``self.wide``: those kept wider than their shard's
+        dtype, for its master)."""
+        self.wide = self.gradients.take(self, master_dtype)
 
-    def retrain(self, metas: Sequence[ParamMeta]) -> None:
+    def zero_grad(self, default: Callable[[], None]) -> None:
+        self.gradients.zero_grad(default)
+
+    def no_sync(self):
+        return self.gradients.no_sync()
+
+    def join_hook(self, step: Callable[[], Any]) -> JoinHook:
+        self.gradients.check_join()
+        return super().join_hook(step)
+
+    def retrain(self, metas: list[ParamMeta]) -> None:
         raise ValueError("params were frozen or unfrozen after building a flat plan's optimizer; a flat "
                          "plan packs the trainable params at construction: build the optimizer again "
                          "(moving its state_dict), or use a whole-param plan")
@@ -104,19 +135,6 @@ class FlatShards(Mode):
     def check_extendable(self) -> None:
         raise ValueError("add_param_group cannot extend a flat plan (its buffers would be packed again): "
                          "build the optimizer with every group, or use a whole-param plan")
-
-    def holdings(self) -> tuple[Held, ...]:
-        order = local_buffer_order(self.layout, 1 + max((b.group for b in self.layout.buffers), default=-1))
-        return held_by(self.rank, None, self.layout, order, [p.numel() for p in self.params])
-
-    def chunks(self, index: int) -> tuple[tuple[int, int, int], ...]:
-        return param_chunks(index, self.params[index].numel(), None, self.layout)
-
-    def to_global(self, shards: Sequence[dict], param_groups: list[dict], per_element: set[str] | None) -> dict:
-        return flat_to_global(shards, self.plan, param_groups, per_element)
-
-    def to_local(self, saved: dict, per_element: set[str] | None) -> dict:
-        return flat_to_local(saved, self.plan, self.rank, per_element)
 
     @torch.no_grad()
     def load_grads(self) -> None:
@@ -158,6 +176,10 @@ class FlatShards(Mode):
         """Each shard's gradient tensor, where a reduce-scatter writes it."""
         return self._grads
 
+    def widen_grads(self, dtype: torch.dtype) -> None:
+        """Keep the shards' gradients in ``dtype`` (a reduce-scatter's ``reduce_dtype``)."""
+        self._grads = [torch.zeros_like(g, dtype=dtype) for g in self._grads]
+
     def clear_grads(self) -> None:
         for shard in self.shards:
             shard.grad = None
@@ -167,73 +189,9 @@ class FlatShards(Mode):
         """One all-gather per buffer: every rank's shard into every replica, in place."""
         for k in range(len(self.flats)):
             for work in self.start_sync(k):
-                comm.wait_for(work, self.group, "the params' all-gather")
+                wait_for(work, self.group, "the params' all-gather")
 
     def start_sync(self, k: int, async_op: bool = True) -> list[Any]:
         """Start buffer ``k``'s all-gather; returns the works to wait on."""
         rows = self.flats[k].view(self.layout.world_size, self.layout.buffers[k].shard_numel)
         return comm.all_gather_rows(rows, self.rank, self.group, async_op)
-
-
-
-def local_buffer_order(layout: FlatLayout, n_groups: int) -> list[int]:
-    return [bi for k in range(n_groups) for bi, b in enumerate(layout.buffers) if b.group == k]
-
-
-def flat_to_global(shards: Sequence[dict], plan: Plan, param_groups: list[dict],
-                   per_element: set[str] | None) -> dict[str, Any]:
-    """The global (plain ``torch.optim``) state dict out of every rank's local one.
-
-    ``per_element``: the state keys shaped like the param (None: those with dimensions); the
-    rest (``step`` ...) are equal on every rank and copied to every param of the buffer.
-    """
-    layout, metas = plan.flat, plan.metas
-    state: dict[int, dict] = {}
-    for j, bi in enumerate(local_buffer_order(layout, len(param_groups))):
-        buf = layout.buffers[bi]
-        held = [shard["state"].get(j) for shard in shards]
-        if not all(held):
-            continue
-        for key, value in held[0].items():
-            if is_per_element(key, value, per_element):
-                full = torch.cat([h[key].reshape(-1) for h in held])
-                for i, off in zip(buf.params, buf.offsets):
-                    state.setdefault(i, {})[key] = full[off:off + metas[i].numel].view(metas[i].shape).clone()
-            else:
-                for i in buf.params:
-                    state.setdefault(i, {})[key] = value.clone() if isinstance(value, torch.Tensor) else value
-    return assemble(state, shards, param_groups, plan.fingerprint)
-
-
-def flat_to_local(saved: dict, plan: Plan, rank: int, per_element: set[str] | None) -> dict[str, Any]:
-    """This rank's local state dict (one entry per shard) cut out of a global one."""
-    states = flat_local_states(saved, plan, rank, per_element)
-    state = {j: st for j, st in enumerate(states) if st}
-    order = local_buffer_order(plan.flat, len(saved["param_groups"]))
-    sizes = [sum(plan.flat.buffers[bi].group == k for bi in order) for k in range(len(saved["param_groups"]))]
-    return local_dict(state, sizes, saved, rank, plan.fingerprint)
-
-
-def flat_local_states(saved: dict, plan: Plan, rank: int, per_element: set[str] | None) -> list[dict]:
-    """Each of this rank's shards' state (in the local optimizer's order), cut out of a global
-    state dict (empty where its params have none)."""
-    order = local_buffer_order(plan.flat, len(saved["param_groups"]))
-    return [_shard_state(plan.flat.buffers[bi], saved["state"], plan.metas, rank, per_element) for bi in order]
-
-
-def _shard_state(buf: FlatBuffer, saved_state: dict, metas: Sequence[ParamMeta], rank: int,
-                 per_element: set[str] | None) -> dict:
-    held = [(i, off, saved_state[i]) for i, off in zip(buf.params, buf.offsets) if saved_state.get(i)]
-    if not held:
-        return {}
-    lo, hi = rank * buf.shard_numel, (rank + 1) * buf.shard_numel
-    st = {}
-    for key, value in held[0][2].items():
-        if is_per_element(key, value, per_element):
-            full = torch.zeros(buf.padded_numel, dtype=value.dtype, device=value.device)
-            for i, off, s in held:
-                full[off:off + metas[i].numel] = s[key].reshape(-1)
-            st[key] = full[lo:hi].clone()
-        else:
-            st[key] = value.clone() if isinstance(value, torch.Tensor) else value
-    return st

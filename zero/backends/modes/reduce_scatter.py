@@ -22,19 +22,19 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.algorithms.join import JoinHook
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from zero.backends import comm
-from zero.backends.local_optimizer import LocalStep, is_functional
+from zero.backends.consistency import wait_for
+from zero.backends.local_optimizer import is_functional
 from zero.backends.modes.base import Begin
-from zero.backends.modes.flat import FlatShards
+from zero.backends.modes.flat import FlatShards, Gradients
+from zero.backends.rank_state import RankState
 from zero.plans.layout import FlatLayout
 from zero.plans.meta import ParamMeta
-from zero.plans.plan import Plan
 
-__all__ = ["GradShards", "ReduceScatteredShards", "no_gradient"]
+__all__ = ["GradShards", "ReducedGradients", "ReduceScatteredShards", "no_gradient"]
 
 
 class GradShards:
@@ -137,87 +137,123 @@ class GradShards:
         # would undo the averaging (and a failed one would fail again).
         work, self._works[bi] = self._works[bi], None
         if work is not None:
-            comm.wait_for(work, self.group, "the gradients' reduce-scatter")
+            wait_for(work, self.group, "the gradients' reduce-scatter")
 
     def remove(self) -> None:
         for hook in self._hooks:
             hook.remove()
 
 
-class ReduceScatteredShards(FlatShards):
-    """A flat plan with ``reduce_scatter_grads=True``: DDP's place is taken by `GradShards`.
+class ReducedGradients(Gradients):
+    """Gradients averaged here, in place of DDP: the shards' by `GradShards` (reduce-scattered
+    during backward), and a hybrid plan's whole params' each summed into its owner at the step,
+    one reduce per param in the plan's order (the same on every rank), and dropped elsewhere.
 
-    Params start from rank 0's (as DDP's do), and each shard's gradient is its reduce-scattered
-    mean, which backward starts; with an element-wise ``torch.optim`` rule the step is pipelined
-    buffer by buffer with the all-gathers.
+    Params start from rank 0's (as DDP's do). Until the first step, a DDP model around these
+    params is a ``ValueError`` at its forward: it would all-reduce the gradients a second time.
     """
 
     scaler_sees_grads = False  # a rank holds only its shards' reduced gradients
 
-    def __init__(self, params: Sequence[torch.Tensor], metas: Sequence[ParamMeta], plan: Plan, rank: int,
-                 group: Any, reduce_dtype: torch.dtype | None = None):
-        super().__init__(params, metas, plan, rank, group)
+    def __init__(self, mode: FlatShards, reduce_dtype: torch.dtype | None = None):
+        params, metas, group, plan = mode.params, mode.metas, mode.group, mode.plan
+        self.reduce_dtype, self.whole, self.world_size = reduce_dtype, plan.whole, plan.world_size
         if reduce_dtype is not None:  # the shards' gradients, and the buffers reduced into them, in it
-            self._grads = [torch.zeros_like(g, dtype=reduce_dtype) for g in self._grads]
+            mode.widen_grads(reduce_dtype)
         with torch.no_grad():  # start from rank 0's params, as DDP does
-            for flat in self.flats:
+            for flat in mode.flats:
                 comm.broadcast_from(flat, 0, group)
-            for p, m in zip(self.params, metas):
+            for p, m in zip(params, metas):
                 if not m.requires_grad:
                     comm.broadcast_from(p.data, 0, group)
-        self.grad_shards = GradShards(self.params, metas, self.layout, self.grads, group)
-        # Until the first step: DDP around these params would all-reduce the gradients a second time.
-        self._ddp_watch = register_module_forward_pre_hook(_refuse_ddp({id(p) for p in self.params}))
-        weakref.finalize(self, self._ddp_watch.remove)  # an optimizer dropped before stepping leaves no hook
+            for i in plan.whole:
+                comm.broadcast_from(params[i].data, 0, group)
+        self.shards = GradShards(params, metas, plan.flat, mode.grads, group)
+        self.ddp_watch = register_module_forward_pre_hook(_refuse_ddp({id(p) for p in params}))
+        weakref.finalize(self, self.ddp_watch.remove)  # an optimizer dropped before stepping leaves no hook
 
-    def step(self, local: LocalStep, closure: Callable[[], float] | None, kwargs: dict, begin: Begin) -> Any:
-        if is_functional(local.optim) or closure is not None or kwargs or local.scaling is not None:
-            return super().step(local, closure, kwargs, begin)
-        self._step_pipelined(local, begin())
-        return None
+    def take(self, mode: FlatShards, master_dtype: torch.dtype | None) -> dict[int, torch.Tensor]:
+        """The shards' reduce-scattered means (started during backward), then the whole params'."""
+        self.ddp_watch.remove()
+        self.shards.finish(self.world_size)
+        wide = mode.use_reduced_grads(master_dtype)
+        self._reduce_whole(mode, master_dtype, wide)
+        return wide
 
-    def take_grads(self, master_dtype: torch.dtype | None) -> None:
-        """Give each shard its gradient: its reduce-scattered mean (started during backward)."""
-        self._ddp_watch.remove()
-        self.grad_shards.finish(self.layout.world_size)
-        self.wide = self.use_reduced_grads(master_dtype)
-
-    def _step_pipelined(self, local: LocalStep, verify: Callable[[], None]) -> None:
-        """Reduce-scattered gradients with an element-wise torch rule: buffer by buffer, wait for
-        its gradients, step its shard, start its all-gather, so each buffer's compute hides
-        the next one's communication."""
-        shards, works = self.grad_shards, []
-        self._ddp_watch.remove()
-        try:
-            shards.start_rest()
-            for k in range(len(self.shards)):
-                shards.wait(k, self.layout.world_size)
-                local.run(self.rules, grads=self.use_reduced_grads(local.masters.dtype, only=k))
-                if k == 0:
-                    verify()
-                works += self.start_sync(k)
-            local.stepped()
-        finally:
-            shards.end_iteration()
-            self.clear_grads()
-        for work in works:
-            comm.wait_for(work, self.group, "the params' all-gather")
+    def _reduce_whole(self, mode: FlatShards, master_dtype: torch.dtype | None, wide: dict) -> None:
+        for i in self.whole:
+            p, owner = mode.params[i], mode.plan.partition.owner[i]
+            if p.grad is None:
+                raise no_gradient(mode.metas[i].name)
+            grad = p.grad if self.reduce_dtype is None else p.grad.to(self.reduce_dtype)
+            wait_for(comm.reduce_sum_to(grad, owner, mode.group), mode.group, "the whole params' reduce")
+            if owner != mode.rank:
+                p.grad = None  # ZeRO-2: only the owner keeps it
+                continue
+            grad.div_(self.world_size)
+            if grad.dtype == p.dtype:
+                p.grad = grad
+            elif grad.dtype == master_dtype:  # straight to the master, as the shards' (use_reduced_grads)
+                p.grad, wide[id(p)] = None, grad
+            else:
+                p.grad = grad.to(p.dtype)
 
     def zero_grad(self, default: Callable[[], None]) -> None:
         """The grads stay views of the flat gradient buffers, zeroed in place (a fresh grad would be
-        copied into them by the next backward)."""
-        self.grad_shards.zero_grads()
+        copied into them by the next backward); a hybrid plan's whole params' as torch zeroes them."""
+        if self.whole:
+            default()
+        self.shards.zero_grads()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside only accumulate (as ``DDP.no_sync``); the first backward after it
         reduces the sum."""
-        with self.grad_shards.no_sync():
+        with self.shards.no_sync():
             yield
 
-    def join_hook(self, step: Callable[[], Any]) -> JoinHook:
+    def check_join(self) -> None:
         raise NotImplementedError("Join with reduce_scatter_grads=True: a joined rank would have to shadow "
                                   "the gradients' reduce-scatters too; use DDP + Join for uneven inputs")
+
+
+class ReduceScatteredShards(FlatShards):
+    """A flat plan with ``reduce_scatter_grads=True``: DDP's place is taken by `ReducedGradients`.
+
+    With an element-wise ``torch.optim`` rule the step is pipelined buffer by buffer with the
+    all-gathers.
+    """
+
+    def __init__(self, state: RankState, metas: list[ParamMeta], reduce_dtype: torch.dtype | None = None):
+        super().__init__(state, metas, lambda mode: ReducedGradients(mode, reduce_dtype))
+
+    def step(self, closure: Callable[[], float] | None, kwargs: dict, begin: Begin) -> Any:
+        state = self.state
+        if is_functional(state.optim) or closure is not None or kwargs or state.scaling is not None:
+            return super().step(closure, kwargs, begin)
+        self._step_pipelined(begin())
+        return None
+
+    def _step_pipelined(self, verify: Callable[[], None]) -> None:
+        """Reduce-scattered gradients with an element-wise torch rule: buffer by buffer, wait for
+        its gradients, step its shard, start its all-gather, so each buffer's compute hides
+        the next one's communication."""
+        shards, works, state = self.gradients.shards, [], self.state
+        self.gradients.ddp_watch.remove()
+        try:
+            shards.start_rest()
+            for k in range(len(self.shards)):
+                shards.wait(k, self.layout.world_size)
+                state.run(self.rules, grads=self.use_reduced_grads(state.masters.dtype, only=k))
+                if k == 0:
+                    verify()
+                works += self.start_sync(k)
+            state.stepped()
+        finally:
+            shards.end_iteration()
+            self.clear_grads()
+        for work in works:
+            wait_for(work, self.group, "the params' all-gather")
 
 
 def no_gradient(name: str) -> ValueError:

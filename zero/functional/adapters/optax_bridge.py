@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from zero.functional import base, inject, transforms
 from zero.functional.base import GradientTransformation, Spec
 
 __all__ = ["from_optax", "to_optax_state", "from_optax_state"]
@@ -115,10 +116,9 @@ def _optax_classes() -> dict[str, type]:
 
 @functools.cache
 def _our_classes() -> dict[str, type]:
-    import zero.functional as F
-
-    return {name: getattr(F, name) for name in F.__all__
-            if isinstance(getattr(F, name), type) and hasattr(getattr(F, name), "_fields")}
+    """Our state classes by name: those of the core and the transformations (the layer below)."""
+    return {name: getattr(m, name) for m in (base, inject, transforms) for name in m.__all__
+            if isinstance(getattr(m, name), type) and hasattr(getattr(m, name), "_fields") and name != "Spec"}
 
 
 def _convert(node: Any, leaf, classes: dict[str, type]) -> Any:

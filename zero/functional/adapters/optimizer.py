@@ -19,16 +19,16 @@ torch's rules): then the earlier set's state is split (`split_state`) and each p
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable
 from typing import Any
 
-import optree
 import torch
 
 from zero.functional import sharding
 from zero.functional.base import GradientTransformation, inplace_step, tree_map
-from zero.functional.fast.chains import Path, explain
 from zero.functional.inject import inject_hyperparams
+from zero.functional.kernels.chains import Path, explain
 
 __all__ = ["Optimizer", "FunctionalOptimizer", "hyperparams_of", "with_group_hyperparams", "check_not_optax",
            "split_state", "map_state_leaves", "state_leaves"]
@@ -221,8 +221,8 @@ class _StatesBySet:
             state = _sync_hyperparams(state, group)
         # the leaves reach the transformation in the tree's order (a dict's sorted by name)
         tree = as_tree(params, names)
-        with sharding.stepping(optree.tree_leaves(tree)):
-            self.states[idx] = inplace_step(self.tx, tree, as_tree(grads, names), state)
+        with sharding.stepping(tree):
+            self.states[idx] = inplace_step(self.tx, tree, as_tree(grads, names), state, leaves=params)
 
 
 class Optimizer(torch.optim.Optimizer):
@@ -258,11 +258,12 @@ class Optimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for k, (group, states) in enumerate(zip(self.param_groups, self._states)):
-            idx = tuple(i for i, p in enumerate(group["params"]) if p.grad is not None)
+            every = [p.grad for p in group["params"]]
+            idx = tuple(i for i, g in enumerate(every) if g is not None)
             if idx or sharding.every_group():  # sharded rules make collectives: every rank steps every group
                 params = [group["params"][i] for i in idx]
-                grads = [p.grad for p in params]
-                if any(g.is_sparse for g in grads):
+                grads = [every[i] for i in idx]
+                if any(map(_SPARSE, grads)):
                     raise ValueError("zero.functional.Optimizer does not support sparse gradients")
                 states.step(idx, params, grads, group, self.names_of(k, idx))
         return loss
@@ -319,6 +320,9 @@ class Optimizer(torch.optim.Optimizer):
                 device = group["params"][idx[0]].device
                 states.states[idx] = tree_map(lambda x, d=device: _to_device(x, d), state)
                 states._owner.update(dict.fromkeys(idx, idx))
+
+
+_SPARSE = operator.attrgetter("is_sparse")
 
 
 def _to_device(x: Any, device: torch.device) -> Any:

@@ -31,9 +31,9 @@ from zero.functional.base import (
     zeros_like,
 )
 from zero.functional.combine import chain
-from zero.functional.fast.foreach_kernels import scalar_dtype as _scalar_dtype
-from zero.functional.fast.packing import elementwise_map
+from zero.functional.foreach import elementwise_map
 from zero.functional.inject import inject_hyperparams
+from zero.functional.kernels.multi_tensor import scalar_dtype as _scalar_dtype
 
 __all__ = ["from_torch", "TORCH_CLASSES"]
 

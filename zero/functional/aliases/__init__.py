@@ -10,12 +10,10 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from zero.functional.base import GradientTransformation, Spec
+from zero.functional.base import GradientTransformation, ScalarOrSchedule, Schedule, Spec
 
 __all__ = ["Schedule", "ScalarOrSchedule", "Mask", "alias"]
 
-Schedule = Callable[[Any], float]
-ScalarOrSchedule = float | Schedule
 Mask = Any  # a pytree of bools like the params, or a function of the params returning one
 
 

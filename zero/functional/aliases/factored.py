@@ -1,7 +1,7 @@
 """Rules whose second moments take less memory than the params: ``adafactor``, ``sm3``.
 
 Each alias is one `chain` whose docstring carries the maths, and mirrors the Optax function of
-the same name (same arguments, defaults and state layout); ``tests/test_functional_optax_parity.py``
+the same name (same arguments, defaults and state layout); ``tests/functional/test_functional_optax_parity.py``
 proves them equal. Where Optax's rule and the ``torch.optim`` class of the same name differ, the
 docstring says how; `zero.functional.from_torch` gives torch's rule exactly.
 """

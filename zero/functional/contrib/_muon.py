@@ -46,7 +46,7 @@ from zero.functional.contrib.newton_schulz import (
     is_dimension_numbers,
     orthogonalize,
 )
-from zero.functional.fast.elementwise import debias, moment
+from zero.functional.elementwise import debias, moment
 from zero.functional.transforms.masking import MaskedNode
 
 __all__ = ["MuonState", "scale_by_muon", "scale_by_shape", "muon", "NS_COEFFS_PRESETS"]

@@ -1,37 +1,9 @@
 """Optax's schedules: `basic` (one formula each) and `join` (schedules joined at boundaries). A new
-schedule goes in the module of its kind and is re-exported here and from `zero.functional`.
+schedule goes in the module of its kind, in its ``__all__``, and is re-exported from
+`zero.functional`, one name a line (the one list of the names); this package holds the modules'.
 """
 
-from zero.functional.schedules.basic import (
-    Schedule,
-    constant_schedule,
-    cosine_decay_schedule,
-    exponential_decay,
-    linear_schedule,
-    piecewise_constant_schedule,
-    piecewise_interpolate_schedule,
-    polynomial_schedule,
-)
-from zero.functional.schedules.join import (
-    cosine_onecycle_schedule,
-    join_schedules,
-    linear_onecycle_schedule,
-    sgdr_schedule,
-    warmup_cosine_decay_schedule,
-)
+from zero.functional.schedules import basic, join
 
-__all__ = [
-    "Schedule",
-    "constant_schedule",
-    "cosine_decay_schedule",
-    "cosine_onecycle_schedule",
-    "exponential_decay",
-    "join_schedules",
-    "linear_onecycle_schedule",
-    "linear_schedule",
-    "piecewise_constant_schedule",
-    "piecewise_interpolate_schedule",
-    "polynomial_schedule",
-    "sgdr_schedule",
-    "warmup_cosine_decay_schedule",
-]
+globals().update({name: getattr(kind, name) for kind in (basic, join) for name in kind.__all__})
+__all__ = sorted(name for kind in (basic, join) for name in kind.__all__)

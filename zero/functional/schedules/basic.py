@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
 
 import torch
 
+from zero.functional.base import Schedule
+
 __all__ = ["Schedule", "constant_schedule", "polynomial_schedule", "linear_schedule", "cosine_decay_schedule",
            "exponential_decay", "piecewise_constant_schedule", "piecewise_interpolate_schedule"]
-
-
-Schedule = Callable[[int], float]
 
 
 def _elementwise(fn: Schedule) -> Schedule:

@@ -16,14 +16,14 @@ from zero.functional.base import (
     count_inc,
     count_zero,
     flatten_like,
-    inplace_step,
+    step_in_place,
     tree_leaves,
     tree_map,
     update_with,
     zeros_like,
 )
-from zero.functional.fast.chains import Path, described, explain
-from zero.functional.fast.packing import elementwise_map
+from zero.functional.foreach import elementwise_map
+from zero.functional.kernels.chains import Path, described, explain
 
 __all__ = ['MultiStepsState', 'MultiSteps', 'skip_not_finite', 'skip_large_updates', 'ApplyEvery', 'apply_every']
 
@@ -121,7 +121,7 @@ class MultiSteps:
             return state._replace(mini_step=count_inc(state.mini_step))
         total = torch._foreach_add(acc, delta)  # the last micro-step's mean, unrounded, as `update` steps with
         inner_grads = [t.to(g.dtype) for t, g in zip(total, leaves)]
-        inner_state = inplace_step(self._opt, params, optree.tree_structure(grads).unflatten(inner_grads),
+        inner_state = step_in_place(self._opt, params, optree.tree_structure(grads).unflatten(inner_grads),
                                    state.inner_opt_state)
         torch._foreach_zero_(acc)
         return MultiStepsState(count_zero(), count_inc(state.gradient_step), inner_state, state.acc_grads,

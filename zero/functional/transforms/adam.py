@@ -4,7 +4,7 @@ mirrored formula for formula.
 
 ``update`` is the maths, in foreach ops over the pytree's leaves; a chain of ``scale_by_adam``
 and ``scale_by_learning_rate`` also steps in place with torch's fused kernel
-(`zero.functional.fast.kernels`).
+(`zero.functional.kernels.fused`).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from zero.functional.base import (
     full_like,
     zeros_like,
 )
-from zero.functional.fast.elementwise import abs_sq, debias, max_real, moment, moments, same_dtypes, sqrt, times
-from zero.functional.fast.packing import elementwise_map, foreach_map
+from zero.functional.elementwise import abs_sq, debias, max_real, moment, moments, same_dtypes, sqrt, times
+from zero.functional.foreach import elementwise_map, foreach_map
 
 __all__ = ["ScaleByAdamState", "ScaleByAmsgradState", "ScaleByBeliefState", "scale_by_adam", "scale_by_amsgrad",
            "scale_by_adamax", "scale_by_belief", "scale_by_radam", "scale_by_yogi", "ScaleByAdanState",
@@ -104,7 +104,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_roo
     Returns:
         A transformation with state `ScaleByAdamState`. In a chain followed by
         ``scale_by_learning_rate`` (``adam``, ``adamw``, ``from_torch(torch.optim.Adam)``) the
-        in-place step runs torch's fused Adam kernel (`zero.functional.fast.kernels`).
+        in-place step runs torch's fused Adam kernel (`zero.functional.kernels.fused`).
     """
     mu_dtype = as_dtype(mu_dtype, "mu_dtype")
     _check_betas(b1, b2, eps)

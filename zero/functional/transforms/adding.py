@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import optree
@@ -14,6 +13,7 @@ from zero.functional.base import (
     NO_PARAMS_MSG,
     EmptyState,
     GradientTransformation,
+    ScalarOrSchedule,
     Spec,
     check_non_negative,
     count_inc,
@@ -21,8 +21,8 @@ from zero.functional.base import (
     stateless_tx,
     tree_map,
 )
-from zero.functional.fast.elementwise import plus_scaled, times
-from zero.functional.fast.packing import foreach_map
+from zero.functional.elementwise import plus_scaled, times
+from zero.functional.foreach import foreach_map
 from zero.functional.transforms.scaling import scale_tree
 
 __all__ = ['AddNoiseState', 'WeightDecaySchedule', 'add_decayed_weights', 'add_noise', 'centralize']
@@ -50,7 +50,7 @@ class WeightDecaySchedule(NamedTuple):
     count: torch.Tensor
 
 
-def add_decayed_weights(weight_decay: float | Callable[[Any], float] = 0.0,
+def add_decayed_weights(weight_decay: ScalarOrSchedule = 0.0,
                         mask: Any | None = None) -> GradientTransformation:
     """Add ``weight_decay * params`` (a float or schedule); ``optax.add_decayed_weights``."""
     check_non_negative("weight_decay", weight_decay)

@@ -19,8 +19,8 @@ from zero.functional.base import (
     stateless_tx,
     tree_leaves,
 )
-from zero.functional.fast.elementwise import abs_sq
-from zero.functional.fast.packing import elementwise_map
+from zero.functional.elementwise import abs_sq
+from zero.functional.foreach import elementwise_map
 
 __all__ = ["clip", "global_norm", "clip_by_global_norm", "clip_by_block_rms", "adaptive_grad_clip",
            "per_example_global_norm_clip"]
@@ -49,7 +49,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
             return updates, state
         return elementwise_map(lambda g: g / norm.to(g.dtype) * max_norm, updates), state
 
-    # A chain starting with it folds it into its kernel (zero.functional.fast.chains): its spec says so.
+    # A chain starting with it folds it into its kernel (zero.functional.kernels.chains): its spec says so.
     return GradientTransformation(lambda params: EmptyState(), update, spec=Spec("clip_by_global_norm",
                                                                                  {"max_norm": max_norm}))
 

@@ -14,14 +14,14 @@ from zero.functional.base import (
     Spec,
     count_inc,
     count_zero,
-    inplace_step,
+    step_in_place,
     tree_leaves,
     tree_map,
     update_with,
     zeros_like,
 )
-from zero.functional.fast.chains import described, explain
-from zero.functional.fast.packing import elementwise_map
+from zero.functional.foreach import elementwise_map
+from zero.functional.kernels.chains import described, explain
 
 __all__ = ["ApplyIfFiniteState", "apply_if_finite", "ZeroNansState", "zero_nans", "ConditionallyMaskState",
            "ConditionallyTransformState", "conditionally_mask", "conditionally_transform"]
@@ -70,7 +70,7 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int) 
         notfinite = count_zero() if finite else count_inc(state.notfinite_count)
         inner_state = state.inner_state
         if finite or int(notfinite) > max_consecutive_errors:
-            inner_state = inplace_step(inner, params, grads, inner_state)
+            inner_state = step_in_place(inner, params, grads, inner_state)
         total = state.total_notfinite if finite else count_inc(state.total_notfinite)
         return ApplyIfFiniteState(notfinite, torch.tensor(finite), total, inner_state)
 

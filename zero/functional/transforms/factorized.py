@@ -26,7 +26,7 @@ from zero.functional.base import (
     tree_map,
     zeros_like,
 )
-from zero.functional.fast.elementwise import abs_sq, moment
+from zero.functional.elementwise import abs_sq, moment
 
 __all__ = ['FactoredState', 'scale_by_factored_rms', 'scale_by_param_block_rms', 'ScaleBySM3State', 'scale_by_sm3']
 

@@ -21,7 +21,7 @@ from zero.functional.base import (
     tree_map,
     zeros_like,
 )
-from zero.functional.fast.elementwise import (
+from zero.functional.elementwise import (
     moment,
 )
 

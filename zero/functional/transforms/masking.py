@@ -14,12 +14,12 @@ from zero.functional.base import (
     GradientTransformation,
     Spec,
     add_updates,
-    inplace_step,
+    step_in_place,
     tree_leaves,
     tree_map,
     update_with,
 )
-from zero.functional.fast.chains import Path, described, explain
+from zero.functional.kernels.chains import Path, described, explain
 
 __all__ = ["MaskedNode", "MaskedState", "masked", "PartitionState", "MultiTransformState", "partition",
            "multi_transform"]
@@ -59,7 +59,7 @@ def _masked_inplace(inner: GradientTransformation, resolve: Any) -> Any:
     def inplace(params, grads, state):
         mask_tree = resolve(grads)
         with sharding.subset(_keep(grads, mask_tree)):
-            inner_state = inplace_step(inner, _mask_tree(params, mask_tree), _mask_tree(grads, mask_tree),
+            inner_state = step_in_place(inner, _mask_tree(params, mask_tree), _mask_tree(grads, mask_tree),
                                        state.inner_state)
         add_updates(_mask_tree(params, _inverse(mask_tree)), _mask_tree(grads, _inverse(mask_tree)))
         return MaskedState(inner_state)
@@ -148,7 +148,7 @@ def partition(transforms: Mapping[Hashable, GradientTransformation], param_label
         m, new_states = masks(grads), {}
         for k, tx in transforms.items():
             with sharding.subset(_keep(grads, m[k])):
-                inner = inplace_step(tx, _mask_tree(params, m[k]), _mask_tree(grads, m[k]),
+                inner = step_in_place(tx, _mask_tree(params, m[k]), _mask_tree(grads, m[k]),
                                      state.inner_states[k].inner_state)
             new_states[k] = MaskedState(inner)
         return PartitionState(new_states)

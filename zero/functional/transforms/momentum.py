@@ -17,12 +17,12 @@ from zero.functional.base import (
     count_zero,
     zeros_like,
 )
-from zero.functional.fast.elementwise import (
+from zero.functional.elementwise import (
     moments,
     plus_scaled,
     times,
 )
-from zero.functional.fast.packing import elementwise_map, foreach_map
+from zero.functional.foreach import elementwise_map, foreach_map
 
 __all__ = ['TraceState', 'trace', 'EmaState', 'ema', 'ScaleByOptimisticGradientState', 'scale_by_optimistic_gradient']
 

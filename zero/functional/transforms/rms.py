@@ -17,8 +17,8 @@ from zero.functional.base import (
     full_like,
     zeros_like,
 )
-from zero.functional.fast.elementwise import moments, same_dtypes, times, times_inv_root
-from zero.functional.fast.packing import foreach_map
+from zero.functional.elementwise import moments, same_dtypes, times, times_inv_root
+from zero.functional.foreach import foreach_map
 
 __all__ = ["ScaleByRmsState", "ScaleByRmsWithCountState", "ScaleByRStdDevState", "ScaleByRStdDevWithCountState",
            "ScaleByRssState", "ScaleByAdaDeltaState", "scale_by_rms", "scale_by_stddev", "scale_by_rss",

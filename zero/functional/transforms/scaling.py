@@ -3,8 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import optree
 import torch
@@ -13,13 +12,15 @@ from zero.functional import sharding
 from zero.functional.base import (
     EmptyState,
     GradientTransformation,
+    ScalarOrSchedule,
+    Schedule,
     Spec,
     count_inc,
     count_zero,
     identity,
     tree_leaves,
 )
-from zero.functional.fast.packing import elementwise_map, foreach_map
+from zero.functional.foreach import elementwise_map, foreach_map
 
 __all__ = ['ScaleByScheduleState', 'scale', 'scale_by_schedule', 'scale_by_learning_rate', 'scale_by_polyak']
 
@@ -46,7 +47,7 @@ def scale_tree(tree, factor):
     return foreach_map(lambda us: torch._foreach_mul(us, factor), tree)
 
 
-def scale_by_schedule(step_size_fn: Callable[[Any], float]) -> GradientTransformation:
+def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
     """Multiply updates by ``step_size_fn(count)`` (``optax.scale_by_schedule``)."""
     if not callable(step_size_fn):
         raise TypeError(f"step_size_fn must be callable, got {type(step_size_fn).__name__}")
@@ -58,7 +59,7 @@ def scale_by_schedule(step_size_fn: Callable[[Any], float]) -> GradientTransform
     return GradientTransformation(lambda params: ScaleByScheduleState(count_zero()), update)
 
 
-def scale_by_learning_rate(learning_rate: float | Callable[[Any], float] | None, *,
+def scale_by_learning_rate(learning_rate: ScalarOrSchedule | None, *,
                            flip_sign: bool = True) -> GradientTransformation:
     """Multiply by ``-learning_rate`` (a float or a schedule); ``optax.scale_by_learning_rate``."""
     if learning_rate is None:

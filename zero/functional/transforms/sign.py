@@ -19,10 +19,10 @@ from zero.functional.base import (
     full_like,
     zeros_like,
 )
-from zero.functional.fast.elementwise import (
+from zero.functional.elementwise import (
     moment,
 )
-from zero.functional.fast.packing import elementwise_map
+from zero.functional.foreach import elementwise_map
 
 __all__ = ['ScaleByLionState', 'scale_by_lion', 'scale_by_sign', 'ScaleByRpropState', 'scale_by_rprop']
 

@@ -110,7 +110,7 @@ class HierarchicalModelAverager(ModelAverager):
         if levels[-1][0] == 1:
             warnings.warn("the largest period is 1: every level averages every step, no cheaper than DDP alone",
                           stacklevel=2)
-        self._periods = tuple(period for period, _ in levels)
+        self.periods = tuple(period for period, _ in levels)
         self.period_process_group_dict = {
             period: self.process_group if size == levels[-1][1]
             else comm.new_subgroup(self.process_group, subgroup_blocks(levels[-1][1], size))
@@ -118,7 +118,7 @@ class HierarchicalModelAverager(ModelAverager):
 
     def average_parameters(self, params: Iterable[Any]) -> None:
         params = list(params)
-        level = hierarchical_level(self.step, self._periods, self.warmup_steps)
+        level = hierarchical_level(self.step, self.periods, self.warmup_steps)
         if level is not None:
-            average_parameters(params, self.period_process_group_dict[self._periods[level]])
+            average_parameters(params, self.period_process_group_dict[self.periods[level]])
         self.step += 1

@@ -10,8 +10,8 @@ Ownership is per param, planned from DDP's bucket layout (`zero.plans.ddp_bucket
 when the hook is made, before the first backward: so the first iteration updates the params,
 and when DDP rebuilds its buckets after it, ownership and state stay with the params (a rebuilt
 bucket may hold params of several owners; each is stepped once, by its owner). The hook keeps
-the optimizer's mode (`zero.backends.modes.DDPOverlap`), never the DDP model, so no reference
-cycle keeps DDP alive.
+the optimizer's mode (`zero.backends.modes.DDPOverlap`, which steps the optimizer's
+`RankState`), never the DDP model, so no reference cycle keeps DDP alive.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch.autograd import Variable
 
-from zero.backends import comm
+from zero.backends.consistency import wait_for
 from zero.backends.modes import DDPOverlap
 
 __all__ = ["hook_with_zero_step", "hook_with_zero_step_interleaved"]
@@ -63,7 +63,7 @@ class _ZeroStepHook:
             raise ValueError("the optimizer was built with overlap_with_ddp=False: build it with "
                              "overlap_with_ddp=True to step inside DDP's comm hook")
         _check_same_params(ddp, mode.params)
-        zero._attach_to_ddp(ddp.bucket_bytes_cap / 2**20, bool(shard_buckets))
+        mode.attach(ddp.bucket_bytes_cap / 2**20, bool(shard_buckets))
         self._hook, self._mode, self._interleaved = hook, mode, interleaved
         self._index = {id(p): i for i, p in enumerate(mode.params)}
         self._lock = threading.Lock()  # bucket callbacks may run on several communication threads
@@ -75,7 +75,7 @@ class _ZeroStepHook:
             return self._shadow(state, bucket)
         if not self._in_backward:  # the first bucket of this backward pass
             self._in_backward = True
-            self._mode.local.push()
+            self._mode.state.push()
             Variable._execution_engine.queue_callback(self._end_of_backward)
         indices = [self._index[id(p)] for p in bucket.parameters()]
         fut = self._hook(state, bucket)
@@ -92,7 +92,7 @@ class _ZeroStepHook:
         """Outside backward: a rank that ran out of inputs shadows DDP's all-reduces (``Join``). It
         still owns params: it steps them with the others' averaged gradients and takes part in
         the param sync, so every replica stays equal."""
-        self._mode.local.push()
+        self._mode.state.push()
         indices = [self._index[id(p)] for p in bucket.parameters()]
         fut = self._hook(state, bucket)
         fut.wait()
@@ -114,7 +114,7 @@ class _ZeroStepHook:
     def _end_of_backward(self) -> None:
         self._in_backward = False
         for work in self._works:
-            comm.wait_for(work, self._mode.group, "a bucket's step and param broadcast")
+            wait_for(work, self._mode.group, "a bucket's step and param broadcast")
         self._works = []
         self._mode.end_of_backward(synced=self._interleaved)
 

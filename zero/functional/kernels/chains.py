@@ -1,6 +1,6 @@
-"""Chains on the fast path, and which path a transformation takes (`explain`).
+"""Chains on a kernel, and which path a transformation takes (`explain`).
 
-`fuse` gives a chain the in-place step of the kernel its links spell (`kernels.match`), over the
+`fuse` gives a chain the in-place step of the kernel its links spell (`fused.match`), over the
 links of nested chains and aliases (``chain(clip_by_global_norm(1.0), adamw(...))`` is one list
 of links), with a leading ``clip_by_global_norm`` folded in: one norm, then the kernels'
 ``grad_scale``. Like ``torch.nn.utils.clip_grad_norm_``, a clipped in-place step leaves the
@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from zero.functional.base import GradientTransformation, Spec, inplace_step
-from zero.functional.fast.kernels import match
-from zero.functional.fast.steps import Lists
+from zero.functional.base import GradientTransformation, Spec, step_in_place
+from zero.functional.kernels.fused import match
+from zero.functional.kernels.steps import Lists
 
 __all__ = ["Path", "fuse", "explain", "described"]
 
@@ -150,7 +150,7 @@ def _link_step(path: tuple[int, ...], tx: GradientTransformation, clip: float | 
     def inplace(params: Any, grads: Any, state: tuple) -> tuple:
         lists = Lists(params, grads, clip)
         clipped = lists.treedef.unflatten(lists.clipped(grad_scale_ok=False)[0])
-        return _replaced(state, path, inplace_step(tx, params, clipped, _at(state, path)))
+        return _replaced(state, path, step_in_place(tx, params, clipped, _at(state, path)))
 
     def describe(params: Any) -> Path:
         inner = explain(tx, params)

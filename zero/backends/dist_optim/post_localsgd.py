@@ -63,7 +63,7 @@ def replicas_agree(averager: Any) -> bool:
     last = averager.step - 1
     if last < averager.warmup_steps:
         return True
-    periods = getattr(averager, "_periods", None)
+    periods = getattr(averager, "periods", None)
     if periods is not None:
         return hierarchical_level(last, periods, averager.warmup_steps) == len(periods) - 1
     period = getattr(averager, "period", None)

@@ -1,4 +1,4 @@
-"""``overlap_with_ddp=True``: the step runs inside DDP's comm hook (`zero.backends.overlap`), bucket
+"""``overlap_with_ddp=True``: the step runs inside DDP's comm hook (`zero.backends.ddp_hooks`), bucket
 by bucket, while backward goes on; ``step()`` in the loop is then a no-op.
 
 Ownership is per param, planned from DDP's bucket layout when the hook is made (`attach`), before
@@ -8,19 +8,19 @@ steps stand-ins sharing the params' storage, so DDP's and autograd's ``.grad`` s
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.distributed.algorithms.join import JoinHook
 
 from zero.backends import comm
-from zero.backends.local_optimizer import LocalStep, local_groups
 from zero.backends.modes.base import Begin
 from zero.backends.modes.whole import WholeParams
 from zero.functional import sharding
-from zero.plans.meta import ParamMeta
-from zero.plans.plan import Plan
+from zero.plans.ddp_buckets import ddp_bucket_partition
+from zero.plans.holdings import LocalTensor
+from zero.plans.meta import ParamMeta, param_metas
 
 __all__ = ["DDPOverlap"]
 
@@ -28,41 +28,41 @@ __all__ = ["DDPOverlap"]
 class DDPOverlap(WholeParams):
     """Whole params owned by DDP's buckets, each stepped by its owner as soon as its bucket is reduced."""
 
-    local: LocalStep | None = None  # set by `attach`: the hook steps it
+    attached = False  # set by `attach`: the hook steps the rank state's local optimizer
 
-    def local_groups(self, param_groups: list[dict]) -> list[dict]:
-        self.stand_ins = {i: self.params[i].detach() for i in self.plan.partition.params_of(self.rank)}
-        return local_groups(param_groups, self.indices[self.rank],
-                            [self.stand_ins.get(i, p) for i, p in enumerate(self.params)])
+    def tensor(self, t: LocalTensor) -> torch.Tensor:
+        return self.stand_ins[t.param]
 
-    def attach(self, plan: Plan, metas: Sequence[ParamMeta], make_local: Callable[[list[dict]], LocalStep],
-               param_groups: list[dict]) -> LocalStep:
-        """Execute ``plan`` (ownership by DDP's buckets) with a local optimizer built for it."""
-        if self.local is not None:
+    def attach(self, bucket_cap_mb: float, shard_buckets: bool) -> None:
+        """Own params by DDP's buckets (planned before the first backward) and step them inside the
+        hook, with a local optimizer built for that ownership (`zero.backends.ddp_hooks`)."""
+        if self.attached:
             raise ValueError("this optimizer is already stepping inside a DDP comm hook (or has stepped): "
                              "register hook_with_zero_step once, before training")
-        self.plan = plan
+        metas = param_metas(self.state.param_groups)
+        partition = ddp_bucket_partition(metas, self.state.world_size, bucket_cap_mb, shard_buckets)
+        self.state.replan(self.plan.with_partition(partition))
         self._build(metas)
-        self.local = make_local(self.local_groups(param_groups))
-        self.rules = self._refuse_whole_model_rules()
-        return self.local
+        self.state.build(self.local_groups(), per_param=True)
+        self.attached = True
 
-    def _refuse_whole_model_rules(self) -> sharding.Sharding:
+    def _rules(self) -> sharding.Sharding:
+        """The stand-ins (made here: after the sync has placed the params' storage, which they
+        share), and rules that refuse whole-model quantities (one bucket steps at a time)."""
+        self.stand_ins = {i: self.params[i].detach() for i in self.plan.partition.params_of(self.rank)}
+
         def refuse(t: torch.Tensor) -> torch.Tensor:
             raise ValueError("this rule needs the whole model's gradients (a global norm, a finiteness check ...), "
                              "but overlap_with_ddp=True steps one DDP bucket at a time: use overlap_with_ddp=False")
 
-        pieces = {id(p): sharding.Pieces((i,), (p.numel(),), (0,)) for i, p in self.stand_ins.items()}
-        return sharding.Sharding(pieces, tuple(p.dtype for p in self.params), refuse, every_group=False,
-                                 numels=tuple(p.numel() for p in self.params),
-                                 shapes=tuple(tuple(p.shape) for p in self.params), whole_params=True)
+        return self.build_rules(refuse, every_group=False)
 
-    def step(self, local: LocalStep, closure: Callable[[], float] | None, kwargs: dict, begin: Begin) -> Any:
+    def step(self, closure: Callable[[], float] | None, kwargs: dict, begin: Begin) -> Any:
         """The step ran inside backward: only a closure (which runs backward) is left."""
-        if self.local is None:
+        if not self.attached:
             raise RuntimeError("overlap_with_ddp=True: register zero.backends.hook_with_zero_step(hook, ddp, "
                                "optimizer) on the DDP model before training; the step then runs inside backward")
-        if local.scaling is not None:
+        if self.state.scaling is not None:
             raise ValueError("overlap_with_ddp=True steps inside backward, before a GradScaler can check the "
                              "gradients: use overlap_with_ddp=False with a loss scale (bf16 needs none)")
         if closure is None:
@@ -79,7 +79,7 @@ class DDPOverlap(WholeParams):
         for stand_in, g in mine:
             stand_in.grad = g.view_as(stand_in)
         try:
-            self.local.run(self.rules)
+            self.state.run(self.rules)
         finally:
             for stand_in, _ in mine:
                 stand_in.grad = None
@@ -93,12 +93,12 @@ class DDPOverlap(WholeParams):
     def end_of_backward(self, synced: bool) -> None:
         """Every bucket is stepped: sync the params (unless the hook already broadcast them)."""
         if self.trainability_changed():
-            self.retrain(())
+            self.retrain([])
         if not synced:
             self.sync.sync()
-        self.local.stepped()
+        self.state.stepped()
 
-    def retrain(self, metas: Sequence[ParamMeta]) -> None:
+    def retrain(self, metas: list[ParamMeta]) -> None:
         raise ValueError("params were frozen or unfrozen after the comm hook was registered: with "
                          "overlap_with_ddp=True build the optimizer and the hook again")
 

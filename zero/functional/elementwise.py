@@ -1,5 +1,5 @@
 """Elementwise maths the rules share: single-tensor formulas (Optax's numerics helpers) and
-their fused forms over lists of tensors, for rules that run through `zero.functional.fast.packing`.
+their fused forms over lists of tensors, for rules that run through `zero.functional.foreach`.
 
 The list forms write fresh results (a rule is pure) in as few passes as torch's foreach ops
 allow, modifying only their own temporaries in place, and only where autograd kept nothing

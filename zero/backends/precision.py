@@ -1,4 +1,6 @@
-"""Master weights: the local optimizer steps higher-precision copies of what this rank steps.
+"""Precision: master weights, loss scaling, and the dtypes a run steps and reduces in.
+
+**Master weights.** The local optimizer steps higher-precision copies of what this rank steps.
 
 With ``master_dtype=torch.float32`` and bf16 params, each tensor the local optimizer would step
 (an owned param, a flat shard, a DDP-overlap stand-in) is replaced by an fp32 copy, its master,
@@ -11,19 +13,28 @@ Masters travel in the optimizer's state dict under `MASTER_KEY`, shaped as the p
 plans) or as the shard (locally), so consolidation and resharding carry them like any per-element
 state. A state dict without them (torch's, or saved without masters) starts the masters from the
 params.
+
+**Loss scaling.** ``torch.amp.GradScaler`` hands the step its scale and found-inf flag; the step
+unscales what it steps and agrees with every rank whether to skip (`Scaling`). With gradients
+reduce-scattered a rank sees only its shards' reduced gradients, so the scaler must follow that
+agreed flag: `ShardedGradScaler` does (fairscale's ``ShardedGradScaler`` is the anchor).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from zero.functional import sharding
+from zero.plans.meta import ParamMeta
 
-__all__ = ["MASTER_KEY", "Masters", "Scaling", "resolve_dtype"]
+__all__ = ["MASTER_KEY", "Masters", "Scaling", "ShardedGradScaler", "resolve_dtype", "planned_master_dtype",
+           "warn_fp16", "scaling_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -192,3 +203,83 @@ class Scaling:
 
 def _params(optim: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for g in optim.param_groups for p in g["params"]]
+
+
+def planned_master_dtype(plan_master_dtype: str | None, master_dtype: torch.dtype | None) -> torch.dtype | None:
+    """The master dtype a run steps in: the plan's (which counted the masters' bytes); the
+    ``master_dtype`` argument, when given, must say the same."""
+    planned = resolve_dtype(plan_master_dtype, "plan.master_dtype")
+    if master_dtype is not None and planned != master_dtype:
+        raise ValueError(f"master_dtype={master_dtype} but the plan was made with master_dtype={plan_master_dtype!r}: "
+                         f"make the plan with zero.make_plan(..., master_dtype={str(master_dtype)[6:]!r}), whose "
+                         "per-rank bytes then count the masters, or drop the argument")
+    return planned
+
+
+def warn_fp16(metas: Sequence[ParamMeta], master_dtype: torch.dtype | None) -> None:
+    """Warn when trainable params are float16: without loss scaling their gradients overflow."""
+    fp16 = [m.name for m in metas if m.requires_grad and m.dtype == "float16"]
+    if fp16:
+        warnings.warn(f"{len(fp16)} trainable params are float16 (first: {fp16[0]}): their gradients overflow "
+                      "without loss scaling, and the step then writes inf/nan silently. Drive step() with "
+                      "torch.amp.GradScaler (zero.backends.ShardedGradScaler with reduce_scatter_grads=True)"
+                      + ("" if master_dtype else ", and consider master_dtype=torch.float32"), stacklevel=3)
+
+
+def scaling_of(optimizer: torch.optim.Optimizer, scaler_sees_grads: bool, agreed: bool) -> Scaling | None:
+    """The loss scale's part in this step: what ``torch.amp.GradScaler`` set on ``optimizer``
+    (``grad_scale``, ``found_inf``), or None without a scaler. ``scaler_sees_grads``: the params'
+    ``.grad`` are the gradients stepped (else a scaler must follow the step's agreed check:
+    ``agreed``, set by `ShardedGradScaler`)."""
+    found_inf = getattr(optimizer, "found_inf", None)
+    if found_inf is None:
+        return None
+    if not scaler_sees_grads and not agreed:
+        raise ValueError("torch.amp.GradScaler checks each rank's own gradients, but with "
+                         "reduce_scatter_grads=True a rank steps the reduced shards of everyone's: the ranks' "
+                         "loss scales would differ. Use zero.backends.ShardedGradScaler, whose scale follows the "
+                         "step's agreed check")
+    return Scaling(getattr(optimizer, "grad_scale", None), found_inf)
+
+
+class ShardedGradScaler(torch.amp.GradScaler):
+    """``torch.amp.GradScaler`` whose loss scale agrees across the ranks of a sharded optimizer
+    whose gradients are reduce-scattered; use it as torch's.
+
+    torch's scaler decides whether a step overflowed from the gradients it sees on its own rank.
+    With ``reduce_scatter_grads=True`` those are the rank's unreduced gradients, and an overflow
+    may show only in another rank's shard of the sum: the ranks would grow and back off their
+    scales apart. The optimizer's step already checks the reduced gradients it steps and agrees
+    with every rank (one all-reduce of the flag); this scaler takes that agreed flag for its
+    update. An optimizer without a ``rank_state`` (not zero's) gets torch's behaviour.
+    """
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        if _reduce_scattered(optimizer):
+            raise ValueError("unscale_ before step: with reduce_scatter_grads=True the params' .grad are this rank's "
+                             "unreduced gradients, so unscaling or clipping them means nothing for the step. Clip in "
+                             "the optimizer's chain (zero.functional.clip_by_global_norm sees the sharded global norm)")
+        super().unscale_(optimizer)
+
+    def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor,
+                        allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
+        if _reduce_scattered(optimizer):  # the step checks the reduced gradients; the unreduced may be in flight
+            return {found_inf.device: found_inf}
+        return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        state = getattr(optimizer, "rank_state", None)  # zero's sharded optimizers have one
+        if state is None or not self.is_enabled():
+            return super().step(optimizer, *args, **kwargs)
+        with state.scaler_agrees():
+            out = super().step(optimizer, *args, **kwargs)
+        if state.agreed_found_inf is not None:  # the update that follows reads these
+            for found in self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
+                found.copy_(state.agreed_found_inf)
+        return out
+
+
+def _reduce_scattered(optimizer: torch.optim.Optimizer) -> bool:
+    mode = getattr(optimizer, "mode", None) if hasattr(optimizer, "rank_state") else None
+    return mode is not None and not mode.scaler_sees_grads
+

@@ -4,6 +4,7 @@ weight decay), and the learning rate of the step."""
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -13,8 +14,8 @@ import torch
 from zero.functional import sharding
 from zero.functional.base import GradientTransformation, count_inc
 
-__all__ = ["KernelStep", "Lists", "Placement", "keep_placement", "by_decay", "by_device_and_dtype", "marked",
-           "rate_of", "advanced"]
+__all__ = ["KernelStep", "Lists", "Placement", "keep_placement", "by_decay", "by_device_and_dtype", "picker",
+           "marked", "rate_of", "advanced"]
 
 KernelStep = Callable[["Lists", tuple], Any]
 
@@ -116,8 +117,12 @@ class Placement:
         return self.groups
 
 
-def _kinds(tensors: Sequence[torch.Tensor]) -> list[tuple]:
-    return [(t.dtype, t.get_device()) for t in tensors]
+def _kinds(tensors: Sequence[torch.Tensor]) -> tuple[list, list]:
+    """Each tensor's dtype and device index, read by C loops (a step reads them for every tensor)."""
+    return list(map(_DTYPE, tensors)), list(map(torch.Tensor.get_device, tensors))
+
+
+_DTYPE = operator.attrgetter("dtype")
 
 
 def _groups(lists: Sequence[Sequence[torch.Tensor]]) -> list[list[int]] | None:
@@ -139,6 +144,8 @@ def by_device_and_dtype(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
 
 def by_decay(groups: list[list[int]], decays: list[float]) -> list[tuple[list[int], float]]:
     """Each placement group split by weight decay: one kernel call per (device, dtype, decay)."""
+    if len(set(decays)) <= 1:  # one decay for all (no mask): the groups as they are
+        return [(idx, decays[0] if decays else 0.0) for idx in groups]
     out = []
     for idx in groups:
         by: dict[float, list[int]] = {}
@@ -146,6 +153,14 @@ def by_decay(groups: list[list[int]], decays: list[float]) -> list[tuple[list[in
             by.setdefault(decays[i], []).append(i)
         out += [(part, rate) for rate, part in by.items()]
     return out
+
+
+def picker(idx: list[int], n: int) -> Callable[[list], list]:
+    """Picks positions ``idx`` out of lists of ``n`` (one kernel call's tensors); all of them, in
+    order, is the list itself (the common case: one device, dtype and decay)."""
+    if len(idx) == n:
+        return lambda xs: xs
+    return lambda xs: [xs[i] for i in idx]
 
 
 def marked(inplace: Any, kernel: str, decay: tuple[float, Any] | None, grad_scale: bool) -> KernelStep:

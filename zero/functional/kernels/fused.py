@@ -5,7 +5,7 @@ pure maths, compared with Optax by the parity tests). When the links' specs spel
 has a fused multi-tensor kernel for, `match` gives the in-place step that runs that kernel
 instead, one call per (device, dtype, weight decay), updating params and state tensors in place.
 It is torch's implementation of the same rule, held to ``torch.optim`` with ``foreach=False`` by
-the tests, so the two paths check each other. `zero.functional.fast.chains` wraps it for a chain:
+the tests, so the two paths check each other. `zero.functional.kernels.chains` wraps it for a chain:
 nested chains, a leading ``clip_by_global_norm`` (the kernels' ``grad_scale``) and trees by name.
 
 A kernel step takes the step's `Lists` and the chain's link states, flat, and returns the new
@@ -28,9 +28,9 @@ from __future__ import annotations
 import torch
 
 from zero.functional.base import Spec, count_inc
-from zero.functional.fast.foreach_kernels import FOREACH_KERNELS
-from zero.functional.fast.matching import decayed_rule, maximize_and_decay, plain_adam, take, take_decay
-from zero.functional.fast.steps import KernelStep, Lists, advanced, by_decay, marked, rate_of
+from zero.functional.kernels.matching import decayed_rule, maximize_and_decay, plain_adam, take, take_decay
+from zero.functional.kernels.multi_tensor import FOREACH_KERNELS
+from zero.functional.kernels.steps import KernelStep, Lists, advanced, by_decay, marked, picker, rate_of
 
 __all__ = ["match"]
 
@@ -67,7 +67,7 @@ def _adam_kernel(specs: list[tuple[int, Spec]]) -> KernelStep | None:
         count = count_inc(adam.count)
         rate = rate_of(learning_rate, lr_state)
         for idx, weight_decay in by_decay(groups, lists.decays(decay)):
-            pick = lambda xs, idx=idx: [xs[i] for i in idx]  # noqa: E731
+            pick = picker(idx, len(params))
             device = params[idx[0]].device
             step = torch.tensor(float(count), device=device)
             kernel(pick(params), pick(grads), pick(mu), pick(nu), pick(nu_max) if amsgrad else [],
@@ -115,7 +115,7 @@ def _sgd_kernel(specs: list[tuple[int, Spec]]) -> KernelStep | None:
         lr_state = state[lr_at]
         rate = rate_of(learning_rate, lr_state)
         for idx, weight_decay in by_decay(groups, lists.decays(decay)):
-            pick = lambda xs, idx=idx: [xs[i] for i in idx]  # noqa: E731
+            pick = picker(idx, len(params))
             torch._fused_sgd_(pick(params), pick(grads), pick(buffers) if momentum else [],
                               weight_decay=weight_decay, momentum=mom["momentum"], lr=rate,
                               dampening=mom["dampening"], nesterov=mom["nesterov"], maximize=maximize,
@@ -150,7 +150,7 @@ def _adagrad_kernel(specs: list[tuple[int, Spec]]) -> KernelStep | None:
         grads, scale = lists.clipped(grad_scale_ok=True)
         count = count_inc(state[lr_at].count)  # torch's step t, counted from 1
         for idx in groups:
-            pick = lambda xs, idx=idx: [xs[i] for i in idx]  # noqa: E731
+            pick = picker(idx, len(params))
             device = params[idx[0]].device
             step = torch.tensor(float(count), device=device)
             torch._fused_adagrad_(pick(params), pick(grads), pick(sums), [step] * len(idx), lr=hyper["lr"],

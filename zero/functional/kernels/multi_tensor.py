@@ -1,7 +1,7 @@
 """Kernel steps on torch's multi-tensor (foreach) implementations, for the rules torch has no
 fused kernel for: RMSprop, Adamax, Adadelta, Rprop, NAdam and RAdam (torch's own functions), and
 Lion (torch has none: foreach ops in place). Matched from a chain's specs like the fused ones
-(`zero.functional.fast.kernels.match` tries these after them)."""
+(`zero.functional.kernels.fused.match` tries these after them)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from typing import Any
 import torch
 
 from zero.functional.base import Spec, count_inc
-from zero.functional.fast.matching import decayed_rule, lr_rule, maximize_and_decay, take
-from zero.functional.fast.steps import KernelStep, Lists, advanced, by_decay, marked, rate_of
+from zero.functional.kernels.matching import decayed_rule, lr_rule, maximize_and_decay, take
+from zero.functional.kernels.steps import KernelStep, Lists, advanced, by_decay, marked, rate_of
 
 __all__ = ["FOREACH_KERNELS", "scalar_dtype"]
 

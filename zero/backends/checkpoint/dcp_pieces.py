@@ -1,10 +1,10 @@
-"""What a rank's optimizer holds, as the tensors DCP saves under each FQN, and back.
+"""What a rank holds (its `RankState`), as the tensors DCP saves under each FQN, and back.
 
-Each held piece (`zero.plans.chunks.Held`) of each state tensor becomes either the tensor itself
-(the rank holds the whole param's state) or a ``ShardedTensor`` of boxes of the param's shape,
-views into the state. ``torch.optim`` local optimizers give their per-param state; `zero.functional`
-ones their Optax-shaped state, leaf by leaf. Loading writes each piece back, skipping what DCP
-already loaded in place.
+Each held piece (`zero.plans.chunks.Held`, from the plan's `zero.plans.holdings`) of each state
+tensor becomes either the tensor itself (the rank holds the whole param's state) or a
+``ShardedTensor`` of boxes of the param's shape, views into the state. ``torch.optim`` local
+optimizers give their per-param state; `zero.functional` ones their Optax-shaped state, leaf by
+leaf. Loading writes each piece back, skipping what DCP already loaded in place.
 """
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ from typing import Any
 import torch
 
 from zero.backends import comm
+from zero.backends.checkpoint.consolidated import is_per_element
 from zero.backends.local_optimizer import initial_state
-from zero.backends.masters import MASTER_KEY
-from zero.backends.state_dict import is_per_element
+from zero.backends.precision import MASTER_KEY
+from zero.backends.rank_state import RankState
 from zero.functional.adapters.optimizer import map_state_leaves, state_leaves
 from zero.plans.chunks import Held, range_boxes
 
@@ -36,32 +37,27 @@ def quiet() -> Iterator[None]:
         yield
 
 
-def torch_entries(optimizer: Any) -> Iterator[tuple[Held, str, Any]]:
+def torch_entries(state: RankState) -> Iterator[tuple[Held, str, Any]]:
     """``(held piece, key, value for DCP)`` of a ``torch.optim`` local optimizer's state."""
-    local = _local_state(optimizer)
-    per_element = optimizer._local.per_element_keys()
-    for h in optimizer.mode.holdings():
+    local = _local_state(state)
+    per_element = state.per_element_keys()
+    for h in state.holdings.held:
         for key, value in local["state"].get(h.local, {}).items():
-            yield h, key, _piece(optimizer, h, value) if is_per_element(key, value, per_element) else value
+            yield h, key, _piece(state, h, value) if is_per_element(key, value, per_element) else value
 
 
-def _local_state(optimizer: Any) -> dict:
+def _local_state(state: RankState) -> dict:
     """The local optimizer's state dict (masters included), every param given a state first."""
-    initial_state(optimizer.optim, _trainable(optimizer))  # a frozen param has no state, as in torch
-    return optimizer._local.state_dict()
+    initial_state(state.optim, state.trainable_locals())  # a frozen param has no state, as in torch
+    return state.state_dict()
 
 
-def _trainable(optimizer: Any) -> set[int]:
-    """The local optimizer's params (positions across its groups) that stand for trainable params."""
-    return {h.local for h in optimizer.mode.holdings() if optimizer._all_params[h.param].requires_grad}
-
-
-def _functional_sets(optimizer: Any) -> Iterator[tuple[dict, tuple[int, ...], list[int], list[str] | None]]:
+def _functional_sets(state: RankState) -> Iterator[tuple[dict, tuple[int, ...], list[int], list[str] | None]]:
     """Each set of a `zero.functional` local optimizer's params stepped together: the group's
     states, the set's positions in the group, their positions across groups, their names in
     the state's trees (None: lists). Params without
     state start from the transformation's ``init`` (stepped together, as a step would)."""
-    optim, trainable, first = optimizer.optim, _trainable(optimizer), 0
+    optim, trainable, first = state.optim, state.trainable_locals(), 0
     for k, group in enumerate(optim.param_groups):
         n = len(group["params"])
         optim.ensure_state(k, tuple(i for i in range(n) if first + i in trainable))
@@ -71,49 +67,42 @@ def _functional_sets(optimizer: Any) -> Iterator[tuple[dict, tuple[int, ...], li
         first += n
 
 
-def functional_entries(optimizer: Any) -> Iterator[tuple[Held, str, Any]]:
+def functional_entries(state: RankState) -> Iterator[tuple[Held, str, Any]]:
     """The Optax-shaped state of a `zero.functional` local optimizer, per held piece: each
     per-param leaf under its path (``"0.mu"`` ...), each shared leaf (counts, hyperparameters)
     under every param of its set; masters under `MASTER_KEY`."""
-    by_local = _by_local(optimizer)
-    params = [p for g in optimizer.optim.param_groups for p in g["params"]]
-    for states, idx, js, names in _functional_sets(optimizer):
+    held = state.holdings
+    params = [p for g in state.optim.param_groups for p in g["params"]]
+    for states, idx, js, names in _functional_sets(state):
         for key, pos, leaf in state_leaves(states[idx], len(idx), names):
             for j in js if pos is None else [js[pos]]:
-                for h in by_local.get(j, ()):
-                    per_param = pos is not None and _shaped_like(leaf, params[j], h, optimizer, key)
-                    yield h, key, _piece(optimizer, h, leaf) if per_param else leaf
+                for h in held.pieces(j):
+                    per_param = pos is not None and _shaped_like(leaf, params[j], h, state, key)
+                    yield h, key, _piece(state, h, leaf) if per_param else leaf
     for j, p in enumerate(params):
-        if optimizer.masters.stepped(p) is not None:
-            for h in by_local.get(j, ()):
-                yield h, MASTER_KEY, _piece(optimizer, h, p)
+        if state.masters.stepped(p) is not None:
+            for h in held.pieces(j):
+                yield h, MASTER_KEY, _piece(state, h, p)
 
 
-def _by_local(optimizer: Any) -> dict[int, list[Held]]:
-    out: dict[int, list[Held]] = {}
-    for h in optimizer.mode.holdings():
-        out.setdefault(h.local, []).append(h)
-    return out
-
-
-def _shaped_like(leaf: Any, local: torch.Tensor, h: Held, optimizer: Any, key: str) -> bool:
+def _shaped_like(leaf: Any, local: torch.Tensor, h: Held, state: RankState, key: str) -> bool:
     """Whether a per-param leaf is element-wise (saved in pieces, like the param); a leaf of
     another shape (a factored statistic, a norm) is saved whole, which needs the whole param."""
     if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape == local.shape:
         return True
-    whole = optimizer._all_params[h.param].numel()
+    whole = state.params[h.param].numel()
     if h.end - h.start != whole or local.numel() != whole:
         raise ValueError(f"state {key!r} of param {h.param} is not shaped like the param, and this rank holds only "
                          "part of it (a flat plan): it cannot be saved by FQN; use a whole-param plan")
     return False
 
 
-def _piece(optimizer: Any, h: Held, value: torch.Tensor) -> torch.Tensor:
+def _piece(state: RankState, h: Held, value: torch.Tensor) -> torch.Tensor:
     """This rank's piece of one state tensor: the tensor itself (param-shaped) when it holds all of
     it, else a ``ShardedTensor`` of its boxes, views into ``value``."""
-    shape = tuple(optimizer._all_params[h.param].shape)
+    shape = tuple(state.params[h.param].shape)
     flat = value.reshape(-1)[h.offset:h.offset + h.end - h.start]
-    chunks = optimizer.mode.chunks(h.param)
+    chunks = state.holdings.chunks(h.param)
     if len(chunks) == 1:
         return flat.view(shape)
     from torch.distributed._shard.metadata import ShardMetadata
@@ -121,25 +110,25 @@ def _piece(optimizer: Any, h: Held, value: torch.Tensor) -> torch.Tensor:
     from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 
     def placed(rank: int) -> str:
-        return f"rank:{comm.global_rank(optimizer.process_group, rank)}/{value.device}"
+        return f"rank:{comm.global_rank(state.process_group, rank)}/{value.device}"
 
     local = [Shard(flat[b.start - h.start:b.start - h.start + b.numel].view(b.sizes),
-                   ShardMetadata(list(b.offsets), list(b.sizes), placed(optimizer.rank)))
+                   ShardMetadata(list(b.offsets), list(b.sizes), placed(state.rank)))
              for b in range_boxes(shape, h.start, h.end)]
     everyone = [ShardMetadata(list(b.offsets), list(b.sizes), placed(r))
                 for r, s, e in chunks for b in range_boxes(shape, s, e)]
     meta = ShardedTensorMetadata(everyone, torch.Size(shape), TensorProperties(dtype=value.dtype))
     with quiet():
         return ShardedTensor._init_from_local_shards_and_global_metadata(local, meta,
-                                                                         process_group=optimizer.process_group)
+                                                                         process_group=state.process_group)
 
 
-def load_torch(optimizer: Any, names: list[str], sd: dict) -> None:
+def load_torch(state: RankState, names: list[str], sd: dict) -> None:
     """Load into a ``torch.optim`` local optimizer: each held piece into its state (in place
     where DCP loaded into it), masters missing from ``sd`` started again from their params."""
-    local = _local_state(optimizer)
+    local = _local_state(state)
     restart: set[int] = set()  # local tensors whose masters start again from their params
-    for h in optimizer.mode.holdings():
+    for h in state.holdings.held:
         fqn = names[h.param]
         saved, mine = sd["state"].get(fqn), local["state"].get(h.local)
         if not mine:  # a frozen param: no state here, none to load (it does not step)
@@ -151,7 +140,7 @@ def load_torch(optimizer: Any, names: list[str], sd: dict) -> None:
         if missing:
             keeps = sorted(set(mine) - {MASTER_KEY})
             raise ValueError(f"optim_state_dict's state for {fqn!r} has {sorted(saved)} but "
-                             f"{type(optimizer.optim).__name__} keeps {keeps} (missing {missing}): it was saved by "
+                             f"{type(state.optim).__name__} keeps {keeps} (missing {missing}): it was saved by "
                              "another optimizer")
         if MASTER_KEY in mine and MASTER_KEY not in saved:
             restart.add(h.local)
@@ -159,28 +148,28 @@ def load_torch(optimizer: Any, names: list[str], sd: dict) -> None:
             if key not in mine:
                 continue  # e.g. masters saved by a run with them, loaded where params step themselves
             if isinstance(mine[key], torch.Tensor) and mine[key].dim() > 0:
-                _copy_piece(mine[key], h, value, fqn, key, tuple(optimizer._all_params[h.param].shape))
+                _copy_piece(mine[key], h, value, fqn, key, tuple(state.params[h.param].shape))
             else:
                 mine[key] = value.detach().clone() if isinstance(value, torch.Tensor) else value
-    state = {j: {k: v for k, v in st.items() if not (k == MASTER_KEY and j in restart)}
-             for j, st in local["state"].items()}
+    kept = {j: {k: v for k, v in st.items() if not (k == MASTER_KEY and j in restart)}
+            for j, st in local["state"].items()}
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": mine["params"]}
               for g, mine in zip(sd["param_groups"], local["param_groups"])]
-    optimizer._local.load_state_dict({"state": state, "param_groups": groups})
+    state.load_state_dict({"state": kept, "param_groups": groups})
 
 
-def load_functional(optimizer: Any, names: list[str], sd: dict) -> None:
+def load_functional(state: RankState, names: list[str], sd: dict) -> None:
     """Load into a `zero.functional` local optimizer's states, leaf by leaf (in place where DCP
     loaded into them), then its masters and the groups' settings."""
-    by_local = _by_local(optimizer)
-    params = [p for g in optimizer.optim.param_groups for p in g["params"]]
-    for states, idx, js, tree_names in _functional_sets(optimizer):
+    held_by = state.holdings
+    params = [p for g in state.optim.param_groups for p in g["params"]]
+    for states, idx, js, tree_names in _functional_sets(state):
         def fill(key: str, pos: int | None, leaf: Any, js: list[int] = js) -> Any:
-            held = [h for j in (js if pos is None else [js[pos]]) for h in by_local.get(j, ())]
+            held = [h for j in (js if pos is None else [js[pos]]) for h in held_by.pieces(j)]
             for h in held if pos is not None else held[:1]:
                 saved = _saved(sd, names[h.param], key)
-                if pos is not None and _shaped_like(leaf, params[h.local], h, optimizer, key):
-                    _copy_piece(leaf, h, saved, names[h.param], key, tuple(optimizer._all_params[h.param].shape))
+                if pos is not None and _shaped_like(leaf, params[h.local], h, state, key):
+                    _copy_piece(leaf, h, saved, names[h.param], key, tuple(state.params[h.param].shape))
                 elif isinstance(leaf, torch.Tensor):
                     _copy_whole(leaf, saved, names[h.param], key)
                 else:
@@ -188,16 +177,16 @@ def load_functional(optimizer: Any, names: list[str], sd: dict) -> None:
             return leaf
         states[idx] = map_state_leaves(states[idx], len(idx), fill, tree_names)
     for j, p in enumerate(params):
-        stepped = optimizer.masters.stepped(p)
-        for h in by_local.get(j, ()) if stepped is not None else ():
+        stepped = state.masters.stepped(p)
+        for h in held_by.pieces(j) if stepped is not None else ():
             saved = sd["state"].get(names[h.param], {}).get(MASTER_KEY)
             if saved is None:  # a checkpoint without masters: they start again from the loaded params
                 p.copy_(stepped)
                 break
-            _copy_piece(p, h, saved, names[h.param], MASTER_KEY, tuple(optimizer._all_params[h.param].shape))
-    for group, saved in zip(optimizer.param_groups, sd["param_groups"]):
+            _copy_piece(p, h, saved, names[h.param], MASTER_KEY, tuple(state.params[h.param].shape))
+    for group, saved in zip(state.param_groups, sd["param_groups"]):
         group.update({k: v for k, v in saved.items() if k != "params"})
-    optimizer._local.push()
+    state.push()
 
 
 def _saved(sd: dict, fqn: str, key: str) -> Any:

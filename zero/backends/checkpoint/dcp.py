@@ -1,4 +1,6 @@
-"""`get_state_dict` and `set_state_dict`: the model's and the optimizer's state dicts in DCP's layout."""
+"""DCP's format: `get_state_dict` and `set_state_dict`, the model's and the optimizer's state dicts
+in `torch.distributed.checkpoint`'s layout (FSDP2's), each rank's pieces read from and written into
+its `RankState` (`zero.backends.checkpoint.dcp_pieces`)."""
 
 from __future__ import annotations
 
@@ -8,9 +10,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from zero.backends.checkpoint.pieces import functional_entries, load_functional, load_torch, torch_entries
+from zero.backends import comm
+from zero.backends.checkpoint.dcp_pieces import functional_entries, load_functional, load_torch, torch_entries
 from zero.backends.local_optimizer import is_functional
-from zero.backends.masters import MASTER_KEY
+from zero.backends.precision import MASTER_KEY
+from zero.backends.rank_state import RankState
 
 __all__ = ["get_state_dict", "set_state_dict", "model_fqns", "check_optimizer", "resolve_options",
            "unwrap_post_local_sgd"]
@@ -60,10 +64,10 @@ def model_fqns(model: nn.Module) -> dict[int, str]:
     return out
 
 
-def _param_names(optimizer: Any, model: nn.Module) -> list[str]:
+def _param_names(state: RankState, model: nn.Module) -> list[str]:
     fqns = model_fqns(model)
     names = []
-    for i, p in enumerate(optimizer._all_params):
+    for i, p in enumerate(state.params):
         if id(p) not in fqns:
             raise ValueError(f"the optimizer's param {i} (shape {tuple(p.shape)}) is not a parameter of the model: "
                              "pass the model whose parameters the optimizer steps")
@@ -94,14 +98,12 @@ def unwrap_post_local_sgd(optimizer: Any) -> tuple[Any, Any]:
     """``(the ZeRO optimizer, the PostLocalSGDOptimizer around it or None)``, checked: local SGD
     keeps one model and one sharded state only when the ZeRO group is the averager's whole group
     and its replicas have just been averaged (or are still warming up)."""
-    from zero.backends.post_localsgd import PostLocalSGDOptimizer, replicas_agree
+    from zero.backends.dist_optim.post_localsgd import PostLocalSGDOptimizer, replicas_agree
 
     if not isinstance(optimizer, PostLocalSGDOptimizer):
         return optimizer, None
     inner, averager = optimizer.optim, optimizer.averager
     check_optimizer(inner)
-    from zero.backends import comm
-
     if comm.group_size(inner.process_group) != comm.group_size(averager.process_group):
         raise ValueError(f"the ZeroRedundancyOptimizer shards over {comm.group_size(inner.process_group)} ranks but "
                          f"the averager averages over {comm.group_size(averager.process_group)}: each of its "
@@ -118,25 +120,26 @@ def _model_state_dict(model: nn.Module, opts: _Options) -> dict[str, Any]:
     return {_clean(k): v for k, v in module.state_dict().items() if k not in frozen}
 
 
-def check_optimizer(optimizer: Any) -> None:
-    from zero.backends.zero_optimizer import ZeroRedundancyOptimizer
-
-    if not isinstance(optimizer, ZeroRedundancyOptimizer):
+def check_optimizer(optimizer: Any) -> RankState:
+    """The sharded optimizer's `RankState`; a ``TypeError`` for another optimizer."""
+    state = getattr(optimizer, "rank_state", None)
+    if not isinstance(state, RankState):
         raise TypeError(f"optimizer must be a zero.backends.ZeroRedundancyOptimizer, got {type(optimizer).__name__} "
                         "(for other optimizers use torch.distributed.checkpoint.state_dict.get_state_dict)")
+    return state
 
 
 def _optimizer_state_dict(optimizer: Any, model: nn.Module, opts: _Options, masters: bool) -> dict[str, Any]:
-    check_optimizer(optimizer)
-    names = _param_names(optimizer, model)
-    optimizer._local.push()
-    entries = functional_entries if is_functional(optimizer.optim) else torch_entries
+    held = check_optimizer(optimizer)
+    names = _param_names(held, model)
+    held.push()
+    entries = functional_entries if is_functional(held.optim) else torch_entries
     state: dict[str, dict] = {}
-    for h, key, value in entries(optimizer):
+    for h, key, value in entries(held):
         if key != MASTER_KEY or masters:
             state.setdefault(names[h.param], {})[key] = value
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": fqns}
-              for g, fqns in zip(optimizer.param_groups, _groups_of(optimizer, names))]
+              for g, fqns in zip(held.param_groups, _groups_of(held, names))]
     sd = {"state": state, "param_groups": groups}
     return _flatten(sd) if opts.flatten_optimizer_state_dict else sd
 
@@ -177,21 +180,21 @@ def _same(a: Any, b: torch.Tensor) -> bool:
 
 
 def _load_optimizer(optimizer: Any, model: nn.Module, sd: dict[str, Any]) -> None:
-    check_optimizer(optimizer)
-    names = _param_names(optimizer, model)
-    sd = _unflatten(sd, _groups_of(optimizer, names)) if _is_flat(sd) else sd
-    _check_groups(sd, optimizer, names)
-    if is_functional(optimizer.optim):
-        load_functional(optimizer, names, sd)
+    state = check_optimizer(optimizer)
+    names = _param_names(state, model)
+    sd = _unflatten(sd, _groups_of(state, names)) if _is_flat(sd) else sd
+    _check_groups(sd, state, names)
+    if is_functional(state.optim):
+        load_functional(state, names, sd)
     else:
-        load_torch(optimizer, names, sd)
+        load_torch(state, names, sd)
 
 
-def _check_groups(sd: dict, optimizer: Any, names: list[str]) -> None:
+def _check_groups(sd: dict, state: RankState, names: list[str]) -> None:
     if not isinstance(sd, dict) or "state" not in sd or "param_groups" not in sd:
         raise ValueError("optim_state_dict must have 'state' and 'param_groups' (made by get_state_dict)")
     saved = [list(g["params"]) for g in sd["param_groups"]]
-    mine = _groups_of(optimizer, names)
+    mine = _groups_of(state, names)
     if saved != mine:
         missing = sorted(set(names) - {n for g in saved for n in g})
         extra = sorted({n for g in saved for n in g} - set(names))
@@ -199,10 +202,10 @@ def _check_groups(sd: dict, optimizer: Any, names: list[str]) -> None:
                          f"extra FQNs {extra}, group sizes {[len(g) for g in saved]} vs {[len(g) for g in mine]}")
 
 
-def _groups_of(optimizer: Any, names: list[str]) -> list[list[str]]:
+def _groups_of(state: RankState, names: list[str]) -> list[list[str]]:
     """The FQNs of each of the optimizer's param groups."""
     out, first = [], 0
-    for g in optimizer.param_groups:
+    for g in state.param_groups:
         out.append(names[first:first + len(g["params"])])
         first += len(g["params"])
     return out

@@ -1,0 +1,198 @@
+"""torch's consolidated format: one optimizer state dict over all params, as a plain optimizer saves it.
+
+The global form is exactly a plain ``torch.optim`` state dict over all params: ``state`` keyed by
+the param's position across ``param_groups``, each group's ``params`` listing those positions. It
+loads into a plain optimizer, into torch's `ZeroRedundancyOptimizer`, and into ours at any world
+size and plan, because state is per param and each rank picks out what it holds.
+
+Both directions read what each rank holds from the plan (`zero.plans.holdings`), for every mode
+alike: a whole param's state travels as it is; a param held in pieces (flat shards) is put
+together from, or cut into, the pieces' elements, its per-param scalars (``step``) copied.
+
+A `zero.functional` local optimizer keeps one state per set of params stepped together, which
+cannot be split per param; its states travel as they are (``tx_states``) and reload only onto
+the same placement.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import optree
+import torch
+
+from zero.backends import comm
+from zero.backends.local_optimizer import check_state_keys
+from zero.backends.rank_state import RankState
+from zero.plans.checks import check_int
+from zero.plans.chunks import Held
+from zero.plans.holdings import Holdings
+from zero.plans.plan import Plan
+from zero.plans.shards import group_ranges
+
+__all__ = ["gather", "to_global", "load", "merge", "cut", "placement", "check_compatible", "is_per_element"]
+
+
+def gather(state: RankState, to: int) -> list[dict] | None:
+    """Every rank's local state dict, on rank ``to`` (in CPU memory), None elsewhere (call on all
+    ranks). They move as raw tensors, rank by rank, point to point to ``to``."""
+    state.push()
+    mine = state.state_dict()
+    if state.rank != to:
+        comm.send_tree(mine, to, state.process_group, state.comm_device)
+        return None
+    return [_cpu_copy(mine) if r == state.rank else comm.recv_tree(r, state.process_group, state.comm_device)
+            for r in range(state.world_size)]
+
+
+def to_global(state: RankState, local_dicts: Sequence[dict]) -> dict[str, Any]:
+    """The global state dict out of every rank's local one (`gather`), each cut as the plan says."""
+    held = [state.holdings_of(r) for r in range(state.world_size)]
+    return merge(local_dicts, held, state.param_groups, state.per_element_keys())
+
+
+def load(state: RankState, saved: dict[str, Any]) -> None:
+    """Load a global state dict (ours at any world size and plan, torch's, a plain optimizer's):
+    this rank's part of it into its local optimizer, which places each tensor where it keeps it."""
+    check_compatible(saved, state.params, [len(g["params"]) for g in state.param_groups])
+    check_state_keys(saved, state.optim)
+    state.load_state_dict(cut(saved, state.holdings, state.per_element_keys()))
+
+
+def merge(local_dicts: Sequence[dict], held: Sequence[Holdings], param_groups: list[dict],
+          per_element: set[str] | None) -> dict[str, Any]:
+    """The global state dict out of every rank's local ``state_dict()`` (``held[r]``: what rank
+    ``r`` holds). ``per_element``: the state keys shaped like their tensor (None: every tensor
+    with dimensions); the rest (``step`` ...) are equal on every holder and copied."""
+    pieces: dict[int, list[tuple[dict | None, Held, bool]]] = {}
+    for local, h in zip(local_dicts, held):
+        for piece in h.held:
+            pieces.setdefault(piece.param, []).append((local["state"].get(piece.local), piece,
+                                                       h.tensors[piece.local].whole))
+    state: dict[int, Any] = {}
+    for i, ps in sorted(pieces.items()):
+        if ps[0][2]:  # held whole: its state as the local optimizer keeps it
+            if ps[0][0] is not None:
+                state[i] = ps[0][0]
+        elif all(st for st, _, _ in ps):
+            state[i] = _joined(ps, held[0].plan.metas[i].shape, per_element)
+    return _global_dict(state, local_dicts, param_groups, placement(held[0].plan))
+
+
+def _joined(ps: list[tuple[dict, Held, bool]], shape: tuple[int, ...], per_element: set[str] | None) -> dict:
+    """One param's state out of its pieces: per-element keys concatenated in element order."""
+    ps = sorted(ps, key=lambda p: p[1].start)
+    out = {}
+    for key, value in ps[0][0].items():
+        if is_per_element(key, value, per_element):
+            parts = [st[key].reshape(-1)[h.offset:h.offset + h.end - h.start] for st, h, _ in ps]
+            out[key] = torch.cat(parts).view(shape)
+        else:
+            out[key] = value.clone() if isinstance(value, torch.Tensor) else value
+    return out
+
+
+def _global_dict(state: dict[int, Any], local_dicts: Sequence[dict], param_groups: list[dict],
+                 where: Any) -> dict:
+    """The global state dict of per-param ``state`` (global indices), with the groups' settings;
+    `zero.functional` local states (``tx_states``) travel per rank, with the placement they
+    reload onto (`placement`)."""
+    ranges = group_ranges([len(g["params"]) for g in param_groups])
+    groups = [{**_settings(g), "params": list(r)} for g, r in zip(param_groups, ranges)]
+    out: dict[str, Any] = {"state": state, "param_groups": groups}
+    tx_states = [local["tx_states"] for local in local_dicts if "tx_states" in local]
+    if tx_states:
+        out["tx_states"], out["owner"] = tx_states, where
+    return out
+
+
+def cut(saved: dict, held: Holdings, per_element: set[str] | None) -> dict[str, Any]:
+    """This rank's local state dict (what ``held`` says it holds) cut out of a global one."""
+    state: dict[int, Any] = {}
+    for j, t in enumerate(held.tensors):
+        if t.whole:
+            if t.param in saved["state"]:
+                state[j] = saved["state"][t.param]
+            continue
+        st = _shard_state(saved["state"], held, j, per_element)
+        if st:
+            state[j] = st
+    return _local_dict(state, held.group_sizes(), saved, held.rank, placement(held.plan))
+
+
+def _shard_state(saved_state: dict, held: Holdings, j: int, per_element: set[str] | None) -> dict:
+    """Local tensor ``j``'s state (a flat shard) out of its params' global ones: their pieces'
+    elements at their offsets, zeros elsewhere; the scalars of its buffer's first param with state
+    (empty when none has any)."""
+    t = held.tensors[j]
+    with_state = [i for i in held.plan.flat.buffers[t.buffer].params if saved_state.get(i)]
+    if not with_state:
+        return {}
+    st = {}
+    for key, value in saved_state[with_state[0]].items():
+        if is_per_element(key, value, per_element):
+            flat = torch.zeros(t.numel, dtype=value.dtype, device=value.device)
+            for h in held.pieces(j):
+                if saved_state.get(h.param):
+                    flat[h.offset:h.offset + h.end - h.start] = saved_state[h.param][key].reshape(-1)[h.start:h.end]
+            st[key] = flat
+        else:
+            st[key] = value.clone() if isinstance(value, torch.Tensor) else value
+    return st
+
+
+def _local_dict(state: dict[int, Any], group_sizes: Sequence[int], saved: dict, rank: int, where: Any) -> dict:
+    """A local ``state_dict`` of ``state`` (local indices) and the global one's group settings."""
+    ranges = group_ranges(group_sizes)
+    groups = [{**_settings(g), "params": list(r)} for g, r in zip(saved["param_groups"], ranges)]
+    local: dict[str, Any] = {"state": state, "param_groups": groups}
+    if "tx_states" in saved:
+        owner = saved["owner"]
+        if (list(owner) if isinstance(owner, (list, tuple)) else owner) != where or rank >= len(saved["tx_states"]):
+            raise ValueError("this state_dict holds zero.functional transformation states, which reload only onto "
+                             "the same plan and world size they were saved with; use a torch.optim class as "
+                             "optimizer_class to reshard state")
+        local["tx_states"] = saved["tx_states"][rank]
+    return local
+
+
+def placement(plan: Plan) -> list[int] | str:
+    """What `zero.functional` states saved under ``plan`` reload onto: a whole-param plan's owners
+    (any plan with the same owners), else the plan's fingerprint."""
+    return list(plan.partition.owner) if plan.flat is None else plan.fingerprint
+
+
+def _settings(group: dict) -> dict:
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def check_compatible(state_dict: Any, params: Sequence[torch.Tensor], group_sizes: Sequence[int]) -> None:
+    """``ValueError`` naming the mismatch when ``state_dict`` was saved for other params."""
+    if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
+        keys = sorted(state_dict) if isinstance(state_dict, dict) else "-"
+        raise ValueError("state_dict must be an optimizer state dict with 'state' and 'param_groups' keys, got "
+                         f"{type(state_dict).__name__} with keys {keys}")
+    saved = [len(g["params"]) for g in state_dict["param_groups"]]
+    if saved != list(group_sizes):
+        raise ValueError(f"state_dict has param groups of sizes {saved} but this optimizer has {list(group_sizes)}: "
+                         "it was saved for a different model or different param groups")
+    for index, st in state_dict["state"].items():
+        check_int("state_dict's param index", index, 0, len(params))
+        for key, value in (st or {}).items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != params[index].shape:
+                raise ValueError(f"state_dict's {key!r} for param {index} has shape {tuple(value.shape)} but the "
+                                 f"param has shape {tuple(params[index].shape)}: it was saved for a different model")
+
+
+def is_per_element(key: str, value: Any, per_element: set[str] | None) -> bool:
+    """Whether a state entry is shaped like its param (``per_element``: those keys; None: every
+    tensor with dimensions), as opposed to per-param scalars such as ``step``."""
+    if not isinstance(value, torch.Tensor):
+        return False
+    return key in per_element if per_element is not None else value.dim() > 0
+
+
+def _cpu_copy(tree: Any) -> Any:
+    return optree.tree_map(lambda x: x.detach().to("cpu", copy=True) if isinstance(x, torch.Tensor) else x,
+                           tree, none_is_leaf=True)

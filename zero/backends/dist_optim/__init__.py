@@ -1,0 +1,4 @@
+"""`torch.distributed.optim`'s other members, beside ZeRO: model averaging and post-local SGD
+(``averagers``, ``post_localsgd``: `PeriodicModelAverager`, `HierarchicalModelAverager`,
+`PostLocalSGDOptimizer`) and RPC's `DistributedOptimizer` (``rpc``), each with its local
+optimizer from `zero.functional`. A new system of that family goes here, one module each."""

@@ -1,0 +1,58 @@
+"""`ZeroRedundancyOptimizer`'s arguments, checked at the boundary (errors name the bad value), and
+the plan it makes when given none."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from zero.plans.layout import FLAT_BUCKET_NUMEL
+from zero.plans.meta import ParamMeta, param_groups, param_metas
+from zero.plans.plan import PLAN_STRATEGIES, Plan, make_plan
+
+__all__ = ["default_plan", "check_plan_arguments", "check_sync_options", "normalise_params"]
+
+
+def default_plan(metas: list[ParamMeta], world_size: int, strategy: str | None,
+                  master_dtype: torch.dtype | None) -> Plan:
+    master = None if master_dtype is None else str(master_dtype).removeprefix("torch.")
+    if strategy == "flat":
+        return make_plan(metas, world_size, "flat", bucket_numel=FLAT_BUCKET_NUMEL, master_dtype=master)
+    return make_plan(metas, world_size, strategy or "sorted_greedy", master_dtype=master)
+
+
+def check_plan_arguments(plan: Any, strategy: Any) -> None:
+    if plan is not None and not isinstance(plan, Plan):
+        raise TypeError(f"plan must be a zero.Plan (from zero.make_plan or Plan.from_json), got {type(plan).__name__}")
+    if plan is not None and strategy is not None:
+        raise ValueError(f"pass plan= or strategy=, not both (the plan's strategy is {plan.strategy!r})")
+    if strategy is not None and strategy not in PLAN_STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; choose one of {PLAN_STRATEGIES}")
+
+
+def check_sync_options(sync_chunk_mb: Any, bucket_view: Any) -> None:
+    if bucket_view is not None and not isinstance(bucket_view, bool):
+        raise TypeError(f"parameters_as_bucket_view must be None, True or False, got {bucket_view!r}")
+    if sync_chunk_mb is None:
+        return
+    if isinstance(sync_chunk_mb, bool) or not isinstance(sync_chunk_mb, (int, float)) or sync_chunk_mb <= 0:
+        raise ValueError(f"sync_chunk_mb must be a positive number, got {sync_chunk_mb!r}")
+    if bucket_view is not False:
+        raise ValueError(f"sync_chunk_mb={sync_chunk_mb} sizes the scratch rows of parameters_as_bucket_view=False; "
+                         f"with parameters_as_bucket_view={bucket_view} the params are the rows and there is no "
+                         "scratch: drop sync_chunk_mb, or pass parameters_as_bucket_view=False")
+
+
+def normalise_params(params: Any) -> list[dict]:
+    """Params as a list of group dicts (generators read once), checked by position first."""
+    groups = param_groups(params)
+    if not groups or not any(g["params"] for g in groups):
+        raise ValueError("ZeroRedundancyOptimizer got an empty parameter list")
+    metas = param_metas(groups)  # non-tensors, sparse and repeated params fail here, by position
+    flat = [p for g in groups for p in g["params"]]
+    for m, p in zip(metas, flat):
+        if p.requires_grad and not p.is_contiguous():
+            raise ValueError(f"params[{m.name}] (shape {tuple(p.shape)}) is not contiguous; "
+                             "pass contiguous parameters")
+    return groups
