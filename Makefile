@@ -24,7 +24,7 @@ test: $(STAMP) lint
 
 # Optax's own test modules against zero.functional, with the Rosenbrock convergence runs `make test` leaves out.
 test-optax: $(STAMP)
-	ZERO_OPTAX_FULL=1 $(BIN)/python -m pytest -q tests/test_optax_suite.py tests/test_optax_convergence.py
+	ZERO_OPTAX_FULL=1 $(BIN)/python -m pytest -q tests/functional/test_optax_suite.py tests/functional/test_optax_convergence.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check zero tests bench

@@ -17,7 +17,7 @@ import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from tests.torch_reference import torch_zero  # noqa: E402
+from tests.plans.torch_reference import torch_zero  # noqa: E402
 from zero import make_plan, param_metas, partition  # noqa: E402
 from zero.plans.plan import PLAN_STRATEGIES  # noqa: E402
 from zero.plans.presets import preset  # noqa: E402

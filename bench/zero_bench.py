@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 
 from zero.backends import ZeroRedundancyOptimizer as Zero
-from zero.backends.state_dict import state_nbytes
+from zero.backends.local_optimizer import state_nbytes
 from zero.tools.launch import free_port
 
 MODELS = {"200 x Linear(64,64)": (200, 64), "8 x Linear(1024,1024)": (8, 1024)}

@@ -5,7 +5,7 @@ import importlib
 
 import pytest
 
-MODULES = ["zero.functional.fast.chains",
+MODULES = ["zero.functional.kernels.chains",
            "zero.functional.aliases.sgd", "zero.functional.aliases.adam", "zero.functional.aliases.rms",
            "zero.functional.aliases.sign", "zero.functional.aliases.layerwise", "zero.functional.aliases.factored",
            "zero.functional.contrib._muon"]

@@ -103,16 +103,21 @@ def test_zero_optimizer_resolves_lazily_from_the_root():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-# Inside zero.functional, folders point one way too: core <- fast <- transforms/schedules <- aliases/contrib
-# <- adapters. What each may not import (anywhere in the folder, at any level).
-FUNCTIONAL_CORE = ("base", "update", "combine", "inject", "sharding")
+# Inside zero.functional, folders point one way too: core (the floor: base, sharding, elementwise, foreach)
+# <- kernels <- core combinators (update, combine, inject) <- transforms/schedules <- aliases/contrib <- adapters.
+# What each may not import (anywhere in the folder, at any level).
+FLOOR = ("base", "sharding", "elementwise", "foreach")
+COMBINATORS = ("update", "combine", "inject")
+ABOVE_CORE = ("transforms", "schedules", "aliases", "contrib", "adapters")
 FUNCTIONAL_FORBIDDEN = {
-    "fast": ("transforms", "schedules", "aliases", "contrib", "adapters", "combine", "inject", "update"),
+    **{floor: ("kernels", *COMBINATORS, *ABOVE_CORE) for floor in FLOOR},
+    "kernels": (*COMBINATORS, *ABOVE_CORE),
+    **{core: ABOVE_CORE for core in COMBINATORS},
     "transforms": ("aliases", "contrib", "adapters"),
     "schedules": ("transforms", "aliases", "contrib", "adapters"),
     "aliases": ("contrib", "adapters"),
     "contrib": ("adapters",),
-    **{core: ("transforms", "schedules", "aliases", "contrib", "adapters") for core in FUNCTIONAL_CORE},
+    "adapters": (),  # the top: it may import every folder below (never the package root, as for all)
 }
 
 
@@ -130,9 +135,29 @@ def test_functional_folders_point_one_way(part):
     assert found == [], f"imports against zero.functional's layout (its package docstring): {found}"
 
 
+def test_every_functional_module_is_placed_in_the_layout():
+    parts = {functional_part(p) for p in pathlib.Path("zero/functional").rglob("*.py")} - {"__init__"}
+    assert parts == set(FUNCTIONAL_FORBIDDEN), parts ^ set(FUNCTIONAL_FORBIDDEN)
+
+
+def test_nothing_inside_zero_functional_imports_its_package_root():
+    """``import zero.functional`` (or a name from it that is not a submodule) from inside the layer
+    reaches up through every folder at once: modules import what they need from where it lives."""
+    submodules = {p.stem for p in pathlib.Path("zero/functional").iterdir() if p.name != "__init__.py"}
+    root = pathlib.Path("zero/functional/__init__.py")
+    found = []
+    for path in pathlib.Path("zero/functional").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())) if path != root else ():
+            if isinstance(node, ast.Import):
+                found += [(str(path), a.name) for a in node.names if a.name == "zero.functional"]
+            elif isinstance(node, ast.ImportFrom) and node.module == "zero.functional":
+                found += [(str(path), a.name) for a in node.names if a.name not in submodules]
+    assert found == [], f"modules that import zero.functional's root: {found}"
+
+
 def test_every_functional_folder_says_what_goes_in_it():
     folders = [p for p in pathlib.Path("zero/functional").iterdir() if p.is_dir() and p.name != "__pycache__"]
-    assert {p.name for p in folders} == {"transforms", "schedules", "aliases", "contrib", "fast", "adapters"}
+    assert {p.name for p in folders} == {"transforms", "schedules", "aliases", "contrib", "kernels", "adapters"}
     root_doc = ast.get_docstring(ast.parse(pathlib.Path("zero/functional/__init__.py").read_text()))
     for folder in folders:
         doc = ast.get_docstring(ast.parse((folder / "__init__.py").read_text()))

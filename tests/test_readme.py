@@ -16,11 +16,11 @@ COMMANDS = [c for block in re.findall(r"```bash\n(.*?)```", README, re.S)
             for c in (line.split("#")[0].strip() for line in block.splitlines()) if c]
 # Commands these tests do not run here, and where they are run instead.
 ELSEWHERE = {
-    "make demo": "tests/test_demo.py runs its job (python -m zero demo); CI runs make test itself",
+    "make demo": "tests/tools/test_demo.py runs its job (python -m zero demo); CI runs make test itself",
     "make test": "CI runs it (.ci/run)",
     "make test TORCH= VENV_FLAGS=--system-site-packages": "a variant of make test for a torch of one's own",
     "pip install -e '.[dev,jax]'": "what make's set-up runs",
-    "torchrun --nproc_per_node=2 -m zero.tools.demo --full": "tests/test_demo.py runs it scaled down",
+    "torchrun --nproc_per_node=2 -m zero.tools.demo --full": "tests/tools/test_demo.py runs it scaled down",
 }
 
 

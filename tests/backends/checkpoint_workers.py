@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import torch
+from helpers import fixed_grads, groups_of, make_model, side_by_side
 from plan_workers import RULES as PLAN_RULES
-from plan_workers import fixed_grads, groups_of, make_model
-from zero_workers import set_grads
 
 import zero.functional as zf
 from zero.backends import ZeroRedundancyOptimizer as Zero
@@ -16,17 +15,16 @@ RULES = {**PLAN_RULES, "from_torch_adamw": (zf.from_torch(torch.optim.AdamW, lr=
 
 def build(strategy: str, masters: bool, rule: str = "adamw"):
     """``rule``: a name in `plan_workers.RULES` (torch classes and zero.functional chains)."""
-    model = make_model(dtype=torch.bfloat16) if masters else make_model()
+    model = make_model("plan", dtype=torch.bfloat16) if masters else make_model("plan")
     optimizer_class, kwargs, _ = RULES[rule]
-    opt = Zero(groups_of(model, not isinstance(optimizer_class, type)), optimizer_class, strategy=strategy,
+    opt = Zero(groups_of(model, isinstance(optimizer_class, type)), optimizer_class, strategy=strategy,
                master_dtype=torch.float32 if masters else None, **kwargs)
     return model, opt
 
 
 def train(model, opt, start: int, steps: int) -> None:
-    for step in range(start, start + steps):
-        set_grads(model, fixed_grads(list(model.parameters()), step))
-        opt.step()
+    """``steps`` steps from ``start`` on `fixed_grads` (the same on every rank, at any world size)."""
+    side_by_side([(model, opt)], lambda k: fixed_grads(list(model.parameters()), k), range(start, start + steps))
 
 
 def dcp_leg(rank: int, world_size: int, strategy: str, load_from: str | None, save_to: str | None,
@@ -64,8 +62,8 @@ def fsdp2_leg(rank: int, world_size: int, load_from: str | None, save_to: str | 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    model = fsdp2_model(make_model())
-    opt = torch.optim.AdamW(groups_of(model, False), lr=1e-2, weight_decay=0.1)
+    model = fsdp2_model(make_model("plan"))
+    opt = torch.optim.AdamW(groups_of(model), lr=1e-2, weight_decay=0.1)
     if load_from:
         model_sd, optim_sd = get_state_dict(model, opt)
         dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=load_from)
@@ -87,8 +85,8 @@ def plain_leg(checkpoint_file: str, start: int, steps: int) -> list[torch.Tensor
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     saved = torch.load(checkpoint_file, weights_only=True)
-    model = make_model()
-    opt = torch.optim.AdamW(groups_of(model, False), lr=1e-2, weight_decay=0.1)
+    model = make_model("plan")
+    opt = torch.optim.AdamW(groups_of(model), lr=1e-2, weight_decay=0.1)
     set_state_dict(model, opt, model_state_dict=saved["model"], optim_state_dict=saved["optim"])
     train(model, opt, start, steps)
     return [p.detach().clone() for p in model.parameters()]
@@ -161,14 +159,14 @@ def mode_leg(rank: int, world_size: int, mode: str, load_from: str | None, save_
 
     from zero.backends import hook_with_zero_step
 
-    model = make_model()
+    model = make_model("plan")
     if mode == "reduce_scatter":
-        opt = Zero(groups_of(model, False), torch.optim.AdamW, strategy="flat", reduce_scatter_grads=True,
+        opt = Zero(groups_of(model), torch.optim.AdamW, strategy="flat", reduce_scatter_grads=True,
                    lr=1e-2, weight_decay=0.1)
         forward = model
     else:
         forward = DDP(model, bucket_cap_mb=0.004)
-        opt = Zero(groups_of(model, False), torch.optim.AdamW, overlap_with_ddp=True, lr=1e-2, weight_decay=0.1)
+        opt = Zero(groups_of(model), torch.optim.AdamW, overlap_with_ddp=True, lr=1e-2, weight_decay=0.1)
         forward.register_comm_hook(None, hook_with_zero_step(allreduce_hook, forward, opt))
     if load_from:
         checkpoint.load(load_from, model, opt)
@@ -182,8 +180,8 @@ def mode_leg(rank: int, world_size: int, mode: str, load_from: str | None, save_
 
 
 def single_process_batches(steps: int) -> list[torch.Tensor]:
-    model = make_model()
-    opt = torch.optim.AdamW(groups_of(model, False), lr=1e-2, weight_decay=0.1)
+    model = make_model("plan")
+    opt = torch.optim.AdamW(groups_of(model), lr=1e-2, weight_decay=0.1)
     for step in range(steps):
         model(_batch(step)).square().mean().backward()
         opt.step()
@@ -193,12 +191,12 @@ def single_process_batches(steps: int) -> list[torch.Tensor]:
 
 def one_process(rule: str, steps: int) -> list[torch.Tensor]:
     """``rule`` over all params in one process, on `dcp_leg`'s gradients."""
-    model = make_model()
+    model = make_model("plan")
     optimizer_class, kwargs, _ = RULES[rule]
     if isinstance(optimizer_class, type):
-        opt = optimizer_class(groups_of(model, False), **kwargs)
+        opt = optimizer_class(groups_of(model), **kwargs)
     else:
-        opt = zf.Optimizer(groups_of(model, True), optimizer_class)
+        opt = zf.Optimizer(groups_of(model, False), optimizer_class)
     train(model, opt, 0, steps)
     return [p.detach().clone() for p in model.parameters()]
 
@@ -227,9 +225,9 @@ def join_leg(rank: int, world_size: int, path: str, resume: bool) -> dict:
     from torch.distributed.algorithms.join import Join
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    model = make_model()
+    model = make_model("plan")
     ddp = DDP(model)
-    opt = Zero(groups_of(model, False), torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+    opt = Zero(groups_of(model), torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
     if resume:
         checkpoint.load(path, ddp, opt)
     else:
@@ -244,3 +242,98 @@ def join_leg(rank: int, world_size: int, path: str, resume: bool) -> dict:
         opt.step()
         opt.zero_grad()
     return {"params": [p.detach().double().numpy().copy() for p in model.parameters()]}
+
+
+# Every mode, with and without masters: (options of ZeroRedundancyOptimizer, how gradients arrive).
+# "fixed": `fixed_grads` set as DDP would leave them; "backward": a backward pass (the optimizer
+# reduce-scatters); "ddp": DDP's backward with the step in its comm hook.
+MODES = {
+    "whole": (dict(strategy="sorted_greedy"), "fixed"),
+    "whole+masters": (dict(strategy="sorted_greedy", master_dtype=torch.float32), "fixed"),
+    "flat": (dict(strategy="flat"), "fixed"),
+    "flat+masters": (dict(strategy="flat", master_dtype=torch.float32), "fixed"),
+    "reduce_scattered": (dict(strategy="flat", reduce_scatter_grads=True), "backward"),
+    "reduce_scattered+masters": (dict(strategy="flat", reduce_scatter_grads=True, master_dtype=torch.float32,
+                                      reduce_dtype=torch.float32), "backward"),
+    "hybrid": (dict(whole=True), "fixed"),
+    "hybrid+reduce_scattered": (dict(whole=True, reduce_scatter_grads=True), "backward"),
+    "ddp_overlap": (dict(overlap_with_ddp=True), "ddp"),
+}
+
+
+def _built(mode: str, world_size: int):
+    """A model (bf16 with masters) and AdamW under ``mode``, and how to run one step of it."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import zero
+    from zero.backends import hook_with_zero_step
+
+    options, grads = MODES[mode]
+    options = dict(options)
+    masters = "master_dtype" in options
+    model = make_model("plan", dtype=torch.bfloat16 if masters else None)
+    groups = groups_of(model)
+    if options.pop("whole", False):
+        options["plan"] = zero.make_plan(zero.param_metas(groups), world_size, "flat", optimizer="adamw",
+                                         whole=lambda m: len(m.shape) == 2 and m.numel > 200)
+    opt = Zero(groups, torch.optim.AdamW, lr=1e-2, weight_decay=0.1, **options)
+    forward = model
+    if grads == "ddp":
+        forward = DDP(model, bucket_cap_mb=0.004)
+        forward.register_comm_hook(None, hook_with_zero_step(allreduce_hook, forward, opt))
+
+    def step(k: int) -> None:
+        if grads == "fixed":
+            side_by_side([(model, opt)], lambda k: fixed_grads(list(model.parameters()), k), [k])
+            return
+        forward(_batch(k).to(next(model.parameters()).dtype)).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    return model, opt, step
+
+
+def _local_state(opt) -> dict:
+    """What this rank's local optimizer holds, by local index and key (masters included)."""
+    return {j: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in st.items()}
+            for j, st in opt.rank_state.state_dict()["state"].items()}
+
+
+def _same(a: dict, b: dict) -> bool:
+    if a.keys() != b.keys() or any(a[j].keys() != b[j].keys() for j in a):
+        return False
+    return all(torch.equal(a[j][k], b[j][k]) if isinstance(a[j][k], torch.Tensor) else a[j][k] == b[j][k]
+               for j in a for k in a[j])
+
+
+def _consolidated(opt, rank: int) -> dict:
+    from helpers import broadcast
+
+    opt.consolidate_state_dict(to=0)
+    return broadcast(opt.state_dict() if rank == 0 else None)
+
+
+def formats_round_trip(rank: int, world_size: int, folder: str, modes: list[str]) -> dict:
+    """Per mode: 3 steps, then the state through torch's consolidated dict and through DCP into
+    fresh optimizers of the same mode. Both must give back this rank's local state exactly (the
+    masters too), and the DCP-loaded optimizer must consolidate to the same global dict: the two
+    formats read the same holdings."""
+    out = {}
+    for mode in modes:
+        model, opt, step = _built(mode, world_size)
+        for k in range(3):
+            step(k)
+        want, saved = _local_state(opt), _consolidated(opt, rank)
+        checkpoint.save(f"{folder}/{mode}", model, opt)
+        via_dict_m, via_dict, _ = _built(mode, world_size)
+        via_dict_m.load_state_dict(model.state_dict())
+        via_dict.load_state_dict(saved)
+        via_dcp_m, via_dcp, _ = _built(mode, world_size)
+        checkpoint.load(f"{folder}/{mode}", via_dcp_m, via_dcp)
+        again = _consolidated(via_dcp, rank)
+        agree = again["param_groups"] == saved["param_groups"] and _same(again["state"], saved["state"])
+        out[mode] = {"consolidated": _same(_local_state(via_dict), want), "dcp": _same(_local_state(via_dcp), want),
+                     "formats_agree": agree, "pieces": len(opt.rank_state.holdings.held),
+                     "mode": type(opt.mode).__name__}
+    return out

@@ -8,15 +8,15 @@ import contextlib
 import torch
 import torch.distributed as dist
 from checkpoint_workers import train
-from muon_workers import CountingCalls, side_by_side
-from plan_workers import _worst, fixed_grads, groups_of, make_model
-from zero_workers import same_on_every_rank, set_grads
+from helpers import CountingCalls, fixed_grads, groups_of, make_model, same_on_every_rank, set_grads, worst
+from helpers import side_by_side as side_by_side_steps
+from muon_workers import side_by_side
 
 import zero
 import zero.functional as zf
 from zero.backends import ZeroRedundancyOptimizer as Zero
 from zero.backends import checkpoint, comm
-from zero.backends.state_dict import state_nbytes
+from zero.backends.local_optimizer import state_nbytes
 
 
 def matrices(meta) -> bool:
@@ -60,16 +60,16 @@ def rules_vs_one_process(rank: int, world_size: int, rules: list[str], steps: in
 def rule_vs_one_process(rank: int, world_size: int, rule: str, steps: int = 20) -> dict:
     """``rule`` under its hybrid plan and one process, float64, two param groups, one frozen
     bias; each rank counts its Newton-Schulz runs."""
-    ours_m, ref_m = make_model(), make_model()
-    groups = groups_of(ours_m, True)
+    ours_m, ref_m = make_model("plan"), make_model("plan")
+    groups = groups_of(ours_m, False)
     plan = hybrid_plan(groups, world_size, rule, weight="step_flops" if rule == "muon" else "numel")
     ours = Zero(groups, RULES[rule][0](), plan=plan)
-    ref = zf.Optimizer(groups_of(ref_m, True), RULES[rule][0]())
-    calls, worst = side_by_side(ours_m, ours, ref_m, ref, rank, world_size, steps)
+    ref = zf.Optimizer(groups_of(ref_m, False), RULES[rule][0]())
+    calls, largest = side_by_side(ours_m, ours, ref_m, ref, rank, world_size, steps)
     owned = [i for i in plan.partition.params_of(rank) if len(plan.metas[i].shape) == 2]
     counts = [None] * world_size
     dist.all_gather_object(counts, calls)
-    return {"worst": worst, "same": same_on_every_rank(ours_m), "calls": calls, "owned_matrices": len(owned),
+    return {"worst": largest, "same": same_on_every_rank(ours_m), "calls": calls, "owned_matrices": len(owned),
             "all_calls": counts, "whole": len(plan.whole), "buffers": len(plan.flat.buffers),
             "mode": type(ours.mode).__name__}
 
@@ -77,8 +77,8 @@ def rule_vs_one_process(rank: int, world_size: int, rule: str, steps: int = 20) 
 def refused(rank: int, world_size: int, rule: str, whole) -> str:
     """The error a step of ``rule`` under a hybrid plan keeping ``whole`` whole raises on this rank
     (a rank whose shards hold no piece of the tensor fails in the next collective instead)."""
-    model = make_model()
-    groups = groups_of(model, True)
+    model = make_model("plan")
+    groups = groups_of(model, False)
     opt = Zero(groups, RULES[rule][0](), plan=hybrid_plan(groups, world_size, rule, whole))
     set_grads(model, fixed_grads(list(model.parameters()), 0))
     try:
@@ -91,8 +91,8 @@ def refused(rank: int, world_size: int, rule: str, whole) -> str:
 def adamw_leg(rank: int, world_size: int, load_from: str | None, save_to: str, start: int, steps: int) -> dict:
     """torch's AdamW under a hybrid plan (its matrices whole): resume from ``load_from``, train,
     save. A path ending ``.pt`` is a global (torch) state dict, any other a sharded checkpoint."""
-    model = make_model()
-    groups = groups_of(model, False)
+    model = make_model("plan")
+    groups = groups_of(model)
     plan = zero.make_plan(zero.param_metas(groups), world_size, "flat", optimizer="adamw", whole=matrices)
     opt = Zero(groups, torch.optim.AdamW, plan=plan, lr=1e-2, weight_decay=0.1)
     if load_from and not load_from.endswith(".pt"):
@@ -117,25 +117,19 @@ def functional_resume(rank: int, world_size: int, steps: int = 10) -> float:
     """Muon's transformation state saved after ``steps`` and loaded into a fresh optimizer on the
     same plan: ``steps`` more equal ``2 * steps`` straight (largest relative difference)."""
     tx = RULES["muon"][0]
-    straight_m, resumed_m = make_model(), make_model()
-    straight_g, resumed_g = groups_of(straight_m, True), groups_of(resumed_m, True)
+    straight_m, resumed_m = make_model("plan"), make_model("plan")
+    straight_g, resumed_g = groups_of(straight_m, False), groups_of(resumed_m, False)
     plan = hybrid_plan(straight_g, world_size, "muon")
     straight = Zero(straight_g, tx(), plan=plan)
     first = Zero(resumed_g, tx(), plan=plan)
-    for step in range(steps):
-        for m, opt in ((straight_m, straight), (resumed_m, first)):
-            set_grads(m, fixed_grads(list(m.parameters()), step))
-            opt.step()
+    grads = lambda k: fixed_grads(list(straight_m.parameters()), k)  # noqa: E731
+    side_by_side_steps([(straight_m, straight), (resumed_m, first)], grads, range(steps))
     first.consolidate_state_dict(to=0)
     saved = [first.state_dict() if rank == 0 else None]
     dist.broadcast_object_list(saved, src=0)
     resumed = Zero(resumed_g, tx(), plan=plan)
     resumed.load_state_dict(saved[0])
-    for step in range(steps, 2 * steps):
-        for m, opt in ((straight_m, straight), (resumed_m, resumed)):
-            set_grads(m, fixed_grads(list(m.parameters()), step))
-            opt.step()
-    return _worst(resumed_m, straight_m)
+    return side_by_side_steps([(resumed_m, resumed), (straight_m, straight)], grads, range(steps, 2 * steps))
 
 
 def one_tensor_shard(rank: int, world_size: int, steps: int = 5) -> float:
@@ -177,7 +171,7 @@ def named_muon_tx():
 def named_muon(rank: int, world_size: int, steps: int = 20) -> float:
     """Muon routed by name (`by_name`) under a hybrid plan whose whole params are those Muon
     weights (the first layer's weight stays flat, with AdamW): against one process."""
-    ours_m, ref_m = make_model(), make_model()
+    ours_m, ref_m = make_model("plan"), make_model("plan")
     plan = zero.make_plan(zero.param_metas(ours_m), world_size, "flat", optimizer="muon",
                           whole=lambda m: muon_by_name(m.name))
     ours = Zero(ours_m.named_parameters(), named_muon_tx(), plan=plan)
@@ -195,13 +189,13 @@ def reduce_scattered_vs_ddp(rank: int, world_size: int, rules: list[str], steps:
 
     out = {}
     for rule in rules:
-        ours_m, ref_m = make_model(seed=rank), make_model(seed=0)
-        groups = groups_of(ours_m, True)
+        ours_m, ref_m = make_model("plan", seed=rank), make_model("plan", seed=0)
+        groups = groups_of(ours_m, False)
         plan = hybrid_plan(groups, world_size, rule)
         ours = Zero(groups, RULES[rule][0](), plan=plan, reduce_scatter_grads=True)
         ddp = DDP(ref_m, bucket_cap_mb=0.005)
-        ref = zf.Optimizer(groups_of(ref_m, True), RULES[rule][0]())
-        worst, kept, reduces = 0.0, True, []
+        ref = zf.Optimizer(groups_of(ref_m, False), RULES[rule][0]())
+        largest, kept, reduces = 0.0, True, []
         params = list(ours_m.parameters())
         for step in range(steps):
             for m in range(micro):
@@ -213,8 +207,8 @@ def reduce_scattered_vs_ddp(rank: int, world_size: int, rules: list[str], steps:
             kept &= all((params[i].grad is not None) == (plan.partition.owner[i] == rank) for i in plan.whole)
             ours.zero_grad()
             _iteration(ddp, ref, ddp.no_sync, step, rank, micro)
-            worst = max(worst, _worst(ours_m, ref_m))
-        out[rule] = {"worst": worst, "only_owners_keep_whole_grads": kept, "mode": type(ours.mode).__name__,
+            largest = max(largest, worst(ours_m, ref_m))
+        out[rule] = {"worst": largest, "only_owners_keep_whole_grads": kept, "mode": type(ours.mode).__name__,
                      "reduces": reduces, "whole": len(plan.whole)}
     return out
 
@@ -224,8 +218,8 @@ def masters_reduced(rank: int, world_size: int, steps: int = 4) -> list:
     whole) with ``reduce_scatter_grads=True``; returns the params (compared with a flat plan's)."""
     out = []
     for whole in (matrices, None):
-        model = make_model(seed=rank, dtype=torch.bfloat16)
-        groups = groups_of(model, False)
+        model = make_model("plan", seed=rank, dtype=torch.bfloat16)
+        groups = groups_of(model)
         plan = zero.make_plan(zero.param_metas(groups), world_size, "flat", optimizer="adamw",
                               master_dtype="float32", whole=whole)
         opt = Zero(groups, torch.optim.AdamW, plan=plan, reduce_scatter_grads=True, master_dtype=torch.float32,

@@ -1,7 +1,7 @@
 """The JAX side of `test_jax_mesh.py`, run in a subprocess with 8 CPU devices (XLA_FLAGS must be
 set before jax starts): every check's figures, printed as one JSON object for the tests to judge.
 
-``python tests/jax_mesh_checks.py PLANS.json`` (PLANS.json: the two-executor test's saved plans).
+``python tests/backends/jax_mesh_checks.py PLANS.json`` (PLANS.json: the two-executor test's saved plans).
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ import copy
 
 import torch
 import torch.distributed as dist
+from helpers import CommCounter, assert_params_close, ddp_grads, groups_of, make_model, same_on_every_rank, set_grads
 from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
 from torch.distributed.algorithms.model_averaging import averagers as torch_averagers
 from torch.distributed.algorithms.model_averaging.hierarchical_model_averager import (
@@ -20,7 +21,6 @@ from torch.distributed.algorithms.model_averaging.hierarchical_model_averager im
 from torch.distributed.optim import PostLocalSGDOptimizer as TorchPostLocalSGD
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 from torch.nn.parallel import DistributedDataParallel as DDP
-from zero_workers import assert_params, ddp_grads, groups_of, make_model, same_on_every_rank, set_grads
 
 import zero
 from zero.backends import (
@@ -28,30 +28,12 @@ from zero.backends import (
     PeriodicModelAverager,
     PostLocalSGDOptimizer,
     ZeroRedundancyOptimizer,
-    comm,
     register_post_local_sgd_hook,
 )
-from zero.backends.state_dict import state_nbytes
+from zero.backends.local_optimizer import state_nbytes
 
 LOCAL = {"sgd": (torch.optim.SGD, dict(lr=0.05, momentum=0.9)), "adam": (torch.optim.Adam, dict(lr=1e-2))}
 WARMUP = 3
-
-
-class CountingReduce:
-    """Records the size of the group of every averaging all-reduce, patched over comm."""
-
-    def __init__(self):
-        self.sizes, self._orig = [], comm.all_reduce_sum
-
-    def __enter__(self):
-        def counted(tensor, group):
-            self.sizes.append(dist.get_world_size(group))
-            return self._orig(tensor, group)
-        comm.all_reduce_sum = counted
-        return self
-
-    def __exit__(self, *exc):
-        comm.all_reduce_sum = self._orig
 
 
 def averagers(kind: str, world_size: int):
@@ -75,7 +57,7 @@ def local_sgd_grads(params, step: int, rank: int, world_size: int, group=None) -
 def parity(rank: int, world_size: int, kind: str, local: str, steps: int = 14) -> dict:
     """Ours vs torch's, one layer frozen, two param groups; reload mid-run and continue alike."""
     cls, kw = LOCAL[local]
-    ours_m, theirs_m = make_model(), make_model()
+    ours_m, theirs_m = make_model("small"), make_model("small")
     for m in (ours_m, theirs_m):
         m[1].weight.requires_grad_(False)
     ours_avg, theirs_avg = averagers(kind, world_size)
@@ -89,17 +71,17 @@ def parity(rank: int, world_size: int, kind: str, local: str, steps: int = 14) -
         models = [(ours_m, ours), (theirs_m, theirs)] + ([resumed] if resumed else [])
         for m, _ in models:
             set_grads(m, grads)
-        with CountingReduce() as count:
+        with CommCounter() as count:
             ours.step()
-        sizes.append(count.sizes)
-        if count.sizes == [world_size]:
+        sizes.append(count.group_sizes("all_reduce_sum"))
+        if sizes[-1] == [world_size]:
             assert same_on_every_rank(ours_m), f"{kind}/{local} step {step}: replicas differ after a global average"
         theirs.step()
         if resumed:
             resumed[1].step()
-            assert_params(resumed[0], ours_m, exact=True, what=f"{kind}/{local} resumed at 7, step {step}")
-        assert_params(ours_m, theirs_m, exact=True, what=f"{kind}/{local} step {step} vs torch")
-    assert ours_m[1].weight.equal(make_model()[1].weight), "a frozen param is neither stepped nor averaged"
+            assert_params_close(resumed[0], ours_m, exact=True, what=f"{kind}/{local} resumed at 7, step {step}")
+        assert_params_close(ours_m, theirs_m, exact=True, what=f"{kind}/{local} step {step} vs torch")
+    assert ours_m[1].weight.equal(make_model("small")[1].weight), "a frozen param is neither stepped nor averaged"
     return {"sizes": sizes, "step": ours.averager.step}
 
 
@@ -125,7 +107,7 @@ def with_zero(rank: int, world_size: int, steps: int = 12) -> dict:
     with a subgroup); ours runs with bucket views, which in-place averaging keeps as views.
     """
     pair, _ = dist.new_subgroups(2)
-    ours_m, theirs_m = make_model(), make_model()
+    ours_m, theirs_m = make_model("small"), make_model("small")
     ours = PostLocalSGDOptimizer(
         ZeroRedundancyOptimizer(groups_of(ours_m), torch.optim.Adam, process_group=pair,
                                 parameters_as_bucket_view=True, lr=1e-2),
@@ -138,7 +120,7 @@ def with_zero(rank: int, world_size: int, steps: int = 12) -> dict:
         for m, opt in ((ours_m, ours), (theirs_m, theirs)):
             set_grads(m, grads)
             opt.step()
-        assert_params(ours_m, theirs_m, exact=True, what=f"ZeRO local optimizer, step {step}")
+        assert_params_close(ours_m, theirs_m, exact=True, what=f"ZeRO local optimizer, step {step}")
         assert same_on_every_rank(ours_m, group=pair), f"step {step}: the pair's replicas differ"
     assert ptrs == [p.data_ptr() for p in ours_m.parameters()], "params are still views into the buckets"
     plan = zero.make_plan(zero.param_metas(ours.param_groups), 2, optimizer="adam")
@@ -151,7 +133,7 @@ def with_zero(rank: int, world_size: int, steps: int = 12) -> dict:
 def with_ddp_hook(rank: int, world_size: int, steps: int = 10) -> dict:
     """DDP + post_localSGD_hook (subgroups of 2) + SGD: ours paired by register_post_local_sgd_hook."""
     pair, _ = dist.new_subgroups(2)
-    ours_m, theirs_m = DDP(make_model()), DDP(make_model())
+    ours_m, theirs_m = DDP(make_model("small")), DDP(make_model("small"))
     ours_avg = PeriodicModelAverager(4, WARMUP)
     hook_state = register_post_local_sgd_hook(ours_m, ours_avg, subgroup=pair)
     theirs_m.register_comm_hook(PostLocalSGDState(None, pair, start_localSGD_iter=WARMUP), post_localSGD_hook)
@@ -164,7 +146,7 @@ def with_ddp_hook(rank: int, world_size: int, steps: int = 10) -> dict:
             opt.zero_grad()
             m(x).square().mean().backward()
             opt.step()
-        assert_params(ours_m.module, theirs_m.module, exact=True, what=f"DDP + hook, step {step}")
+        assert_params_close(ours_m.module, theirs_m.module, exact=True, what=f"DDP + hook, step {step}")
     return {"iter": hook_state.iter, "step": ours_avg.step, "same": same_on_every_rank(ours_m.module),
             "same_in_pair": same_on_every_rank(ours_m.module, group=pair)}
 
@@ -173,7 +155,7 @@ def mixed_dtypes(rank: int, world_size: int) -> dict:
     """fp32 + bf16 + fp64 params, different on every rank: averaged to the float64 mean, rounded once."""
     from zero.backends import average_parameters
 
-    model = make_model(dtypes=(torch.float32, torch.bfloat16, torch.float64))
+    model = make_model("small", dtypes=(torch.float32, torch.bfloat16, torch.float64))
     with torch.no_grad():
         for i, p in enumerate(model.parameters()):
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(10 * rank + i)).to(p.dtype))
@@ -183,9 +165,9 @@ def mixed_dtypes(rank: int, world_size: int) -> dict:
         every = [torch.empty_like(p, dtype=torch.float64) for _ in range(world_size)]
         dist.all_gather(every, p.detach().to(torch.float64))
         exact.append(torch.stack(every).mean(0))
-    with CountingReduce() as count:
+    with CommCounter() as count:
         average_parameters(model.parameters())
     for p, want in zip(model.parameters(), exact):
         tol = {torch.float64: 1e-12, torch.float32: 1e-6, torch.bfloat16: 8e-3}[p.dtype]
         torch.testing.assert_close(p.to(torch.float64), want.to(p.dtype).to(torch.float64), rtol=tol, atol=tol)
-    return {"reduces": len(count.sizes), "same": same_on_every_rank(model)}
+    return {"reduces": count.calls("all_reduce_sum"), "same": same_on_every_rank(model)}

@@ -11,15 +11,15 @@ import contextlib
 
 import torch
 import torch.distributed as dist
-from plan_workers import RULES, fixed_grads, groups_of, make_model
+from helpers import ddp_grads, fixed_grads, groups_of, make_model, set_grads
+from plan_workers import RULES
 from torch import nn
-from zero_workers import ddp_grads, set_grads
 
 import zero
 import zero.functional as zf
 from zero.backends import ZeroRedundancyOptimizer as Zero
-from zero.backends.masters import MASTER_KEY
-from zero.backends.state_dict import state_nbytes
+from zero.backends.local_optimizer import state_nbytes
+from zero.backends.precision import MASTER_KEY
 
 BF16 = torch.bfloat16
 
@@ -54,14 +54,14 @@ def make_rule(name: str):
 def masters_vs_reference(rank: int, world_size: int, name: str, strategy: str, steps: int = 12) -> dict:
     """Ours with ``master_dtype=float32`` on bf16 params under ``strategy`` against `MasterReference`
     on the same (DDP-averaged) gradients; the masters compared after consolidation on rank 0."""
-    ours_m, ref_m = make_model(dtype=BF16), make_model(dtype=BF16)
+    ours_m, ref_m = make_model("plan", dtype=BF16), make_model("plan", dtype=BF16)
     rule, kwargs, accounting = RULES[name]
     functional = not isinstance(rule, type)
-    groups = groups_of(ours_m, functional)
+    groups = groups_of(ours_m, not functional)
     plan = zero.make_plan(zero.param_metas(groups), world_size, strategy, optimizer=accounting or "sgd",
                           master_dtype="float32")
     ours = Zero(groups, rule, plan=plan, **kwargs)
-    ref = MasterReference(groups_of(ref_m, functional), make_rule(name))
+    ref = MasterReference(groups_of(ref_m, not functional), make_rule(name))
     for step in range(steps):
         grads = ddp_grads(list(ours_m.parameters()), step, rank, world_size)
         set_grads(ours_m, grads)
@@ -94,8 +94,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def single_process(steps: int) -> list[torch.Tensor]:
-    model = make_model(dtype=BF16)
-    ref = MasterReference(groups_of(model, False), make_rule("adamw"))
+    model = make_model("plan", dtype=BF16)
+    ref = MasterReference(groups_of(model), make_rule("adamw"))
     for step in range(steps):
         set_grads(model, fixed_grads(list(model.parameters()), step))
         ref.step()
@@ -111,11 +111,11 @@ def reduce_scattered(rank: int, world_size: int, reduce_dtype, steps: int = 6, m
     """Flat plan, gradients reduce-scattered in ``reduce_dtype``, fp32 masters, ``micro``
     micro-batches under no_sync; against `MasterReference` on the gradients summed by hand:
     each rank's bf16 gradients, summed over micro-batches and ranks in ``reduce_dtype``."""
-    ours_m, ref_m = make_model(dtype=BF16), make_model(dtype=BF16)
-    groups = groups_of(ours_m, False)
+    ours_m, ref_m = make_model("plan", dtype=BF16), make_model("plan", dtype=BF16)
+    groups = groups_of(ours_m)
     ours = Zero(groups, torch.optim.AdamW, strategy="flat", reduce_scatter_grads=True, master_dtype=torch.float32,
                 reduce_dtype=reduce_dtype, lr=1e-2, weight_decay=0.1)
-    ref = MasterReference(groups_of(ref_m, False), make_rule("adamw"))
+    ref = MasterReference(groups_of(ref_m), make_rule("adamw"))
     for step in range(steps):
         for m in range(micro):
             with ours.no_sync() if m < micro - 1 else contextlib.nullcontext():
@@ -150,8 +150,8 @@ def inf_on_one_shard(rank: int, world_size: int, steps: int = 6, sharded: bool =
     1's gradient of one param is inf at steps 2 and 4 (only its input to the reduce-scatter)."""
     from zero.backends import ShardedGradScaler
 
-    model = make_model(dtype=torch.float16)
-    groups = groups_of(model, False)
+    model = make_model("plan", dtype=torch.float16)
+    groups = groups_of(model)
     opt = Zero(groups, torch.optim.AdamW, strategy="flat", reduce_scatter_grads=True, master_dtype=torch.float32,
                reduce_dtype=torch.float32, lr=1e-2)
     scaler = (ShardedGradScaler if sharded else torch.amp.GradScaler)("cpu", init_scale=2.0**10, growth_interval=2)
@@ -181,13 +181,13 @@ def cuda_masters(rank: int, world_size: int, strategy: str, steps: int = 8) -> d
     """On one GPU (NCCL): bf16 params on fp32 masters against `MasterReference` with fused AdamW,
     and the bytes the optimizer allocates (masters + state) against the plan's figures."""
     device = torch.device("cuda", rank)
-    ours_m, ref_m = make_model(dtype=BF16).to(device), make_model(dtype=BF16).to(device)
-    groups = groups_of(ours_m, False)
+    ours_m, ref_m = make_model("plan", dtype=BF16).to(device), make_model("plan", dtype=BF16).to(device)
+    groups = groups_of(ours_m)
     plan = zero.make_plan(zero.param_metas(groups), world_size, strategy, optimizer="adamw", master_dtype="float32")
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated(device)
     ours = Zero(groups, torch.optim.AdamW, plan=plan, lr=1e-2, weight_decay=0.1, fused=True)
-    ref = MasterReference(groups_of(ref_m, False),
+    ref = MasterReference(groups_of(ref_m),
                           lambda g: torch.optim.AdamW(g, lr=1e-2, weight_decay=0.1, fused=True))
     for step in range(steps):
         grads = [None if g is None else g.to(device) for g in fixed_grads(list(ours_m.parameters()), step)]

@@ -7,6 +7,7 @@ import weakref
 
 import torch
 import torch.distributed as dist
+from helpers import groups_of, make_model
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -24,30 +25,9 @@ RULES = {
 HOOKS = {"plain": hook_with_zero_step, "interleaved": hook_with_zero_step_interleaved}
 
 
-class Net(nn.Sequential):
-    """Linear layers with tanh, each fed in its own dtype (``mixed``: every other layer bfloat16)."""
-
-    def forward(self, x):
-        for layer in self:
-            x = torch.tanh(layer(x.to(layer.weight.dtype)))
-        return x.double()
-
-
-def make_model(seed: int = 0, dtype=torch.float64, mixed: bool = False) -> nn.Module:
-    torch.manual_seed(seed)
-    layers = [nn.Linear(7, 33), nn.Linear(33, 40), nn.Linear(40, 64), nn.Linear(64, 5)]
-    return Net(*[lay.to(torch.bfloat16 if mixed and i % 2 else dtype) for i, lay in enumerate(layers)])
-
-
 def _loss(model: nn.Module, step: int, rank: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(1000 * step + rank)
     return model(torch.randn(6, 7, generator=gen, dtype=torch.float64)).square().mean()
-
-
-def _groups(model: nn.Module, torch_class: bool) -> list[dict]:
-    first = list(model[:2].parameters())
-    rest = list(model[2:].parameters())
-    return [{"params": first}, {"params": rest, "lr": 5e-3} if torch_class else {"params": rest}]
 
 
 def overlap_vs_ddp(rank: int, world_size: int, name: str, hook: str, shard_buckets: bool, static_graph: bool,
@@ -56,13 +36,13 @@ def overlap_vs_ddp(rank: int, world_size: int, name: str, hook: str, shard_bucke
     whether every param (bf16 ones too) equals the reference's to the bit at the end."""
     rule, kwargs = RULES[name]
     torch_class = isinstance(rule, type)
-    ours_m, ref_m = make_model(mixed=mixed), make_model(mixed=mixed)
+    ours_m, ref_m = make_model("net", mixed=mixed), make_model("net", mixed=mixed)
     ddp_kw = dict(bucket_cap_mb=0.004, static_graph=static_graph, gradient_as_bucket_view=as_view,
                   find_unused_parameters=find_unused)
     ours_ddp, ref_ddp = DDP(ours_m, **ddp_kw), DDP(ref_m, **ddp_kw)
-    zero = Zero(_groups(ours_m, torch_class), rule, overlap_with_ddp=True, **kwargs)
+    zero = Zero(groups_of(ours_m, torch_class), rule, overlap_with_ddp=True, **kwargs)
     ours_ddp.register_comm_hook(None, HOOKS[hook](allreduce_hook, ours_ddp, zero, shard_buckets))
-    ref = (rule(_groups(ref_m, True), **kwargs) if torch_class else zf.Optimizer(_groups(ref_m, False), rule))
+    ref = (rule(groups_of(ref_m, True), **kwargs) if torch_class else zf.Optimizer(groups_of(ref_m, False), rule))
     worst = []
     for step in range(steps):
         _loss(ours_ddp, step, rank).backward()
@@ -100,11 +80,11 @@ def rules(rank: int, world_size: int) -> dict:
 def checkpoint_between_modes(rank: int, world_size: int, path: str) -> dict:
     """3 overlapped iterations, consolidate, load into a non-overlapped ZeRO, 3 more; against DDP + SGD for 6."""
     rule, kwargs = RULES["sgd"]
-    ours_m, ref_m = make_model(), make_model()
+    ours_m, ref_m = make_model("net"), make_model("net")
     ours_ddp, ref_ddp = DDP(ours_m, bucket_cap_mb=0.004), DDP(ref_m, bucket_cap_mb=0.004)
-    zero = Zero(_groups(ours_m, True), rule, overlap_with_ddp=True, **kwargs)
+    zero = Zero(groups_of(ours_m, True), rule, overlap_with_ddp=True, **kwargs)
     ours_ddp.register_comm_hook(None, hook_with_zero_step(allreduce_hook, ours_ddp, zero))
-    ref = rule(_groups(ref_m, True), **kwargs)
+    ref = rule(groups_of(ref_m, True), **kwargs)
     for step in range(3):
         _loss(ours_ddp, step, rank).backward()
         zero.zero_grad()
@@ -116,7 +96,7 @@ def checkpoint_between_modes(rank: int, world_size: int, path: str) -> dict:
     box = [saved]
     dist.broadcast_object_list(box, src=0)
     plain_ddp = DDP(ours_m, bucket_cap_mb=0.004)
-    after = Zero(_groups(ours_m, True), rule, **kwargs)
+    after = Zero(groups_of(ours_m, True), rule, **kwargs)
     after.load_state_dict(box[0])
     for step in range(3, 6):
         _loss(plain_ddp, step, rank).backward()
@@ -130,7 +110,7 @@ def checkpoint_between_modes(rank: int, world_size: int, path: str) -> dict:
 
 
 def no_cycle(rank: int, world_size: int) -> dict:
-    model = make_model()
+    model = make_model("net")
     ddp = DDP(model)
     zero = Zero(model.parameters(), torch.optim.SGD, overlap_with_ddp=True, lr=0.1)
     ddp.register_comm_hook(None, hook_with_zero_step(allreduce_hook, ddp, zero))
@@ -143,7 +123,7 @@ def no_cycle(rank: int, world_size: int) -> dict:
 
 def global_norm_rule(rank: int, world_size: int) -> dict:
     """clip_by_global_norm needs every bucket at once: the backward that steps it must say so."""
-    model = make_model()
+    model = make_model("net")
     ddp = DDP(model)
     zero = Zero(model.parameters(), zf.chain(zf.clip_by_global_norm(1.0), zf.sgd(0.1)), overlap_with_ddp=True)
     ddp.register_comm_hook(None, hook_with_zero_step(allreduce_hook, ddp, zero))
@@ -196,7 +176,7 @@ def join_uneven(rank: int, world_size: int, hook: str) -> dict:
     from torch.distributed.algorithms.join import Join
 
     rule, kwargs = RULES["sgd"]
-    ours_m, ref_m = make_model(), make_model()
+    ours_m, ref_m = make_model("net"), make_model("net")
     ours_ddp, ref_ddp = DDP(ours_m, bucket_cap_mb=0.004), DDP(ref_m, bucket_cap_mb=0.004)
     zero = Zero(ours_m.parameters(), rule, overlap_with_ddp=True, **kwargs)
     ours_ddp.register_comm_hook(None, HOOKS[hook](allreduce_hook, ours_ddp, zero))

@@ -10,14 +10,12 @@ import contextlib
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from zero_workers import ddp_grads, set_grads
+from helpers import CommCounter, ddp_grads, fixed_grads, groups_of, make_model, set_grads, side_by_side, worst
 
 import zero
 import zero.functional as zf
 from zero.backends import ZeroRedundancyOptimizer as Zero
-from zero.backends import comm
-from zero.backends.state_dict import state_nbytes
+from zero.backends.local_optimizer import state_nbytes
 from zero.plans.plan import PLAN_STRATEGIES
 
 RULES = {
@@ -31,26 +29,6 @@ RULES = {
 }
 
 
-def make_model(seed: int = 0, dtype=torch.float64, mixed: bool = False) -> nn.Module:
-    """Uneven sizes; the 40x64 weight (2560 elements) is over half the model; one bias is frozen.
-
-    ``mixed``: the 2nd and 4th layers in bfloat16, the rest in ``dtype``.
-    """
-    torch.manual_seed(seed)
-    layers = [nn.Linear(7, 33), nn.Linear(33, 5), nn.Linear(5, 64), nn.Linear(64, 40), nn.Linear(40, 3)]
-    model = nn.Sequential(*[lay.to(torch.bfloat16 if mixed and i % 2 else dtype) for i, lay in enumerate(layers)])
-    model[1].bias.requires_grad_(False)
-    return model
-
-
-def groups_of(model: nn.Module, functional: bool) -> list[dict]:
-    """Two groups; for torch classes the second at half the learning rate (a hand-built chain
-    keeps no per-group settings)."""
-    first = [*model[0].parameters(), *model[1].parameters()]
-    rest = [p for layer in model[2:] for p in layer.parameters()]
-    return [{"params": first}, {"params": rest} if functional else {"params": rest, "lr": 5e-3}]
-
-
 def reference(name: str, groups: list[dict]) -> torch.optim.Optimizer:
     rule, kwargs, _ = RULES[name]
     if isinstance(rule, type):
@@ -58,65 +36,33 @@ def reference(name: str, groups: list[dict]) -> torch.optim.Optimizer:
     return zf.Optimizer(groups, rule)
 
 
-class Counting:
-    """Counts the param all-gathers and the all-reduces a step issues (not the int64 check-in)."""
-
-    def __init__(self):
-        self.gathers = self.reduces = 0
-        self._orig = comm.all_gather_rows, comm.all_reduce_sum
-
-    def __enter__(self):
-        gather, reduce = self._orig
-
-        def counted_gather(rows, *args, **kwargs):
-            self.gathers += rows.dtype != torch.int64
-            return gather(rows, *args, **kwargs)
-
-        def counted_reduce(t, *args, **kwargs):
-            self.reduces += 1
-            return reduce(t, *args, **kwargs)
-
-        comm.all_gather_rows, comm.all_reduce_sum = counted_gather, counted_reduce
-        return self
-
-    def __exit__(self, *exc):
-        comm.all_gather_rows, comm.all_reduce_sum = self._orig
-
-
 def train_pair(rank: int, world_size: int, name: str, plan_of, steps: int, mixed: bool = False) -> dict:
     """Train ours under ``plan_of(metas, world_size)`` and one process side by side; report the largest
     relative difference, whether bf16 params are bit-equal, state bytes and collectives per step."""
-    ours_m, ref_m = make_model(mixed=mixed), make_model(mixed=mixed)
+    ours_m, ref_m = make_model("plan", mixed=mixed), make_model("plan", mixed=mixed)
     rule, kwargs, accounting = RULES[name]
     functional = not isinstance(rule, type)
-    groups = groups_of(ours_m, functional)
+    groups = groups_of(ours_m, not functional)
     plan = plan_of(zero.param_metas(groups), world_size)
     ours = Zero(groups, rule, plan=plan, **kwargs)
-    ref = reference(name, groups_of(ref_m, functional))
-    worst, counts = 0.0, []
-    for step in range(steps):
-        grads = ddp_grads(list(ours_m.parameters()), step, rank, world_size)
-        set_grads(ours_m, grads)
-        set_grads(ref_m, grads)
-        with Counting() as c:
+    ref = reference(name, groups_of(ref_m, not functional))
+    counts = []
+
+    def step(opt):
+        if opt is not ours:
+            return opt.step()
+        with CommCounter() as c:
             ours.step()
-        counts.append((c.gathers, c.reduces))
-        ref.step()
-        worst = max(worst, _worst(ours_m, ref_m))
+        counts.append((c.calls("all_gather_rows"), c.calls("all_reduce_sum")))
+
+    largest = side_by_side([(ours_m, ours), (ref_m, ref)],
+                           lambda k: ddp_grads(list(ours_m.parameters()), k, rank, world_size), range(steps), step)
     bf16_equal = all(torch.equal(a, b) for a, b in zip(ours_m.parameters(), ref_m.parameters())
                      if a.dtype == torch.bfloat16)
-    return {"worst": worst, "bf16_equal": bf16_equal, "counts": counts, "state_bytes": state_nbytes(ours.optim),
+    return {"worst": largest, "bf16_equal": bf16_equal, "counts": counts, "state_bytes": state_nbytes(ours.optim),
             "plan_state_bytes": zero.make_plan(plan.metas, world_size, plan.strategy, plan.weight,
                                                accounting or "sgd").ranks[rank].state_bytes,
             "buffers": len(plan.flat.buffers) if plan.flat else None}
-
-
-def _worst(a: nn.Module, b: nn.Module) -> float:
-    out = 0.0
-    for x, y in zip(a.parameters(), b.parameters()):
-        if x.dtype == torch.float64:
-            out = max(out, float(((x - y).abs() / y.abs().clamp_min(1e-12)).max().detach()))
-    return out
 
 
 def flat(metas, world_size):
@@ -145,8 +91,8 @@ def every_strategy(rank: int, world_size: int, steps: int = 6) -> dict:
 
 def different_plans(rank: int, world_size: int) -> dict:
     """Rank 0 executes a flat plan, the others sorted_greedy: the first step must say so on every rank."""
-    model = make_model()
-    groups = groups_of(model, False)
+    model = make_model("plan")
+    groups = groups_of(model)
     strategy = "flat" if rank == 0 else "sorted_greedy"
     opt = Zero(groups, torch.optim.AdamW, plan=zero.make_plan(zero.param_metas(groups), world_size, strategy), lr=1e-2)
     set_grads(model, ddp_grads(list(model.parameters()), 0, rank, world_size))
@@ -161,11 +107,11 @@ def reshard_leg(rank: int, world_size: int, strategy: str, load_from: str | None
                 start: int, steps: int, masters: bool = False) -> dict:
     """Train ``steps`` steps from ``start`` under ``strategy``, resuming from ``load_from``; save the
     global state. ``masters``: bf16 params stepped on fp32 masters (which travel in the state)."""
-    model = make_model(dtype=torch.bfloat16) if masters else make_model()
+    model = make_model("plan", dtype=torch.bfloat16) if masters else make_model("plan")
     if load_from:
         saved = torch.load(load_from, weights_only=True)
         model.load_state_dict(saved["model"])
-    groups = groups_of(model, False)
+    groups = groups_of(model)
     opt = Zero(groups, torch.optim.AdamW, strategy=strategy, master_dtype=torch.float32 if masters else None,
                lr=1e-2, weight_decay=0.1)
     if load_from:
@@ -176,21 +122,16 @@ def reshard_leg(rank: int, world_size: int, strategy: str, load_from: str | None
     opt.consolidate_state_dict(to=0)
     if rank == 0:
         state = opt.state_dict()
-        plain = torch.optim.AdamW(groups_of(make_model(), False), lr=1e-2, weight_decay=0.1)
+        plain = torch.optim.AdamW(groups_of(make_model("plan")), lr=1e-2, weight_decay=0.1)
         plain.load_state_dict(state)  # the plain torch format, loadable by torch's own class
         torch.save({"model": model.state_dict(), "optim": state}, save_to)
     dist.barrier()
     return {"params": [p.detach().double().numpy().copy() for p in model.parameters()]}
 
 
-def fixed_grads(params: list[torch.Tensor], step: int) -> list:
-    gen = torch.Generator().manual_seed(step)
-    return [torch.randn(p.shape, generator=gen, dtype=p.dtype) if p.requires_grad else None for p in params]
-
-
 def single_process(steps: int) -> list[torch.Tensor]:
-    model = make_model()
-    opt = torch.optim.AdamW(groups_of(model, False), lr=1e-2, weight_decay=0.1)
+    model = make_model("plan")
+    opt = torch.optim.AdamW(groups_of(model), lr=1e-2, weight_decay=0.1)
     for step in range(steps):
         set_grads(model, fixed_grads(list(model.parameters()), step))
         opt.step()
@@ -202,38 +143,12 @@ def _batch(step: int, rank: int, micro: int = 0) -> torch.Tensor:
     return torch.randn(6, 7, generator=gen, dtype=torch.float64)
 
 
-class CountingBytes:
-    """Bytes each rank puts into the gradient reduce-scatters and the param all-gathers of a step."""
-
-    def __init__(self):
-        self.reduce_scatter = self.all_gather = 0
-        self._orig = comm.reduce_scatter_sum, comm.all_gather_rows
-
-    def __enter__(self):
-        rs, ag = self._orig
-
-        def counted_rs(out, rows, group):
-            self.reduce_scatter += rows.numel() * rows.element_size()
-            return rs(out, rows, group)
-
-        def counted_ag(rows, *args):
-            if rows.dtype != torch.int64:
-                self.all_gather += rows.numel() * rows.element_size()
-            return ag(rows, *args)
-
-        comm.reduce_scatter_sum, comm.all_gather_rows = counted_rs, counted_ag
-        return self
-
-    def __exit__(self, *exc):
-        comm.reduce_scatter_sum, comm.all_gather_rows = self._orig
-
-
 def _iteration(model, opt, no_sync, step: int, rank: int, micro: int, counter=None) -> int | None:
     """One step; returns what ``counter`` counted as reduce-scattered by the end of backward."""
     for m in range(micro):
         with no_sync() if m < micro - 1 else contextlib.nullcontext():
             model(_batch(step, rank, m)).square().mean().backward()
-    during_backward = counter.reduce_scatter if counter else None
+    during_backward = counter.bytes("reduce_scatter_sum") if counter else None
     opt.step()
     opt.zero_grad()
     return during_backward
@@ -245,21 +160,21 @@ def reduce_scatter_vs_ddp(rank: int, world_size: int, name: str, steps: int = 6,
     each rank on its own data, ``micro`` micro-batches per step (all but the last under no_sync)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    ours_m, ref_m = make_model(seed=rank), make_model(seed=0)  # ours starts from rank 0's params by broadcast
+    ours_m, ref_m = make_model("plan", rank), make_model("plan", 0)  # ours starts from rank 0's params by broadcast
     rule, kwargs, _ = RULES[name]
     functional = not isinstance(rule, type)
-    groups = groups_of(ours_m, functional)
+    groups = groups_of(ours_m, not functional)
     plan = zero.make_plan(zero.param_metas(groups), world_size, "flat", bucket_numel=bucket_numel)
     ours = Zero(groups, rule, plan=plan, reduce_scatter_grads=True, **kwargs)
     ddp = DDP(ref_m, bucket_cap_mb=0.005)
-    ref = reference(name, groups_of(ref_m, functional))
-    worst, moved = 0.0, []
+    ref = reference(name, groups_of(ref_m, not functional))
+    largest, moved = 0.0, []
     for step in range(steps):
-        with CountingBytes() as c:
+        with CommCounter() as c:
             in_backward = _iteration(ours_m, ours, ours.no_sync, step, rank, micro, c)
         _iteration(ddp, ref, ddp.no_sync, step, rank, micro)
-        moved.append((c.reduce_scatter, c.all_gather, in_backward))
-        worst = max(worst, _worst(ours_m, ref_m))
+        moved.append((c.bytes("reduce_scatter_sum"), c.bytes("all_gather_rows"), in_backward))
+        largest = max(largest, worst(ours_m, ref_m))
     model_bytes = sum(p.numel() * p.element_size() for p in ours_m.parameters() if p.requires_grad)
-    return {"worst": worst, "moved": moved, "model_bytes": model_bytes, "buffers": len(plan.flat.buffers),
+    return {"worst": largest, "moved": moved, "model_bytes": model_bytes, "buffers": len(plan.flat.buffers),
             "padded_bytes": sum(b.padded_numel * 8 for b in plan.flat.buffers)}

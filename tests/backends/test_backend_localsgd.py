@@ -2,7 +2,7 @@
 
 import localsgd_workers as w
 import pytest
-from distributed import run_ranks
+from helpers import run_ranks
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

@@ -84,11 +84,11 @@ def test_reduce_scatter_grads_under_ddp_is_refused_at_the_first_forward():
     opt = Zero(bare.parameters(), torch.optim.SGD, strategy="flat", reduce_scatter_grads=True, lr=0.1)
     bare(torch.ones(1, 3)).sum().backward()
     opt.step()
-    assert opt.mode._ddp_watch.id not in torch.nn.modules.module._global_forward_pre_hooks
+    assert opt.mode.gradients.ddp_watch.id not in torch.nn.modules.module._global_forward_pre_hooks
 
 
 def test_places_name_the_rank_that_skipped_a_step_and_nothing_else():
-    from zero.backends.watch import Place
+    from zero.backends.consistency import Place
 
     stepping, skipping = Place("step", 2, 3), Place("backward", 2, 4)
     words = "rank 1 skipped step(): it has taken 2 steps and started backward pass 4, while rank 0 is in step 3"

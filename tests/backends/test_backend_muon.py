@@ -1,9 +1,8 @@
 """Muon under ZeRO on gloo ranks: equal to one process, each matrix orthogonalised once a step."""
 
+import muon_workers as mw
 import pytest
-
-from tests import muon_workers as mw
-from tests.distributed import run_ranks
+from helpers import run_ranks
 
 
 @pytest.mark.timeout(240)

@@ -4,7 +4,7 @@ machines (CI has none)."""
 import pytest
 import torch
 import zero_workers as w
-from distributed import run_ranks
+from helpers import run_ranks
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2+ CUDA GPUs for NCCL; this machine has "

@@ -2,7 +2,7 @@
 
 import pytest
 import rpc_workers as w
-from distributed import run_ranks
+from helpers import run_ranks
 
 
 def rpc_run(fn, *args, world_size=3):

@@ -4,7 +4,7 @@ import re
 
 import pytest
 import zero_workers as w
-from distributed import run_ranks
+from helpers import groups_of, make_model, run_ranks
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
@@ -48,8 +48,8 @@ def test_reshards_4_to_2_to_3_ranks_as_one_optimizer(tmp_path):
     run_ranks(w.train_leg, 4, None, str(paths[0]), 0, 6)
     run_ranks(w.train_leg, 2, str(paths[0]), str(paths[1]), 6, 6)
     bytes3 = run_ranks(w.train_leg, 3, str(paths[1]), str(paths[2]), 12, 6)
-    model = w.make_model()
-    ref = torch.optim.Adam(w.groups_of(model), lr=1e-2, weight_decay=0.01)
+    model = make_model("small")
+    ref = torch.optim.Adam(groups_of(model), lr=1e-2, weight_decay=0.01)
     for step in range(18):
         w.set_grads(model, w.fixed_grads(list(model.parameters()), step))
         ref.step()
@@ -153,3 +153,10 @@ def test_add_param_group_on_some_ranks_only_is_a_clear_error():
     results = run_ranks(w.add_group_on_some_ranks, 2, pg_timeout=5, timeout=60)
     assert [r["error"] for r in results] == ["ValueError", "ValueError"]
     assert "rank 0 is in add_param_group but rank 1 is in step" in results[0]["message"]
+
+
+def test_every_alias_steps_the_same_sharded_on_two_ranks_as_in_one_process():
+    from alias_cases import ALIASES
+
+    results = run_ranks(w.aliases_sharded, 2, sorted(ALIASES))
+    assert results[0] == sorted(ALIASES)

@@ -13,7 +13,7 @@ import numpy as np
 import plan_workers as pw
 import pytest
 import torch
-from distributed import run_ranks
+from helpers import fixed_grads, make_model, run_ranks, set_grads
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.filterwarnings("ignore::FutureWarning")]
 
@@ -85,10 +85,10 @@ def test_a_rank_killed_mid_save_leaves_the_last_checkpoint_whole_and_the_partial
 def _one_rank_run(tmp_path, model=None, optimizer_class=torch.optim.AdamW, **kw):
     from zero.backends import ZeroRedundancyOptimizer as Zero
 
-    model = model if model is not None else pw.make_model()
+    model = model if model is not None else make_model("plan")
     kw = {"lr": 1e-2, **kw} if isinstance(optimizer_class, type) else kw
     opt = Zero(model.parameters(), optimizer_class, **kw)
-    cw.set_grads(model, pw.fixed_grads(list(model.parameters()), 0))
+    set_grads(model, fixed_grads(list(model.parameters()), 0))
     opt.step()
     return model, opt
 
@@ -107,16 +107,16 @@ def test_a_checkpoint_of_another_model_is_a_value_error_naming_the_fqn(saved, tm
 
     from zero.backends import checkpoint
 
-    wider = pw.make_model()
+    wider = make_model("plan")
     wider[4] = nn.Linear(40, 4).double()
     model, opt = _one_rank_run(tmp_path, wider)
     with pytest.raises(ValueError, match=r"'model\.4\.weight' has shape \(3, 40\) but here it has shape \(4, 40\)"):
         checkpoint.load(saved, model, opt)
-    shorter = torch.nn.Sequential(*list(pw.make_model())[:4])
+    shorter = torch.nn.Sequential(*list(make_model("plan"))[:4])
     model, opt = _one_rank_run(tmp_path, shorter)
     with pytest.raises(ValueError, match=r"model tensors this model does not have: \['model\.4\.bias', 'model\.4\.w"):
         checkpoint.load(saved, model, opt)
-    longer = torch.nn.Sequential(*pw.make_model(), nn.Linear(3, 2).double())
+    longer = torch.nn.Sequential(*make_model("plan"), nn.Linear(3, 2).double())
     model, opt = _one_rank_run(tmp_path, longer)
     with pytest.raises(ValueError, match=r"lacks 8 tensors .* \(the model's \['5\.bias', '5\.weight'\]: it was"):
         checkpoint.load(saved, model, opt)
@@ -142,7 +142,7 @@ def test_options_a_sharded_state_dict_cannot_honour_are_refused(saved, tmp_path)
     with pytest.raises(TypeError, match="must be a zero.backends.ZeroRedundancyOptimizer, got AdamW"):
         checkpoint.get_state_dict(model, torch.optim.AdamW(model.parameters()))
     with pytest.raises(ValueError, match="optimizer's param 0 .* is not a parameter of the model"):
-        checkpoint.get_state_dict(pw.make_model(), opt)
+        checkpoint.get_state_dict(make_model("plan"), opt)
 
 
 def test_the_flattened_layout_round_trips(saved, tmp_path):
@@ -276,3 +276,17 @@ def test_a_run_with_uneven_inputs_under_join_saves_and_resumes(tmp_path):
     saver = run_ranks(cw.join_leg, 3, str(tmp_path / "a"), False, timeout=120)
     resumed = run_ranks(cw.join_leg, 3, str(tmp_path / "a"), True, timeout=120)
     _equal(_params(resumed), _params(saver))
+
+
+def test_both_formats_round_trip_every_mode_over_the_same_holdings(tmp_path):
+    """Whole, flat, reduce-scattered, hybrid (plain and reduce-scattered) and DDP-overlap modes,
+    with and without fp32 masters, at 3 ranks: torch's consolidated dict and DCP's checkpoint each
+    give every rank back exactly the local state it held, and the two formats agree (both are
+    written over the plan's holdings, `zero.plans.holdings`, not over a mode's bookkeeping)."""
+    rows = run_ranks(cw.formats_round_trip, 3, str(tmp_path), list(cw.MODES), timeout=240)
+    for rank, row in enumerate(rows):
+        for mode, r in row.items():
+            assert r["consolidated"] and r["dcp"] and r["formats_agree"], (rank, mode, r)
+    assert {r["mode"] for r in rows[0].values()} == {"WholeParams", "FlatShards", "ReduceScatteredShards",
+                                                     "HybridShards", "HybridReduceScattered", "DDPOverlap"}
+    assert all(r["pieces"] > 0 for row in rows for r in row.values())

@@ -1,18 +1,18 @@
 """Hybrid plans: a flat plan that keeps some params whole (`zero.plans.hybrid`), executed by
 `zero.backends.modes.HybridShards`, for the rules that need tensors whole."""
 
+import hybrid_workers as hw
 import numpy as np
+import plan_workers as pw
 import pytest
 import torch
+from helpers import fixed_grads, groups_of, make_model, run_ranks
 from torch import nn
 
 import zero
 import zero.functional as zf
-from tests import hybrid_workers as hw
-from tests import plan_workers as pw
-from tests.distributed import run_ranks
 from zero.backends import ZeroRedundancyOptimizer as Zero
-from zero.backends.state_dict import state_nbytes
+from zero.backends.local_optimizer import state_nbytes
 from zero.plans.accounting import optimizer_state, state_bytes
 from zero.plans.diff import placement
 
@@ -139,21 +139,21 @@ def test_a_rule_given_pieces_of_a_tensor_it_needs_whole_names_it(rule, whole, ma
     naming the param, not a rule stepped over a shard (Muon would have sent the matrix's pieces
     to AdamW)."""
     plan_of = {"muon": "sgd"}  # a plan made for another optimizer, so make_plan lets the matrix through
-    model = pw.make_model()
-    groups = pw.groups_of(model, True)
+    model = make_model("plan")
+    groups = groups_of(model, False)
     plan = zero.make_plan(zero.param_metas(groups), 1, "flat", optimizer=plan_of.get(rule, "sgd"), whole=whole)
     opt = Zero(groups, hw.RULES[rule][0](), plan=plan)
-    for p, g in zip(model.parameters(), pw.fixed_grads(list(model.parameters()), 0)):
+    for p, g in zip(model.parameters(), fixed_grads(list(model.parameters()), 0)):
         p.grad = g
     with pytest.raises(ValueError, match=match):
         opt.step()
 
 
 def _named_step(tx, whole):
-    model = pw.make_model()
+    model = make_model("plan")
     plan = zero.make_plan(zero.param_metas(model), 1, "flat", optimizer="sgd", whole=whole)
     opt = Zero(model.named_parameters(), tx, plan=plan)
-    for p, g in zip(model.parameters(), pw.fixed_grads(list(model.parameters()), 0)):
+    for p, g in zip(model.parameters(), fixed_grads(list(model.parameters()), 0)):
         p.grad = g
     opt.step()
 
@@ -186,7 +186,7 @@ def test_a_rank_without_the_cut_tensor_is_told_which_ranks_stopped():
 
 @pytest.mark.usefixtures("one_rank")
 def test_hybrid_plans_refuse_what_they_cannot_run():
-    model = pw.make_model()
+    model = make_model("plan")
     plan = zero.make_plan(zero.param_metas(model.parameters()), 1, "flat", whole=hw.matrices)
     with pytest.raises(ValueError, match="Adafactor needs whole tensors"):
         Zero(model.parameters(), torch.optim.Adafactor, plan=plan)
@@ -202,7 +202,7 @@ def test_hybrid_state_moves_through_torch_and_sharded_checkpoints(tmp_path):
     one process, with exactly the plan's state bytes on every rank."""
     a = run_ranks(hw.adamw_leg, 2, None, str(tmp_path / "a.pt"), 0, 5)
     saved = torch.load(tmp_path / "a.pt", weights_only=True)
-    torch.optim.AdamW(pw.groups_of(pw.make_model(), False), lr=1e-2, weight_decay=0.1).load_state_dict(saved["optim"])
+    torch.optim.AdamW(groups_of(make_model("plan")), lr=1e-2, weight_decay=0.1).load_state_dict(saved["optim"])
     b = run_ranks(hw.adamw_leg, 3, str(tmp_path / "a.pt"), str(tmp_path / "b"), 5, 5)
     c = run_ranks(hw.adamw_leg, 2, str(tmp_path / "b"), str(tmp_path / "c.pt"), 10, 5)
     assert all(r["state_bytes"] == r["planned"] for r in a + b + c)
@@ -253,13 +253,13 @@ def test_bf16_params_step_on_fp32_masters_under_a_hybrid_plan():
     master and state bytes exactly, and the same bf16 params as a whole-param plan's (AdamW is
     element-wise, so where a param sits does not change its step)."""
     def run(strategy, **whole):
-        model = pw.make_model(dtype=torch.bfloat16)
-        groups = pw.groups_of(model, False)
+        model = make_model("plan", dtype=torch.bfloat16)
+        groups = groups_of(model)
         plan = zero.make_plan(zero.param_metas(groups), 1, strategy, optimizer="adamw", master_dtype="float32",
                               **whole)
         opt = Zero(groups, torch.optim.AdamW, plan=plan, master_dtype=torch.float32, lr=1e-2, weight_decay=0.1)
         for step in range(5):
-            for p, g in zip(model.parameters(), pw.fixed_grads(list(model.parameters()), step)):
+            for p, g in zip(model.parameters(), fixed_grads(list(model.parameters()), step)):
                 p.grad = g
             opt.step()
         assert (opt.masters.nbytes(), state_nbytes(opt.optim)) == (plan.ranks[0].master_bytes,

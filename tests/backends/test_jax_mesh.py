@@ -14,7 +14,7 @@ import sys
 import jax_mesh_workers as w
 import numpy as np
 import pytest
-from distributed import run_ranks
+from helpers import run_ranks
 from jax_mesh_twin import SHAPES
 
 pytest.importorskip("optax", reason="the JAX mesh executor needs the zero[jax] extra")

@@ -11,12 +11,12 @@ import numpy as np
 import plan_workers as pw
 import pytest
 import torch
-from distributed import run_ranks
+from helpers import run_ranks
 
 import zero
 from zero.backends import ShardedGradScaler
 from zero.backends import ZeroRedundancyOptimizer as Zero
-from zero.backends.masters import MASTER_KEY
+from zero.backends.precision import MASTER_KEY
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -3,7 +3,7 @@
 import overlap_workers as w
 import pytest
 import torch
-from distributed import run_ranks
+from helpers import run_ranks
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 

@@ -6,7 +6,7 @@ import re
 import plan_workers as w
 import pytest
 import torch
-from distributed import run_ranks
+from helpers import run_ranks
 from torch import nn
 
 import zero

@@ -5,7 +5,7 @@ import torch
 
 import zero.functional as zf
 from zero.backends import DistributedOptimizer
-from zero.backends.rpc_optimizer import local_transformation
+from zero.backends.dist_optim.rpc import local_transformation
 
 
 @pytest.mark.parametrize("cls, args, kwargs, error, match", [

@@ -39,10 +39,3 @@ def run_both(tx, otx, *, steps=40, dtype=np.float64, seed=0, grad_fn=None):
         ju, js = oupdate(to_jax(grads), js, jp)
         tp, jp = F.apply_updates(tp, tu), optax.apply_updates(jp, ju)
         yield step, tp, jp
-
-
-def assert_close(tp, jp, rtol, atol=0.0, where=""):
-    t_leaves, j_leaves = optree.tree_leaves(tp), optree.tree_leaves(jp)
-    assert len(t_leaves) == len(j_leaves)
-    for t, j in zip(t_leaves, j_leaves):
-        np.testing.assert_allclose(t.numpy(), np.asarray(j), rtol=rtol, atol=atol, err_msg=where)

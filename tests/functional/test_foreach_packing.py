@@ -1,7 +1,7 @@
-"""The pure path's layout: small CPU leaves packed into one flat tensor (`zero.functional.fast.packing`),
+"""The pure path's layout: small CPU leaves packed into one flat tensor (`zero.functional.foreach`),
 and a constant scale folded into the link before it (`chain`).
 
-Optax parity (tests/test_functional_optax_parity.py) runs with packing on, since its trees'
+Optax parity (tests/functional/test_functional_optax_parity.py) runs with packing on, since its trees'
 leaves are small; here the same rules also run with packing off and on mixed trees.
 """
 
@@ -12,14 +12,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import zero.functional as F
-from zero.functional.fast import packing
+from zero.functional import foreach as packing
 
 pytest.importorskip("optax", reason="parity with Optax needs the zero[jax] extra")
 
 import optax  # noqa: E402
-
-from tests.alias_cases import ALIASES, LR, build  # noqa: E402
-from tests.optax_parity import assert_close, run_both  # noqa: E402
+from alias_cases import ALIASES, LR, build  # noqa: E402
+from helpers import assert_trees_close  # noqa: E402
+from optax_parity import run_both  # noqa: E402
 
 # The rules whose update runs through foreach_map, plus a few that reach it through chains.
 UNPACKED_CASES = {
@@ -56,7 +56,7 @@ def test_unpacked_lists_match_optax(name, unpacked):
     """Each leaf its own tensor in the foreach lists: the layout big leaves and accelerators get."""
     make = UNPACKED_CASES[name]
     for step, tp, jp in run_both(make(F), make(optax), steps=25, dtype=np.float64):
-        assert_close(tp, jp, rtol=1e-6 if name == "adamw_schedule" else 1e-9, atol=1e-12, where=f"{name} {step}")
+        assert_trees_close(tp, jp, rtol=1e-6 if name == "adamw_schedule" else 1e-9, atol=1e-12, what=f"{name} {step}")
 
 
 BIG = packing.PACK_NUMEL + 5  # a leaf too big to pack

@@ -8,15 +8,16 @@ pytest.importorskip("optax", reason="the Optax bridge needs the zero[jax] extra"
 import jax  # noqa: E402
 import optax  # noqa: E402
 import torch  # noqa: E402
+from helpers import assert_trees_close  # noqa: E402
+from optax_parity import random_tree, run_both, to_jax, to_torch  # noqa: E402
 
 import zero.functional as F  # noqa: E402
-from tests.optax_parity import assert_close, random_tree, run_both, to_jax, to_torch  # noqa: E402
 
 
 def test_from_optax_runs_a_chain_torch_does_not_have():
     make = lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adafactor(1e-2))
     for step, tp, jp in run_both(F.from_optax(make()), make(), steps=40):
-        assert_close(tp, jp, rtol=1e-9, atol=1e-12, where=f"step {step}")
+        assert_trees_close(tp, jp, rtol=1e-9, atol=1e-12, what=f"step {step}")
         assert isinstance(tp["w"], torch.Tensor)
 
 
@@ -41,7 +42,7 @@ def test_state_moves_torch_to_optax_and_back():
         jp = optax.apply_updates(jp, u)
     p, s = torch_steps(to_torch(jp), F.from_optax_state(js), grads[20:])
     assert type(s[0]) is F.ScaleByAdamState and int(s[0].count) == 30
-    assert_close(p, jax.tree.map(np.asarray, reference), rtol=1e-9, atol=1e-12)
+    assert_trees_close(p, jax.tree.map(np.asarray, reference), rtol=1e-9, atol=1e-12)
 
 
 def test_from_optax_rejects_non_transformations():

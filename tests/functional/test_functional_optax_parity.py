@@ -6,10 +6,11 @@ import pytest
 pytest.importorskip("optax", reason="parity with Optax needs the zero[jax] extra")
 
 import optax  # noqa: E402
+from alias_cases import ALIASES, LR, MORE_ALIASES, build  # noqa: E402
+from helpers import assert_trees_close  # noqa: E402
+from optax_parity import random_tree, run_both  # noqa: E402
 
 import zero.functional as F  # noqa: E402
-from tests.alias_cases import ALIASES, LR, MORE_ALIASES, build  # noqa: E402
-from tests.optax_parity import assert_close, random_tree, run_both  # noqa: E402
 
 SCHED = dict(init_value=0.1, end_value=0.01, transition_steps=20)
 
@@ -88,7 +89,7 @@ def test_matches_optax(name, make, dtype, rtol):
     if name in FLOAT32_SCHEDULES and dtype == np.float64:
         rtol, atol = 1e-6, 1e-7
     for step, tp, jp in run_both(make(F), make(optax), steps=40, dtype=dtype):
-        assert_close(tp, jp, rtol=rtol, atol=atol, where=f"{name} step {step}")
+        assert_trees_close(tp, jp, rtol=rtol, atol=atol, what=f"{name} step {step}")
 
 
 @pytest.mark.parametrize("variant", ["sps", "sps+"])
@@ -117,7 +118,7 @@ def test_multi_steps_float32_accumulator_matches():
     otx = optax.MultiSteps(optax.adam(LR), 4).gradient_transformation()
     assert torch.float32 == tx.init({"x": torch.zeros(2, dtype=torch.float64)}).acc_grads["x"].dtype
     for step, tp, jp in run_both(tx, otx, steps=41, dtype=np.float32):
-        assert_close(tp, jp, rtol=1e-4, atol=1e-7, where=f"step {step}")
+        assert_trees_close(tp, jp, rtol=1e-4, atol=1e-7, what=f"step {step}")
 
 
 def test_apply_if_finite_with_injected_nans():
@@ -133,7 +134,7 @@ def test_apply_if_finite_with_injected_nans():
         w, jw = tp["w"].numpy(), np.asarray(jp["w"])
         np.testing.assert_array_equal(np.isnan(w), np.isnan(jw))
         seen_nan |= bool(np.isnan(w).any())
-        assert_close({"b": tp["b"]}, {"b": jp["b"]}, rtol=1e-9, where=f"step {step}")
+        assert_trees_close({"b": tp["b"]}, {"b": jp["b"]}, rtol=1e-9, what=f"step {step}")
     assert seen_nan, "the run of 4 bad steps should have let a NaN through after 2 skips"
 
 

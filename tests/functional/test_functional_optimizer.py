@@ -5,6 +5,7 @@ import io
 
 import pytest
 import torch
+from helpers import assert_params_close, side_by_side
 from torch import nn
 
 import zero.functional as F
@@ -18,13 +19,9 @@ def model_and_data(seed=0, dtype=torch.float64):
 
 
 def train(model, opt, data, scheduler=None):
-    for x, y in data:
-        opt.zero_grad()
-        loss = nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        if scheduler:
-            scheduler.step()
+    """The shared training loop, on the regression data, one run; its params after."""
+    side_by_side([(model, opt, scheduler)], None, range(len(data)),
+                 loss=lambda m, k: nn.functional.mse_loss(m(data[k][0]), data[k][1]))
     return [p.detach().clone() for p in model.parameters()]
 
 
@@ -216,11 +213,6 @@ def step_both(fo, ref, ref_params, grads):
     ref.step()
 
 
-def assert_same(params, ref_params):
-    for a, b in zip(params, ref_params):
-        torch.testing.assert_close(a, b.detach(), rtol=1e-9, atol=1e-12)
-
-
 def test_functional_optimizer_steps_buckets_like_torch_adam():
     torch.manual_seed(0)
     params = [torch.randn(4, dtype=torch.float64) for _ in range(5)]
@@ -232,7 +224,7 @@ def test_functional_optimizer_steps_buckets_like_torch_adam():
         for bucket in buckets:
             grads = [torch.randn(4, dtype=torch.float64) if i in bucket else None for i in range(5)]
             step_both(fo, ref, ref_params, grads)
-    assert_same(params, ref_params)
+    assert_params_close(params, ref_params, rtol=1e-9, atol=1e-12)
     with pytest.raises(ValueError, match="empty parameter list"):
         F.FunctionalOptimizer([], F.adam(0.1))
     assert F.FunctionalOptimizer([], F.adam(0.1), _allow_empty_param_list=True).param_groups[0]["params"] == []
@@ -254,7 +246,7 @@ def test_per_param_steps_any_subset_like_torch(name, opts):
     for step in range(24):
         grads = [torch.randn(p.shape, dtype=p.dtype) if i in patterns[step % 8] else None for i, p in enumerate(params)]
         step_both(fo, ref, ref_params, grads)
-    assert_same(params, ref_params)
+    assert_params_close(params, ref_params, rtol=1e-9, atol=1e-12)
 
 
 def test_split_state_cuts_per_param_lists_and_copies_the_rest():
@@ -311,7 +303,7 @@ def test_a_kernel_step_is_seen_by_autograd_as_an_inplace_change(make):
 def test_a_scheduler_keeps_the_kernels_checked_placement(make, monkeypatch):
     """An lr that changes every step builds the inner chain for the new value; its kernel takes
     over the tensors the last one checked instead of checking every dtype and device again."""
-    from zero.functional.fast import steps
+    from zero.functional.kernels import steps
 
     checks = []
     groups = steps._groups
@@ -324,7 +316,7 @@ def test_a_scheduler_keeps_the_kernels_checked_placement(make, monkeypatch):
 
 @pytest.mark.parametrize("scheduled", [False, True])
 def test_param_groups_sharing_a_rule_at_two_lrs_keep_a_placement_each(scheduled, monkeypatch):
-    from zero.functional.fast import steps
+    from zero.functional.kernels import steps
 
     checks = []
     groups = steps._groups

@@ -4,11 +4,9 @@ import inspect
 
 import pytest
 import torch
+from alias_cases import ALIASES, build
 
 import zero.functional as F
-from tests import zero_workers as w
-from tests.alias_cases import ALIASES, build
-from tests.distributed import run_ranks
 
 
 def trajectory(tx, params, steps=8, inplace=False, seed=0):
@@ -72,8 +70,3 @@ def _exact_ema(params, decay, steps, seed=0):
 def _first_moments(state):
     """The ``mu`` leaves of a chain's state (Adam's and Lion's first moment)."""
     return [m for part in state if hasattr(part, "mu") for m in F.base.tree_leaves(part.mu)]
-
-
-def test_every_alias_steps_the_same_sharded_on_two_ranks_as_in_one_process():
-    results = run_ranks(w.aliases_sharded, 2, sorted(ALIASES))
-    assert results[0] == sorted(ALIASES)

@@ -7,9 +7,10 @@ import numpy as np
 import optax
 import pytest
 import torch
+from helpers import assert_trees_close
+from optax_parity import to_jax, to_torch
 
 import zero.functional as F
-from tests.optax_parity import to_jax, to_torch
 from zero.functional.contrib import MuonDimensionNumbers as Dims
 from zero.functional.contrib import newton_schulz as ns
 
@@ -38,11 +39,6 @@ def run_both(shapes, ours, theirs, dtype, steps=40):
     return tp, jp
 
 
-def assert_params_close(tp, jp, rtol, atol):
-    for k in tp:
-        np.testing.assert_allclose(tp[k].numpy(), np.asarray(jp[k]), rtol=rtol, atol=atol, err_msg=k)
-
-
 OPTIONS = [{}, {"nesterov": False}, {"adaptive": True}, {"consistent_rms": 0.2}, {"ns_coeffs": "dion"},
            {"weight_decay": 0.1, "adam_weight_decay": 0.01}, {"preconditioning": "aol"},
            {"preconditioning": "schatten"}, {"preconditioning": "spectral"},
@@ -53,20 +49,20 @@ OPTIONS = [{}, {"nesterov": False}, {"adaptive": True}, {"consistent_rms": 0.2},
 @pytest.mark.parametrize("opts", OPTIONS, ids=[",".join(o) or "defaults" for o in OPTIONS])
 def test_muon_matches_optax_float64(opts):
     tp, jp = run_both(SHAPES, F.contrib.muon(0.02, **opts), optax.contrib.muon(0.02, **opts), np.float64)
-    assert_params_close(tp, jp, rtol=1e-9, atol=0)
+    assert_trees_close(tp, jp, rtol=1e-9, atol=0)
 
 
 @pytest.mark.parametrize("opts", [{}, {"adaptive": True, "nesterov": False}])
 def test_muon_matches_optax_float32(opts):
     tp, jp = run_both(SHAPES, F.contrib.muon(0.02, **opts), optax.contrib.muon(0.02, **opts), np.float32)
-    assert_params_close(tp, jp, rtol=1e-4, atol=1e-5)
+    assert_trees_close(tp, jp, rtol=1e-4, atol=1e-5)
 
 
 def test_muon_momentum_dtype_matches_optax():
     """A float32 momentum of float64 params: equal at the momentum's precision, kept in float32."""
     ours, theirs = F.contrib.muon(0.02, mu_dtype="float32"), optax.contrib.muon(0.02, mu_dtype="float32")
     tp, jp = run_both(SHAPES, ours, theirs, np.float64, steps=10)
-    assert_params_close(tp, jp, rtol=1e-6, atol=0)
+    assert_trees_close(tp, jp, rtol=1e-6, atol=0)
     state = ours.init(tp)
     assert state.inner_states["muon"].inner_state[0].mu["w"].dtype == torch.float32
 
@@ -77,9 +73,9 @@ def test_muon_dimension_numbers_match_optax(dtype, rtol, atol):
     on Adam; Optax's own MuonDimensionNumbers are taken as they are."""
     ours = F.contrib.muon(0.02, muon_weight_dimension_numbers=conv_dims(Dims))
     theirs = optax.contrib.muon(0.02, muon_weight_dimension_numbers=conv_dims(optax.contrib.MuonDimensionNumbers))
-    assert_params_close(*run_both(CONV, ours, theirs, dtype), rtol=rtol, atol=atol)
+    assert_trees_close(*run_both(CONV, ours, theirs, dtype), rtol=rtol, atol=atol)
     optax_dims = F.contrib.muon(0.02, muon_weight_dimension_numbers=conv_dims(optax.contrib.MuonDimensionNumbers))
-    assert_params_close(*run_both(CONV, optax_dims, theirs, dtype, steps=3), rtol=rtol, atol=atol)
+    assert_trees_close(*run_both(CONV, optax_dims, theirs, dtype, steps=3), rtol=rtol, atol=atol)
 
 
 def test_muon_state_has_optax_layout():

@@ -3,9 +3,8 @@
 ``AliasTest.test_optimization`` (10,000 steps per case) runs ported, in `test_optax_convergence`.
 """
 
+import optax_converter as conv
 import pytest
-
-from tests import optax_converter as conv
 
 # Optax's own deprecation (optimistic_adam), which the suite's tests call on purpose.
 pytestmark = pytest.mark.filterwarnings("ignore:`optimistic_adam` is deprecated:DeprecationWarning")
@@ -35,8 +34,8 @@ MODULES = {
 # Test (``method`` or ``Class.method``) -> why it cannot apply to zero.
 JAX_010 = "fails in Optax itself with JAX 0.10 (its structure error no longer says 'Dict key mismatch')"
 SKIPS: dict[str, str] = {
-    "AliasTest.test_optimization": "ported to tests/test_optax_convergence.py (same cases, targets, steps and "
-                                   "tolerance, torch gradients): through the converter each case runs 10,000 "
+    "AliasTest.test_optimization": "ported to tests/functional/test_optax_convergence.py (same cases, targets, "
+                                   "steps and tolerance, torch gradients): through the converter each case runs 10,000 "
                                    "eager JAX steps, minutes each",
     "test_scale": "scales by 0.1**38, subnormal in float32: XLA flushes it to zero, torch keeps it, so zero's "
                   "5e-36 (the exact product) is compared with JAX's 0",

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from zero.plans.chunks import Box, held_by, param_chunks, range_boxes
+from zero.plans.chunks import Box, param_chunks, range_boxes
 
 
 def _flat_indices(shape, box):
@@ -62,7 +62,6 @@ def test_chunks_and_holdings_follow_the_plan():
         assert sum(e - s for _, s, e in ranges) == m.numel
     whole = zero.make_plan(metas, 3)
     assert param_chunks(0, 15, whole.partition, None) == ((whole.partition.owner[0], 0, 15),)
-    order = [bi for bi, _ in enumerate(flat.flat.buffers)]
-    held = [h for r in range(3) for h in held_by(r, None, flat.flat, order, [m.numel for m in metas])]
+    held = [h for r in range(3) for h in zero.holdings(flat, r).held]
     assert sorted((h.param, h.start, h.end) for h in held) == sorted(
         (i, s, e) for i, m in enumerate(metas) for _, s, e in param_chunks(i, m.numel, None, flat.flat))

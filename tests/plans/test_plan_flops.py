@@ -41,7 +41,7 @@ def test_muon_state_bytes_per_param_kind():
 
 
 def test_flat_plans_for_muon_keep_its_matrices_whole():
-    """A flat plan for Muon is a hybrid that keeps every matrix whole (`tests/test_hybrid.py`)."""
+    """A flat plan for Muon is a hybrid that keeps every matrix whole (`tests/backends/test_hybrid.py`)."""
     plan = zero.make_plan(preset("gpt2"), 4, "flat", optimizer="muon")
     assert plan.whole == tuple(i for i, m in enumerate(plan.metas) if len(m.shape) == 2)
 

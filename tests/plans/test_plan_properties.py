@@ -5,8 +5,8 @@ import sys
 
 from hypothesis import given
 from hypothesis import strategies as st
+from strategies import metas
 
-from tests.strategies import metas
 from zero import bucket_views, flat_layout, make_plan, partition
 from zero.plans.accounting import weights
 from zero.plans.meta import itemsize

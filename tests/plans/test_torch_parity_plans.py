@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
+from torch_reference import torch_ddp_assignment, torch_partition
 
-from tests.torch_reference import torch_ddp_assignment, torch_partition
 from zero import assign_ddp_buckets, ddp_buckets, param_metas, partition
 
 

@@ -1,0 +1,70 @@
+"""The public names of `zero`, pinned: each package's ``__all__`` is exactly this list, and every
+name resolves from where it is listed (the lazy ones in a fresh interpreter, where nothing else
+loaded them). Removing or renaming a public name fails here: move it, and keep it importable from
+here, or say so in the README and update this list."""
+
+import ast
+import subprocess
+import sys
+
+import pytest
+
+PUBLIC = {
+    "zero": (
+        "OPTIMIZERS", "ParamMeta", "Partition", "Plan", "ZeroRedundancyOptimizer", "assign_ddp_buckets",
+        "bucket_views", "ddp_buckets", "diff_plans", "flat_layout", "holdings", "make_plan", "param_metas",
+        "partition", "preset", "split_bucket", "state_bytes", "sync_rows",
+    ),
+    "zero.functional": (
+        "AddNoiseState", "ApplyEvery", "ApplyIfFiniteState", "ConditionallyMaskState",
+        "ConditionallyTransformState", "EmaState", "EmptyState", "FactoredState", "FunctionalOptimizer",
+        "GradientTransformation", "InjectHyperparamsState", "InjectStatefulHyperparamsState", "MaskedNode",
+        "MaskedState", "MultiSteps", "MultiStepsState", "MultiTransformState", "Optimizer", "PartitionState",
+        "Path", "ScaleByAdaDeltaState", "ScaleByAdamState", "ScaleByAdanState", "ScaleByAmsgradState",
+        "ScaleByBeliefState", "ScaleByLionState", "ScaleByNovogradState", "ScaleByOptimisticGradientState",
+        "ScaleByRStdDevState", "ScaleByRStdDevWithCountState", "ScaleByRmsState", "ScaleByRmsWithCountState",
+        "ScaleByRpropState", "ScaleByRssState", "ScaleBySM3State", "ScaleByScheduleState", "TraceState",
+        "WeightDecaySchedule", "WrappedSchedule", "WrappedScheduleState", "ZeroNansState", "adabelief", "adadelta",
+        "adafactor", "adagrad", "adam", "adamax", "adamaxw", "adamw", "adan", "adaptive_grad_clip",
+        "add_decayed_weights", "add_noise", "amsgrad", "apply_every", "apply_if_finite", "apply_updates",
+        "centralize", "chain", "clip", "clip_by_block_rms", "clip_by_global_norm", "conditionally_mask",
+        "conditionally_transform", "constant_schedule", "contrib", "cosine_decay_schedule",
+        "cosine_onecycle_schedule", "ema", "explain", "exponential_decay", "from_optax", "from_optax_state",
+        "from_torch", "fromage", "global_norm", "identity", "incremental_update", "inject_hyperparams",
+        "join_schedules", "lamb", "lars", "linear_onecycle_schedule", "linear_schedule", "lion", "masked",
+        "multi_transform", "nadam", "nadamw", "named_chain", "noisy_sgd", "novograd", "optimistic_adam",
+        "optimistic_adam_v2", "optimistic_gradient_descent", "partition", "per_example_global_norm_clip",
+        "periodic_update", "piecewise_constant_schedule", "piecewise_interpolate_schedule", "polyak_sgd",
+        "polynomial_schedule", "radam", "rmsprop", "rprop", "scale", "scale_by_adadelta", "scale_by_adam",
+        "scale_by_adamax", "scale_by_adan", "scale_by_amsgrad", "scale_by_belief", "scale_by_factored_rms",
+        "scale_by_learning_rate", "scale_by_lion", "scale_by_novograd", "scale_by_optimistic_gradient",
+        "scale_by_param_block_rms", "scale_by_polyak", "scale_by_radam", "scale_by_rms", "scale_by_rprop",
+        "scale_by_rss", "scale_by_schedule", "scale_by_sign", "scale_by_sm3", "scale_by_stddev",
+        "scale_by_trust_ratio", "scale_by_yogi", "set_to_zero", "sgd", "sgdr_schedule", "sign_sgd", "signum",
+        "skip_large_updates", "skip_not_finite", "sm3", "split_state", "stateless", "stateless_with_tree_map",
+        "to_optax_state", "trace", "warmup_cosine_decay_schedule", "with_extra_args_support", "yogi", "zero_nans",
+    ),
+    "zero.functional.contrib": (
+        "MuonDimensionNumbers", "MuonState", "muon", "orthogonalize_via_newton_schulz", "scale_by_muon",
+        "scale_by_shape",
+    ),
+    "zero.backends": (
+        "DistributedOptimizer", "HierarchicalModelAverager", "PeriodicModelAverager", "PostLocalSGDOptimizer",
+        "RankState", "ShardedGradScaler", "ZeroRedundancyOptimizer", "average_parameters", "get_state_dict",
+        "hook_with_zero_step", "hook_with_zero_step_interleaved", "register_post_local_sgd_hook", "set_state_dict",
+    ),
+    "zero.backends.checkpoint": (
+        "describe", "get_state_dict", "load", "model_fqns", "read_metadata", "save", "set_state_dict",
+    ),
+    "zero.backends.jax_mesh": (
+        "gather_state", "init", "packing", "place_state", "state_bytes", "update",
+    ),
+}
+
+
+@pytest.mark.parametrize("module", sorted(PUBLIC))
+def test_the_public_names_are_exactly_these_and_each_resolves(module):
+    code = (f"import importlib; m = importlib.import_module({module!r}); "
+            "print(sorted(m.__all__)); [getattr(m, n) for n in m.__all__]")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert ast.literal_eval(out) == sorted(PUBLIC[module])
