@@ -31,7 +31,8 @@ def side_by_side(ours_m, ours, ref_m, ref, rank: int, world_size: int, steps: in
         calls += count.calls if opt is ours else 0
 
     worst = steps_side_by_side([(ours_m, ours), (ref_m, ref)],
-                               lambda k: ddp_grads(list(ours_m.parameters()), k, rank, world_size), range(steps), step)
+                               lambda k: ddp_grads(list(ours_m.parameters()), k, rank, world_size), range(steps),
+                               step=step)
     return calls, worst
 
 

@@ -56,7 +56,8 @@ def train_pair(rank: int, world_size: int, name: str, plan_of, steps: int, mixed
         counts.append((c.calls("all_gather_rows"), c.calls("all_reduce_sum")))
 
     largest = side_by_side([(ours_m, ours), (ref_m, ref)],
-                           lambda k: ddp_grads(list(ours_m.parameters()), k, rank, world_size), range(steps), step)
+                           lambda k: ddp_grads(list(ours_m.parameters()), k, rank, world_size), range(steps),
+                           step=step)
     bf16_equal = all(torch.equal(a, b) for a, b in zip(ours_m.parameters(), ref_m.parameters())
                      if a.dtype == torch.bfloat16)
     return {"worst": largest, "bf16_equal": bf16_equal, "counts": counts, "state_bytes": state_nbytes(ours.optim),
