@@ -145,9 +145,10 @@ def _batch(step: int, rank: int, micro: int = 0) -> torch.Tensor:
 
 
 def _iteration(model, opt, no_sync, step: int, rank: int, micro: int, counter=None) -> int | None:
-    """One step; returns what ``counter`` counted as reduce-scattered by the end of backward."""
+    """One step; returns what ``counter`` counted as reduce-scattered by the end of backward.
+    ``no_sync`` None: every micro-batch's backward reduces (the gradients accumulate reduced)."""
     for m in range(micro):
-        with no_sync() if m < micro - 1 else contextlib.nullcontext():
+        with no_sync() if no_sync is not None and m < micro - 1 else contextlib.nullcontext():
             model(_batch(step, rank, m)).square().mean().backward()
     during_backward = counter.bytes("reduce_scatter_sum") if counter else None
     opt.step()
@@ -156,9 +157,11 @@ def _iteration(model, opt, no_sync, step: int, rank: int, micro: int, counter=No
 
 
 def reduce_scatter_vs_ddp(rank: int, world_size: int, name: str, steps: int = 6, micro: int = 1,
-                          bucket_numel: int | None = 700) -> dict:
+                          bucket_numel: int | None = 700, no_sync: bool = True) -> dict:
     """Ours (flat plan, gradients reduce-scattered, no DDP) against DDP + one optimizer over all params,
-    each rank on its own data, ``micro`` micro-batches per step (all but the last under no_sync)."""
+    each rank on its own data, ``micro`` micro-batches per step (all but the last under no_sync, or
+    with ``no_sync=False`` each reduced as it comes, on both sides). Also the gradient bytes a
+    rank holds after each backward: params' grads and whole-size buckets (the shards aside)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     ours_m, ref_m = make_model("plan", rank), make_model("plan", 0)  # ours starts from rank 0's params by broadcast
@@ -172,10 +175,34 @@ def reduce_scatter_vs_ddp(rank: int, world_size: int, name: str, steps: int = 6,
     largest, moved = 0.0, []
     for step in range(steps):
         with CommCounter() as c:
-            in_backward = _iteration(ours_m, ours, ours.no_sync, step, rank, micro, c)
-        _iteration(ddp, ref, ddp.no_sync, step, rank, micro)
+            in_backward = _iteration(ours_m, ours, ours.no_sync if no_sync else None, step, rank, micro, c)
+        _iteration(ddp, ref, ddp.no_sync if no_sync else None, step, rank, micro)
         moved.append((c.bytes("reduce_scatter_sum"), c.bytes("all_gather_rows"), in_backward))
         largest = max(largest, worst(ours_m, ref_m))
     model_bytes = sum(p.numel() * p.element_size() for p in ours_m.parameters() if p.requires_grad)
     return {"worst": largest, "moved": moved, "model_bytes": model_bytes, "buffers": len(plan.flat.buffers),
             "padded_bytes": sum(b.padded_numel * 8 for b in plan.flat.buffers)}
+
+
+def gradient_memory(rank: int, world_size: int, no_sync: bool) -> dict:
+    """32 x Linear(512, 512) under a flat plan of 1 MiB buckets, gradients reduce-scattered, two
+    micro-batches (the first under ``no_sync``, or each reduced as it comes): the gradient bytes
+    this rank holds after each backward (params' grads and whole-size buckets; the shards apart)."""
+    from torch import nn
+
+    from zero.backends.modes.reduce_scatter import IN_FLIGHT
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(32)])
+    plan = zero.make_plan(zero.param_metas(model), world_size, "flat", bucket_numel=1 << 18)
+    opt = Zero(model.parameters(), torch.optim.AdamW, plan=plan, reduce_scatter_grads=True, lr=1e-3)
+    shards, held = opt.mode.gradients.shards, []
+    for m in range(2):
+        x = torch.randn(8, 512, generator=torch.Generator().manual_seed(10 * rank + m))
+        with opt.no_sync() if no_sync and m == 0 else contextlib.nullcontext():
+            model(x).square().mean().backward()
+        held.append(sum(p.grad.nbytes for p in model.parameters() if p.grad is not None) + shards.held_bytes())
+    opt.step()
+    return {"held": held, "param_bytes": sum(p.nbytes for p in model.parameters()),
+            "bucket_bytes": max(b.padded_numel for b in plan.flat.buffers) * 4, "in_flight": IN_FLIGHT,
+            "shard_bytes": sum(g.nbytes for g in opt.mode.grads)}

@@ -8,22 +8,58 @@ names the rank that stopped answering when a collective fails, instead of torch'
 
 from __future__ import annotations
 
+import contextlib
 import math
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import optree
 import torch
 import torch.distributed as dist
 
-__all__ = ["resolve_group", "group_rank", "group_size", "global_rank", "in_group", "device_for", "summed",
-           "all_gather_rows", "all_gather_into", "broadcast_from", "all_reduce_sum", "reduce_scatter_sum",
-           "reduce_sum_to", "new_subgroup", "twin_group", "send_tree", "recv_tree"]
+__all__ = ["Collective", "recording", "resolve_group", "is_fake", "group_rank", "group_size", "global_rank",
+           "in_group", "device_for", "summed", "all_gather_rows", "all_gather_into", "broadcast_from",
+           "all_reduce_sum", "reduce_scatter_sum", "reduce_sum_to", "new_subgroup", "twin_group", "send_tree",
+           "recv_tree"]
 
 # torch 2.13 renamed all_gather_into_tensor; keep working on the 2.x releases before it.
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective this rank made: the `zero.backends.comm` function (``kind``), the dtype and
+    bytes of the tensor it handed in, and the group's size."""
+
+    kind: str
+    dtype: str
+    group_size: int
+    bytes: int
+
+
+_RECORDINGS: list[list[Collective]] = []
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[Collective]]:
+    """Every collective zero makes inside the block, in order (the list fills as they are made)."""
+    made: list[Collective] = []
+    _RECORDINGS.append(made)
+    try:
+        yield made
+    finally:
+        _RECORDINGS.remove(made)
+
+
+def _record(kind: str, tensor: torch.Tensor, group: Any) -> None:
+    if _RECORDINGS:
+        made = Collective(kind, str(tensor.dtype).removeprefix("torch."), group_size(group),
+                          tensor.numel() * tensor.element_size())
+        for recorded in _RECORDINGS:
+            recorded.append(made)
 
 
 def resolve_group(process_group: Any, who: str) -> Any:
@@ -36,6 +72,13 @@ def resolve_group(process_group: Any, who: str) -> Any:
         raise TypeError(f"{who}: process_group must be a torch.distributed ProcessGroup (e.g. from "
                         f"dist.new_group) or None for the default group, got {process_group!r}")
     return process_group
+
+
+def is_fake(group: Any) -> bool:
+    """Whether ``group`` is torch's fake process group (``init_process_group("fake", ...)``): one
+    rank of a large job simulated in one process, its collectives doing nothing. Checks that read
+    data (which fake tensors have none of) step aside under it, and only under it."""
+    return dist.get_backend(group) == "fake"
 
 
 def group_rank(group: Any) -> int:
@@ -73,18 +116,21 @@ def summed(group: Any, device: torch.device) -> Callable[[torch.Tensor], torch.T
 
 
 def all_reduce_sum(tensor: torch.Tensor, group: Any) -> None:
+    _record("all_reduce_sum", tensor, group)
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
 
 
 def reduce_scatter_sum(output: torch.Tensor, rows: torch.Tensor, group: Any) -> Any:
     """Start summing ``rows`` (``[world_size * n]``) over the ranks, rank ``r`` receiving elements
     ``r * n:(r + 1) * n`` of the sum in ``output``; returns the work to ``wait()`` on."""
+    _record("reduce_scatter_sum", rows, group)
     return _REDUCE_SCATTER(output, rows, op=dist.ReduceOp.SUM, group=group, async_op=True)
 
 
 def reduce_sum_to(tensor: torch.Tensor, owner: int, group: Any) -> Any:
     """Start summing ``tensor`` over the ranks into group rank ``owner``'s (the others' are left
     undefined); returns the work to ``wait()`` on."""
+    _record("reduce_sum_to", tensor, group)
     return dist.reduce(tensor, dst=global_rank(group, owner), op=dist.ReduceOp.SUM, group=group, async_op=True)
 
 
@@ -111,6 +157,7 @@ def all_gather_rows(rows: torch.Tensor, rank: int, group: Any, async_op: bool = 
     ``_GLOO_STAGING`` elements it broadcasts each row from its owner instead (in place, no
     temporary; the same bytes on the wire). ``async_op``: return the works to ``wait()`` on.
     """
+    _record("all_gather_rows", rows, group)
     if dist.get_backend(group) == "gloo" and rows.numel() > _GLOO_STAGING:
         works = [dist.broadcast(rows[r], src=global_rank(group, r), group=group, async_op=async_op)
                  for r in range(rows.shape[0])]
@@ -125,12 +172,14 @@ _GLOO_STAGING = 1 << 16
 def all_gather_into(output: torch.Tensor, mine: torch.Tensor, group: Any) -> Any:
     """Start gathering every rank's ``mine`` into ``output`` (``[world_size * n]``, rank order);
     returns the work to wait on."""
+    _record("all_gather_into", output, group)
     return _ALL_GATHER(output, mine, group=group, async_op=True)
 
 
 def broadcast_from(tensor: torch.Tensor, owner: int, group: Any, async_op: bool = False) -> Any:
     """In place: ``tensor`` on group rank ``owner`` overwrites it on every other rank (``async_op``:
     returns the work to wait on)."""
+    _record("broadcast_from", tensor, group)
     return dist.broadcast(tensor, src=global_rank(group, owner), group=group, async_op=async_op)
 
 

@@ -163,7 +163,10 @@ _WATCHES: dict[tuple, Watch | None] = {}
 
 
 def watch_of(group: Any) -> Watch | None:
-    """The group's `Watch` (started on first use), or None where no store can carry it."""
+    """The group's `Watch` (started on first use), or None where no store can carry it (or the
+    group is fake: its ranks are simulated, with no heartbeats to read)."""
+    if comm.is_fake(group):
+        return None
     try:
         store = dist.distributed_c10d._get_default_store()
     except (RuntimeError, ValueError, AttributeError):
@@ -216,6 +219,8 @@ def check_in(what: str, fields: Mapping[str, int], group: Any, device: torch.dev
     step's compute. A rank that never joins (it skipped the call, or stopped) is named in bounded
     time from ``place`` (where this rank is: `Place`), not after the group's timeout.
     """
+    if comm.is_fake(group):  # a simulated rank: no other rank to agree with, no data to compare
+        return lambda: None
     rank, size = comm.group_rank(group), comm.group_size(group)
     watch = watch_of(group) if place is not None else None
     values = [_CALLS[what], *fields.values()]
@@ -322,7 +327,8 @@ class OptimizerChecks:
         since the last meets the other ranks first (`Watch.meet`): a rank that skipped step()
         raises there, by name, before its gradients' collectives pair with the others' step."""
         trainable = [p for p in self.state.params if p.requires_grad]
-        if comm.group_size(self.state.process_group) == 1 or not trainable:
+        group = self.state.process_group
+        if comm.group_size(group) == 1 or comm.is_fake(group) or not trainable:
             return
         me = weakref.ref(self)
 

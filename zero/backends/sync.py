@@ -24,12 +24,13 @@ import torch
 
 from zero.backends import comm
 from zero.backends.consistency import wait_for
-from zero.plans.layout import BucketLayout, Piece, SyncRows, sync_rows
+from zero.plans import layout as plan_layout
+from zero.plans.layout import BucketLayout, Piece, SyncRows, param_sync_rows
 
 __all__ = ["ParamSync", "ViewWatch", "DIRECT_NUMEL", "PAD_LIMIT"]
 
-DIRECT_NUMEL = 1 << 18  # 1 MiB of float32: from here one broadcast beats a pack and an unpack
-PAD_LIMIT = 1 / 16  # the default packs every param while rows pad by at most this fraction
+DIRECT_NUMEL = plan_layout.DIRECT_NUMEL  # module settings (a test may patch them): see param_sync_rows
+PAD_LIMIT = plan_layout.PAD_LIMIT
 
 
 class ParamSync:
@@ -39,10 +40,9 @@ class ParamSync:
                  bucket_view: bool | None, chunk_bytes: int):
         self.params, self.rank, self.group = list(params), rank, group
         self.views = bucket_view is not False  # packed params are views into the rows
-        self.plans = sync_rows(layout, None if bucket_view else DIRECT_NUMEL, None if self.views else chunk_bytes,
-                               PAD_LIMIT if bucket_view is None else None)
+        self.plans = param_sync_rows(layout, bucket_view, chunk_bytes, DIRECT_NUMEL, PAD_LIMIT)
         self._rows = [self._allocate(p, layout.world_size) for p in self.plans]
-        self.watch = ViewWatch(self.params, self._viewed() if self.views else [])
+        self.watch = ViewWatch(self.params, self._viewed() if self.views else [], comm.is_fake(group))
 
     @torch.no_grad()
     def sync(self) -> None:
@@ -59,6 +59,10 @@ class ParamSync:
             for owner, i in plan.direct:
                 work = comm.broadcast_from(self.params[i].detach(), owner, self.group, async_op=True)
                 wait_for(work, self.group, "the params' broadcast")
+
+    def scratch_bytes(self) -> int:
+        """Bytes of rows that are scratch, not the params' storage (``parameters_as_bucket_view=False``)."""
+        return 0 if self.views else sum(r.nbytes for r in self._rows if r is not None)
 
     def release(self) -> None:
         """Give bucket-viewed params their own storage again (before a rebuild)."""
@@ -96,15 +100,21 @@ class ParamSync:
 
 class ViewWatch:
     """Tells when params that were made views into a sync's storage have been given other storage
-    (``param.data = ...``, ``module.to(...)``), which the sync would then no longer reach."""
+    (``param.data = ...``, ``module.to(...)``), which the sync would then no longer reach.
+    ``fake``: under torch's fake process group the params are fake tensors, with no storage to
+    compare: the watch steps aside."""
 
-    def __init__(self, params: Sequence[torch.Tensor], indices: Sequence[int]):
-        self.params, self.indices = params, list(indices)
-        self.pointers = [params[i].data_ptr() for i in self.indices]
+    def __init__(self, params: Sequence[torch.Tensor], indices: Sequence[int], fake: bool = False):
+        self.params, self.indices, self.fake = params, list(indices), fake
+        self.pointers = [] if fake else [params[i].data_ptr() for i in self.indices]
+
+    def joined(self, other: ViewWatch) -> ViewWatch:
+        """One watch over both watches' params."""
+        return ViewWatch(self.params, self.indices + other.indices, self.fake)
 
     def check(self) -> None:
         """``ValueError`` naming the first param whose storage moved (about 0.1 us per param)."""
-        if [self.params[i].data_ptr() for i in self.indices] == self.pointers:
+        if self.fake or [self.params[i].data_ptr() for i in self.indices] == self.pointers:
             return
         i = next(i for i, ptr in zip(self.indices, self.pointers) if self.params[i].data_ptr() != ptr)
         raise ValueError(f"params[{i}] was given new storage after the optimizer was built (param.data = ..., "

@@ -67,12 +67,13 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             strategy)``; ``"sorted_greedy"`` (torch's) when neither is given. ``"flat"`` shards
             elements (DeepSpeed's ZeRO-1): balanced to the element, for element-wise rules, in
             buffers of at most ``zero.plans.layout.FLAT_BUCKET_NUMEL`` elements.
-        reduce_scatter_grads: average the gradients here, in place of DDP (flat plans only): each
-            rank receives only its shards' gradients, by one reduce-scatter per flat buffer that
-            starts during backward, so an iteration moves 2x the model (DDP + ZeRO: 3x). Params
-            are broadcast from rank 0 at construction, as DDP does; grads live in flat buffers
-            (``zero_grad`` zeroes them in place); accumulate micro-batches inside `no_sync`. Do not
-            wrap the model in DDP as well: its first forward is then a ``ValueError``.
+        reduce_scatter_grads: average the gradients here, in place of DDP (flat plans only; ZeRO-2):
+            each rank receives only its shards' gradients, by one reduce-scatter per flat buffer
+            (the plan's ``bucket_numel``) that starts during backward, so an iteration moves 2x the
+            model (DDP + ZeRO: 3x), and keeps only them and a few buckets (the params hold no
+            ``.grad``). Each backward reduces and the shards accumulate; inside `no_sync` the whole
+            gradient accumulates instead. Params are broadcast from rank 0 at construction, as
+            DDP does. Do not wrap the model in DDP as well: its first forward is then a ``ValueError``.
         sync_chunk_mb: with ``parameters_as_bucket_view=False`` only, the scratch each all-gather
             may use, in MiB (default 16).
         master_dtype: e.g. ``torch.float32`` with bf16 params: the local optimizer steps master copies
@@ -227,13 +228,14 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         return verify
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """As torch's; with ``reduce_scatter_grads`` the grads stay views of the flat gradient
-        buffers, zeroed in place (a fresh grad would be copied into them by the next backward)."""
+        """As torch's; with ``reduce_scatter_grads`` the shards' gradients are zeroed in place (the
+        params hold none)."""
         self.mode.zero_grad(lambda: super(ZeroRedundancyOptimizer, self).zero_grad(set_to_none))
 
     def no_sync(self):
-        """With ``reduce_scatter_grads``: backward passes inside only accumulate (as ``DDP.no_sync``);
-        the first backward after it reduces the sum."""
+        """With ``reduce_scatter_grads``: backward passes inside only accumulate the whole gradients
+        (as ``DDP.no_sync``); the first backward after it reduces the sum. Without it each backward
+        reduces and only the shards accumulate (ZeRO-2's memory)."""
         return self.mode.no_sync()
 
     def consolidate_state_dict(self, to: int = 0) -> None:

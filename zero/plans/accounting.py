@@ -32,6 +32,11 @@ class OptimizerState:
     scalar_bytes: int = 0
     matrix_slots: int | None = None  # slots of a matrix, when they differ (Muon: its momentum)
     ns_steps: int = 0  # Newton-Schulz steps per matrix and step (0: an elementwise rule)
+    # Temporaries torch's for-loop step makes at once, in tensors the size of the one it steps
+    # (Adam's ``exp_avg_sq.sqrt()`` and its quotient, and a coupled decay's ``grad.add(param)``),
+    # and those of the tensor before it still alive meanwhile (Adam's ``denom``, until reassigned).
+    step_temps: int = 2
+    step_temps_held: int = 1
 
     def is_matrix(self, meta: ParamMeta) -> bool:
         """Whether ``meta`` is a matrix this rule orthogonalises."""
@@ -58,9 +63,9 @@ class OptimizerState:
 
 
 OPTIMIZERS: dict[str, OptimizerState] = {
-    "sgd": OptimizerState(0),
-    "sgd_momentum": OptimizerState(1),
-    "adam": OptimizerState(2, 4),
+    "sgd": OptimizerState(0, step_temps=1, step_temps_held=0),
+    "sgd_momentum": OptimizerState(1, step_temps=2, step_temps_held=0),
+    "adam": OptimizerState(2, 4, step_temps=3),
     "adamw": OptimizerState(2, 4),
     "adam_amsgrad": OptimizerState(3, 4),
     "nadam": OptimizerState(2, 8),  # step and mu_product

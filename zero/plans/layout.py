@@ -15,11 +15,15 @@ from zero.plans.meta import ParamMeta, itemsize
 from zero.plans.partition import Partition, check_metas, check_rank, check_world_size
 
 __all__ = ["ALIGN_BYTES", "Bucket", "BucketLayout", "bucket_views", "split_bucket", "Piece", "row_chunks",
-           "row_padding", "SyncRows",
-           "sync_rows", "Segment", "ShardPiece", "FlatBuffer", "FLAT_BUCKET_NUMEL", "FlatLayout", "flat_layout"]
+           "row_padding", "SyncRows", "sync_rows", "param_sync_rows", "DIRECT_NUMEL", "PAD_LIMIT",
+           "IN_FLIGHT_BUCKETS", "Segment", "ShardPiece", "FlatBuffer", "FLAT_BUCKET_NUMEL", "FlatLayout",
+           "flat_layout"]
 
 
 ALIGN_BYTES = 64  # what torch's allocators give a tensor; see bucket_views
+DIRECT_NUMEL = 1 << 18  # 1 MiB of float32: from here one broadcast beats a pack and an unpack (`param_sync_rows`)
+PAD_LIMIT = 1 / 16  # the default packs every param while rows pad by at most this fraction (`param_sync_rows`)
+IN_FLIGHT_BUCKETS = 2  # flat buckets being reduce-scattered at once (ZeRO-2); one more waits for the oldest
 
 
 @dataclass(frozen=True)
@@ -178,6 +182,17 @@ def sync_rows(layout: BucketLayout, direct_numel: int | None = None,
         pieces = tuple(row_chunks(b, chunk, row) for b in buckets) if chunk else ()
         out.append(SyncRows(key[0], key[1], chunk, pieces, direct))
     return tuple(out)
+
+
+def param_sync_rows(layout: BucketLayout, bucket_view: bool | None, chunk_bytes: int,
+                    direct_numel: int = DIRECT_NUMEL, pad_limit: float = PAD_LIMIT) -> tuple[SyncRows, ...]:
+    """`sync_rows` as a whole-param sync with ``parameters_as_bucket_view=bucket_view`` moves the
+    params: ``None`` packs every param into rows it views while they pad by at most ``pad_limit``
+    (else params of ``direct_numel`` elements or more go alone), ``True`` packs every param, and
+    ``False`` keeps the params' own storage, copying small ones through rows of ``chunk_bytes``."""
+    views = bucket_view is not False
+    return sync_rows(layout, None if bucket_view else direct_numel, None if views else chunk_bytes,
+                     pad_limit if bucket_view is None else None)
 
 
 def row_padding(buckets: Sequence[Bucket]) -> int:

@@ -54,11 +54,28 @@ class Plan:
         """A flat plan that keeps some params whole (`zero.plans.hybrid`)."""
         return bool(self.whole)
 
-    def stage_bytes(self) -> dict[str, int]:
+    def stage_bytes(self, executed: bool = False) -> dict[str, int]:
         """The busiest rank's bytes with nothing sharded, as planned (ZeRO-1), with gradients
         reduce-scattered (ZeRO-2) and with params sharded too (FSDP): the ZeRO paper's Figure 1
-        from metadata (see `zero.plans.cost.stage_bytes`)."""
-        return stage_bytes(self.ranks)
+        from metadata, its model states (see `zero.plans.cost.stage_bytes`). ``executed``: the
+        ZeRO-1 and ZeRO-2 rows are instead the peak the executor reaches running this plan
+        (`footprint`: params' storage and padding, buckets, the step's temporaries), ZeRO-2's for
+        a flat plan only (``reduce_scatter_grads`` needs one; else the row is None)."""
+        rows = stage_bytes(self.ranks)
+        if executed:
+            keys = list(rows)
+            rows[keys[1]] = max(self.footprint(r).peak for r in range(self.world_size))
+            rows[keys[2]] = max(self.footprint(r, reduce_scatter_grads=True).peak
+                                for r in range(self.world_size)) if self.flat is not None else None
+        return rows
+
+    def footprint(self, rank: int, **mode):
+        """What ``rank`` holds at its peak and moves per step executing this plan in ``mode``
+        (`ZeroRedundancyOptimizer`'s ``reduce_scatter_grads=``, ``reduce_dtype=``, ...): see
+        `zero.plans.footprint.footprint`."""
+        from zero.plans.footprint import footprint
+
+        return footprint(self, rank, **mode)
 
     def with_partition(self, part: Partition) -> Plan:
         """This plan's params placed by another whole-param ``part`` (e.g. `ddp_bucket_partition`),

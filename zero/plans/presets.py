@@ -23,18 +23,29 @@ def gpt2() -> list[ParamMeta]:
     return [ParamMeta(n, s) for n, s in shapes.items()]
 
 
-def llama_7b() -> list[ParamMeta]:
-    """LLaMA-7B in bfloat16 (291 tensors, 6.7B parameters)."""
-    d, ff, vocab = 4096, 11008, 32000
+def _llama(d: int, ff: int, layers: int, kv: int, vocab: int = 32000) -> list[ParamMeta]:
+    """A LLaMA in bfloat16: ``layers`` blocks of width ``d`` with ``ff``-wide MLPs and key/value
+    projections ``kv`` wide (grouped-query attention when ``kv < d``)."""
     shapes = {"embed_tokens.weight": (vocab, d)}
-    for i in range(32):
+    for i in range(layers):
         p = f"layers.{i}."
-        shapes |= {p + f"self_attn.{x}_proj.weight": (d, d) for x in "qkvo"}
+        shapes |= {p + "self_attn.q_proj.weight": (d, d), p + "self_attn.k_proj.weight": (kv, d),
+                   p + "self_attn.v_proj.weight": (kv, d), p + "self_attn.o_proj.weight": (d, d)}
         shapes |= {p + "mlp.gate_proj.weight": (ff, d), p + "mlp.up_proj.weight": (ff, d),
                    p + "mlp.down_proj.weight": (d, ff),
                    p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,)}
     shapes |= {"norm.weight": (d,), "lm_head.weight": (vocab, d)}
     return [ParamMeta(n, s, "bfloat16") for n, s in shapes.items()]
+
+
+def llama_7b() -> list[ParamMeta]:
+    """LLaMA-7B in bfloat16 (291 tensors, 6.7B parameters)."""
+    return _llama(4096, 11008, 32, 4096)
+
+
+def llama_70b() -> list[ParamMeta]:
+    """LLaMA-2-70B in bfloat16 (723 tensors, 69.0B parameters; 8 key/value heads of 128)."""
+    return _llama(8192, 28672, 80, 1024)
 
 
 def moe_100k() -> list[ParamMeta]:
@@ -53,7 +64,7 @@ def moe_100k() -> list[ParamMeta]:
     return metas + [ParamMeta("norm.weight", (d,)), ParamMeta("lm_head.weight", (32000, d))]
 
 
-PRESETS = {"gpt2": gpt2, "llama-7b": llama_7b, "moe-100k": moe_100k}
+PRESETS = {"gpt2": gpt2, "llama-7b": llama_7b, "llama-70b": llama_70b, "moe-100k": moe_100k}
 
 
 def preset(name: str) -> list[ParamMeta]:

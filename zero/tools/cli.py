@@ -54,6 +54,8 @@ def _parser() -> argparse.ArgumentParser:
                    add_help=False)
     sub.add_parser("bench", help="run the benchmark scripts of a source checkout (see zero bench -h)",
                    add_help=False)
+    sub.add_parser("simulate", help="ranks of a large job running the real step under torch's fake process group: "
+                   "memory and collectives measured vs the plan's prediction (see zero simulate -h)", add_help=False)
     return parser
 
 
@@ -173,6 +175,10 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             print(f"zero checkpoint train: error: {e}", file=sys.stderr)
             return 2
+    if argv[:1] == ["simulate"]:
+        from zero.tools.simulate import main as simulate  # torch loads only here
+
+        return simulate(argv[1:])
     if argv[:1] == ["bench"]:
         from zero.tools.bench import main as bench
 

@@ -74,7 +74,8 @@ class FlatShards(Mode):
         self._grads = [torch.zeros_like(s) for s in self.shards]
         self._pieces = [b.pieces(self.rank) for b in self.layout.buffers]
         self.wide: dict[int, torch.Tensor] = {}  # see take_grads
-        self.storage = ViewWatch(self.params, [i for b in self.layout.buffers for i in b.params])
+        self.storage = ViewWatch(self.params, [i for b in self.layout.buffers for i in b.params],
+                                 comm.is_fake(self.group))
         self.rules = self.build_rules(comm.summed(self.group, self.state.device))
         self.gradients = gradients(self) if gradients is not None else CopiedGradients()
 
@@ -181,8 +182,10 @@ class FlatShards(Mode):
         self._grads = [torch.zeros_like(g, dtype=dtype) for g in self._grads]
 
     def clear_grads(self) -> None:
+        """After a step: the shards hold no gradient, and the wider ones kept for masters go."""
         for shard in self.shards:
             shard.grad = None
+        self.wide = {}
 
     @torch.no_grad()
     def sync(self) -> None:

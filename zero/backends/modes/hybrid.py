@@ -21,7 +21,7 @@ import torch
 from zero.backends.modes.flat import FlatShards, Gradients
 from zero.backends.modes.reduce_scatter import ReducedGradients
 from zero.backends.rank_state import RankState
-from zero.backends.sync import ParamSync, ViewWatch
+from zero.backends.sync import ParamSync
 from zero.plans.layout import bucket_views
 from zero.plans.meta import ParamMeta
 
@@ -38,7 +38,7 @@ class HybridShards(FlatShards):
         self.rows = ParamSync(state.params, bucket_views(metas, state.plan.partition), state.rank,
                               state.process_group, bucket_view, chunk_bytes)
         super().__init__(state, metas, gradients)
-        self.storage = ViewWatch(self.params, self.storage.indices + self.rows.watch.indices)
+        self.storage = self.storage.joined(self.rows.watch)
 
     @torch.no_grad()
     def sync(self) -> None:

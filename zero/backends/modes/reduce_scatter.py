@@ -1,20 +1,27 @@
-"""Gradients reduce-scattered into a flat plan's shards during backward, in place of DDP.
+"""Gradients reduce-scattered into a flat plan's shards during backward, in place of DDP (ZeRO-2).
 
 DDP + ZeRO-1 moves about 3x the model per iteration: DDP all-reduces every gradient (2x), then
 the optimizer all-gathers the updated params (1x). But a rank steps only its shard, so it needs
 only its shard of the averaged gradients: one reduce-scatter (1x), and the iteration moves 2x,
-as plain DDP does.
+as plain DDP does. And it needs to keep only that shard: ZeRO-2's memory.
 
-Each trainable param's ``.grad`` is a view into a flat gradient buffer laid out as the plan's
-param buffers, so backward accumulates straight into it. A post-accumulate-grad hook counts the
-params of each buffer; when all have their gradient, the buffer's reduce-scatter starts
-(asynchronously, while backward goes on), its output being the shard's gradient. Buffers start
-in the plan's order on every rank, so every rank issues the same collectives in the same order;
-`finish` (called by ``step()``) starts any left and waits.
+Each flat buffer of the plan is a bucket. A post-accumulate-grad hook adds each param's gradient
+into its bucket's whole-size buffer (allocated at its first gradient, in the reduce dtype) and
+frees the param's own. When a bucket holds every param's gradient, its reduce-scatter starts
+(asynchronously, while backward goes on) into this rank's shard, and when it ends the buffer is
+dropped: besides the shards, a rank holds only the buckets being filled and at most
+``IN_FLIGHT`` being reduced, never the whole gradient. Buckets start in the plan's order on every
+rank, so every rank issues the same collectives in the same order.
+
+Each backward pass reduces its gradients and the shards accumulate them, averaged, as DDP's
+``.grad`` accumulates over micro-batches; inside `GradShards.no_sync` the buckets accumulate
+instead and the first backward after it reduces their sum (one reduce-scatter per bucket for
+all micro-batches, but the whole gradient in memory meanwhile).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -31,113 +38,156 @@ from zero.backends.local_optimizer import is_functional
 from zero.backends.modes.base import Begin
 from zero.backends.modes.flat import FlatShards, Gradients
 from zero.backends.rank_state import RankState
-from zero.plans.layout import FlatLayout
+from zero.plans.layout import IN_FLIGHT_BUCKETS, FlatLayout
 from zero.plans.meta import ParamMeta
 
-__all__ = ["GradShards", "ReducedGradients", "ReduceScatteredShards", "no_gradient"]
+__all__ = ["GradShards", "ReducedGradients", "ReduceScatteredShards", "no_gradient", "IN_FLIGHT"]
+
+IN_FLIGHT = IN_FLIGHT_BUCKETS  # buckets being reduced at once; one more waits for the oldest (memory, not speed)
 
 
 class GradShards:
-    """Per flat buffer, a gradient buffer the params' grads view, reduce-scattered into ``outputs``."""
+    """Per flat buffer of ``layout`` (a bucket), its params' gradients, reduce-scattered into this
+    rank's shard of their mean (``outputs``, accumulated) as soon as the bucket is complete."""
 
     def __init__(self, params: Sequence[torch.Tensor], metas: Sequence[ParamMeta], layout: FlatLayout,
                  outputs: Sequence[torch.Tensor], group: Any):
         self.params, self.metas, self.layout, self.outputs, self.group = list(params), metas, layout, outputs, group
-        self.buffers = [torch.zeros(b.padded_numel, dtype=o.dtype, device=o.device)
-                        for b, o in zip(layout.buffers, outputs)]
-        self._views: dict[int, tuple[int, torch.Tensor]] = {}
-        for bi, (buf, flat) in enumerate(zip(layout.buffers, self.buffers)):
-            for i, off in zip(buf.params, buf.offsets):
-                self._views[i] = (bi, flat[off:off + self.metas[i].numel].view(self.metas[i].shape))
-        self._hooks = [self.params[i].register_post_accumulate_grad_hook(self._ready) for i in self._views]
-        self._index = {id(self.params[i]): i for i in self._views}
+        self._where = {id(self.params[i]): (i, bi, off) for bi, buf in enumerate(layout.buffers)
+                       for i, off in zip(buf.params, buf.offsets)}
+        self._hooks = [self.params[i].register_post_accumulate_grad_hook(self._ready)
+                       for i, _, _ in self._where.values()]
         self._syncing = True
-        self.end_iteration()
+        self._flight: collections.deque = collections.deque()
         self.zero_grads()
 
-    def end_iteration(self) -> None:
-        """Forget this iteration (after waiting for any reduction still running)."""
-        for work in getattr(self, "_works", ()):
-            if work is not None:  # a reduction started before an error: let it end before its buffer is reused
-                with contextlib.suppress(RuntimeError):  # its failure, if any, was the error raised already
-                    work.wait()
-        self._seen = [set() for _ in self.layout.buffers]
-        self._works: list[Any] = []
-
     def zero_grads(self) -> None:
-        """Zero the gradient buffers in place, the params' grads viewing them again; an iteration
-        that failed half way is dropped."""
-        self.end_iteration()
+        """Zero the shards, drop every bucket (an iteration that failed half way too); the params
+        keep no gradient."""
+        self._drain(suppress=True)
+        self._buckets: dict[int, torch.Tensor] = {}  # bucket -> its whole-size buffer, while it fills
+        self._fresh = [True] * len(self.outputs)  # the shard holds nothing yet: a reduction writes into it
+        self._reduced = False  # a backward's gradients reduced since the last step
+        self._new_round()
         with torch.no_grad():
-            for flat in self.buffers:
-                flat.zero_()
-        for i, (_, view) in self._views.items():
-            self.params[i].grad = view if view.dtype == self.params[i].dtype else None
+            for out in self.outputs:
+                out.zero_()
+        for i, _, _ in self._where.values():
+            self.params[i].grad = None
+
+    def _new_round(self) -> None:
+        self._seen = [set() for _ in self.layout.buffers]
+        self._next = 0  # the next bucket to reduce in this backward pass (every rank in layout order)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients without reducing them (all micro-batches but the last)."""
+        """Accumulate the whole gradients in the buckets without reducing them (all micro-batches
+        but the last): one reduction for all, the whole gradient in memory meanwhile."""
         self._syncing = False
         try:
             yield
         finally:
             self._syncing = True
 
+    @torch.no_grad()
     def _ready(self, param: torch.Tensor) -> None:
-        i = self._index[id(param)]
-        bi, view = self._views[i]
-        if view.dtype != param.dtype:  # reduce_dtype: accumulate in the buffer's dtype, free the param's
-            with torch.no_grad():
-                view.add_(param.grad)
-            param.grad = None
-        elif param.grad is not view:  # zero_grad(set_to_none=True) ran: backward made a fresh grad
-            with torch.no_grad():
-                view.copy_(param.grad)
-            param.grad = view
+        i, bi, off = self._where[id(param)]
+        if self._syncing and bi < self._next:  # the last backward left some params without a gradient
+            missing = self._missing(self._next)
+            self._new_round()
+            raise no_gradient(self.metas[missing].name)
+        bucket = self._buckets.get(bi)
+        if bucket is None:
+            bucket = self._buckets[bi] = torch.zeros(self.layout.buffers[bi].padded_numel,
+                                                     dtype=self.outputs[bi].dtype, device=self.outputs[bi].device)
+        bucket[off:off + self.metas[i].numel].add_(param.grad.reshape(-1))
+        param.grad = None  # ZeRO-2: the bucket holds it until its reduction; the shard after
         if not self._syncing:
             return
-        if len(self._works) > bi:
-            raise RuntimeError(f"param {self.metas[i].name} got a second gradient after its buffer was reduced: "
-                               "call step() after each backward, or accumulate inside optimizer.no_sync()")
         self._seen[bi].add(i)
-        while len(self._works) < len(self.buffers) and self._complete(len(self._works)):
-            self._start(len(self._works))
+        while self._next < len(self.outputs) and self._complete(self._next):
+            self._start(self._next)
+            self._next += 1
+        if self._next == len(self.outputs):
+            self._new_round()
 
     def _complete(self, bi: int) -> bool:
         return len(self._seen[bi]) == len(self.layout.buffers[bi].params)
 
-    def _start(self, bi: int) -> None:
-        self._works.append(comm.reduce_scatter_sum(self.outputs[bi], self.buffers[bi], self.group))
+    def _missing(self, bi: int) -> int:
+        return next(i for b in range(bi, len(self.outputs)) for i in self.layout.buffers[b].params
+                    if i not in self._seen[b])
 
-    def finish(self, world_size: int) -> None:
-        """Start the reductions backward did not, wait for all, and average: ``outputs`` are then
-        this rank's shards of the mean gradient."""
+    def _start(self, bi: int) -> None:
+        bucket = self._buckets.pop(bi)  # complete: every param of it added its gradient
+        into = self.outputs[bi] if self._fresh[bi] else torch.empty_like(self.outputs[bi])
+        self._fresh[bi] = False
+        self._flight.append((bi, comm.reduce_scatter_sum(into, bucket, self.group), bucket, into))
+        while len(self._flight) > IN_FLIGHT:
+            self._land()
+
+    def _land(self) -> None:
+        """Wait for the oldest reduction in flight and add its mean into its shard."""
+        bi, work, _, into = self._flight.popleft()
+        # Gloo's reduce-scatter copies its result into the output on wait(): wait exactly once.
+        wait_for(work, self.group, "the gradients' reduce-scatter")
+        world = self.layout.world_size
+        if into is self.outputs[bi]:
+            into.div_(world)
+        else:
+            self.outputs[bi].add_(into, alpha=1 / world)
+        self._reduced = True
+
+    def _drain(self, suppress: bool = False) -> None:
+        while self._flight:
+            if not suppress:
+                self._land()
+                continue
+            _, work, _, _ = self._flight.popleft()
+            with contextlib.suppress(RuntimeError):  # its failure, if any, was the error raised already
+                work.wait()
+
+    def finish(self) -> None:
+        """Start the reductions backward did not, wait for all: ``outputs`` are then this rank's
+        shards of the mean gradient (accumulated over the backward passes since the last step)."""
         self.start_rest()
-        for bi in range(len(self.buffers)):
-            self.wait(bi, world_size)
+        self._drain()
         self.end_iteration()
 
     def start_rest(self) -> None:
-        """Start, in order, the reductions backward did not (every param must have its gradient)."""
-        for bi in range(len(self._works), len(self.buffers)):
-            missing = [i for i in self.layout.buffers[bi].params if i not in self._seen[bi]]
-            if missing:
+        """Start, in order, the reductions backward did not: every param must have its gradient,
+        and some backward must have run since the last step."""
+        if self._next == 0 and not any(self._seen):
+            if self._reduced or self._flight or not self.outputs:  # (a hybrid plan may keep every param whole)
+                return
+            self.end_iteration()
+            raise no_gradient(self.metas[self.layout.buffers[0].params[0]].name)
+        for bi in range(self._next, len(self.outputs)):
+            if not self._complete(bi):
+                missing = self._missing(bi)
                 self.end_iteration()
-                raise no_gradient(self.metas[missing[0]].name)
+                raise no_gradient(self.metas[missing].name)
             self._start(bi)
+        self._new_round()
 
-    def wait(self, bi: int, world_size: int) -> None:
-        """Wait for buffer ``bi``'s reduction and average it (after `start_rest`)."""
-        self._wait_once(bi)
-        with torch.no_grad():
-            self.outputs[bi].div_(world_size)
+    def wait(self, bi: int) -> None:
+        """Wait for bucket ``bi``'s reductions (after `start_rest`); its shard is then the mean."""
+        while any(b == bi for b, *_ in self._flight):
+            self._land()
 
-    def _wait_once(self, bi: int) -> None:
-        # Gloo's reduce-scatter copies its result into the output on every wait(): a second wait
-        # would undo the averaging (and a failed one would fail again).
-        work, self._works[bi] = self._works[bi], None
-        if work is not None:
-            wait_for(work, self.group, "the gradients' reduce-scatter")
+    def end_iteration(self) -> None:
+        """After a step (or an error): the next backward starts a new round, and must run before
+        the next step."""
+        self._drain(suppress=True)
+        self._new_round()
+        self._reduced = False
+
+    def held_bytes(self) -> int:
+        """Bytes of whole-size bucket buffers held now (filling, or being reduced): with the shards,
+        all the gradient memory a rank holds."""
+        buffers = [*self._buckets.values(), *(b for _, _, b, _ in self._flight)]
+        scratch = [into for bi, _, _, into in self._flight if into is not self.outputs[bi]]
+        return sum(t.numel() * t.element_size() for t in buffers + scratch)
 
     def remove(self) -> None:
         for hook in self._hooks:
@@ -175,7 +225,7 @@ class ReducedGradients(Gradients):
     def take(self, mode: FlatShards, master_dtype: torch.dtype | None) -> dict[int, torch.Tensor]:
         """The shards' reduce-scattered means (started during backward), then the whole params'."""
         self.ddp_watch.remove()
-        self.shards.finish(self.world_size)
+        self.shards.finish()
         wide = mode.use_reduced_grads(master_dtype)
         self._reduce_whole(mode, master_dtype, wide)
         return wide
@@ -199,16 +249,16 @@ class ReducedGradients(Gradients):
                 p.grad = grad.to(p.dtype)
 
     def zero_grad(self, default: Callable[[], None]) -> None:
-        """The grads stay views of the flat gradient buffers, zeroed in place (a fresh grad would be
-        copied into them by the next backward); a hybrid plan's whole params' as torch zeroes them."""
+        """The shards' gradients are zeroed in place (the params hold none); a hybrid plan's whole
+        params' as torch zeroes them."""
         if self.whole:
             default()
         self.shards.zero_grads()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Backward passes inside only accumulate (as ``DDP.no_sync``); the first backward after it
-        reduces the sum."""
+        """Backward passes inside only accumulate the whole gradients (as ``DDP.no_sync``); the
+        first backward after it reduces the sum: less traffic, the whole gradient in memory."""
         with self.shards.no_sync():
             yield
 
@@ -243,7 +293,7 @@ class ReduceScatteredShards(FlatShards):
         try:
             shards.start_rest()
             for k in range(len(self.shards)):
-                shards.wait(k, self.layout.world_size)
+                shards.wait(k)
                 state.run(self.rules, grads=self.use_reduced_grads(state.masters.dtype, only=k))
                 if k == 0:
                     verify()

@@ -1,0 +1,172 @@
+"""One rank of a large job, simulated: the real `ZeroRedundancyOptimizer` step under torch's fake process
+group and ``FakeTensorMode``, its memory measured by torch's ``MemTracker`` and its collectives
+recorded (`zero.backends.comm.recording`), beside what the plan predicts (`zero.plans.footprint`).
+
+Nothing is computed and no memory is taken: a rank of a 1,024-rank job on a 70B model runs in
+seconds. The params are fake tensors (from the model's own constructor, or from its metadata);
+their gradients are made by autograd one param at a time, in reverse order, as backward makes
+them (the model's input is not needed, and no activation is counted). Two iterations run, so the
+second backward meets the optimizer state the first step made: the steady state's peak.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zero.backends import comm
+from zero.backends.local_optimizer import state_nbytes
+from zero.backends.sync import ParamSync
+from zero.plans.footprint import Footprint, footprint
+from zero.plans.meta import ParamMeta
+
+__all__ = ["RankRun", "simulate", "fake_group", "OPTIMIZER_CLASSES"]
+
+# ``optimizer=`` names: the torch.optim class each runs and its settings (the plan's accounting
+# counts the state of the rule of the same name, `zero.plans.accounting.OPTIMIZERS`).
+OPTIMIZER_CLASSES = {"adamw": ("AdamW", {"lr": 1e-3}), "adam": ("Adam", {"lr": 1e-3}), "sgd": ("SGD", {"lr": 1e-3}),
+                     "sgd_momentum": ("SGD", {"lr": 1e-3, "momentum": 0.9})}
+
+
+@dataclass(frozen=True)
+class RankRun:
+    """What one simulated rank held and moved, measured, beside the plan's `Footprint`."""
+
+    rank: int
+    world_size: int
+    measured_peak_bytes: int  # MemTracker's peak over two iterations
+    by_category: dict[str, int]  # measured after the last step, read off the optimizer (see `_measured`)
+    collectives: tuple[tuple[str, str, int, int], ...]  # (kind, dtype, group size, bytes), in the last step
+    predicted: Footprint
+
+    @property
+    def predicted_peak_bytes(self) -> int:
+        return self.predicted.peak
+
+    @property
+    def collective_bytes(self) -> int:
+        return sum(c[3] for c in self.collectives)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Per category: predicted and measured between steps; ``transient``: at the peak (measured:
+        the peak less what is held between steps)."""
+        held = sum(self.by_category.values())
+        by_category = {k: {"predicted": self.predicted.resident[k], "measured": self.by_category.get(k, 0)}
+                       for k in self.predicted.resident if k != "transient"}
+        by_category["transient"] = {"predicted": self.predicted.peak - sum(self.predicted.resident.values()),
+                                    "measured": self.measured_peak_bytes - held}
+        return {"rank": self.rank, "world_size": self.world_size, "predicted_peak_bytes": self.predicted.peak,
+                "measured_peak_bytes": self.measured_peak_bytes, "peak_phase": self.predicted.phase,
+                "by_category": by_category,
+                "collective_bytes": self.collective_bytes, "plan_collective_bytes": self.predicted.collective_bytes,
+                "collectives": [list(c) for c in self.collectives]}
+
+
+@contextlib.contextmanager
+def fake_group(rank: int, world_size: int) -> Iterator[Any]:
+    """torch's fake process group as the default group, ``rank`` of ``world_size``, for the block
+    (a default group already set up is a ``RuntimeError``: a simulation takes the process)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("a default process group is already initialized: simulate in a process of its own")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def simulate(params: Callable[[], nn.Module] | Sequence[ParamMeta], world_size: int, rank: int, *,
+             optimizer: str = "adamw", strategy: str = "sorted_greedy", master_dtype: torch.dtype | None = None,
+             reduce_scatter_grads: bool = False, reduce_dtype: torch.dtype | None = None, whole: Any = None,
+             parameters_as_bucket_view: bool | None = None, dtype: torch.dtype | None = None) -> RankRun:
+    """Run ``rank`` of ``world_size`` under the fake process group: build the params (``params``: a
+    function building the model, called under ``FakeTensorMode``, or parameter metadata; ``dtype``
+    casts them), the plan (`zero.make_plan` with ``strategy``, the state of ``optimizer``,
+    ``master_dtype``; ``whole=``: a hybrid plan; flat plans in buckets of ``FLAT_BUCKET_NUMEL``),
+    a `ZeroRedundancyOptimizer` executing it with ``torch.optim``'s rule, and two iterations."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from zero.backends.zero_optimizer import ZeroRedundancyOptimizer
+
+    cls, settings = _optimizer(optimizer)
+    with fake_group(rank, world_size), FakeTensorMode(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Accessing the data pointer of FakeTensor")  # inside torch's own
+        model = _model(params, dtype)
+        plan = _plan(model, world_size, strategy, optimizer, master_dtype, whole)
+        tracker = MemTracker()
+        tracker.track_external(model)
+        with tracker:
+            opt = ZeroRedundancyOptimizer(model.parameters(), cls, plan=plan,
+                                          reduce_scatter_grads=reduce_scatter_grads, reduce_dtype=reduce_dtype,
+                                          parameters_as_bucket_view=parameters_as_bucket_view, **settings)
+            _iteration(model, opt)
+            opt.zero_grad()
+            with comm.recording() as collectives:
+                _iteration(model, opt)
+        measured = _measured(model, opt)
+        peak = sum(snapshot["Total"] for snapshot in tracker.get_tracker_snapshot("peak").values())
+    predicted = footprint(plan, rank, reduce_scatter_grads=reduce_scatter_grads, bucket_view=parameters_as_bucket_view,
+                          reduce_dtype=None if reduce_dtype is None else str(reduce_dtype).removeprefix("torch."))
+    return RankRun(rank, world_size, peak, measured, tuple((c.kind, c.dtype, c.group_size, c.bytes)
+                                                           for c in collectives), predicted)
+
+
+def _optimizer(name: str) -> tuple[type, dict]:
+    if name not in OPTIMIZER_CLASSES:
+        raise ValueError(f"unknown optimizer {name!r} for a simulation; choose one of {sorted(OPTIMIZER_CLASSES)}")
+    cls_name, settings = OPTIMIZER_CLASSES[name]
+    return getattr(torch.optim, cls_name), settings
+
+
+def _plan(model: nn.Module, world_size: int, strategy: str, optimizer: str, master_dtype: torch.dtype | None,
+          whole: Any) -> Any:
+    from zero.plans.layout import FLAT_BUCKET_NUMEL
+    from zero.plans.meta import param_metas
+    from zero.plans.plan import make_plan
+
+    master = None if master_dtype is None else str(master_dtype).removeprefix("torch.")
+    bucket = FLAT_BUCKET_NUMEL if strategy == "flat" else None
+    return make_plan(param_metas(model), world_size, strategy, optimizer=optimizer, bucket_numel=bucket,
+                     master_dtype=master, whole=whole)
+
+
+def _model(params: Callable[[], nn.Module] | Sequence[ParamMeta], dtype: torch.dtype | None) -> nn.Module:
+    """The model (under the active ``FakeTensorMode``): built by ``params``, or a `ParameterList`
+    of ``params``' metadata (names, shapes, dtypes, frozen or not); ``dtype`` casts it."""
+    if callable(params):
+        model = params()
+    else:
+        model = nn.ParameterList([nn.Parameter(torch.empty(m.shape, dtype=getattr(torch, m.dtype)),
+                                               requires_grad=m.requires_grad) for m in params])
+    return model.to(dtype) if dtype is not None else model
+
+
+def _iteration(model: nn.Module, opt: Any) -> None:
+    """Gradients one param at a time, in reverse order (as backward makes them), then a step."""
+    for p in reversed([p for p in model.parameters() if p.requires_grad]):
+        p.sum().backward()
+    opt.step()
+
+
+def _measured(model: nn.Module, opt: Any) -> dict[str, int]:
+    """What the rank holds after the last step, read off the live objects."""
+    storages = {}
+    for p in model.parameters():
+        st = p.untyped_storage()
+        storages[id(st)] = st.nbytes()
+    grads = sum(p.grad.nbytes for p in model.parameters() if p.grad is not None)
+    grads += sum(g.nbytes for g in getattr(opt.mode, "grads", ()))
+    sync = getattr(opt.mode, "sync", None)  # a whole-param plan's `ParamSync`
+    scratch = sync.scratch_bytes() if isinstance(sync, ParamSync) else 0
+    return {"params": sum(storages.values()), "sync_rows": scratch, "masters": opt.masters.nbytes(),
+            "state": state_nbytes(opt.optim), "grads": grads}

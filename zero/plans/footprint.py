@@ -1,0 +1,224 @@
+"""What a rank holds and moves while it executes a plan, in a given mode: its memory at the peak of a
+training iteration, by category, and the bytes it hands to collectives in a step.
+
+The executor (`zero.backends.ZeroRedundancyOptimizer`) allocates exactly what this module counts, so
+the peak is predicted from metadata alone: `zero simulate` runs the real step under torch's fake
+process group and compares. The categories:
+
+- ``params``: the params' storage: flat buffers (padded), a whole-param sync's rows where params
+  view them (``parameters_as_bucket_view``), each other param's own, frozen ones included.
+- ``sync_rows``: scratch rows of a sync that copies params (``parameters_as_bucket_view=False``).
+- ``masters``: the master copies of what the rank steps; ``state``: its optimizer state (steady
+  state: the state exists from the first step on).
+- ``grads``: gradients held from backward to the next ``zero_grad``: every trainable param's whole
+  gradient where DDP leaves them (ZeRO-1), and a flat plan's shard-sized copies of its pieces; with
+  ``reduce_scatter_grads`` only the rank's shards of the mean (in ``reduce_dtype``), and what an
+  owner keeps of a hybrid plan's whole params' reduced gradients.
+- ``transient``: what the moment of the peak adds and then drops. In backward, with
+  ``reduce_scatter_grads``: the whole-size buckets filling and in flight (at most
+  `IN_FLIGHT_BUCKETS` of them), the one gradient autograd has just made, and a hybrid plan's whole
+  params' gradients, walking the params in reverse order as backward makes them. At a hybrid's
+  whole params' reduces: those not yet reduced, and the one being cast. In the step: the
+  masters' gradients cast up (unless reduced in the master dtype), reduced gradients cast to
+  their shard's dtype, and the rule's own temporaries (torch's for-loop step:
+  `OptimizerState.step_temps` of the tensor it steps, ``step_temps_held`` of the one before).
+
+Collectives are counted as the bytes of the tensor this rank hands each one, per step: the params'
+sync (each flat buffer's all-gather; a whole-param sync's rows and direct broadcasts) and, with
+``reduce_scatter_grads``, each bucket's reduce-scatter and each whole param's reduce. The ranks'
+check-in and what a sharded rule asks for itself (a global norm) are not counted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from zero.plans.accounting import master_itemsize, optimizer_state, state_itemsize
+from zero.plans.holdings import holdings
+from zero.plans.layout import IN_FLIGHT_BUCKETS, SyncRows, bucket_views, param_sync_rows
+from zero.plans.meta import itemsize
+
+if TYPE_CHECKING:
+    from zero.plans.plan import Plan
+
+__all__ = ["Footprint", "footprint", "CATEGORIES", "SYNC_CHUNK_BYTES"]
+
+CATEGORIES = ("params", "sync_rows", "masters", "state", "grads", "transient")
+SYNC_CHUNK_BYTES = 16 * 2**20  # the scratch a copying sync uses by default (``sync_chunk_mb=16``)
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """One rank's memory and traffic under a plan and mode (see `footprint`).
+
+    ``at_peak``: bytes by category (`CATEGORIES`) at the iteration's peak (its ``phase``:
+    "backward", "whole params' reduces" or "step"); ``peak``: their sum; ``resident``: what stays
+    between steps (nothing transient); ``collectives``: (kind, bytes) of every collective the
+    rank makes in a step, sorted.
+    """
+
+    rank: int
+    phase: str
+    at_peak: dict[str, int]
+    resident: dict[str, int]
+    collectives: tuple[tuple[str, int], ...]
+
+    @property
+    def peak(self) -> int:
+        return sum(self.at_peak.values())
+
+    @property
+    def collective_bytes(self) -> int:
+        return sum(n for _, n in self.collectives)
+
+
+def footprint(plan: Plan, rank: int, *, reduce_scatter_grads: bool = False, reduce_dtype: str | None = None,
+              bucket_view: bool | None = None, sync_chunk_bytes: int = SYNC_CHUNK_BYTES) -> Footprint:
+    """What ``rank`` holds and moves executing ``plan`` with these `ZeroRedundancyOptimizer` options
+    (``reduce_dtype`` a dtype name; None: the params'). The peak is the largest of backward, the
+    whole params' reduces (a hybrid plan's, with ``reduce_scatter_grads``) and the local step, in
+    steady state (the optimizer state exists from the first step on)."""
+    metas, flat = plan.metas, plan.flat
+    reduce = None if reduce_dtype is None else str(reduce_dtype).removeprefix("torch.")
+    rows = _rows(plan, bucket_view, sync_chunk_bytes)
+    static = {"params": _param_bytes(plan, rows, bucket_view), "sync_rows": _scratch_rows(rows, bucket_view),
+              "masters": plan.ranks[rank].master_bytes, "state": plan.ranks[rank].state_bytes}
+    temps = _step_temporaries(plan, rank, reduce_scatter_grads, reduce)
+    if reduce_scatter_grads:
+        shards = sum(b.shard_numel * itemsize(reduce or b.dtype) for b in flat.buffers)
+        kept = _kept_whole(plan, rank, reduce)  # what an owner keeps of its whole params' reduced gradients
+        moments = {"backward": (shards, _backward_peak(plan, reduce)),
+                   "whole params' reduces": (shards, _reduces_peak(plan, rank, reduce)),
+                   "step": (shards + kept, temps)}
+        resident = shards + (kept if reduce is None or reduce != plan.master_dtype else 0)
+    else:
+        copies = sum(b.shard_numel * itemsize(b.dtype) for b in flat.buffers) if flat else 0
+        resident = sum(m.nbytes for m in metas if m.requires_grad) + copies
+        moments = {"backward": (resident, 0), "step": (resident, temps)}
+    phase = max(moments, key=lambda k: sum(moments[k]))
+    grads, transient = moments[phase]
+    return Footprint(rank, phase, {**static, "grads": grads, "transient": transient},
+                     {**static, "grads": resident, "transient": 0},
+                     _collectives(plan, rows, reduce_scatter_grads, reduce))
+
+
+def _rows(plan: Plan, bucket_view: bool | None, chunk_bytes: int) -> tuple[SyncRows, ...]:
+    """The rows a whole-param sync moves (a hybrid plan's whole params'; none for a flat plan)."""
+    if plan.partition is None or (plan.flat is not None and not plan.whole):
+        return ()
+    return param_sync_rows(bucket_views(plan.metas, plan.partition), bucket_view, chunk_bytes)
+
+
+def _param_bytes(plan: Plan, rows: Sequence[SyncRows], bucket_view: bool | None) -> int:
+    """The params' storage: flat buffers, rows the params view, and every other param's own."""
+    metas, flat = plan.metas, plan.flat
+    in_flat = {i for b in flat.buffers for i in b.params} if flat else set()
+    viewed = {p.param for r in rows if r.chunk for per_rank in r.pieces for p in per_rank[0]} \
+        if bucket_view is not False else set()
+    own = sum(m.nbytes for i, m in enumerate(metas) if i not in in_flat and i not in viewed)
+    row_bytes = sum(r.chunk * len(r.pieces) * itemsize(r.dtype) for r in rows) if bucket_view is not False else 0
+    return own + row_bytes + (sum(b.padded_numel * itemsize(b.dtype) for b in flat.buffers) if flat else 0)
+
+
+def _scratch_rows(rows: Sequence[SyncRows], bucket_view: bool | None) -> int:
+    return sum(r.chunk * len(r.pieces) * itemsize(r.dtype) for r in rows) if bucket_view is False else 0
+
+
+def _backward_peak(plan: Plan, reduce: str | None) -> int:
+    """The most gradient memory backward holds at once beyond the shards: walking the trainable
+    params in reverse order (as backward makes their gradients), the buckets filling and in
+    flight, the gradient autograd has just made, and a hybrid's whole params' gradients so far."""
+    flat, metas = plan.flat, plan.metas
+    where = {i: bi for bi, b in enumerate(flat.buffers) for i in b.params}
+    size = [b.padded_numel * itemsize(reduce or b.dtype) for b in flat.buffers]
+    filling: dict[int, int] = {}  # bucket -> params still to come
+    flight: list[int] = []
+    whole, done, peak = 0, 0, 0  # whole params' gradients so far; buckets started (in layout order)
+    for i in reversed(range(len(metas))):
+        if not metas[i].requires_grad:
+            continue
+        if i not in where:
+            whole += metas[i].nbytes
+            peak = max(peak, whole + _held(filling, flight, size))
+            continue
+        bi = where[i]
+        filling.setdefault(bi, len(flat.buffers[bi].params))
+        peak = max(peak, whole + _held(filling, flight, size) + metas[i].nbytes)
+        filling[bi] -= 1
+        while done < len(size) and filling.get(done) == 0:
+            del filling[done]
+            flight.append(done)
+            peak = max(peak, whole + _held(filling, flight, size))
+            done += 1
+            if len(flight) > IN_FLIGHT_BUCKETS:
+                flight.pop(0)
+    return peak
+
+
+def _reduces_peak(plan: Plan, rank: int, reduce: str | None) -> int:
+    """The most a hybrid plan's whole params' reduces hold at once, at the step, in the plan's
+    order: the gradients not yet reduced, the one being reduced (cast to ``reduce``), and what
+    this rank keeps of those it owns."""
+    metas, owner = plan.metas, plan.partition.owner if plan.whole else ()
+    left, kept, peak = sum(metas[i].nbytes for i in plan.whole), 0, 0
+    for i in plan.whole:
+        m = metas[i]
+        cast = m.numel * itemsize(reduce) if reduce is not None and reduce != m.dtype else 0
+        peak = max(peak, left + cast + kept)
+        left -= m.nbytes
+        kept += _kept(m, reduce, plan.master_dtype) if owner[i] == rank else 0
+    return peak
+
+
+def _kept_whole(plan: Plan, rank: int, reduce: str | None) -> int:
+    owner = plan.partition.owner if plan.whole else ()
+    return sum(_kept(plan.metas[i], reduce, plan.master_dtype) for i in plan.whole if owner[i] == rank)
+
+
+def _kept(meta: Any, reduce: str | None, master: str | None) -> int:
+    """An owner's reduced gradient of a whole param: in ``reduce`` when its master takes it as it
+    is, else in the param's dtype."""
+    return meta.numel * itemsize(reduce if reduce is not None and reduce == master else meta.dtype)
+
+
+def _held(filling: dict[int, int], flight: list[int], size: list[int]) -> int:
+    return sum(size[b] for b in filling) + sum(size[b] for b in flight)
+
+
+def _step_temporaries(plan: Plan, rank: int, reduce_scattered: bool, reduce: str | None) -> int:
+    """Bytes the step makes and drops: masters' gradients cast up, reduced gradients cast to their
+    shard's dtype, and the rule's own: `OptimizerState.step_temps` of the tensor it steps and
+    ``step_temps_held`` of the one before it (in the local optimizer's order, within a group)."""
+    held, master = holdings(plan, rank), plan.master_dtype
+    spec = optimizer_state(plan.optimizer)
+    casts, rule, before = 0, 0, (-1, 0)  # (group, bytes of one temporary) of the tensor stepped before
+    for t in held.tensors:
+        dtype = plan.metas[t.param].dtype if t.whole else plan.flat.buffers[t.buffer].dtype
+        if t.whole and not plan.metas[t.param].requires_grad:
+            continue
+        grad_dtype = (reduce or dtype) if reduce_scattered else dtype
+        if master_itemsize(dtype, master) and grad_dtype != master:
+            casts += t.numel * itemsize(master)
+        elif reduce_scattered and not t.whole and grad_dtype != dtype and grad_dtype != master:
+            casts += t.numel * itemsize(dtype)
+        one = t.numel * state_itemsize(dtype, master)
+        rule = max(rule, spec.step_temps * one + (spec.step_temps_held * before[1] if before[0] == t.group else 0))
+        before = (t.group, one)
+    return casts + rule
+
+
+def _collectives(plan: Plan, rows: Sequence[SyncRows], reduce_scattered: bool,
+                 reduce: str | None) -> tuple[tuple[str, int], ...]:
+    out = []
+    for r in rows:
+        out += [("all_gather_rows", r.chunk * len(r.pieces) * itemsize(r.dtype))] * (len(r.pieces[0]) if r.chunk else 0)
+        out += [("broadcast_from", plan.metas[i].nbytes) for _, i in r.direct]
+    for b in plan.flat.buffers if plan.flat else ():
+        out.append(("all_gather_rows", b.padded_numel * itemsize(b.dtype)))
+        if reduce_scattered:
+            out.append(("reduce_scatter_sum", b.padded_numel * itemsize(reduce or b.dtype)))
+    if reduce_scattered:
+        out += [("reduce_sum_to", plan.metas[i].numel * itemsize(reduce or plan.metas[i].dtype)) for i in plan.whole]
+    return tuple(sorted(out))
