@@ -8,15 +8,18 @@
 - ``zero_flat_rs``: no DDP; zero's flat plan with ``reduce_scatter_grads=True``;
 - ``fsdp2``: ``fully_shard(reshard_after_forward=False)`` per layer and on the root (ZeRO-2).
 
-Two gloo ranks on 127.0.0.1, one thread each, each rank on its own batch. Iteration time is the
+``--world-size`` gloo ranks (2) on 127.0.0.1, one thread each, each rank on its own batch. Iteration time is the
 median of ``--iters`` timed iterations per system, the systems taking turns iteration by
 iteration so that drift hits all alike. Bytes moved are counted in a separate pass, over one
 iteration, from every collective a system issues: ``torch.distributed``'s functions are wrapped,
 and DDP's all-reduces go through them by a comm hook that calls DDP's default one. An all-reduce
 of N bytes counts 2N (a reduce-scatter then an all-gather), a reduce-scatter its input, an
-all-gather its output, a broadcast its tensor; reported in units of the model's bytes.
+all-gather its output, a broadcast its tensor; reported in units of the model's bytes. The
+peak memory of an iteration (after one that made the optimizer state) is torch's ``MemTracker``'s,
+in another pass: params, gradients, buckets, optimizer state and temporaries, activations too.
 
-    python bench/iteration_bench.py [--layers 24] [--width 512] [--bucket-mb 2] [--iters 20] [--systems ...]
+    python bench/iteration_bench.py [--world-size 2] [--layers 24] [--width 512] [--bucket-mb 2] [--iters 20]
+                                    [--systems ...]
 """
 
 from __future__ import annotations
@@ -136,6 +139,7 @@ def worker(rank: int, world_size: int, layers: int, width: int, bucket_mb: float
         with volume:
             iteration(model, opt, x)
         moved[system] = volume.bytes / model_bytes
+    peak = {system: _peak_bytes(*build(system, layers, width, bucket_mb), x) for system in systems}
     built = {system: build(system, layers, width, bucket_mb) for system in systems}
     for model, opt in built.values():
         for _ in range(3):
@@ -149,7 +153,19 @@ def worker(rank: int, world_size: int, layers: int, width: int, bucket_mb: float
             times[system].append(time.perf_counter() - t)
     state = {system: _state_bytes(opt) for system, (_, opt) in built.items()}
     return {"ms": {s: 1e3 * statistics.median(t) for s, t in times.items()}, "moved": moved, "state": state,
-            "model_bytes": model_bytes}
+            "peak": peak, "model_bytes": model_bytes}
+
+
+def _peak_bytes(model, opt, x: torch.Tensor) -> int:
+    """The peak bytes of an iteration after the first (the optimizer state exists), by MemTracker."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    iteration(model, opt, x)
+    tracker = MemTracker()
+    tracker.track_external(model, opt)
+    with tracker:
+        iteration(model, opt, x)
+    return int(sum(snapshot["Total"] for snapshot in tracker.get_tracker_snapshot("peak").values()))
 
 
 def _state_bytes(opt) -> int:
@@ -165,6 +181,7 @@ def _state_bytes(opt) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--world-size", type=int, default=2)
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--bucket-mb", type=float, default=2.0)
@@ -174,12 +191,14 @@ def main() -> int:
                     help="time only these (ddp+adam, ddp+zero and ddp+torch_zero always run: the ratios' references)")
     args = ap.parse_args()
     args.systems = tuple(s for s in SYSTEMS if s in {*args.systems, *REFERENCES})
-    results = run(worker, 2, args.layers, args.width, args.bucket_mb, args.iters, args.systems, timeout=1800)
+    results = run(worker, args.world_size, args.layers, args.width, args.bucket_mb, args.iters, args.systems,
+                  timeout=1800)
     _print(results, args)
     if args.plot:
         from figure import grouped_bars
 
-        grouped_bars(args.plot, f"Iteration on 2 gloo ranks, {args.layers} x Linear({args.width},{args.width})",
+        grouped_bars(args.plot, f"Iteration on {args.world_size} gloo ranks, "
+                                f"{args.layers} x Linear({args.width},{args.width})",
                      {f"rank {r}": res["ms"] for r, res in enumerate(results)}, "median ms per iteration")
     return 0
 
@@ -189,17 +208,18 @@ def _print(results: list[dict], args) -> None:
     from rich.table import Table
 
     table = Table(title=f"forward + backward + Adam step, {args.layers} x Linear({args.width},{args.width}), "
-                        f"2 gloo ranks, 1 thread each, {args.bucket_mb} MB buckets (rank 0; median of {args.iters})")
+                        f"{args.world_size} gloo ranks, 1 thread each, {args.bucket_mb} MB buckets "
+                        f"(rank 0; median of {args.iters})")
     table.add_column("system", no_wrap=True)
     for col in ("ms / iteration", "vs ddp+adam", "vs ddp+zero", "vs ddp+torch_zero", "moved (x model)",
-                "Adam state rank 0 (MB)"):
+                "Adam state rank 0 (MB)", "peak rank 0 (MB)"):
         table.add_column(col, justify="right")
     r = results[0]
     for s in args.systems:
         table.add_row(s, f"{r['ms'][s]:.1f}", f"{r['ms'][s] / r['ms']['ddp+adam']:.2f}x",
                       f"{r['ms'][s] / r['ms']['ddp+zero']:.2f}x",
                       f"{r['ms'][s] / r['ms']['ddp+torch_zero']:.2f}x", f"{r['moved'][s]:.3f}",
-                      f"{r['state'][s] / 1e6:.2f}")
+                      f"{r['state'][s] / 1e6:.2f}", f"{r['peak'][s] / 1e6:.1f}")
     Console().print(table)
 
 

@@ -182,8 +182,9 @@ def named_muon(rank: int, world_size: int, steps: int = 20) -> float:
 def reduce_scattered_vs_ddp(rank: int, world_size: int, rules: list[str], steps: int = 6, micro: int = 2) -> dict:
     """Per rule: ours under its hybrid plan with ``reduce_scatter_grads=True`` (no DDP; params from
     rank 0's by broadcast) against DDP + one optimizer over all params, each rank on its own
-    data, ``micro`` micro-batches a step (all but the last under ``no_sync``). Also: after each
-    step, which ranks still hold a whole param's gradient (its owner only)."""
+    data, ``micro`` micro-batches a step (all but the last under ``no_sync``). Also: the whole
+    params' reduces made during backward, and who holds their gradients (after backward no
+    param holds one; after the step each owner keeps its own means only)."""
     from plan_workers import _batch, _iteration
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -198,13 +199,15 @@ def reduce_scattered_vs_ddp(rank: int, world_size: int, rules: list[str], steps:
         largest, kept, reduces = 0.0, True, []
         params = list(ours_m.parameters())
         for step in range(steps):
-            for m in range(micro):
-                with ours.no_sync() if m < micro - 1 else contextlib.nullcontext():
-                    ours_m(_batch(step, rank, m)).square().mean().backward()
-            with CountingCalls(comm, "reduce_sum_to") as count:  # the whole params' reduces
-                ours.step()
+            with CountingCalls(comm, "reduce_sum_to") as count:  # the whole params' reduces, during backward
+                for m in range(micro):
+                    with ours.no_sync() if m < micro - 1 else contextlib.nullcontext():
+                        ours_m(_batch(step, rank, m)).square().mean().backward()
             reduces.append(count.calls)
-            kept &= all((params[i].grad is not None) == (plan.partition.owner[i] == rank) for i in plan.whole)
+            kept &= all(params[i].grad is None for i in plan.whole)  # after backward: no rank holds one
+            ours.step()
+            mine = {i for i in plan.whole if plan.partition.owner[i] == rank}
+            kept &= set(ours.mode.gradients.kept) == mine  # the owner only keeps its mean
             ours.zero_grad()
             _iteration(ddp, ref, ddp.no_sync, step, rank, micro)
             largest = max(largest, worst(ours_m, ref_m))

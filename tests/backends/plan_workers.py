@@ -15,6 +15,7 @@ from helpers import CommCounter, ddp_grads, fixed_grads, groups_of, make_model, 
 import zero
 import zero.functional as zf
 from zero.backends import ZeroRedundancyOptimizer as Zero
+from zero.backends import comm
 from zero.backends.local_optimizer import state_nbytes
 from zero.plans.plan import PLAN_STRATEGIES
 
@@ -206,3 +207,66 @@ def gradient_memory(rank: int, world_size: int, no_sync: bool) -> dict:
     return {"held": held, "param_bytes": sum(p.nbytes for p in model.parameters()),
             "bucket_bytes": max(b.padded_numel for b in plan.flat.buffers) * 4, "in_flight": IN_FLIGHT,
             "shard_bytes": sum(g.nbytes for g in opt.mode.grads)}
+
+
+def clip_vs_ddp(rank: int, world_size: int, how: str, norm_type: float = 2.0, hybrid: bool = False,
+                max_norm: float = 0.1, steps: int = 5) -> dict:
+    """Ours (flat plan, gradients reduce-scattered; ``hybrid``: matrices whole) clipping after each
+    backward, against DDP + AdamW + ``torch.nn.utils.clip_grad_norm_(ddp.parameters(), max_norm)``:
+    ``how`` "method" is ``opt.clip_grad_norm_``, "torch" torch's call on ``model.parameters()``,
+    "value" ``clip_grad_value_`` on both sides. Reports both sides' norms and the params' gap."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ours_m, ref_m = make_model("plan", rank), make_model("plan", 0)
+    groups = groups_of(ours_m)
+    whole = (lambda m: len(m.shape) == 2) if hybrid else None
+    plan = zero.make_plan(zero.param_metas(groups), world_size, "flat", bucket_numel=700, whole=whole)
+    ours = Zero(groups, torch.optim.AdamW, plan=plan, reduce_scatter_grads=True, lr=1e-2, weight_decay=0.1)
+    ddp = DDP(ref_m, bucket_cap_mb=0.005)
+    ref = torch.optim.AdamW(groups_of(ref_m), lr=1e-2, weight_decay=0.1)
+    norms, largest = [], 0.0
+    for step in range(steps):
+        pair = []
+        for model, opt in ((ours_m, ours), (ddp, ref)):
+            model(_batch(step, rank)).square().mean().backward()
+            if how == "value":
+                pair.append(torch.nn.utils.clip_grad_value_(model.parameters(), 2e-3))
+            elif how == "method" and opt is ours:
+                pair.append(float(ours.clip_grad_norm_(max_norm, norm_type)))
+            else:
+                pair.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)))
+            opt.step()
+            opt.zero_grad()
+        norms.append(pair)
+        largest = max(largest, worst(ours_m, ref_m))
+    return {"norms": norms, "worst": largest}
+
+
+RECORDED_MODES = {  # name: (strategy, whole, reduce_scatter_grads, parameters_as_bucket_view)
+    "whole_rows": ("sorted_greedy", None, False, False), "whole_views": ("sorted_greedy", None, False, True),
+    "flat": ("flat", None, False, None), "zero2": ("flat", None, True, None),
+    "hybrid": ("flat", lambda m: len(m.shape) == 2, False, None),
+    "hybrid_zero2": ("flat", lambda m: len(m.shape) == 2, True, None)}
+
+
+def recorded_vs_plan(rank: int, world_size: int) -> dict:
+    """Per mode of `RECORDED_MODES`, the collectives `zero.backends.comm.recording` saw in a
+    step's iteration (the second), as sorted (kind, bytes), and the plan's footprint's."""
+    out = {}
+    for name, (strategy, whole, rs, view) in RECORDED_MODES.items():
+        model = make_model("plan", rank)
+        groups = groups_of(model)
+        plan = zero.make_plan(zero.param_metas(groups), world_size, strategy, bucket_numel=700, whole=whole)
+        opt = Zero(groups, torch.optim.AdamW, plan=plan, reduce_scatter_grads=rs, parameters_as_bucket_view=view,
+                   lr=1e-2)
+        for step in range(2):
+            with comm.recording() as made:
+                if rs:
+                    model(_batch(step, rank)).square().mean().backward()
+                else:
+                    set_grads(model, ddp_grads(list(model.parameters()), step, rank, world_size))
+                opt.step()
+                opt.zero_grad()
+        predicted = plan.footprint(rank, reduce_scatter_grads=rs, bucket_view=view).collectives
+        out[name] = (sorted((c.kind, c.bytes) for c in made), [list(c) for c in predicted])
+    return out

@@ -212,9 +212,9 @@ def test_hybrid_state_moves_through_torch_and_sharded_checkpoints(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_reduce_scattered_gradients_under_hybrid_plans_equal_ddp():
-    """ZeRO-2 with whole params: no DDP; the shards' gradients reduce-scattered during backward,
-    each whole param's reduced into its owner at the step (one reduce per whole param and step),
-    the other ranks then holding none of it. Against DDP + one optimizer over all params, 3 ranks
+    """ZeRO-2 with whole params: no DDP; the shards' gradients reduce-scattered and each whole
+    param's reduced into its owner during backward (one reduce per whole param and step, all
+    started before backward ends), only the owner keeping it. Against DDP + one optimizer over all params, 3 ranks
     on their own data, 2 micro-batches a step."""
     rules = ["muon", "adafactor", "sm3", "novograd"]
     results = run_ranks(hw.reduce_scattered_vs_ddp, 3, rules, 6, 2)

@@ -4,6 +4,8 @@ Reference (`master_workers.MasterReference`): one process keeps fp32 copies of t
 steps the optimizer on them with the averaged gradients cast to fp32 and writes them back rounded.
 """
 
+import copy
+import math
 import warnings
 
 import master_workers as w
@@ -11,7 +13,7 @@ import numpy as np
 import plan_workers as pw
 import pytest
 import torch
-from helpers import run_ranks
+from helpers import assert_params_close, run_ranks
 
 import zero
 from zero.backends import ShardedGradScaler
@@ -198,19 +200,31 @@ def test_fp16_params_warn_at_construction(one_rank):
         Zero(_bf16_model().parameters(), torch.optim.AdamW, master_dtype=torch.float32)
 
 
-def test_sharded_scaler_refuses_unscale_under_reduce_scatter(one_rank):
-    """unscale_ + clip_grad_norm_ would act on a rank's unreduced gradients: refused, naming the fix;
-    a plain scaler after a ShardedGradScaler step is refused again (the permission is per step)."""
-    model = _bf16_model()
-    opt = Zero(model.parameters(), torch.optim.AdamW, strategy="flat", reduce_scatter_grads=True,
-               master_dtype=torch.float32, lr=1e-2)
-    sharded, plain = ShardedGradScaler("cpu"), torch.amp.GradScaler("cpu")
-    sharded.scale(model(torch.randn(2, 8).to(torch.bfloat16)).float().sum()).backward()
-    with pytest.raises(ValueError, match="clip_by_global_norm"):
-        sharded.unscale_(opt)
-    sharded.step(opt)
-    sharded.update()
-    opt.zero_grad()
-    plain.scale(model(torch.randn(2, 8).to(torch.bfloat16)).float().sum()).backward()
+def test_sharded_scaler_unscales_the_reduced_gradients_so_they_can_be_clipped(one_rank):
+    """The AMP habit under reduce_scatter_grads: scale, backward, unscale_, clip_grad_norm_, step,
+    update, equal to torch's scaler and AdamW on one process, an overflowing step skipped by both
+    (the scales agree); a plain scaler driving the step is refused (per step)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    ref_m = copy.deepcopy(model)
+    opt = Zero(model.parameters(), torch.optim.AdamW, strategy="flat", reduce_scatter_grads=True, lr=1e-2)
+    ref = torch.optim.AdamW(ref_m.parameters(), lr=1e-2)
+    sharded, plain = ShardedGradScaler("cpu", init_scale=2.0**10), torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    for step in range(5):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        norms = []
+        ref_clip = lambda n: torch.nn.utils.clip_grad_norm_(ref_m.parameters(), n)  # noqa: E731
+        for m, o, scaler, clip in ((model, opt, sharded, opt.clip_grad_norm_), (ref_m, ref, plain, ref_clip)):
+            scaler.scale(m(x).square().sum() * (math.inf if step == 2 else 1)).backward()
+            scaler.unscale_(o)
+            norms.append(float(clip(0.05)))
+            scaler.step(o)
+            scaler.update()
+            o.zero_grad()
+        assert norms[0] == pytest.approx(norms[1], rel=1e-5) or not math.isfinite(norms[1]), (step, norms)
+        assert sharded.get_scale() == plain.get_scale(), step
+        assert_params_close(model, ref_m, rtol=1e-5, atol=1e-6, what=f"step {step}")
+    assert sharded.get_scale() == 2.0**9  # step 2 overflowed: both skipped it and backed off
+    plain.scale(model(torch.randn(2, 8)).sum()).backward()
     with pytest.raises(ValueError, match="ShardedGradScaler"):
         plain.step(opt)

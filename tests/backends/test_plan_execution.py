@@ -1,6 +1,8 @@
 """`ZeroRedundancyOptimizer` executes the `zero.Plan` it is given: every strategy, flat shards,
 whole-tensor rules over shards, and checkpoints that move between plans and world sizes."""
 
+import copy
+import math
 import re
 
 import plan_workers as w
@@ -202,6 +204,77 @@ def test_a_rank_keeps_only_its_shards_and_a_few_buckets_of_the_gradient(no_sync)
         assert r["held"][1] <= bound < r["param_bytes"] / 10, r
         assert r["held"][0] >= r["param_bytes"] if no_sync else r["held"][0] <= bound, r
         assert r["shard_bytes"] * 2 >= r["param_bytes"] > r["shard_bytes"] * 2 - 2 * 4 * 32, r
+
+
+@pytest.mark.parametrize("how,norm_type,max_norm,hybrid,world_size", [
+    ("method", 2.0, 0.1, False, 2), ("torch", 2.0, 0.1, True, 3), ("method", math.inf, 0.02, False, 4),
+    ("torch", 1.0, 1.0, False, 2), ("value", None, None, True, 2)])
+def test_clipping_reduce_scattered_gradients_equals_ddp_and_torchs_clip(how, norm_type, max_norm, hybrid, world_size):
+    """Gradient clipping under reduce_scatter_grads, where the params hold no .grad: the optimizer's
+    clip_grad_norm_, and torch's clip_grad_norm_ / clip_grad_value_ on model.parameters(), return
+    DDP + torch's total norm and leave the params where DDP + the same clip does, every step
+    clipped (norms above max_norm), over flat and hybrid plans, at 2, 3 and 4 gloo ranks."""
+    results = run_ranks(w.clip_vs_ddp, world_size, how, norm_type or 2.0, hybrid, max_norm or 0.0, timeout=180)
+    for rank, r in enumerate(results):
+        assert r["worst"] <= 1e-9, f"rank {rank}: {r['worst']}"
+        for ours, ddp in r["norms"]:
+            assert (ours is None and ddp is None) if how == "value" else ours == pytest.approx(ddp, rel=1e-12)
+            assert how == "value" or ddp > max_norm
+        assert r["norms"] == results[0]["norms"]
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_clipping_refuses_what_it_cannot_do_right():
+    """Torch's clip over part of the params, a backward after the clip, and clipping a step that
+    ran inside backward (overlap_with_ddp) are ValueErrors; other params are torch's business,
+    and without reduce_scatter_grads the optimizer's clip_grad_norm_ is torch's on the params."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from zero.backends import hook_with_zero_step
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    opt = Zero(model.parameters(), torch.optim.SGD, strategy="flat", reduce_scatter_grads=True, lr=0.1)
+    model(torch.randn(3, 4)).sum().backward()
+    with pytest.raises(ValueError, match=r"misses 2 of its trainable params \(first: param 2\)"):
+        torch.nn.utils.clip_grad_norm_(model[0].parameters(), 1.0)
+    other = torch.nn.Parameter(torch.ones(3))
+    other.grad = torch.full((3,), 4.0)
+    with pytest.raises(ValueError, match="adds 1 params with gradients it does not step"):
+        torch.nn.utils.clip_grad_norm_([*model.parameters(), other], 1.0)
+    assert float(torch.nn.utils.clip_grad_norm_([other], 1.0)) == pytest.approx(48**0.5)  # torch's own
+    assert float(other.grad.norm()) == pytest.approx(1.0, rel=1e-5)
+    opt.clip_grad_norm_(1.0)
+    with pytest.raises(ValueError, match="after the gradients were clipped or unscaled"):
+        model(torch.randn(3, 4)).sum().backward()
+    opt.zero_grad()
+    model(torch.randn(3, 4)).sum().backward()  # zero_grad starts a new iteration
+    opt.step()
+    ddp_model = torch.nn.Linear(4, 4)
+    ref = copy.deepcopy(ddp_model)  # without reduce_scatter_grads the params' .grad are clipped, as torch's call does
+    ddp_model.weight.grad, ref.weight.grad = torch.full((4, 4), 2.0), torch.full((4, 4), 2.0)
+    flat = Zero(ddp_model.parameters(), torch.optim.SGD, strategy="flat", lr=0.1)
+    assert float(flat.clip_grad_norm_(1.0)) == float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)) == 8.0
+    assert torch.equal(ddp_model.weight.grad, ref.weight.grad) and float(ref.weight.grad.norm()) < 1.0
+    del flat
+    ddp_model.weight.grad = None
+    ddp = DDP(ddp_model)
+    overlap = Zero(ddp_model.parameters(), torch.optim.SGD, overlap_with_ddp=True, lr=0.1)
+    ddp.register_comm_hook(None, hook_with_zero_step(allreduce_hook, ddp, overlap))
+    ddp(torch.randn(2, 4)).sum().backward()
+    with pytest.raises(ValueError, match="overlap_with_ddp=True steps each DDP bucket inside backward"):
+        torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
+
+
+def test_the_collectives_recorded_in_a_step_are_the_plans_and_one_check_in():
+    """zero.backends.comm.recording at 3 gloo ranks, every mode (whole params by rows or bucket
+    views, flat, ZeRO-2, hybrid, hybrid ZeRO-2): a step's collectives, kind and bytes, are the
+    plan's footprint's and the ranks' check-in (48 bytes per rank), nothing else."""
+    for rank, r in enumerate(run_ranks(w.recorded_vs_plan, 3, timeout=180)):
+        for mode, (made, predicted) in r.items():
+            assert [tuple(c) for c in made] == sorted([*map(tuple, predicted), ("all_gather_into", 48 * 3)]), \
+                (rank, mode)
+        assert len(r["hybrid_zero2"][0]) > len(r["zero2"][0]) > len(r["flat"][0]) > len(r["whole_rows"][0])
 
 
 def _trained(opt, ps, backward_twice=False, use_last_bias=True):

@@ -79,11 +79,6 @@ def test_the_checks_that_read_data_step_aside_only_under_a_fake_group():
         assert verify() is None  # no rank to disagree with, no data to read: nothing runs
 
 
-def test_a_simulated_job_needs_the_process_to_itself(one_rank):
-    with pytest.raises(RuntimeError, match="already initialized"):
-        simulate(preset("gpt2"), 8, 0)
-
-
 def test_the_executed_stage_rows_are_the_peaks():
     plan = zero.make_plan(preset("llama-7b"), 64, "flat", optimizer="adamw", master_dtype="float32",
                           bucket_numel=1 << 22)
@@ -91,3 +86,32 @@ def test_the_executed_stage_rows_are_the_peaks():
     first, second = list(rows)[1:3]
     assert executed[first] == max(plan.footprint(r).peak for r in range(64)) > rows[first]
     assert executed[second] == max(plan.footprint(r, reduce_scatter_grads=True).peak for r in range(64)) > rows[second]
+
+
+def test_ranks_that_hold_nothing_or_only_padding_at_1024_ranks_to_the_byte():
+    """A model of 4 tensors (71 elements) at 1,024 ranks: under whole-param plans most ranks own
+    nothing; under flat ones every rank's shard is one element, most of them padding. Every mode
+    still constructs and steps on the first, second and last rank, and the plan predicts the
+    measured peak and collectives exactly."""
+    from torch import nn
+
+    def tiny():
+        return nn.Sequential(nn.Linear(7, 5), nn.Linear(5, 3))
+
+    modes = {**{name: MODES[name] for name in ("whole (torch's sorted greedy)", "whole, copying sync", "flat",
+                                                "ZeRO-2")},
+             "bucket views": dict(parameters_as_bucket_view=True),
+             "hybrid ZeRO-2": dict(strategy="flat", whole=lambda m: len(m.shape) == 2, reduce_scatter_grads=True),
+             "bf16, masters": dict(strategy="flat", reduce_scatter_grads=True, master_dtype=F32, reduce_dtype=F32,
+                                   dtype=torch.bfloat16)}
+    for name, options in modes.items():
+        for rank in (0, 1, 1023):
+            run = simulate(tiny, 1024, rank, **options)
+            assert run.measured_peak_bytes == run.predicted_peak_bytes, (name, rank, run.as_dict())
+            assert run.collective_bytes == run.predicted.collective_bytes > 0, (name, rank)
+
+
+# Last in the module: `one_rank` keeps its default group until the module ends.
+def test_a_simulated_job_needs_the_process_to_itself(one_rank):
+    with pytest.raises(RuntimeError, match="already initialized"):
+        simulate(preset("gpt2"), 8, 0)

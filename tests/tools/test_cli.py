@@ -94,3 +94,20 @@ def test_plan_counts_master_weights(tmp_path):
     assert "float32 masters" in out and "masters MiB" in " ".join(out.split())
     res = zero("plan", "--shapes", str(shapes), "--master-dtype", "int8", check=False)
     assert res.returncode == 2 and "master_dtype must be a float dtype" in res.stderr, res.stderr
+
+
+def test_simulate_prints_each_rank_and_writes_the_json(tmp_path):
+    """``zero simulate``: the real step of ranks 0 and 7 of 8 under torch's fake group, its
+    measured peak and collectives beside the plan's, in a table per rank and one JSON object each."""
+    out = tmp_path / "sim.json"
+    res = zero("simulate", "--preset", "gpt2", "-w", "8", "--strategy", "flat", "--reduce-scatter-grads",
+               "--ranks", "0,7", "--json", str(out))
+    assert "rank 0 of 8" in res.stdout and "rank 7 of 8" in res.stdout and "collectives / step" in res.stdout
+    runs = json.loads(out.read_text())
+    assert [r["rank"] for r in runs] == [0, 7]
+    for r in runs:
+        assert r["measured_peak_bytes"] == pytest.approx(r["predicted_peak_bytes"], rel=0.03)
+        assert r["collective_bytes"] == r["plan_collective_bytes"] > 0
+        assert set(r["by_category"]) >= {"params", "grads", "state"}
+    bad = zero("simulate", "--preset", "gpt2", "-w", "8", "--ranks", "8", check=False)
+    assert bad.returncode == 2 and "--ranks [8] are not ranks of a world of 8" in bad.stderr

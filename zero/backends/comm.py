@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["Collective", "recording", "resolve_group", "is_fake", "group_rank", "group_size", "global_rank",
-           "in_group", "device_for", "summed", "all_gather_rows", "all_gather_into", "broadcast_from",
-           "all_reduce_sum", "reduce_scatter_sum", "reduce_sum_to", "new_subgroup", "twin_group", "send_tree",
-           "recv_tree"]
+           "in_group", "device_for", "summed", "maxed", "all_gather_rows", "all_gather_into", "broadcast_from",
+           "all_reduce_sum", "all_reduce_max", "reduce_scatter_sum", "reduce_sum_to", "new_subgroup", "twin_group",
+           "send_tree", "recv_tree"]
 
 # torch 2.13 renamed all_gather_into_tensor; keep working on the 2.x releases before it.
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -105,11 +105,20 @@ def device_for(group: Any, device: torch.device) -> torch.device:
 
 def summed(group: Any, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
     """``reduce(t)``: ``t`` summed over ``group``'s ranks (a collective), returned on the CPU."""
+    return _reduced(lambda t, g: all_reduce_sum(t, g), group, device)  # looked up per call (tests count calls)
+
+
+def maxed(group: Any, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``reduce(t)``: the ranks' element-wise maximum of ``t`` (a collective), returned on the CPU."""
+    return _reduced(lambda t, g: all_reduce_max(t, g), group, device)
+
+
+def _reduced(collective: Callable[[torch.Tensor, Any], None], group: Any, device: torch.device) -> Callable:
     comm_device = device_for(group, device)
 
     def reduce(t: torch.Tensor) -> torch.Tensor:
         t = t.to(comm_device)
-        all_reduce_sum(t, group)
+        collective(t, group)
         return t.cpu()
 
     return reduce
@@ -118,6 +127,11 @@ def summed(group: Any, device: torch.device) -> Callable[[torch.Tensor], torch.T
 def all_reduce_sum(tensor: torch.Tensor, group: Any) -> None:
     _record("all_reduce_sum", tensor, group)
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+
+
+def all_reduce_max(tensor: torch.Tensor, group: Any) -> None:
+    _record("all_reduce_max", tensor, group)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
 
 
 def reduce_scatter_sum(output: torch.Tensor, rows: torch.Tensor, group: Any) -> Any:

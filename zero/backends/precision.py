@@ -254,18 +254,31 @@ class ShardedGradScaler(torch.amp.GradScaler):
     update. An optimizer without a ``rank_state`` (not zero's) gets torch's behaviour.
     """
 
+    _unscaling = False  # inside unscale_: the gradients are unscaled now (to clip), not checked by the step
+
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        if _reduce_scattered(optimizer):
-            raise ValueError("unscale_ before step: with reduce_scatter_grads=True the params' .grad are this rank's "
-                             "unreduced gradients, so unscaling or clipping them means nothing for the step. Clip in "
-                             "the optimizer's chain (zero.functional.clip_by_global_norm sees the sharded global norm)")
-        super().unscale_(optimizer)
+        """As torch's. With ``reduce_scatter_grads`` it unscales the averaged gradients the rank
+        steps (waiting for their reductions), so that ``optimizer.clip_grad_norm_`` clips them."""
+        self._unscaling = True
+        try:
+            super().unscale_(optimizer)
+        finally:
+            self._unscaling = False
 
     def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor,
                         allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
-        if _reduce_scattered(optimizer):  # the step checks the reduced gradients; the unreduced may be in flight
+        if not _reduce_scattered(optimizer):
+            return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+        if not self._unscaling:  # the step unscales and checks the reduced gradients; some may be in flight now
             return {found_inf.device: found_inf}
-        return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+        found: dict[torch.device, torch.Tensor] = {}
+        by_kind: dict[tuple, list[torch.Tensor]] = {}
+        for _, g in optimizer.mode.held_grads():
+            by_kind.setdefault((g.device, g.dtype), []).append(g)
+        for (dev, _), grads in by_kind.items():
+            flag = found.setdefault(dev, torch.zeros((), device=dev))
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, inv_scale.to(dev))
+        return found or {found_inf.device: found_inf}
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         state = getattr(optimizer, "rank_state", None)  # zero's sharded optimizers have one

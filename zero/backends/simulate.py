@@ -148,13 +148,17 @@ def _model(params: Callable[[], nn.Module] | Sequence[ParamMeta], dtype: torch.d
     else:
         model = nn.ParameterList([nn.Parameter(torch.empty(m.shape, dtype=getattr(torch, m.dtype)),
                                                requires_grad=m.requires_grad) for m in params])
-    return model.to(dtype) if dtype is not None else model
+    if dtype is not None:  # (Module.to cannot swap fake parameters in place)
+        for p in model.parameters():
+            if p.is_floating_point():
+                p.data = p.data.to(dtype)
+    return model
 
 
 def _iteration(model: nn.Module, opt: Any) -> None:
     """Gradients one param at a time, in reverse order (as backward makes them), then a step."""
     for p in reversed([p for p in model.parameters() if p.requires_grad]):
-        p.sum().backward()
+        p.reshape(-1)[:0].backward(p.new_empty(0))  # (an empty output: only the gradient is allocated)
     opt.step()
 
 
@@ -166,6 +170,7 @@ def _measured(model: nn.Module, opt: Any) -> dict[str, int]:
         storages[id(st)] = st.nbytes()
     grads = sum(p.grad.nbytes for p in model.parameters() if p.grad is not None)
     grads += sum(g.nbytes for g in getattr(opt.mode, "grads", ()))
+    grads += sum(g.nbytes for g in getattr(getattr(opt.mode, "gradients", None), "kept", {}).values())
     sync = getattr(opt.mode, "sync", None)  # a whole-param plan's `ParamSync`
     scratch = sync.scratch_bytes() if isinstance(sync, ParamSync) else 0
     return {"params": sum(storages.values()), "sync_rows": scratch, "masters": opt.masters.nbytes(),

@@ -19,7 +19,7 @@ import torch
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
-from zero.backends import comm
+from zero.backends import clipping, comm
 from zero.backends.checkpoint import consolidated
 from zero.backends.consistency import OptimizerChecks, settings
 from zero.backends.local_optimizer import is_functional, make_local_optimizer
@@ -237,6 +237,19 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         (as ``DDP.no_sync``); the first backward after it reduces the sum. Without it each backward
         reduces and only the shards accumulate (ZeRO-2's memory)."""
         return self.mode.no_sync()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                        foreach: bool | None = None) -> torch.Tensor:
+        """Clip the gradients this optimizer steps by their total norm, as
+        ``torch.nn.utils.clip_grad_norm_`` (same arguments; returns the total norm, the same on
+        every rank). Call it on every rank, after the last backward, before ``step``.
+
+        With ``reduce_scatter_grads`` the params hold no ``.grad``: it clips the shards' averaged
+        gradients, with one all-reduce for the norm, and equals DDP + torch's call. (torch's own
+        call on all the params does the same; on part of them it is a ``ValueError``.) Otherwise
+        it is torch's call on the params' gradients (DDP's, averaged). With a loss scale, unscale
+        first (``scaler.unscale_(opt)``), as with torch."""
+        return clipping.clip_grad_norm_(self.mode, max_norm, norm_type, error_if_nonfinite, foreach)
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather every rank's shard of the state onto rank ``to`` (call on all ranks).

@@ -33,8 +33,8 @@ from typing import Any
 import optree
 import torch
 
-__all__ = ["Pieces", "Sharding", "installed", "every_group", "stepping", "subset", "global_norm", "tensor_norms",
-           "all_finite", "whole_tensors", "axis_sums", "axis_means", "every_axis"]
+__all__ = ["Pieces", "Sharding", "installed", "every_group", "stepping", "subset", "global_norm", "total_norm",
+           "tensor_norms", "all_finite", "whole_tensors", "axis_sums", "axis_means", "every_axis"]
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,7 @@ class Sharding:
     pieces: Mapping[int, Pieces]
     dtypes: tuple[torch.dtype, ...]
     reduce: Callable[[torch.Tensor], torch.Tensor]
+    reduce_max: Callable[[torch.Tensor], torch.Tensor] | None = None  # the ranks' maximum (inf-norms)
     every_group: bool = True  # the ranks' reductions pair up only if each steps every group
     # Every leaf of every rank is a whole tensor in its own shape (a whole-param plan): per-tensor
     # quantities need no collective. A property of the plan, not of one rank's leaves, so that
@@ -169,6 +170,45 @@ def global_norm(leaves: Sequence[torch.Tensor]) -> torch.Tensor:
     total = torch.linalg.vector_norm(norms)
     dtype = functools.reduce(torch.promote_types, [leaf.dtype for leaf in leaves], torch.float32)
     return total.to(dtype)
+
+
+def total_norm(leaves: Sequence[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+    """``torch.nn.utils.get_total_norm(leaves, norm_type)``: the ``norm_type``-norm of the whole
+    tensors' norms (``inf``: the largest magnitude), over every rank's pieces when sharded.
+
+    Sharded, per-tensor norms and the total are computed in float64 from one ``reduce`` (for
+    ``inf`` one ``reduce_max``), so every rank gets the same number, returned in at least float32.
+    """
+    p = float(norm_type)
+    if not p >= 0:
+        raise ValueError(f"norm_type={norm_type!r}: a total norm needs a norm_type >= 0 (or inf)")
+    found = _sharded(leaves, "a total norm")
+    if found is None:
+        if not leaves:
+            return torch.zeros(())
+        norms = [torch.linalg.vector_norm(leaf, p) for leaf in leaves]
+        return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), p)
+    sharding, pieces = found
+    if math.isinf(p) and sharding.reduce_max is None:
+        raise ValueError("an inf-norm under this sharding needs the ranks' maximum, which its backend does not give")
+    partial = torch.zeros(sharding.n_tensors, dtype=torch.float64)
+    for leaf, pc in zip(leaves, pieces):
+        if pc.tensors:
+            x = leaf.reshape(-1)[:pc.used].abs().double()
+            x = x if math.isinf(p) else (x != 0).double() if p == 0 else x.pow(p)
+            lengths = torch.tensor(pc.lengths, device=leaf.device)
+            per = torch.segment_reduce(x, "max" if math.isinf(p) else "sum", lengths=lengths, initial=0)
+            at = torch.tensor(pc.tensors)
+            if math.isinf(p):
+                partial.scatter_reduce_(0, at, per.cpu(), "amax")
+            else:
+                partial.index_add_(0, at, per.cpu())
+    if math.isinf(p):
+        total = sharding.reduce_max(partial).max()
+    else:
+        norms = sharding.reduce(partial) if p == 0 else sharding.reduce(partial).pow(1 / p)
+        total = torch.linalg.vector_norm(norms, p)
+    return total.to(functools.reduce(torch.promote_types, sharding.dtypes, torch.float32))
 
 
 def tensor_norms(leaves: Sequence[torch.Tensor]) -> list[torch.Tensor]:

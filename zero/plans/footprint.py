@@ -11,14 +11,15 @@ process group and compares. The categories:
 - ``masters``: the master copies of what the rank steps; ``state``: its optimizer state (steady
   state: the state exists from the first step on).
 - ``grads``: gradients held from backward to the next ``zero_grad``: every trainable param's whole
-  gradient where DDP leaves them (ZeRO-1), and a flat plan's shard-sized copies of its pieces; with
-  ``reduce_scatter_grads`` only the rank's shards of the mean (in ``reduce_dtype``), and what an
-  owner keeps of a hybrid plan's whole params' reduced gradients.
+  gradient where DDP leaves them (ZeRO-1; DDP with ``gradient_as_bucket_view=True``, which keeps
+  no second copy in its buckets), and a flat plan's shard-sized copies of its pieces; with
+  ``reduce_scatter_grads`` only the rank's shards of the mean (in ``reduce_dtype``), and the mean
+  gradients an owner keeps of a hybrid plan's whole params (in ``reduce_dtype``).
 - ``transient``: what the moment of the peak adds and then drops. In backward, with
-  ``reduce_scatter_grads``: the whole-size buckets filling and in flight (at most
-  `IN_FLIGHT_BUCKETS` of them), the one gradient autograd has just made, and a hybrid plan's whole
-  params' gradients, walking the params in reverse order as backward makes them. At a hybrid's
-  whole params' reduces: those not yet reduced, and the one being cast. In the step: the
+  ``reduce_scatter_grads``: the buckets filling and in flight (at most `IN_FLIGHT_BUCKETS`, a
+  hybrid plan's whole params being units of their own), the one gradient autograd has just made
+  and its cast, walking the params in reverse order as backward makes them and the units in the
+  plan's order (`zero.plans.layout.reduction_units`). In the step: the
   masters' gradients cast up (unless reduced in the master dtype), reduced gradients cast to
   their shard's dtype, and the rule's own temporaries (torch's for-loop step:
   `OptimizerState.step_temps` of the tensor it steps, ``step_temps_held`` of the one before).
@@ -33,11 +34,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from zero.plans.accounting import master_itemsize, optimizer_state, state_itemsize
 from zero.plans.holdings import holdings
-from zero.plans.layout import IN_FLIGHT_BUCKETS, SyncRows, bucket_views, param_sync_rows
+from zero.plans.layout import IN_FLIGHT_BUCKETS, SyncRows, bucket_views, param_sync_rows, reduction_units
 from zero.plans.meta import itemsize
 
 if TYPE_CHECKING:
@@ -54,9 +55,12 @@ class Footprint:
     """One rank's memory and traffic under a plan and mode (see `footprint`).
 
     ``at_peak``: bytes by category (`CATEGORIES`) at the iteration's peak (its ``phase``:
-    "backward", "whole params' reduces" or "step"); ``peak``: their sum; ``resident``: what stays
+    "backward" or "step"); ``peak``: their sum; ``resident``: what stays
     between steps (nothing transient); ``collectives``: (kind, bytes) of every collective the
-    rank makes in a step, sorted.
+    rank makes in a step, sorted, as `zero.backends.comm.recording` names them. Under a real
+    group the executor adds one check-in per step (``all_gather_into`` of 48 bytes per rank:
+    `zero.backends.consistency`), which steps aside under torch's fake group; a rule that asks
+    whole-model questions (a global norm) adds its all-reduces.
     """
 
     rank: int
@@ -77,9 +81,8 @@ class Footprint:
 def footprint(plan: Plan, rank: int, *, reduce_scatter_grads: bool = False, reduce_dtype: str | None = None,
               bucket_view: bool | None = None, sync_chunk_bytes: int = SYNC_CHUNK_BYTES) -> Footprint:
     """What ``rank`` holds and moves executing ``plan`` with these `ZeroRedundancyOptimizer` options
-    (``reduce_dtype`` a dtype name; None: the params'). The peak is the largest of backward, the
-    whole params' reduces (a hybrid plan's, with ``reduce_scatter_grads``) and the local step, in
-    steady state (the optimizer state exists from the first step on)."""
+    (``reduce_dtype`` a dtype name; None: the params'). The peak is the larger of backward's and
+    the local step's, in steady state (the optimizer state exists from the first step on)."""
     metas, flat = plan.metas, plan.flat
     reduce = None if reduce_dtype is None else str(reduce_dtype).removeprefix("torch.")
     rows = _rows(plan, bucket_view, sync_chunk_bytes)
@@ -88,11 +91,10 @@ def footprint(plan: Plan, rank: int, *, reduce_scatter_grads: bool = False, redu
     temps = _step_temporaries(plan, rank, reduce_scatter_grads, reduce)
     if reduce_scatter_grads:
         shards = sum(b.shard_numel * itemsize(reduce or b.dtype) for b in flat.buffers)
-        kept = _kept_whole(plan, rank, reduce)  # what an owner keeps of its whole params' reduced gradients
-        moments = {"backward": (shards, _backward_peak(plan, reduce)),
-                   "whole params' reduces": (shards, _reduces_peak(plan, rank, reduce)),
-                   "step": (shards + kept, temps)}
-        resident = shards + (kept if reduce is None or reduce != plan.master_dtype else 0)
+        kept = _kept_whole(plan, rank, reduce)  # an owner's whole params' mean gradients
+        kept_then, transient = _backward_peak(plan, rank, reduce)
+        moments = {"backward": (shards + kept_then, transient), "step": (shards + kept, temps)}
+        resident = shards + kept
     else:
         copies = sum(b.shard_numel * itemsize(b.dtype) for b in flat.buffers) if flat else 0
         resident = sum(m.nbytes for m in metas if m.requires_grad) + copies
@@ -126,65 +128,54 @@ def _scratch_rows(rows: Sequence[SyncRows], bucket_view: bool | None) -> int:
     return sum(r.chunk * len(r.pieces) * itemsize(r.dtype) for r in rows) if bucket_view is False else 0
 
 
-def _backward_peak(plan: Plan, reduce: str | None) -> int:
-    """The most gradient memory backward holds at once beyond the shards: walking the trainable
-    params in reverse order (as backward makes their gradients), the buckets filling and in
-    flight, the gradient autograd has just made, and a hybrid's whole params' gradients so far."""
+def _backward_peak(plan: Plan, rank: int, reduce: str | None) -> tuple[int, int]:
+    """Backward's peak beyond the shards, walking the trainable params in reverse order (as
+    backward makes their gradients) and the reduction units in the plan's order: what the owner
+    has kept of its whole params' means by then, and the rest: the buckets filling and in flight,
+    the gradient autograd has just made (and its cast to ``reduce``, for a whole param)."""
     flat, metas = plan.flat, plan.metas
-    where = {i: bi for bi, b in enumerate(flat.buffers) for i in b.params}
-    size = [b.padded_numel * itemsize(reduce or b.dtype) for b in flat.buffers]
-    filling: dict[int, int] = {}  # bucket -> params still to come
+    owner = plan.partition.owner if plan.whole else ()
+    units = reduction_units(flat, plan.whole)
+    unit_of, size = {}, []
+    for u, (kind, k) in enumerate(units):
+        members = flat.buffers[k].params if kind == "flat" else (k,)
+        unit_of.update({i: (u, len(members)) for i in members})
+        numel, dtype = (flat.buffers[k].padded_numel, flat.buffers[k].dtype) if kind == "flat" else \
+            (metas[k].numel, metas[k].dtype)
+        size.append(numel * itemsize(reduce or dtype))
+    filling: dict[int, int] = {}  # unit -> params still to come
     flight: list[int] = []
-    whole, done, peak = 0, 0, 0  # whole params' gradients so far; buckets started (in layout order)
+    kept, done, peak = 0, 0, (0, 0)  # the owner's kept means so far; units started (in the plan's order)
+
+    def at(extra: int = 0) -> tuple[int, int]:
+        return max(peak, (kept, sum(size[u] for u in filling) + sum(size[u] for u in flight) + extra), key=sum)
+
     for i in reversed(range(len(metas))):
         if not metas[i].requires_grad:
             continue
-        if i not in where:
-            whole += metas[i].nbytes
-            peak = max(peak, whole + _held(filling, flight, size))
-            continue
-        bi = where[i]
-        filling.setdefault(bi, len(flat.buffers[bi].params))
-        peak = max(peak, whole + _held(filling, flight, size) + metas[i].nbytes)
-        filling[bi] -= 1
-        while done < len(size) and filling.get(done) == 0:
+        u, members = unit_of[i]
+        whole = units[u][0] == "whole"
+        cast = whole and size[u] != metas[i].nbytes
+        if u not in filling and not whole:
+            filling[u] = members
+        peak = at(metas[i].nbytes + (size[u] if cast else 0))  # a whole param's gradient becomes its bucket
+        filling[u] = filling.get(u, members) - 1
+        while done < len(units) and filling.get(done) == 0:
             del filling[done]
             flight.append(done)
-            peak = max(peak, whole + _held(filling, flight, size))
+            peak = at()
             done += 1
             if len(flight) > IN_FLIGHT_BUCKETS:
-                flight.pop(0)
-    return peak
-
-
-def _reduces_peak(plan: Plan, rank: int, reduce: str | None) -> int:
-    """The most a hybrid plan's whole params' reduces hold at once, at the step, in the plan's
-    order: the gradients not yet reduced, the one being reduced (cast to ``reduce``), and what
-    this rank keeps of those it owns."""
-    metas, owner = plan.metas, plan.partition.owner if plan.whole else ()
-    left, kept, peak = sum(metas[i].nbytes for i in plan.whole), 0, 0
-    for i in plan.whole:
-        m = metas[i]
-        cast = m.numel * itemsize(reduce) if reduce is not None and reduce != m.dtype else 0
-        peak = max(peak, left + cast + kept)
-        left -= m.nbytes
-        kept += _kept(m, reduce, plan.master_dtype) if owner[i] == rank else 0
+                landed = flight.pop(0)
+                kind, k = units[landed]
+                kept += size[landed] if kind == "whole" and owner[k] == rank else 0
     return peak
 
 
 def _kept_whole(plan: Plan, rank: int, reduce: str | None) -> int:
+    """The mean gradients an owner keeps of its whole params, in ``reduce`` (or their dtype)."""
     owner = plan.partition.owner if plan.whole else ()
-    return sum(_kept(plan.metas[i], reduce, plan.master_dtype) for i in plan.whole if owner[i] == rank)
-
-
-def _kept(meta: Any, reduce: str | None, master: str | None) -> int:
-    """An owner's reduced gradient of a whole param: in ``reduce`` when its master takes it as it
-    is, else in the param's dtype."""
-    return meta.numel * itemsize(reduce if reduce is not None and reduce == master else meta.dtype)
-
-
-def _held(filling: dict[int, int], flight: list[int], size: list[int]) -> int:
-    return sum(size[b] for b in filling) + sum(size[b] for b in flight)
+    return sum(plan.metas[i].numel * itemsize(reduce or plan.metas[i].dtype) for i in plan.whole if owner[i] == rank)
 
 
 def _step_temporaries(plan: Plan, rank: int, reduce_scattered: bool, reduce: str | None) -> int:
@@ -201,7 +192,7 @@ def _step_temporaries(plan: Plan, rank: int, reduce_scattered: bool, reduce: str
         grad_dtype = (reduce or dtype) if reduce_scattered else dtype
         if master_itemsize(dtype, master) and grad_dtype != master:
             casts += t.numel * itemsize(master)
-        elif reduce_scattered and not t.whole and grad_dtype != dtype and grad_dtype != master:
+        elif reduce_scattered and grad_dtype != dtype and grad_dtype != master:
             casts += t.numel * itemsize(dtype)
         one = t.numel * state_itemsize(dtype, master)
         rule = max(rule, spec.step_temps * one + (spec.step_temps_held * before[1] if before[0] == t.group else 0))

@@ -16,14 +16,14 @@ from zero.plans.partition import Partition, check_metas, check_rank, check_world
 
 __all__ = ["ALIGN_BYTES", "Bucket", "BucketLayout", "bucket_views", "split_bucket", "Piece", "row_chunks",
            "row_padding", "SyncRows", "sync_rows", "param_sync_rows", "DIRECT_NUMEL", "PAD_LIMIT",
-           "IN_FLIGHT_BUCKETS", "Segment", "ShardPiece", "FlatBuffer", "FLAT_BUCKET_NUMEL", "FlatLayout",
-           "flat_layout"]
+           "IN_FLIGHT_BUCKETS", "reduction_units", "Segment", "ShardPiece", "FlatBuffer", "FLAT_BUCKET_NUMEL",
+           "FlatLayout", "flat_layout"]
 
 
 ALIGN_BYTES = 64  # what torch's allocators give a tensor; see bucket_views
 DIRECT_NUMEL = 1 << 18  # 1 MiB of float32: from here one broadcast beats a pack and an unpack (`param_sync_rows`)
 PAD_LIMIT = 1 / 16  # the default packs every param while rows pad by at most this fraction (`param_sync_rows`)
-IN_FLIGHT_BUCKETS = 2  # flat buckets being reduce-scattered at once (ZeRO-2); one more waits for the oldest
+IN_FLIGHT_BUCKETS = 2  # reductions in flight at once under ZeRO-2 (reduction_units); one more waits for the oldest
 
 
 @dataclass(frozen=True)
@@ -311,6 +311,16 @@ def flat_layout(metas: Sequence[ParamMeta], world_size: int, alignment: int = 1,
     chunks.sort(key=lambda chunk: -chunk[1][0])  # backward completes a buffer when its first param is ready
     buffers = tuple(_flat_buffer(metas, key, idx, world_size, alignment) for key, idx in chunks)
     return FlatLayout(world_size, alignment, buffers, bucket_numel)
+
+
+def reduction_units(flat: FlatLayout, whole: Sequence[int] = ()) -> tuple[tuple[str, int], ...]:
+    """Under ``reduce_scatter_grads``, the order in which every rank starts its gradients' reductions:
+    each flat buffer (``("flat", buffer)``, reduce-scattered) and each whole param of a hybrid plan
+    (``("whole", param)``, reduced into its owner), by their first param, last first. Backward
+    completes a unit when its first param's gradient is made, so this is the order backward
+    completes them in, and no unit waits for one behind it."""
+    units = [(b.params[0], ("flat", k)) for k, b in enumerate(flat.buffers)] + [(i, ("whole", i)) for i in whole]
+    return tuple(unit for _, unit in sorted(units, key=lambda first_unit: -first_unit[0]))
 
 
 def _cut(metas: Sequence[ParamMeta], members: list[int], cap: int | None) -> list[list[int]]:

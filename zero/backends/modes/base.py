@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch.distributed.algorithms.join import JoinHook
 
+from zero.backends import comm
 from zero.backends.local_optimizer import local_groups
 from zero.backends.rank_state import RankState
 from zero.backends.sync import ViewWatch
@@ -72,10 +73,12 @@ class Mode:
         named = self.plan.flat is None or self.plan.hybrid
         return local_groups(self.state.param_groups, self.holdings, self.tensor, named)
 
-    def build_rules(self, reduce: Callable[[torch.Tensor], torch.Tensor],
+    def build_rules(self, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                    reduce_max: Callable[[torch.Tensor], torch.Tensor] | None = None,
                     every_group: bool = True) -> sharding.Sharding:
         """What `zero.functional.sharding` needs to answer whole-tensor questions in a step: the
-        pieces of whole params each local tensor holds (from the holdings), and the ranks' sum."""
+        pieces of whole params each local tensor holds (from the holdings), and the ranks' sum and
+        maximum (``None``: over the optimizer's group)."""
         held, params = self.holdings, self.params
         pieces = {}
         for j, t in enumerate(held.tensors):
@@ -83,7 +86,10 @@ class Mode:
             pieces[id(self.tensor(t))] = sharding.Pieces(tuple(h.param for h in hs), tuple(h.end - h.start for h in hs),
                                                          tuple(h.start for h in hs))
         whole = self.plan.flat is None  # every rank steps whole params: a property of the plan
-        return sharding.Sharding(pieces, tuple(p.dtype for p in params), reduce, every_group=every_group,
+        device = self.state.device
+        reduce = reduce or comm.summed(self.group, device)
+        reduce_max = reduce_max or comm.maxed(self.group, device)
+        return sharding.Sharding(pieces, tuple(p.dtype for p in params), reduce, reduce_max, every_group=every_group,
                                  whole_params=whole, names=() if whole else tuple(m.name for m in self.plan.metas),
                                  numels=tuple(p.numel() for p in params), shapes=tuple(tuple(p.shape) for p in params))
 
@@ -109,6 +115,13 @@ class Mode:
     def zero_grad(self, default: Callable[[], None]) -> None:
         """``zero_grad``: torch's (``default``) unless the mode keeps the gradients itself."""
         default()
+
+    def held_grads(self) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """Where the mode reduces the gradients itself (``reduce_scatter_grads``): the averaged
+        gradients this rank steps, every reduction waited for, each beside the tensor it steps
+        (a shard, an owned whole param), to clip or unscale before the step. ``None``: the
+        params' ``.grad`` hold the whole averaged gradients, as DDP leaves them."""
+        return None
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         """Backward passes inside only accumulate: for modes that reduce gradients themselves."""

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.distributed.algorithms.join import JoinHook
 
-from zero.backends import comm
+from zero.backends import clipping, comm
 from zero.backends.modes.base import Begin
 from zero.backends.modes.whole import WholeParams
 from zero.functional import sharding
@@ -45,6 +45,12 @@ class DDPOverlap(WholeParams):
         self._build(metas)
         self.state.build(self.local_groups(), per_param=True)
         self.attached = True
+        clipping.register(self, [p for p in self.params if p.requires_grad])
+
+    def held_grads(self) -> None:
+        """Clipping: an error, since each bucket was stepped inside backward, before a clip could run."""
+        raise ValueError("overlap_with_ddp=True steps each DDP bucket inside backward, so the step has used the "
+                         "gradients before they can be clipped: use overlap_with_ddp=False to clip")
 
     def _rules(self) -> sharding.Sharding:
         """The stand-ins (made here: after the sync has placed the params' storage, which they
@@ -55,7 +61,7 @@ class DDPOverlap(WholeParams):
             raise ValueError("this rule needs the whole model's gradients (a global norm, a finiteness check ...), "
                              "but overlap_with_ddp=True steps one DDP bucket at a time: use overlap_with_ddp=False")
 
-        return self.build_rules(refuse, every_group=False)
+        return self.build_rules(refuse, refuse, every_group=False)
 
     def step(self, closure: Callable[[], float] | None, kwargs: dict, begin: Begin) -> Any:
         """The step ran inside backward: only a closure (which runs backward) is left."""

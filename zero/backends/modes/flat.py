@@ -42,6 +42,13 @@ class Gradients:
         the gradients kept wider than their tensor's dtype, for its master (by ``id(tensor)``)."""
         raise NotImplementedError
 
+    def reduced(self, mode: FlatShards) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """See `Mode.held_grads`: None where the params' ``.grad`` hold DDP's averaged gradients."""
+        return None
+
+    def clear(self, mode: FlatShards) -> None:
+        """After a step: what the gradients leave on the params (by default, DDP's: untouched)."""
+
     def zero_grad(self, default: Callable[[], None]) -> None:
         default()
 
@@ -76,7 +83,7 @@ class FlatShards(Mode):
         self.wide: dict[int, torch.Tensor] = {}  # see take_grads
         self.storage = ViewWatch(self.params, [i for b in self.layout.buffers for i in b.params],
                                  comm.is_fake(self.group))
-        self.rules = self.build_rules(comm.summed(self.group, self.state.device))
+        self.rules = self.build_rules()
         self.gradients = gradients(self) if gradients is not None else CopiedGradients()
 
     def _allocate(self, buf: FlatBuffer) -> torch.Tensor:
@@ -120,6 +127,9 @@ class FlatShards(Mode):
 
     def zero_grad(self, default: Callable[[], None]) -> None:
         self.gradients.zero_grad(default)
+
+    def held_grads(self) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        return self.gradients.reduced(self)
 
     def no_sync(self):
         return self.gradients.no_sync()
@@ -186,6 +196,7 @@ class FlatShards(Mode):
         for shard in self.shards:
             shard.grad = None
         self.wide = {}
+        self.gradients.clear(self)
 
     @torch.no_grad()
     def sync(self) -> None:

@@ -8,8 +8,8 @@ by their owners' rows (`ParamSync`) and the shards by one all-gather per buffer.
 
 With ``reduce_scatter_grads=True`` (`HybridReduceScattered`) the shards' gradients are
 reduce-scattered during backward as under a flat plan, and each whole param's gradient is
-summed into its owner by one reduce at the step; the other ranks then drop it
-(`zero.backends.modes.reduce_scatter.ReducedGradients`).
+summed into its owner by one reduce, also during backward, as soon as it is made; the other
+ranks then drop it (`zero.backends.modes.reduce_scatter.GradShards`).
 """
 
 from __future__ import annotations

@@ -10,8 +10,11 @@ into its bucket's whole-size buffer (allocated at its first gradient, in the red
 frees the param's own. When a bucket holds every param's gradient, its reduce-scatter starts
 (asynchronously, while backward goes on) into this rank's shard, and when it ends the buffer is
 dropped: besides the shards, a rank holds only the buckets being filled and at most
-``IN_FLIGHT`` being reduced, never the whole gradient. Buckets start in the plan's order on every
-rank, so every rank issues the same collectives in the same order.
+``IN_FLIGHT`` being reduced, never the whole gradient. A hybrid plan's whole params are units of
+their own: each one's gradient is summed into its owner as soon as it is made, the owner keeps
+the mean and the other ranks drop theirs. Units start in the plan's order on every rank
+(`zero.plans.layout.reduction_units`, the order backward completes them), so every rank issues
+the same collectives in the same order.
 
 Each backward pass reduces its gradients and the shards accumulate them, averaged, as DDP's
 ``.grad`` accumulates over micro-batches; inside `GradShards.no_sync` the buckets accumulate
@@ -32,29 +35,44 @@ from torch import nn
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from zero.backends import comm
+from zero.backends import clipping, comm
 from zero.backends.consistency import wait_for
 from zero.backends.local_optimizer import is_functional
 from zero.backends.modes.base import Begin
 from zero.backends.modes.flat import FlatShards, Gradients
 from zero.backends.rank_state import RankState
-from zero.plans.layout import IN_FLIGHT_BUCKETS, FlatLayout
+from zero.plans.layout import IN_FLIGHT_BUCKETS, FlatLayout, reduction_units
 from zero.plans.meta import ParamMeta
 
-__all__ = ["GradShards", "ReducedGradients", "ReduceScatteredShards", "no_gradient", "IN_FLIGHT"]
+__all__ = ["GradShards", "ReducedGradients", "ReduceScatteredShards", "no_gradient", "after_settle", "IN_FLIGHT"]
 
 IN_FLIGHT = IN_FLIGHT_BUCKETS  # buckets being reduced at once; one more waits for the oldest (memory, not speed)
 
 
 class GradShards:
-    """Per flat buffer of ``layout`` (a bucket), its params' gradients, reduce-scattered into this
-    rank's shard of their mean (``outputs``, accumulated) as soon as the bucket is complete."""
+    """Per reduction unit of the plan (`zero.plans.layout.reduction_units`), its gradients reduced
+    as soon as the unit is complete, in the plan's order: a flat buffer (a bucket) reduce-scattered
+    into this rank's shard of the mean (``outputs``, accumulated), a hybrid plan's whole param
+    summed into its owner, who keeps the mean (``kept``, by param; accumulated)."""
 
     def __init__(self, params: Sequence[torch.Tensor], metas: Sequence[ParamMeta], layout: FlatLayout,
-                 outputs: Sequence[torch.Tensor], group: Any):
+                 outputs: Sequence[torch.Tensor], group: Any, whole: Sequence[int] = (), owner: Sequence[int] = (),
+                 rank: int = 0, reduce_dtype: torch.dtype | None = None):
         self.params, self.metas, self.layout, self.outputs, self.group = list(params), metas, layout, outputs, group
-        self._where = {id(self.params[i]): (i, bi, off) for bi, buf in enumerate(layout.buffers)
-                       for i, off in zip(buf.params, buf.offsets)}
+        self.owner, self.rank, self.world = owner, rank, layout.world_size
+        self.units = reduction_units(layout, whole)
+        self._where: dict[int, tuple[int, int, int]] = {}  # id(param) -> (param, unit, offset in its bucket)
+        # per unit: its bucket's dtype, its params, its elements (padded), its elements before the padding
+        self._dtype, self._size, self._numel, self._used = [], [], [], []
+        self._written: dict[int, set[int]] = {}  # flat unit -> the params whose gradient its bucket holds
+        for u, (kind, k) in enumerate(self.units):
+            members = zip(layout.buffers[k].params, layout.buffers[k].offsets) if kind == "flat" else [(k, 0)]
+            self._where.update({id(self.params[i]): (i, u, off) for i, off in members})
+            flat = kind == "flat"
+            self._dtype.append(outputs[k].dtype if flat else reduce_dtype or self.params[k].dtype)
+            self._size.append(len(layout.buffers[k].params) if flat else 1)
+            self._numel.append(layout.buffers[k].padded_numel if flat else self.params[k].numel())
+            self._used.append(layout.buffers[k].numel if flat else self.params[k].numel())
         self._hooks = [self.params[i].register_post_accumulate_grad_hook(self._ready)
                        for i, _, _ in self._where.values()]
         self._syncing = True
@@ -62,12 +80,14 @@ class GradShards:
         self.zero_grads()
 
     def zero_grads(self) -> None:
-        """Zero the shards, drop every bucket (an iteration that failed half way too); the params
-        keep no gradient."""
+        """Zero the shards, drop the kept gradients and every bucket (an iteration that failed half
+        way too); the params keep no gradient."""
         self._drain(suppress=True)
-        self._buckets: dict[int, torch.Tensor] = {}  # bucket -> its whole-size buffer, while it fills
+        self._buckets: dict[int, torch.Tensor] = {}  # unit -> its whole-size buffer, while it fills
         self._fresh = [True] * len(self.outputs)  # the shard holds nothing yet: a reduction writes into it
+        self.kept: dict[int, torch.Tensor] = {}  # whole param -> its mean gradient (its owner's), flat
         self._reduced = False  # a backward's gradients reduced since the last step
+        self._settled = False  # every reduction waited for (`settle`) and no step since
         self._new_round()
         with torch.no_grad():
             for out in self.outputs:
@@ -76,8 +96,8 @@ class GradShards:
             self.params[i].grad = None
 
     def _new_round(self) -> None:
-        self._seen = [set() for _ in self.layout.buffers]
-        self._next = 0  # the next bucket to reduce in this backward pass (every rank in layout order)
+        self._seen = [set() for _ in self.units]
+        self._next = 0  # the next unit to reduce in this backward pass (every rank in the plan's order)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -91,51 +111,84 @@ class GradShards:
 
     @torch.no_grad()
     def _ready(self, param: torch.Tensor) -> None:
-        i, bi, off = self._where[id(param)]
-        if self._syncing and bi < self._next:  # the last backward left some params without a gradient
+        i, u, off = self._where[id(param)]
+        if self._settled:
+            raise after_settle(self.metas[i].name)
+        if self._syncing and u < self._next:  # the last backward left some params without a gradient
             missing = self._missing(self._next)
             self._new_round()
             raise no_gradient(self.metas[missing].name)
-        bucket = self._buckets.get(bi)
-        if bucket is None:
-            bucket = self._buckets[bi] = torch.zeros(self.layout.buffers[bi].padded_numel,
-                                                     dtype=self.outputs[bi].dtype, device=self.outputs[bi].device)
-        bucket[off:off + self.metas[i].numel].add_(param.grad.reshape(-1))
-        param.grad = None  # ZeRO-2: the bucket holds it until its reduction; the shard after
+        self._add(u, i, off, param)
         if not self._syncing:
             return
-        self._seen[bi].add(i)
-        while self._next < len(self.outputs) and self._complete(self._next):
+        self._seen[u].add(i)
+        while self._next < len(self.units) and self._complete(self._next):
             self._start(self._next)
             self._next += 1
-        if self._next == len(self.outputs):
+        if self._next == len(self.units):
             self._new_round()
 
-    def _complete(self, bi: int) -> bool:
-        return len(self._seen[bi]) == len(self.layout.buffers[bi].params)
+    def _add(self, u: int, i: int, off: int, param: torch.Tensor) -> None:
+        """Add param ``i``'s gradient into unit ``u``'s bucket and free the param's own. A bucket is
+        made at its unit's first gradient: a whole param's is that gradient (cast to the reduce
+        dtype), a flat buffer's is uninitialised but for its padding, each param's region copied
+        at its first gradient and added to after (``no_sync``)."""
+        grad, bucket = param.grad.reshape(-1), self._buckets.get(u)
+        param.grad = None  # ZeRO-2: the bucket holds it until its reduction; the shard (or owner) after
+        if self.units[u][0] == "whole":
+            if bucket is None:
+                self._buckets[u] = grad if grad.dtype == self._dtype[u] else grad.to(self._dtype[u])
+            else:
+                bucket.add_(grad)
+            return
+        if bucket is None:
+            bucket = self._buckets[u] = torch.empty(self._numel[u], dtype=self._dtype[u], device=grad.device)
+            bucket[self._used[u]:].zero_()
+            self._written[u] = set()
+        region = bucket[off:off + grad.numel()]
+        if i in self._written[u]:
+            region.add_(grad)
+        else:
+            region.copy_(grad)
+            self._written[u].add(i)
 
-    def _missing(self, bi: int) -> int:
-        return next(i for b in range(bi, len(self.outputs)) for i in self.layout.buffers[b].params
-                    if i not in self._seen[b])
+    def _complete(self, u: int) -> bool:
+        return len(self._seen[u]) == self._size[u]
 
-    def _start(self, bi: int) -> None:
-        bucket = self._buckets.pop(bi)  # complete: every param of it added its gradient
-        into = self.outputs[bi] if self._fresh[bi] else torch.empty_like(self.outputs[bi])
-        self._fresh[bi] = False
-        self._flight.append((bi, comm.reduce_scatter_sum(into, bucket, self.group), bucket, into))
+    def _members(self, u: int) -> tuple[int, ...]:
+        kind, k = self.units[u]
+        return self.layout.buffers[k].params if kind == "flat" else (k,)
+
+    def _missing(self, u: int) -> int:
+        return next(i for v in range(u, len(self.units)) for i in self._members(v) if i not in self._seen[v])
+
+    def _start(self, u: int) -> None:
+        bucket = self._buckets.pop(u)  # complete: every param of it added its gradient
+        kind, k = self.units[u]
+        if kind == "whole":  # summed into the owner's bucket, in place
+            self._flight.append((u, comm.reduce_sum_to(bucket, self.owner[k], self.group), bucket, bucket))
+        else:
+            into = self.outputs[k] if self._fresh[k] else torch.empty_like(self.outputs[k])
+            self._fresh[k] = False
+            self._flight.append((u, comm.reduce_scatter_sum(into, bucket, self.group), bucket, into))
         while len(self._flight) > IN_FLIGHT:
             self._land()
 
     def _land(self) -> None:
-        """Wait for the oldest reduction in flight and add its mean into its shard."""
-        bi, work, _, into = self._flight.popleft()
+        """Wait for the oldest reduction in flight and add its mean into its shard (or its owner's
+        kept gradient)."""
+        u, work, _, into = self._flight.popleft()
         # Gloo's reduce-scatter copies its result into the output on wait(): wait exactly once.
-        wait_for(work, self.group, "the gradients' reduce-scatter")
-        world = self.layout.world_size
-        if into is self.outputs[bi]:
-            into.div_(world)
+        wait_for(work, self.group, "the gradients' reduction")
+        kind, k = self.units[u]
+        if kind == "whole":
+            if self.owner[k] == self.rank:
+                kept = self.kept.get(k)
+                self.kept[k] = into.div_(self.world) if kept is None else kept.add_(into, alpha=1 / self.world)
+        elif into is self.outputs[k]:
+            into.div_(self.world)
         else:
-            self.outputs[bi].add_(into, alpha=1 / world)
+            self.outputs[k].add_(into, alpha=1 / self.world)
         self._reduced = True
 
     def _drain(self, suppress: bool = False) -> None:
@@ -147,32 +200,38 @@ class GradShards:
             with contextlib.suppress(RuntimeError):  # its failure, if any, was the error raised already
                 work.wait()
 
-    def finish(self) -> None:
+    def settle(self) -> None:
         """Start the reductions backward did not, wait for all: ``outputs`` are then this rank's
-        shards of the mean gradient (accumulated over the backward passes since the last step)."""
+        shards of the mean gradient, ``kept`` its whole params' (accumulated over the backward
+        passes since the last ``zero_grad``), to step or clip. Until the step, a backward is an error."""
         self.start_rest()
         self._drain()
+        self._settled = True
+
+    def finish(self) -> None:
+        """`settle`, then the iteration ends (the step takes the gradients)."""
+        self.settle()
         self.end_iteration()
 
     def start_rest(self) -> None:
         """Start, in order, the reductions backward did not: every param must have its gradient,
         and some backward must have run since the last step."""
         if self._next == 0 and not any(self._seen):
-            if self._reduced or self._flight or not self.outputs:  # (a hybrid plan may keep every param whole)
+            if self._reduced or self._flight or not self.units:
                 return
             self.end_iteration()
-            raise no_gradient(self.metas[self.layout.buffers[0].params[0]].name)
-        for bi in range(self._next, len(self.outputs)):
-            if not self._complete(bi):
-                missing = self._missing(bi)
+            raise no_gradient(self.metas[self._members(0)[0]].name)
+        for u in range(self._next, len(self.units)):
+            if not self._complete(u):
+                missing = self._missing(u)
                 self.end_iteration()
                 raise no_gradient(self.metas[missing].name)
-            self._start(bi)
+            self._start(u)
         self._new_round()
 
     def wait(self, bi: int) -> None:
-        """Wait for bucket ``bi``'s reductions (after `start_rest`); its shard is then the mean."""
-        while any(b == bi for b, *_ in self._flight):
+        """Wait for flat buffer ``bi``'s reductions (after `start_rest`); its shard is then the mean."""
+        while any(self.units[u] == ("flat", bi) for u, *_ in self._flight):
             self._land()
 
     def end_iteration(self) -> None:
@@ -180,13 +239,13 @@ class GradShards:
         the next step."""
         self._drain(suppress=True)
         self._new_round()
-        self._reduced = False
+        self._reduced = self._settled = False
 
     def held_bytes(self) -> int:
-        """Bytes of whole-size bucket buffers held now (filling, or being reduced): with the shards,
-        all the gradient memory a rank holds."""
+        """Bytes of whole-size buckets held now (filling, or being reduced, with their scratch
+        outputs): with the shards and ``kept``, all the gradient memory a rank holds."""
         buffers = [*self._buckets.values(), *(b for _, _, b, _ in self._flight)]
-        scratch = [into for bi, _, _, into in self._flight if into is not self.outputs[bi]]
+        scratch = [into for _, _, b, into in self._flight if into is not b and not any(into is o for o in self.outputs)]
         return sum(t.numel() * t.element_size() for t in buffers + scratch)
 
     def remove(self) -> None:
@@ -195,9 +254,9 @@ class GradShards:
 
 
 class ReducedGradients(Gradients):
-    """Gradients averaged here, in place of DDP: the shards' by `GradShards` (reduce-scattered
-    during backward), and a hybrid plan's whole params' each summed into its owner at the step,
-    one reduce per param in the plan's order (the same on every rank), and dropped elsewhere.
+    """Gradients averaged here, in place of DDP, by `GradShards` during backward: the shards'
+    reduce-scattered, and a hybrid plan's whole params' each summed into its owner, who keeps it
+    (the other ranks drop theirs).
 
     Params start from rank 0's (as DDP's do). Until the first step, a DDP model around these
     params is a ``ValueError`` at its forward: it would all-reduce the gradients a second time.
@@ -207,7 +266,7 @@ class ReducedGradients(Gradients):
 
     def __init__(self, mode: FlatShards, reduce_dtype: torch.dtype | None = None):
         params, metas, group, plan = mode.params, mode.metas, mode.group, mode.plan
-        self.reduce_dtype, self.whole, self.world_size = reduce_dtype, plan.whole, plan.world_size
+        self.whole = plan.whole
         if reduce_dtype is not None:  # the shards' gradients, and the buffers reduced into them, in it
             mode.widen_grads(reduce_dtype)
         with torch.no_grad():  # start from rank 0's params, as DDP does
@@ -218,39 +277,59 @@ class ReducedGradients(Gradients):
                     comm.broadcast_from(p.data, 0, group)
             for i in plan.whole:
                 comm.broadcast_from(params[i].data, 0, group)
-        self.shards = GradShards(params, metas, plan.flat, mode.grads, group)
+        self.shards = GradShards(params, metas, plan.flat, mode.grads, group, plan.whole,
+                                 plan.partition.owner if plan.whole else (), mode.rank, reduce_dtype)
+        clipping.register(mode, [p for p, m in zip(params, metas) if m.requires_grad])
         self.ddp_watch = register_module_forward_pre_hook(_refuse_ddp({id(p) for p in params}))
         weakref.finalize(self, self.ddp_watch.remove)  # an optimizer dropped before stepping leaves no hook
 
-    def take(self, mode: FlatShards, master_dtype: torch.dtype | None) -> dict[int, torch.Tensor]:
-        """The shards' reduce-scattered means (started during backward), then the whole params'."""
-        self.ddp_watch.remove()
-        self.shards.finish()
-        wide = mode.use_reduced_grads(master_dtype)
-        self._reduce_whole(mode, master_dtype, wide)
-        return wide
+    @property
+    def kept(self) -> dict[int, torch.Tensor]:
+        """The mean gradients of the whole params this rank owns (flat), by param."""
+        return self.shards.kept
 
-    def _reduce_whole(self, mode: FlatShards, master_dtype: torch.dtype | None, wide: dict) -> None:
-        for i in self.whole:
-            p, owner = mode.params[i], mode.plan.partition.owner[i]
-            if p.grad is None:
-                raise no_gradient(mode.metas[i].name)
-            grad = p.grad if self.reduce_dtype is None else p.grad.to(self.reduce_dtype)
-            wait_for(comm.reduce_sum_to(grad, owner, mode.group), mode.group, "the whole params' reduce")
-            if owner != mode.rank:
-                p.grad = None  # ZeRO-2: only the owner keeps it
-                continue
-            grad.div_(self.world_size)
+    def settle(self, mode: FlatShards) -> None:
+        """Every reduction of the iteration waited for: the shards hold their means, each whole
+        param's owner its mean (`GradShards.settle`)."""
+        self.ddp_watch.remove()
+        self.shards.settle()
+
+    def reduced(self, mode: FlatShards) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The gradients this rank steps, settled, each beside the tensor it steps: the shards'
+        and its whole params' (`zero.backends.clipping` clips them)."""
+        self.settle(mode)
+        return [*zip(mode.shards, mode.grads), *((mode.params[i], g) for i, g in self.kept.items())]
+
+    def take(self, mode: FlatShards, master_dtype: torch.dtype | None) -> dict[int, torch.Tensor]:
+        """The shards' means, then the whole params' this rank owns (as their ``.grad`` until the
+        step ends, or straight to their masters when in the masters' dtype)."""
+        self.settle(mode)
+        self.shards.end_iteration()
+        wide = mode.use_reduced_grads(master_dtype)
+        for i, grad in self.kept.items():
+            p = mode.params[i]
+            grad = grad.view_as(p)
             if grad.dtype == p.dtype:
                 p.grad = grad
             elif grad.dtype == master_dtype:  # straight to the master, as the shards' (use_reduced_grads)
-                p.grad, wide[id(p)] = None, grad
+                wide[id(p)] = grad
             else:
                 p.grad = grad.to(p.dtype)
+        return wide
+
+    def clear(self, mode: FlatShards) -> None:
+        """After the step: the whole params hold no ``.grad`` (their means stay kept until
+        ``zero_grad``, as the shards' do, so a backward without it accumulates, as DDP's would)."""
+        for i in self.whole:
+            mode.params[i].grad = None
+
+    def end(self) -> None:
+        """After a step that took the shards' gradients itself (pipelined), or an error."""
+        self.shards.end_iteration()
 
     def zero_grad(self, default: Callable[[], None]) -> None:
-        """The shards' gradients are zeroed in place (the params hold none); a hybrid plan's whole
-        params' as torch zeroes them."""
+        """The shards' gradients are zeroed in place and the kept ones dropped (the params hold
+        none); a hybrid plan's whole params' as torch zeroes them."""
         if self.whole:
             default()
         self.shards.zero_grads()
@@ -264,7 +343,7 @@ class ReducedGradients(Gradients):
 
     def check_join(self) -> None:
         raise NotImplementedError("Join with reduce_scatter_grads=True: a joined rank would have to shadow "
-                                  "the gradients' reduce-scatters too; use DDP + Join for uneven inputs")
+                                  "the gradients' reductions too; use DDP + Join for uneven inputs")
 
 
 class ReduceScatteredShards(FlatShards):
@@ -300,7 +379,7 @@ class ReduceScatteredShards(FlatShards):
                 works += self.start_sync(k)
             state.stepped()
         finally:
-            shards.end_iteration()
+            self.gradients.end()
             self.clear_grads()
         for work in works:
             wait_for(work, self.group, "the params' all-gather")
@@ -310,6 +389,12 @@ def no_gradient(name: str) -> ValueError:
     return ValueError(f"param {name} got no gradient in this iteration: with reduce_scatter_grads=True every "
                       "trainable param needs one (as DDP without find_unused_parameters); freeze it before building "
                       "the optimizer")
+
+
+def after_settle(name: str) -> ValueError:
+    return ValueError(f"a backward pass reached param {name} after the gradients were clipped or unscaled, before "
+                      "the step: they were reduced already, and this backward's would be lost. Clip (or unscale_) "
+                      "after the last backward of the iteration, then step")
 
 
 def _refuse_ddp(ids: set[int]) -> Callable:

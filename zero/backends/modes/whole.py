@@ -7,7 +7,6 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from zero.backends import comm
 from zero.backends.modes.base import Begin, Mode
 from zero.backends.rank_state import RankState
 from zero.backends.sync import ParamSync
@@ -43,7 +42,7 @@ class WholeParams(Mode):
 
     def _rules(self) -> sharding.Sharding:
         """Each owned param is the whole of itself; rules over the whole model sum over the ranks."""
-        return self.build_rules(comm.summed(self.group, self.state.device))
+        return self.build_rules()
 
     def tensor(self, t: LocalTensor):
         return self.params[t.param]
