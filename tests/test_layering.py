@@ -164,3 +164,27 @@ def test_every_functional_folder_says_what_goes_in_it():
         assert doc, f"{folder} has no package docstring"
         assert f"``{folder.name}/``" in root_doc, f"zero.functional's docstring does not say what {folder.name}/ holds"
     assert not [p for p in pathlib.Path("zero/functional").rglob("*.py") if p.stem.startswith("more_")]
+
+
+def test_every_dotted_name_the_docs_write_resolves_after_import_zero():
+    """`import zero; zero.backends.checkpoint.save(...)` as the README writes it: every
+    ``zero.a.b.c`` in the README and the docs resolves from a fresh ``import zero`` alone."""
+    import re
+
+    texts = [pathlib.Path("README.md"), *sorted(pathlib.Path("docs").rglob("*.md"))]
+    names = sorted({n for t in texts for n in re.findall(r"\bzero(?:\.[A-Za-z_]\w*)+", t.read_text())})
+    assert "zero.backends.checkpoint.save" in names and len(names) > 30
+    code = ("import functools, sys, zero\nbad = []\n"
+            f"for name in {names!r}:\n"
+            "    try: functools.reduce(getattr, name.split('.')[1:], zero)\n"
+            "    except AttributeError as e: bad.append((name, str(e)))\n"
+            "print(bad)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_a_name_that_is_not_there_is_an_attribute_error_naming_it():
+    code = ("import zero\ntry: zero.backends.no_such_thing\n"
+            "except AttributeError as e: print(e)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "module 'zero.backends' has no attribute 'no_such_thing'" in out.stdout

@@ -9,6 +9,7 @@
 resolve on first access, importing torch then.
 """
 
+from zero._lazy import module_getattr
 from zero.plans.accounting import OPTIMIZERS
 from zero.plans.accounting import state_bytes
 from zero.plans.ddp_buckets import assign_ddp_buckets
@@ -48,12 +49,6 @@ __all__ = [
     "sync_rows",
 ]
 
-_LAZY = {"ZeroRedundancyOptimizer": "zero.backends"}
-
-
-def __getattr__(name):
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'zero' has no attribute {name!r}")
+# ZeroRedundancyOptimizer from the backends, and the subpackages (zero.backends, zero.functional,
+# zero.tools ...), on first access: importing them loads torch
+__getattr__ = module_getattr(__name__, {"ZeroRedundancyOptimizer": "zero.backends"})

@@ -33,6 +33,27 @@ def test_bad_params(bad, error, match):
         Zero(bad, torch.optim.SGD, lr=0.1)
 
 
+@pytest.mark.parametrize("make", [lambda m: Zero(m, torch.optim.AdamW, lr=0.1),
+                                  lambda m: Zero(m, zf.adamw(0.1, weight_decay=0.01)),
+                                  lambda m: zf.Optimizer(m, zf.adamw(0.1, weight_decay=0.01))])
+def test_a_module_is_its_named_params(make):
+    """``Optimizer(model, ...)`` takes the model's named params, as ``model.named_parameters()``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 1))
+    twin = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 1))
+    twin.load_state_dict(model.state_dict())
+    opts = [make(model), torch.optim.AdamW(twin.named_parameters(), lr=0.1)]
+    assert opts[0].param_groups[0]["param_names"] == ["0.weight", "0.bias", "1.weight", "1.bias"]
+    x = torch.randn(4, 3)
+    for _ in range(3):
+        for m, opt in zip((model, twin), opts):
+            m(x).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
 def test_a_param_repeated_across_groups():
     w = nn.Parameter(torch.ones(2))
     with pytest.raises(ValueError, match=r"params\[1\] is the same tensor as params\[0\]"):

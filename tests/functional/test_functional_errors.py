@@ -207,3 +207,18 @@ def test_extra_args_reach_the_links_that_take_them_and_no_others():
     assert seen == [3.0]
     with pytest.raises(TypeError, match="loss"):
         needs_loss.update(p, (), p)  # the link itself still requires it
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: F.adamw(lr=1e-3), r"adamw\(\): missing a required argument: 'learning_rate' "
+                               r"\(Optax's name is learning_rate; got lr"),
+    (lambda: F.adam(1e-3, betas=(0.9, 0.99)), r"Optax's name is b1 and b2; got betas"),
+    (lambda: F.rmsprop(1e-3, alpha=0.9), r"Optax's name is decay; got alpha"),
+    (lambda: F.adamw("1e-3"), r"learning_rate must be a number or a schedule, got str"),
+    (lambda: F.adam(1e-3, b1="0.9"), r"b1 must be a number, got str '0.9'"),
+    (lambda: F.from_torch(torch.optim.AdamW, lr="1e-3"), r"lr must be a number, got str '1e-3'"),
+    (lambda: F.from_torch(torch.optim.AdamW, lr=1e-3, eps=None), r"eps must be a number, got NoneType"),
+])
+def test_torch_habits_get_a_message_naming_the_setting(make, match):
+    with pytest.raises(TypeError, match=match):
+        make()

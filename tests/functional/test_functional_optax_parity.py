@@ -172,6 +172,28 @@ def test_schedules(make):
     ours, theirs = make(F), make(optax)
     for count in range(60):
         np.testing.assert_allclose(ours(count), float(theirs(jnp.asarray(count, jnp.int32))), rtol=1e-6, atol=1e-9)
+        # Optax divides its int32 count in float32 even under x64; given a float64 count its
+        # formula is float64 throughout, and zero's (Python floats) equals it to the last bit
+        assert ours(count) == float(theirs(jnp.asarray(count, jnp.float64))), count
+
+
+def _float64_count(schedule):
+    """Optax's schedule evaluated on its int32 count cast to float64 (where Optax computes in float32)."""
+    import jax.numpy as jnp
+
+    return lambda count: schedule(jnp.asarray(count, jnp.float64))
+
+
+@pytest.mark.parametrize("make", [
+    lambda m, f: m.adamw(f(m.warmup_cosine_decay_schedule(0.0, 0.1, 10, 40, 0.01)), weight_decay=0.1),
+    lambda m, f: m.chain(m.clip_by_global_norm(1.0), m.sgd(f(m.linear_schedule(0.1, 0.01, 20)), momentum=0.9)),
+], ids=["adamw_warmup_cosine", "clip_sgd_linear"])
+def test_float64_chains_with_schedules_equal_optax_to_float64_rounding(make):
+    """A float64 chain with a schedule agrees with Optax (x64) to float64 rounding, as a constant
+    rate does, once Optax's schedule sees its count in float64: the 1e-9 gap of the plain run is
+    Optax's float32 schedule, not zero's."""
+    for step, tp, jp in run_both(make(F, lambda s: s), make(optax, _float64_count), steps=40, dtype=np.float64):
+        assert_trees_close(tp, jp, rtol=1e-13, atol=1e-15, what=f"step {step}")
 
 
 @pytest.mark.parametrize("momentum", [0.9, 0.0])

@@ -167,3 +167,36 @@ def test_explain_names_what_keeps_a_chain_on_the_pure_path():
         path = F.explain(tx, params)
         assert not path.fused and why in path.why, str(path)
     assert str(F.explain(F.adamw(0.01), params)).startswith("fused: _fused_adamw_, 1 call per step")
+
+
+@pytest.mark.parametrize("make_tx, make_torch", [
+    (lambda: F.adam(1e-2), lambda ps: torch.optim.Adam(ps, lr=1e-2, foreach=False)),
+    (lambda: F.from_torch(torch.optim.AdamW, lr=1e-2), lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=False)),
+    (lambda: F.sgd(1e-2, momentum=0.9), lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9,
+                                                                    foreach=False)),
+    (lambda: F.from_torch(torch.optim.Adagrad, lr=1e-2), lambda ps: torch.optim.Adagrad(ps, lr=1e-2, foreach=False)),
+], ids=["adam", "adamw_torch", "sgd_momentum", "adagrad_torch"])
+def test_a_transposed_param_given_a_contiguous_gradient_steps_right(make_tx, make_torch):
+    """``nn.Parameter(w.t())`` with ``p.grad = g`` set by hand (contiguous), as functional loops,
+    RPC and DLPack users do, or a transposed gradient for a contiguous param: the fused kernels
+    pair elements by memory order, so the step takes the pure path and equals torch's per-tensor
+    loop; `explain` says why."""
+    torch.manual_seed(0)
+    w, b = torch.randn(6, 4), torch.randn(5)
+    cases = {"transposed param": ([w.t(), b], lambda p: torch.randn(p.shape)),
+             "transposed gradient": ([w, b], lambda p: torch.randn(p.shape[::-1]).t())}
+    for case, (values, gradient) in cases.items():
+        ends = []
+        for make in (lambda ps: F.Optimizer(ps, make_tx()), make_torch):
+            params = [nn.Parameter(v.clone()) for v in values]  # clone keeps a transposed layout
+            opt = make(params)
+            for step in range(5):
+                torch.manual_seed(step)
+                for p in params:
+                    p.grad = gradient(p)
+                opt.step()
+            ends.append([p.detach().clone() for p in params])
+        for ours, theirs in zip(*ends):
+            torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7, msg=lambda m: f"{case}: {m}")
+    path = F.explain(make_tx(), [w.t(), b])
+    assert not path.fused and "leaf 0 is not contiguous" in path.why

@@ -15,6 +15,8 @@ live, one line each:
 - ``jax_mesh/``: the same plans executed on a JAX device mesh (jax and optax, never torch).
 """
 
+from zero._lazy import module_getattr
+
 _LAZY = {  # name -> module: loaded on first access, so zero.backends.jax_mesh never loads torch
     "HierarchicalModelAverager": "zero.backends.dist_optim.averagers",
     "PeriodicModelAverager": "zero.backends.dist_optim.averagers",
@@ -48,9 +50,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name):
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'zero.backends' has no attribute {name!r}")
+__getattr__ = module_getattr(__name__, _LAZY)  # and every submodule (zero.backends.checkpoint ...)

@@ -3,6 +3,7 @@ the plan it makes when given none."""
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -11,7 +12,7 @@ from zero.plans.layout import FLAT_BUCKET_NUMEL
 from zero.plans.meta import ParamMeta, param_groups, param_metas
 from zero.plans.plan import PLAN_STRATEGIES, Plan, make_plan
 
-__all__ = ["default_plan", "check_plan_arguments", "check_sync_options", "normalise_params"]
+__all__ = ["default_plan", "check_plan_arguments", "check_sync_options", "check_torch_settings", "normalise_params"]
 
 
 def default_plan(metas: list[ParamMeta], world_size: int, strategy: str | None,
@@ -56,3 +57,23 @@ def normalise_params(params: Any) -> list[dict]:
             raise ValueError(f"params[{m.name}] (shape {tuple(p.shape)}) is not contiguous; "
                              "pass contiguous parameters")
     return groups
+
+
+def check_torch_settings(optimizer_class: type, defaults: dict, groups: list[dict]) -> None:
+    """A torch class's numeric settings (``lr``, ``betas`` ...), in the defaults or a group, are
+    numbers: ``lr="1e-3"`` is a ``TypeError`` naming it, not torch's bare ``'<=' not supported``."""
+    signature = inspect.signature(optimizer_class.__init__).parameters
+    for where, settings in [("", defaults), *((f"param group {k}'s ", g) for k, g in enumerate(groups))]:
+        for key, value in settings.items():
+            default = signature[key].default if key in signature else None
+            numbers = value if isinstance(default, tuple) and isinstance(value, (tuple, list)) else (value,)
+            if _numeric(default) and not all(_numeric(v) or isinstance(v, torch.Tensor) for v in numbers):
+                raise TypeError(f"{optimizer_class.__name__}: {where}{key} must be a number, "
+                                f"got {type(value).__name__} {value!r}")
+
+
+def _numeric(value: Any) -> bool:
+    """A real number, or a tuple of them (``betas``)."""
+    if isinstance(value, tuple):
+        return bool(value) and all(_numeric(v) for v in value)
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -24,7 +24,13 @@ from zero.backends.checkpoint import consolidated
 from zero.backends.consistency import OptimizerChecks, settings
 from zero.backends.local_optimizer import is_functional, make_local_optimizer
 from zero.backends.modes import Mode, make_mode
-from zero.backends.options import check_plan_arguments, check_sync_options, default_plan, normalise_params
+from zero.backends.options import (
+    check_plan_arguments,
+    check_sync_options,
+    check_torch_settings,
+    default_plan,
+    normalise_params,
+)
 from zero.backends.precision import Masters, planned_master_dtype, resolve_dtype, scaling_of, warn_fp16
 from zero.backends.rank_state import RankState
 from zero.functional.kernels.chains import Path
@@ -45,7 +51,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     buffer) rather than one broadcast per param. Params of several dtypes and devices may be mixed.
 
     Args:
-        params: tensors or param-group dicts (each group keeps its own hyperparameters).
+        params: tensors, (name, tensor) pairs, param-group dicts (each group keeps its own
+            hyperparameters), or an ``nn.Module`` (its named params, one group).
         optimizer_class: a ``torch.optim.Optimizer`` class, a `zero.functional` transformation,
             or a `zero.functional` factory such as ``zero.functional.adam``.
         process_group: the group to shard over (default: the world).
@@ -109,6 +116,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         # A torch class's keyword defaults are group settings; a zero.functional factory's are its
         # own arguments (learning_rate ...): its groups get their settings from the local optimizer.
         torch_class = isinstance(optimizer_class, type) and issubclass(optimizer_class, Optimizer)
+        if torch_class:
+            check_torch_settings(optimizer_class, defaults, params)
         Optimizer.__init__(self, params, defaults if torch_class else {})
         Joinable.__init__(self)
         self.world_size = comm.group_size(self.process_group)

@@ -18,6 +18,7 @@ Where things live (every public name is re-exported here, one a line):
 - ``adapters/``: `from_torch`, `Optimizer` / `FunctionalOptimizer`, `from_optax`.
 """
 
+from zero._lazy import module_getattr
 from zero.functional.base import set_to_zero
 from zero.functional.base import stateless
 from zero.functional.base import stateless_with_tree_map
@@ -330,3 +331,5 @@ def _register_state_classes() -> None:
 
 
 _register_state_classes()
+
+__getattr__ = module_getattr(__name__)  # a submodule not imported yet resolves on first access

@@ -239,18 +239,30 @@ def add_updates(params: Any, updates: Any) -> None:
         torch._foreach_add_(leaves, [u.to(p.dtype) for p, u in zip(leaves, theirs)])
 
 
+def check_number(name: str, value: Any) -> None:
+    """A hyperparameter is a real number or a tensor (a schedule, a callable, is checked by its
+    caller): ``"1e-3"`` is a ``TypeError`` naming it, never Python's bare comparison error."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, torch.Tensor)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+
+
 def check_positive(name: str, value: Any) -> None:
+    if not callable(value):
+        check_number(name, value)
     if not callable(value) and not value > 0:
         raise ValueError(f"{name} must be > 0, got {value!r}")
 
 
 def check_non_negative(name: str, value: Any) -> None:
+    if not callable(value):
+        check_number(name, value)
     if not callable(value) and not value >= 0:
         raise ValueError(f"{name} must be >= 0, got {value!r}")
 
 
 def check_unit(name: str, value: Any, closed: bool = False) -> None:
     """``value`` in [0, 1) (or [0, 1] when ``closed``)."""
+    check_number(name, value)
     ok = 0 <= value <= 1 if closed else 0 <= value < 1
     if not ok:
         raise ValueError(f"{name} must be in [0, {'1]' if closed else '1)'}, got {value!r}")

@@ -8,3 +8,7 @@ with `chunks`' boxes of each param for sharded checkpoints).
 `averaging_schedule` is post-local SGD's schedule; `presets` are shape lists of known models.
 The public names are re-exported by the package root: ``zero.make_plan``, ``zero.partition`` ...
 """
+
+from zero._lazy import module_getattr
+
+__getattr__ = module_getattr(__name__)  # a submodule not imported yet resolves on first access

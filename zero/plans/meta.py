@@ -151,7 +151,8 @@ def _dispatch(obj: Any) -> list[ParamMeta]:
 def param_groups(params: Any) -> list[dict[str, Any]]:
     """``params`` as torch optimizers take them, normalised to a list of group dicts.
 
-    ``params`` is an iterable of tensors (one group) or of param-group dicts; a group's
+    ``params`` is an iterable of tensors (one group) or of param-group dicts, or an ``nn.Module``
+    (one group of its ``named_parameters()``); a group's
     ``"params"`` may be a single tensor or any iterable, and comes back as a list, so generators
     are read exactly once. Named params (``(name, tensor)`` pairs) come back as the tensors and
     the group's ``"param_names"``, as torch keeps them. Other keys of a group are kept. Which
@@ -161,9 +162,11 @@ def param_groups(params: Any) -> list[dict[str, Any]]:
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(params, torch.Tensor):
         raise TypeError("params must be an iterable of tensors or param-group dicts, not a single tensor")
+    if torch is not None and isinstance(params, torch.nn.Module):
+        return [_named({"params": list(params.named_parameters())})]  # one group, named as torch names them
     if isinstance(params, (str, bytes, Mapping)) or not isinstance(params, Iterable):
         raise TypeError(f"cannot read parameters: got {type(params).__name__}, expected tensors, "
-                        "param-group dicts, an nn.Module, a JAX pytree or a name -> shape mapping")
+                        "(name, tensor) pairs, param-group dicts or an nn.Module")
     items = list(params)
     if not any(isinstance(x, Mapping) for x in items):
         return [_named({"params": items})] if items else []

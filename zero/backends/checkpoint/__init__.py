@@ -27,7 +27,10 @@ world size, another plan, FSDP2's row shards). Master weights travel under ``"ma
 extra or reshaped FQN, an unfinished save: a ``ValueError`` naming it).
 """
 
+from zero._lazy import module_getattr
 from zero.backends.checkpoint.dcp import get_state_dict, model_fqns, set_state_dict
 from zero.backends.checkpoint.files import describe, load, read_metadata, save
 
 __all__ = ["get_state_dict", "set_state_dict", "save", "load", "read_metadata", "describe", "model_fqns"]
+
+__getattr__ = module_getattr(__name__)  # a submodule not imported yet resolves on first access

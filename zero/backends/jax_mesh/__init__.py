@@ -6,7 +6,10 @@ the mesh's layout and Optax's (and so, through `zero.functional.from_optax_state
 run and back); `state_bytes` says what each device holds.
 """
 
+from zero._lazy import module_getattr
 from zero.backends.jax_mesh.buffers import packing
 from zero.backends.jax_mesh.executor import gather_state, init, place_state, state_bytes, update
 
 __all__ = ["gather_state", "init", "packing", "place_state", "state_bytes", "update"]
+
+__getattr__ = module_getattr(__name__)  # a submodule not imported yet resolves on first access

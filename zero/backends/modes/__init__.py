@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from zero._lazy import module_getattr
 from zero.backends.local_optimizer import check_shardable
 from zero.backends.modes.base import Mode
 from zero.backends.modes.ddp_overlap import DDPOverlap
@@ -68,3 +69,5 @@ def make_mode(state: RankState, metas: list[ParamMeta], *, optimizer_class: Any,
                          "leave every rank the full gradients, as DDP does")
     cls = DDPOverlap if overlap_with_ddp else WholeParams
     return cls(state, metas, bucket_view, chunk_bytes)
+
+__getattr__ = module_getattr(__name__)  # a submodule not imported yet resolves on first access

@@ -179,8 +179,9 @@ class GradShards:
         kept gradient)."""
         u, work, _, into = self._flight.popleft()
         # Gloo's reduce-scatter copies its result into the output on wait(): wait exactly once.
-        wait_for(work, self.group, "the gradients' reduction")
         kind, k = self.units[u]
+        wait_for(work, self.group, "the gradients' reduce-scatter" if kind == "flat" else
+                 f"the gradient's reduce to its owner (param {k})")
         if kind == "whole":
             if self.owner[k] == self.rank:
                 kept = self.kept.get(k)

@@ -228,7 +228,8 @@ class _StatesBySet:
 class Optimizer(torch.optim.Optimizer):
     """A ``torch.optim.Optimizer`` that steps params with a `GradientTransformation`.
 
-    ``params`` are tensors or param-group dicts; a group may carry its own ``"tx"``. When a
+    ``params`` are tensors, ``(name, tensor)`` pairs, param-group dicts (a group may carry its own
+    ``"tx"``) or an ``nn.Module`` (its named params, one group). When a
     transformation keeps hyperparameters in its state (`inject_hyperparams`, `from_torch`), they
     appear as group keys (``learning_rate`` as ``lr``) and changes to the group, e.g. by a
     ``torch.optim.lr_scheduler``, take effect at the next step.
@@ -238,6 +239,8 @@ class Optimizer(torch.optim.Optimizer):
         self._default_tx = with_group_hyperparams(tx)
         self._states: list[_StatesBySet] = []
         self._per_param = per_param  # see FunctionalOptimizer: params may step in changing sets
+        if isinstance(params, torch.nn.Module):  # torch keeps the names of (name, param) pairs
+            params = list(params.named_parameters())
         super().__init__(params, hyperparams_of(self._default_tx))
 
     def add_param_group(self, param_group: dict) -> None:

@@ -21,7 +21,7 @@ import torch
 
 from zero.functional.base import GradientTransformation, Spec, step_in_place
 from zero.functional.kernels.fused import match
-from zero.functional.kernels.steps import Lists
+from zero.functional.kernels.steps import Lists, laid_out_alike
 
 __all__ = ["Path", "fuse", "explain", "described"]
 
@@ -59,7 +59,9 @@ class Path:
 
 def explain(tx: GradientTransformation, params: Any) -> Path:
     """The path one step of ``tx`` takes on ``params`` (a tree, as ``tx.init`` takes it) when an
-    optimizer steps it in place: `zero.functional.Optimizer`, `ZeroRedundancyOptimizer`.
+    optimizer steps it in place: `zero.functional.Optimizer`, `ZeroRedundancyOptimizer`. A step
+    whose params or gradients are not contiguous takes the pure path (the kernels pair elements
+    by memory order), whatever this says of contiguous ones.
 
     >>> import torch, zero.functional as F
     >>> params = {"w": torch.zeros(3, 3), "b": torch.zeros(3)}
@@ -133,6 +135,10 @@ def _kernel_step(kernel: Any, paths: list[tuple[int, ...]], clip: float | None) 
 
     def describe(params: Any) -> Path:
         lists = Lists(params, params, clip)
+        if not laid_out_alike(lists.params, ()):
+            k = next(i for i, p in enumerate(lists.params) if not p.is_contiguous())
+            return Path(None, 0, f"leaf {k} is not contiguous (strides {lists.params[k].stride()}): "
+                                 f"{kernel.kernel_name} walks memory in order, so the step takes the pure path")
         notes = ["clip_by_global_norm folded: one global norm, then "
                  + ("the kernel's grad_scale" if kernel.grad_scale else "the grads clipped in place")] \
             if clip is not None else []

@@ -110,11 +110,22 @@ class Placement:
             self.held = tuple(list(xs) for xs in (params, *state))
             self.ids, self.groups = ids, _groups((params, *state))
             self.kinds = None if self.groups is None else _kinds(params)
-        if self.groups is None:
+        if self.groups is None or not laid_out_alike(params, grads):
             return None
         if _kinds(params) != self.kinds or _kinds(grads) != self.kinds:  # .data = ... keeps a param's identity
             return _groups((params, grads, *state))
         return self.groups
+
+
+def laid_out_alike(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> bool:
+    """Whether every param and gradient is contiguous: torch's fused kernels walk a param, its
+    gradient and its state in memory order, element i of one beside element i of the others, so a
+    transposed param (``nn.Parameter(w.t())``) given a contiguous gradient by hand would be
+    stepped with another element's gradient. One flag per tensor, read by C loops."""
+    return all(map(_CONTIGUOUS, params)) and all(map(_CONTIGUOUS, grads))
+
+
+_CONTIGUOUS = torch.Tensor.is_contiguous
 
 
 def _kinds(tensors: Sequence[torch.Tensor]) -> tuple[list, list]:
@@ -126,10 +137,11 @@ _DTYPE = operator.attrgetter("dtype")
 
 
 def _groups(lists: Sequence[Sequence[torch.Tensor]]) -> list[list[int]] | None:
-    """What torch's fused kernels take: real floats on CPU or CUDA, matching dtype and device
-    position by position across the lists; index groups by (device, dtype), or None."""
+    """What torch's fused kernels take: contiguous real floats on CPU or CUDA, matching dtype and
+    device position by position across the lists; index groups by (device, dtype), or None."""
     first = lists[0]
-    if not all(t.is_floating_point() and t.device.type in ("cpu", "cuda") for t in first) or not all(
+    if not all(t.is_floating_point() and t.device.type in ("cpu", "cuda") and t.is_contiguous() for t in first) or \
+            not all(t.is_contiguous() for other in lists[1:] for t in other) or not all(
             a.dtype == b.dtype and a.device == b.device for other in lists[1:] for a, b in zip(first, other)):
         return None
     return by_device_and_dtype(first)
