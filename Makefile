@@ -8,7 +8,7 @@ TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-optax lint bench clean
+.PHONY: demo test test-optax lint bench docs clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV_FLAGS) $(VENV)
@@ -26,6 +26,10 @@ test: $(STAMP) lint
 test-optax: $(STAMP)
 	ZERO_OPTAX_FULL=1 $(BIN)/python -m pytest -q tests/functional/test_optax_suite.py tests/functional/test_optax_convergence.py
 
+# The documentation site from docs/ into site/ (mkdocs-material, the API reference from the docstrings).
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
 lint: $(STAMP)
 	$(BIN)/ruff check zero tests bench
 
@@ -33,4 +37,4 @@ bench: $(STAMP)
 	$(BIN)/python bench/plan_bench.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis site

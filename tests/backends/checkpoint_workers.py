@@ -143,6 +143,30 @@ def killed_save(rank: int, world_size: int, load_from: str, save_to: str) -> str
     return "saved"
 
 
+def killed_save_over(rank: int, world_size: int, path: str) -> str:
+    """Resume from ``path``, take a step, and save over ``path`` while rank 1 dies writing."""
+    import os
+
+    import torch.distributed.checkpoint as dcp
+
+    model, opt = build("flat", False)
+    checkpoint.load(path, model, opt)
+    train(model, opt, 4, 1)
+    write = dcp.FileSystemWriter.write_data
+
+    def dying(self, plan, planner):
+        if rank == 1:
+            os._exit(1)
+        return write(self, plan, planner)
+
+    dcp.FileSystemWriter.write_data = dying  # DCP's own writer, made from the path zero gives it
+    try:
+        checkpoint.save(path, model, opt)
+    except Exception as e:  # the survivor learns of it from the collective after the writes
+        return type(e).__name__
+    return "saved"
+
+
 def _batch(step: int) -> torch.Tensor:
     """Every rank's batch at ``step`` is the same: averaged over 2 or 4 ranks, the gradient is
     exactly one process's, so legs at different world sizes chain to one process's numbers."""

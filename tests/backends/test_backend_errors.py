@@ -286,3 +286,12 @@ def test_own_storage_params_may_be_replaced():
     model.weight.data = model.weight.data.clone()
     model.weight.grad = torch.ones_like(model.weight)
     opt.step()
+
+
+@pytest.mark.parametrize("kw", [{}, {"strategy": "flat"}, {"strategy": "flat", "master_dtype": torch.float32}],
+                         ids=["whole", "flat", "flat+masters"])
+def test_path_counts_the_kernel_calls_of_what_the_rank_steps(kw):
+    """Flat shards and masters have no requires_grad of their own: the path still counts them."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 2)).bfloat16()
+    opt = Zero(model, zf.adamw(1e-3), **kw)
+    assert opt.path[0].kernel == "_fused_adamw_" and opt.path[0].calls == 1, opt.path

@@ -82,6 +82,24 @@ def test_a_rank_killed_mid_save_leaves_the_last_checkpoint_whole_and_the_partial
     _equal(_params(rows), pw.single_process(8))
 
 
+def test_a_rank_killed_mid_save_over_a_checkpoint_leaves_it_whole_and_the_next_save_replaces_it(tmp_path):
+    """Saving over the last checkpoint (the torch habit: one path, saved every N steps) while a
+    rank dies: the old checkpoint is still there, whole, and resumes; the next save replaces it."""
+    path = str(tmp_path / "last")
+    run_ranks(cw.dcp_leg, 2, "flat", None, path, 0, 4, timeout=120)
+    before = sorted(os.listdir(path))
+    rows = run_ranks(cw.killed_save_over, 2, path, timeout=120, pg_timeout=20, allow_exit=(1,))
+    assert rows[0] != "saved"
+    assert sorted(os.listdir(path)) == before
+    rows = run_ranks(cw.dcp_leg, 3, "sorted_greedy", path, None, 4, 4, timeout=120)
+    _equal(_params(rows), pw.single_process(8))  # the step-4 checkpoint, not a mix of steps 4 and 5
+    assert [n for n in os.listdir(tmp_path) if n.startswith("last.saving-")]  # the dead save's sibling
+    run_ranks(cw.dcp_leg, 2, "flat", None, path, 0, 2, timeout=120)  # saved over: replaced, leftovers gone
+    assert sorted(os.listdir(tmp_path)) == ["last"]
+    rows = run_ranks(cw.dcp_leg, 2, "flat", path, None, 2, 6, timeout=120)
+    _equal(_params(rows), pw.single_process(8))
+
+
 def _one_rank_run(tmp_path, model=None, optimizer_class=torch.optim.AdamW, **kw):
     from zero.backends import ZeroRedundancyOptimizer as Zero
 

@@ -228,3 +228,46 @@ def test_sharded_scaler_unscales_the_reduced_gradients_so_they_can_be_clipped(on
     plain.scale(model(torch.randn(2, 8)).sum()).backward()
     with pytest.raises(ValueError, match="ShardedGradScaler"):
         plain.step(opt)
+
+
+def _plans(model):
+    metas = zero.param_metas(model)
+    return {"whole": zero.make_plan(metas, 1, "sorted_greedy", master_dtype="float32"),
+            "flat": zero.make_plan(metas, 1, "flat", master_dtype="float32"),
+            "hybrid": zero.make_plan(metas, 1, "flat", master_dtype="float32", whole=lambda m: len(m.shape) == 2)}
+
+
+CHANGES = {  # what users do to a model after building its optimizer
+    "load_state_dict": lambda model, values: model.load_state_dict(values),
+    "nn.init": lambda model, values: [torch.nn.init.constant_(p, 3.0) for p in model.parameters()],
+    ".data writes": lambda model, values: [p.data.copy_(values[n]) for n, p in model.named_parameters()],
+}
+
+
+@pytest.mark.parametrize("change", sorted(CHANGES))
+@pytest.mark.parametrize("plan_kind", ["whole", "flat", "hybrid"])
+def test_weights_loaded_after_the_optimizer_are_what_it_steps(one_rank, plan_kind, change):
+    """The fine-tuning habit: build the bf16 model and its optimizer with fp32 masters, then load
+    the pretrained weights. The step starts from the loaded weights, as an optimizer built after
+    loading does (bit for bit), instead of writing the masters of the random init back."""
+    pretrained = {n: torch.full_like(p, 3.0) for n, p in _bf16_model().named_parameters()}
+    ends = []
+    for build_first in (True, False):
+        model = _bf16_model()
+        make = lambda m=model: Zero(m.parameters(), torch.optim.AdamW, plan=_plans(m)[plan_kind], lr=1e-6)  # noqa: E731
+        opt = make() if build_first else None
+        with torch.no_grad():
+            CHANGES[change](model, pretrained)
+        opt = opt or make()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                for p in model.parameters():
+                    p.grad = torch.ones_like(p)
+                opt.step()
+        told = [w for w in caught if "changed outside the optimizer" in str(w.message)]
+        assert len(told) == (1 if build_first else 0), [str(w.message) for w in caught]
+        ends.append([p.detach().clone() for p in model.parameters()])
+    for loaded_after, loaded_before in zip(*ends):
+        assert torch.equal(loaded_after, loaded_before)
+        assert (loaded_after - 3.0).abs().max() < 0.02  # 3.0 less three steps of 1e-6, in bf16

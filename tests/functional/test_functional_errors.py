@@ -222,3 +222,52 @@ def test_extra_args_reach_the_links_that_take_them_and_no_others():
 def test_torch_habits_get_a_message_naming_the_setting(make, match):
     with pytest.raises(TypeError, match=match):
         make()
+
+
+CHAINS_WITH_ONE_RATE = {
+    "readme chain": lambda lr: F.chain(F.clip_by_global_norm(100.0), F.adamw(lr, weight_decay=0.1)),
+    "injected link": lambda lr: F.chain(F.clip_by_global_norm(100.0),
+                                        F.inject_hyperparams(F.adamw)(learning_rate=lr, weight_decay=0.1)),
+    "from_torch link": lambda lr: F.chain(F.clip_by_global_norm(100.0),
+                                          F.from_torch(torch.optim.AdamW, lr=lr, weight_decay=0.1)),
+    "nested chain": lambda lr: F.chain(F.clip_by_global_norm(100.0), F.chain(F.identity(),
+                                                                             F.adamw(lr, weight_decay=0.1))),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CHAINS_WITH_ONE_RATE))
+@pytest.mark.parametrize("where", ["Optimizer", "ZeroRedundancyOptimizer"])
+def test_an_lr_scheduler_drives_a_chain_with_one_learning_rate(name, where, one_rank):
+    """The README's chain under torch's LambdaLR steps as torch's AdamW under the same schedule
+    (the clip's bound is not reached): the chain's one learning rate is the group's ``lr``."""
+    from zero.backends import ZeroRedundancyOptimizer
+
+    torch.manual_seed(0)
+    start = [torch.randn(5, 3, dtype=torch.float64), torch.randn(3, dtype=torch.float64)]
+    ends = []
+    for kind in (where, "torch"):
+        params = [torch.nn.Parameter(t.clone()) for t in start]
+        if kind == "torch":
+            opt = torch.optim.AdamW(params, lr=0.1, weight_decay=0.1)
+        elif kind == "Optimizer":
+            opt = F.Optimizer(params, CHAINS_WITH_ONE_RATE[name](0.1))
+        else:
+            opt = ZeroRedundancyOptimizer(params, CHAINS_WITH_ONE_RATE[name](0.1))
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5 ** step)
+        for step in range(5):
+            torch.manual_seed(100 + step)
+            for p in params:
+                p.grad = torch.randn_like(p)
+            opt.step()
+            sched.step()
+        assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**5)
+        ends.append(params)
+    for ours, theirs in zip(*ends):
+        torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-14)
+
+
+def test_a_chain_with_two_learning_rates_says_how_to_choose():
+    tx = F.chain(F.adam(1e-3), F.sgd(0.1))
+    with pytest.raises(ValueError, match=r"learning rate in more than one link \(link 0 \(adam\), link 1 \(sgd\)\)"
+                                         r".*inject_hyperparams\(lambda learning_rate"):
+        F.Optimizer([torch.nn.Parameter(torch.ones(2))], tx)

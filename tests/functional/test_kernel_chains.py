@@ -197,6 +197,6 @@ def test_a_transposed_param_given_a_contiguous_gradient_steps_right(make_tx, mak
                 opt.step()
             ends.append([p.detach().clone() for p in params])
         for ours, theirs in zip(*ends):
-            torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7, msg=lambda m: f"{case}: {m}")
+            torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7, msg=lambda m, case=case: f"{case}: {m}")
     path = F.explain(make_tx(), [w.t(), b])
     assert not path.fused and "leaf 0 is not contiguous" in path.why

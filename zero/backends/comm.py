@@ -94,6 +94,13 @@ def global_rank(group: Any, rank: int) -> int:
     return dist.get_global_rank(group, rank) if group is not dist.group.WORLD else rank
 
 
+def broadcast_object(obj: Any, group: Any) -> Any:
+    """Group rank 0's ``obj`` (picklable) on every rank of ``group``."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=global_rank(group, 0), group=group)
+    return box[0]
+
+
 def in_group(group: Any) -> bool:
     return dist.get_rank(group) >= 0  # -1 on processes outside the group
 

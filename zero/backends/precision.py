@@ -60,10 +60,11 @@ def resolve_dtype(value: Any, name: str) -> torch.dtype | None:
 class Masters:
     """The masters of one local optimizer: ``master -> stepped`` for every tensor narrower than ``dtype``."""
 
-    def __init__(self, dtype: torch.dtype | None):
-        self.dtype = dtype
+    def __init__(self, dtype: torch.dtype | None, check: bool = True):
+        self.dtype, self.check = dtype, check  # check: whether tensors changed outside (see _retake_changed)
         self._pairs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(master) -> (master, its tensor)
         self._rules: tuple[sharding.Sharding, int, sharding.Sharding] | None = None  # (given, masters, keyed)
+        self._warned = False
 
     def wrap(self, groups: list[dict], frozen: set[int]) -> list[dict]:
         """The groups with each tensor replaced by its master (made here, from the tensor's values),
@@ -101,7 +102,28 @@ class Masters:
             master.grad = None if grad is None else grad.to(self.dtype)
             if grad is not None:
                 pairs.append((master, stepped))
+        if self.check:
+            self._retake_changed(pairs)
         return pairs
+
+    @torch.no_grad()
+    def _retake_changed(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """A tensor no longer equal to its master rounded to its dtype was changed outside the
+        optimizer since the master was made or last written back (``model.load_state_dict`` of
+        pretrained weights after building the optimizer, ``torch.nn.init``, ``p.data.copy_``):
+        its master is taken from it again, so the step starts from what the model holds instead
+        of writing the old values back over it. Compared exactly, every step, on what this rank
+        steps (a cast and a compare: ``.data`` writes bypass autograd's version counters)."""
+        changed = [(m, s) for m, s in pairs if not torch.equal(m.to(s.dtype), s)]
+        if not changed:
+            return
+        torch._foreach_copy_([m for m, _ in changed], [s for _, s in changed])
+        if not self._warned:
+            self._warned = True
+            warnings.warn(f"{len(changed)} of the params this rank steps changed outside the optimizer since "
+                          f"their {self.dtype} masters were made (load_state_dict, nn.init, .data writes ...): "
+                          "the masters are taken from them again. Said once; it is done at every step.",
+                          stacklevel=4)
 
     @staticmethod
     @torch.no_grad()

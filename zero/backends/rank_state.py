@@ -52,7 +52,8 @@ class RankState:
                  make_optimizer: MakeOptimizer, master_dtype: torch.dtype | None):
         self.params, self.param_groups = params, param_groups
         self.rank, self.world_size, self.process_group = rank, plan.world_size, group
-        self.make_optimizer, self.masters = make_optimizer, Masters(master_dtype)
+        # a simulated rank's tensors have no data to compare with their masters: that check steps aside
+        self.make_optimizer, self.masters = make_optimizer, Masters(master_dtype, check=not comm.is_fake(group))
         self.optim: torch.optim.Optimizer | None = None
         self.steps = 0
         self.scaling: Scaling | None = None
@@ -67,7 +68,7 @@ class RankState:
     def build(self, groups: list[dict], per_param: bool = False) -> None:
         """(Re)build the local optimizer over ``groups`` (this rank's tensors, one dict per param
         group), each tensor replaced by its master where it has one (`Masters.wrap`)."""
-        self.masters = Masters(self.masters.dtype)
+        self.masters = Masters(self.masters.dtype, self.masters.check)
         self.optim = self.make_optimizer(self.masters.wrap(groups, self.frozen()), per_param)
         self.pull()
 

@@ -163,7 +163,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         ``foreach=`` / ``fused=`` it was given passed through (torch's defaults otherwise, so the
         step stays bit-exact with torch's ZeroRedundancyOptimizer)."""
         if is_functional(self.optim):
-            return self.optim.path
+            trainable = self.rank_state.trainable_locals()  # shards and masters have no requires_grad
+            return self.optim.explain_groups(trainable.__contains__)
         name = f"{type(self.optim).__module__}.{type(self.optim).__name__}.step"
         return [Path(name, 1, f"a torch.optim class: foreach={g.get('foreach')}, fused={g.get('fused')}, as given")
                 for g in self.optim.param_groups]

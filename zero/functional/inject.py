@@ -212,7 +212,8 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation],
             return explain(inner_tx, params).after("inject_hyperparams: read from the state each step")
 
         return GradientTransformation(init, update, described(inplace, describe),
-                                      Spec("inject_hyperparams", {"hyperparams": initial}))
+                                      Spec("inject_hyperparams", {"hyperparams": initial,
+                                                                  "source": (inner_factory, dict(bound.arguments))}))
 
     return wrapped
 

@@ -1,7 +1,8 @@
 """Starting ranks on one machine: the demo, the notebooks, the benchmarks and the tests use it.
 
 ``run(fn, world_size, *args)`` returns ``fn(rank, world_size, *args)`` of every rank, in rank
-order, or raises with the failing rank's traceback. Each rank is a fresh process with a gloo
+order (tensors included: results travel by value, pickled, since a rank's shared memory is gone
+once it exits), or raises with the failing rank's traceback. Each rank is a fresh process with a gloo
 process group on 127.0.0.1 (``backend="rpc"``: RPC workers ``worker0``... instead); ``fn`` must
 be importable (defined at module level, not in a notebook cell). A rank that hangs is killed
 when ``timeout`` runs out.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import queue
 import socket
 import time
@@ -43,7 +45,9 @@ def _worker(fn, rank, world_size, port, results, args, pg_timeout, backend, thre
             dist.init_process_group(backend, rank=rank, world_size=world_size,
                                     timeout=datetime.timedelta(seconds=pg_timeout))
             out = fn(rank, world_size, *args)
-        results.put((rank, True, out))
+        # By value: torch's queue would pass a tensor as a handle to this process's shared
+        # memory, unreadable once it exits (ConnectionResetError in the parent)
+        results.put((rank, True, pickle.dumps(out)))
     except BaseException:  # noqa: BLE001 - reported to the parent with its traceback
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -88,7 +92,7 @@ def run(fn, world_size: int, *args, timeout: float = 240, pg_timeout: float = 60
                                    f"(ranks done: {sorted(out)})") from None
             if not ok:
                 raise AssertionError(f"rank {rank} of {world_size} failed in {fn.__name__}:\n{value}")
-            out[rank] = value
+            out[rank] = pickle.loads(value)
     finally:
         for p in procs:
             p.join(timeout=5)

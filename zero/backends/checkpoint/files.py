@@ -3,6 +3,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+import glob
+import os
+import shutil
+import uuid
 from math import prod
 from typing import Any
 
@@ -21,24 +26,99 @@ def save(checkpoint_id: Any, model: nn.Module, optimizer: Any, *, masters: bool 
          async_save: bool = False, **dcp_kwargs: Any) -> Any:
     """`get_state_dict` saved with ``torch.distributed.checkpoint.save`` (``async_save``: its
     ``async_save``, which copies the state before it returns; its future is returned) under
-    ``{"model": ..., "optim": ...}``, FSDP2's convention. Call on every rank. Save each checkpoint
-    to a new directory: DCP writes ``.metadata`` last, so a save that dies leaves the last one whole.
-    ``dcp_kwargs`` go to DCP (``storage_writer=FileSystemWriter(path, sync_files=False)`` ...)."""
+    ``{"model": ..., "optim": ...}``, FSDP2's convention. Call on every rank.
+
+    Saving over a checkpoint replaces it whole or not at all: the new one is written into a
+    sibling directory (``<checkpoint_id>.saving-<id>``) and renamed into place by group rank 0
+    once every rank has written and DCP's ``.metadata`` is down; until then the old checkpoint
+    stays as it was, and a save that dies leaves it untouched (and the sibling behind, which the
+    next save to the same place removes). ``dcp_kwargs`` go to DCP; with your own
+    ``storage_writer`` (and ``checkpoint_id=None``) DCP writes where the writer says, in place."""
     import torch.distributed.checkpoint as dcp
 
     with quiet():
         model_sd, optim_sd = get_state_dict(model, optimizer, options=options, masters=masters)
         inner = unwrap_post_local_sgd(optimizer)[0]
+        group = comm.twin_group(inner.process_group) if async_save else inner.process_group
+        final = None if checkpoint_id is None or "storage_writer" in dcp_kwargs else os.fspath(checkpoint_id)
+        target = checkpoint_id if final is None else _staging(final, group)
         if not async_save:
-            return dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=checkpoint_id,
-                            process_group=inner.process_group, **dcp_kwargs)
+            metadata = dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=target,
+                                process_group=group, **dcp_kwargs)
+            if final is not None:
+                _publish(target, final, group)
+            return metadata
         from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
         # DCP's default stager cannot copy a ShardedTensor; this one copies every piece before returning
         dcp_kwargs.setdefault("async_stager", BlockingAsyncStager())
         # the save's collectives run on a thread while training's run on the optimizer's group
-        return dcp.async_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=checkpoint_id,
-                              process_group=comm.twin_group(inner.process_group), **dcp_kwargs)
+        future = dcp.async_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=target,
+                                process_group=group, **dcp_kwargs)
+        if final is None:
+            return future
+        rank = comm.group_rank(group)
+        if hasattr(future, "upload_completion"):  # DCP's AsyncSaveResponse (its newer checkpointer types)
+            return dataclasses.replace(future, upload_completion=_published_when_done(
+                future.upload_completion, target, final, rank))
+        return _published_when_done(future, target, final, rank)
+
+
+def _staging(final: str, group: Any) -> str:
+    """The sibling directory this save writes into, one name agreed by every rank (rank 0's)."""
+    if comm.group_rank(group) == 0 and os.path.exists(os.path.join(final, ".metadata")):
+        # with a whole checkpoint in place, siblings are leftovers: a save to this place that died,
+        # or one cut short after its swap (otherwise they may hold the only whole one: kept)
+        parent, name = os.path.split(os.path.abspath(final))
+        for kind in ("saving", "replaced"):
+            for stale in glob.glob(os.path.join(glob.escape(parent), f"{glob.escape(name)}.{kind}-*")):
+                shutil.rmtree(stale, ignore_errors=True)
+    return comm.broadcast_object(f"{final}.saving-{uuid.uuid4().hex[:12]}", group)
+
+
+def _publish(staging: str, final: str, group: Any) -> None:
+    """Rank 0 swaps the finished save into place; every rank learns how it went before returning."""
+    error = _swap(staging, final) if comm.group_rank(group) == 0 else None
+    error = comm.broadcast_object(error, group)
+    if error is not None:
+        raise RuntimeError(f"the checkpoint was written to {staging!r} but could not replace {final!r}: {error}")
+
+
+def _swap(staging: str, final: str) -> str | None:
+    """``staging`` renamed to ``final``; an old ``final`` is moved aside first and removed after
+    (between the two renames both checkpoints are whole on disk). The error's text, or None."""
+    try:
+        old = None
+        if os.path.lexists(final):
+            old = f"{final}.replaced-{uuid.uuid4().hex[:12]}"
+            os.rename(final, old)
+        os.rename(staging, final)
+        if old is not None:
+            shutil.rmtree(old) if os.path.isdir(old) else os.remove(old)
+        return None
+    except OSError as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def _published_when_done(future: Any, staging: str, final: str, rank: int) -> Any:
+    """A future that completes after ``future`` and (on rank 0) the swap into place."""
+    from concurrent.futures import Future
+
+    done: Future = Future()
+
+    def finish(saved: Any) -> None:
+        try:
+            result = saved.result()
+            error = _swap(staging, final) if rank == 0 else None
+            if error is not None:
+                raise RuntimeError(f"the checkpoint was written to {staging!r} but could not replace {final!r}: "
+                                   f"{error}")
+            done.set_result(result)
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+            done.set_exception(e)
+
+    future.add_done_callback(finish)
+    return done
 
 
 def load(checkpoint_id: Any, model: nn.Module, optimizer: Any, *, options: Any = None) -> None:
@@ -63,13 +143,14 @@ def load(checkpoint_id: Any, model: nn.Module, optimizer: Any, *, options: Any =
 
 def read_metadata(checkpoint_id: Any) -> Any:
     """DCP's metadata of a checkpoint directory; a ``ValueError`` when its save did not finish."""
-    import os
-
     from torch.distributed.checkpoint import FileSystemReader
 
     path = os.fspath(checkpoint_id)
     if not os.path.isdir(path):
-        raise ValueError(f"no checkpoint at {path!r}: not a directory")
+        aside = sorted(glob.glob(f"{glob.escape(path)}.replaced-*"))
+        raise ValueError(f"no checkpoint at {path!r}: not a directory" + (
+            f"; a save was cut short while swapping it into place: the previous checkpoint is whole at {aside[-1]!r}"
+            if aside else ""))
     if not os.path.exists(os.path.join(path, ".metadata")):
         written = sorted(f for f in os.listdir(path) if not f.startswith("."))
         raise ValueError(f"the checkpoint at {path!r} is incomplete: it has no .metadata (written last, once every "

@@ -19,14 +19,16 @@ torch's rules): then the earlier set's state is split (`split_state`) and each p
 
 from __future__ import annotations
 
+import inspect
 import operator
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
 from zero.functional import sharding
 from zero.functional.base import GradientTransformation, inplace_step, tree_map
+from zero.functional.combine import chain
 from zero.functional.inject import inject_hyperparams
 from zero.functional.kernels.chains import Path, explain
 
@@ -56,11 +58,68 @@ def with_group_hyperparams(tx: Any, who: str = "tx") -> GradientTransformation:
         raise TypeError(f"{who} must be a zero.functional GradientTransformation, got {type(tx).__name__}")
     spec = getattr(tx, "spec", None)
     if spec is not None and spec.factory is not None:
-        # float64 holds a Python float exactly: torch keeps group settings as Python numbers. A mask
-        # (or Muon's dimension numbers) is a function of the params, not a schedule of the step: it stays fixed.
-        fixed = [k for k in spec.args if "mask" in k or "dimension_numbers" in k]
-        return inject_hyperparams(spec.factory, static_args=fixed, hyperparam_dtype=torch.float64)(**spec.args)
+        return _injected(spec.factory, spec.args)
+    if spec is not None and spec.name == "chain":
+        return _chain_with_group_hyperparams(tx, who)
     return tx
+
+
+def _injected(factory: Any, args: dict) -> GradientTransformation:
+    """``factory(**args)`` with its numeric arguments kept in the state, in float64 (which holds a
+    Python float exactly: torch keeps group settings as Python numbers). A mask (or Muon's
+    dimension numbers) is a function of the params, not a schedule of the step: it stays fixed."""
+    fixed = [k for k in args if "mask" in k or "dimension_numbers" in k]
+    return inject_hyperparams(factory, static_args=fixed, hyperparam_dtype=torch.float64)(**args)
+
+
+_RATES = ("learning_rate", "lr")
+
+
+def _chain_with_group_hyperparams(tx: GradientTransformation, who: str) -> GradientTransformation:
+    """A chain whose one link has a learning rate (an alias, `from_torch`, `inject_hyperparams`,
+    in nested chains too) rebuilt so that link's hyperparameters are the group's (``lr`` ...), as
+    ``inject_hyperparams(lambda learning_rate: chain(..., adamw(learning_rate), ...))`` would:
+    torch's lr schedulers then drive it. Several such links: a ``ValueError`` saying how to choose."""
+    rated = _rated_links(tx.spec.links, ())
+    if not rated:
+        return tx
+    if len(rated) > 1:
+        names = ", ".join(f"link {'.'.join(map(str, path))} ({name})" for path, name, _, _ in rated)
+        raise ValueError(f"{who} is a chain with a learning rate in more than one link ({names}), so a param "
+                         "group's lr cannot say which it sets; name the one a scheduler drives yourself: inject_"
+                         "hyperparams(lambda learning_rate: chain(..., adamw(learning_rate), ...))(learning_rate=...)")
+    path, _, factory, args = rated[0]
+
+    def rebuilt(**hyperparams: Any) -> GradientTransformation:
+        return _with_link(tx, path, factory(**hyperparams))
+
+    rebuilt.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY) for k in args])
+    rebuilt.__name__ = f"chain around {factory.__name__}"
+    return _injected(rebuilt, args)
+
+
+def _rated_links(links: tuple, at: tuple[int, ...]) -> list[tuple[tuple[int, ...], str, Any, dict]]:
+    """``(path, name, factory, args)`` of each link that can be rebuilt with a learning rate."""
+    out = []
+    for i, link in enumerate(links):
+        spec = getattr(link, "spec", None)
+        if spec is None:
+            continue
+        source = (spec.factory, spec.args) if spec.factory is not None else spec.args.get("source")
+        if source is not None and any(k in source[1] for k in _RATES):
+            name = spec.name if spec.factory is not None else f"inject_hyperparams({source[0].__name__})"
+            out.append((at + (i,), name, *source))
+        elif spec.name == "chain":
+            out += _rated_links(spec.links, at + (i,))
+    return out
+
+
+def _with_link(tx: GradientTransformation, path: tuple[int, ...], link: Any) -> GradientTransformation:
+    """The chain ``tx`` with the link at ``path`` (through nested chains) replaced by ``link``."""
+    links = list(tx.spec.links)
+    links[path[0]] = link if len(path) == 1 else _with_link(links[path[0]], path[1:], link)
+    return chain(*links)
 
 
 def check_not_optax(obj: Any, who: str) -> None:
@@ -282,9 +341,16 @@ class Optimizer(torch.optim.Optimizer):
     def path(self) -> list[Path]:
         """Per param group, what its step runs (`zero.functional.explain`): the kernel and its
         calls, or the link that keeps the transformation on the pure path."""
-        out = []
+        trainable = [p.requires_grad for g in self.param_groups for p in g["params"]]
+        return self.explain_groups(trainable.__getitem__)
+
+    def explain_groups(self, trainable: Callable[[int], bool]) -> list[Path]:
+        """`path` for the params ``trainable(position)`` says step (positions across the groups):
+        a sharded optimizer's local tensors, its shards and masters, need no ``requires_grad``."""
+        out, at = [], 0
         for k, (group, states) in enumerate(zip(self.param_groups, self._states)):
-            idx = tuple(i for i, p in enumerate(group["params"]) if p.requires_grad)
+            idx = tuple(i for i in range(len(group["params"])) if trainable(at + i))
+            at += len(group["params"])
             out.append(explain(states.tx, as_tree([group["params"][i] for i in idx], self.names_of(k, idx))))
         return out
 

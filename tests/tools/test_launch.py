@@ -1,0 +1,26 @@
+"""zero.tools.launch.run: results come back from ranks that have exited, tensors included."""
+
+import pytest
+import torch
+from launch_workers import many_tensors, tensors
+
+from zero.tools.launch import run
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_may_return_tensors():
+    out = run(tensors, 2, timeout=90)
+    assert [r["rank"] for r in out] == [0, 1]
+    for rank, r in enumerate(out):
+        torch.testing.assert_close(r["total"], torch.full((3,), 3.0))
+        torch.testing.assert_close(r["pieces"][0], torch.arange(rank + 2))
+        torch.testing.assert_close(r["pieces"][1], torch.eye(2) * rank)
+
+
+@pytest.mark.timeout(120)
+def test_many_tensors_from_ranks_that_exit_at_once():
+    """Passed as handles to shared memory, most of these would be read after their rank exited
+    (FileNotFoundError / ConnectionResetError in the parent)."""
+    out = run(many_tensors, 2, timeout=90)
+    for rank, r in enumerate(out):
+        assert len(r) == 200 and all(float(t[0]) == rank + i for i, t in enumerate(r))
