@@ -270,3 +270,60 @@ def recorded_vs_plan(rank: int, world_size: int) -> dict:
         predicted = plan.footprint(rank, reduce_scatter_grads=rs, bucket_view=view).collectives
         out[name] = (sorted((c.kind, c.bytes) for c in made), [list(c) for c in predicted])
     return out
+
+
+class _Experts(torch.nn.Module):
+    """A layer, one of ``n`` experts (picked per call: conditional compute), a head."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        torch.manual_seed(3)
+        self.inp = torch.nn.Linear(6, 8)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(8, 8, bias=False) for _ in range(n))
+        self.out = torch.nn.Linear(8, 2)
+        self.double()  # float64: `worst` compares float64 params
+
+    def forward(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        return self.out(torch.tanh(self.experts[e](torch.tanh(self.inp(x)))))
+
+
+def unused_vs_ddp(rank: int, world_size: int, experts: int, hybrid: bool, micro: int = 1, steps: int = 5,
+                  find_unused: bool = True, bucket_numel: int = 40) -> dict:
+    """Ours (flat plan, gradients reduce-scattered, ``find_unused_parameters=True``; ``hybrid``: the
+    experts whole) against DDP(find_unused_parameters=True) + AdamW, each rank on its own data
+    and its own expert per micro-batch, (rank + step + micro) % experts: some experts sit out a
+    rank's backward, or every rank's (``bucket_numel`` 40: each expert a bucket of its own; 200:
+    experts share buckets). The params' gap, the warnings, or the error's text."""
+    import warnings
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ours_m, ref_m = _Experts(experts), _Experts(experts)
+    whole = (lambda m: m.name.startswith("experts.")) if hybrid else None
+    plan = zero.make_plan(zero.param_metas(ours_m), world_size, "flat", bucket_numel=bucket_numel, whole=whole)
+    try:
+        ours = Zero(ours_m, torch.optim.AdamW, plan=plan, reduce_scatter_grads=True,
+                    find_unused_parameters=find_unused, lr=1e-2, weight_decay=0.1)
+    except ValueError as e:
+        return {"error": str(e)}
+    ddp = DDP(ref_m, find_unused_parameters=True)
+    ref = torch.optim.AdamW(ref_m.parameters(), lr=1e-2, weight_decay=0.1)
+    largest, told = 0.0, []
+    for step in range(steps):
+        for model, opt in ((ours_m, ours), (ddp, ref)):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:
+                    for m in range(micro):
+                        e = (rank + step + m) % experts
+                        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(100 * step + 10 * rank + m),
+                                        dtype=torch.float64)
+                        model(x, e).square().mean().backward()
+                    opt.step()
+                except ValueError as err:
+                    return {"error": str(err)}
+            told += [str(w.message) for w in caught if "got no gradient on any rank" in str(w.message)]
+            opt.zero_grad()
+        largest = max(largest, worst(ours_m, ref_m))
+    assert any(p.dtype == torch.float64 for p in ours_m.parameters())  # what worst compares
+    return {"worst": largest, "told": told}

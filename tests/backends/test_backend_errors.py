@@ -295,3 +295,30 @@ def test_path_counts_the_kernel_calls_of_what_the_rank_steps(kw):
     model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 2)).bfloat16()
     opt = Zero(model, zf.adamw(1e-3), **kw)
     assert opt.path[0].kernel == "_fused_adamw_" and opt.path[0].calls == 1, opt.path
+
+
+@pytest.mark.parametrize("make, whole", [
+    (lambda: zf.contrib.muon(0.02), ["0.weight", "2.weight"]),  # Muon's matrices
+    (lambda: zf.adafactor(0.02, min_dim_size_to_factor=10), ["2.weight"]),  # Adafactor's factored matrix only
+    (lambda: zf.sm3(0.02), ["0.weight", "2.weight"]),
+    (lambda: zf.chain(zf.clip_by_global_norm(1.0), zf.contrib.muon(0.02)), ["0.weight", "2.weight"]),
+    (lambda: zf.adamw(0.02), []),
+], ids=["muon", "adafactor", "sm3", "clip+muon", "adamw"])
+def test_a_flat_strategy_keeps_whole_what_the_rule_needs_whole(make, whole):
+    """``strategy="flat"`` with a rule that needs whole tensors makes the hybrid plan itself, asking
+    the rule (not a table of names); the step equals the rule run in one process."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 12), nn.Tanh(), nn.Linear(12, 20))
+    twin = nn.Sequential(nn.Linear(8, 12), nn.Tanh(), nn.Linear(12, 20))
+    twin.load_state_dict(model.state_dict())
+    opt, ref = Zero(model, make(), strategy="flat"), zf.Optimizer(twin, make())
+    assert [opt.plan.metas[i].name for i in opt.plan.whole] == whole
+    assert (f"flat + {len(whole)} whole" in str(opt.plan)) == bool(whole)
+    x = torch.randn(5, 8)
+    for _ in range(3):
+        for m, o in ((model, opt), (twin, ref)):
+            m(x).square().sum().backward()
+            o.step()
+            o.zero_grad()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)

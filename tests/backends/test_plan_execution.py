@@ -310,3 +310,25 @@ def test_reduce_scattered_gradients_errors():
     with pytest.raises(RuntimeError, match="no_sync.. is for reduce_scatter_grads"):
         with Zero(_params(), torch.optim.SGD, lr=0.1).no_sync():
             pass
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("world_size, experts, hybrid, micro, bucket_numel", [
+    (2, 2, False, 2, 200), (3, 4, True, 1, 40)],
+    ids=["flat-2ranks-each-expert-on-one-rank-shared-buckets", "hybrid-3ranks-one-expert-idle"])
+def test_find_unused_parameters_equals_ddps(world_size, experts, hybrid, micro, bucket_numel):
+    """Conditional compute: each rank's backward skips some experts (and, with 4 experts on 3
+    ranks, one expert is idle everywhere). With find_unused_parameters=True, equal to
+    DDP(find_unused_parameters=True) + AdamW: the idle expert, kept whole, is not stepped."""
+    rows = run_ranks(w.unused_vs_ddp, world_size, experts, hybrid, micro, 5, True, bucket_numel, timeout=150)
+    for r in rows:
+        assert "error" not in r, r
+        assert r["worst"] < 1e-6 and r["told"] == [], r
+
+
+@pytest.mark.timeout(180)
+def test_unused_params_without_the_option_are_named_and_idle_ones_in_flat_shards_said():
+    rows = run_ranks(w.unused_vs_ddp, 2, 2, False, 1, 2, False, timeout=150)
+    assert all("param experts." in r["error"] and "find_unused_parameters=True" in r["error"] for r in rows), rows
+    rows = run_ranks(w.unused_vs_ddp, 2, 3, False, 1, 2, timeout=150)  # 3 experts on 2 ranks: one idle
+    assert all(len(r["told"]) == 1 and "(experts." in r["told"][0] for r in rows), rows

@@ -14,3 +14,19 @@ def tensors(rank, world_size):
 def many_tensors(rank, world_size):
     """Many tensors, from ranks that exit at once: each would be a handle into a dead process."""
     return [torch.full((64,), float(rank + i)) for i in range(200)]
+
+
+def heartbeat_stopped(rank, world_size):
+    """A ZeRO step starts the ranks' heartbeat threads; `stop_watches` (run at exit) ends them."""
+    import threading
+
+    import zero
+    from zero.backends import consistency
+
+    model = torch.nn.Linear(4, 4)
+    opt = zero.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    before = [t.name for t in threading.enumerate() if t.name == "zero-heartbeat"]
+    consistency.stop_watches()
+    return {"before": before, "after": [t.name for t in threading.enumerate() if t.name == "zero-heartbeat"]}

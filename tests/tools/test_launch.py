@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from launch_workers import many_tensors, tensors
+from launch_workers import heartbeat_stopped, many_tensors, tensors
 
 from zero.tools.launch import run
 
@@ -24,3 +24,11 @@ def test_many_tensors_from_ranks_that_exit_at_once():
     out = run(many_tensors, 2, timeout=90)
     for rank, r in enumerate(out):
         assert len(r) == 200 and all(float(t[0]) == rank + i for i, t in enumerate(r))
+
+
+@pytest.mark.timeout(120)
+def test_the_heartbeat_threads_stop_before_exit():
+    """A daemon thread left inside a store call at interpreter exit can abort a clean run
+    (``terminate called without an active exception``): zero stops its own at exit."""
+    for r in run(heartbeat_stopped, 2, timeout=90):
+        assert r["before"] and r["after"] == [], r

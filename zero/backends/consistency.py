@@ -28,6 +28,7 @@ ends at once (the check-in's all-gather ran behind the local step) costs one ``i
 
 from __future__ import annotations
 
+import atexit
 import pickle
 import threading
 import time
@@ -93,16 +94,22 @@ class Watch:
         self.rank, self.size = dist.get_rank(group), len(self.ranks)
         self.store, self.prefix = store, f"zero/watch/{'-'.join(map(str, self.ranks))}"
         beat_store = store.clone() if hasattr(store, "clone") else store
-        threading.Thread(target=self._beat, args=(beat_store,), daemon=True, name="zero-heartbeat").start()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, args=(beat_store,), daemon=True, name="zero-heartbeat")
+        self._thread.start()
 
     def _beat(self, store: Any) -> None:
         key = f"{self.prefix}/beat/{self.rank}"
-        while True:  # until the store goes away with its process group
-            time.sleep(HEARTBEAT_S)
+        while not self._stop.wait(HEARTBEAT_S):  # until stopped, or the store goes away with its group
             try:
                 store.add(key, 1)
             except (RuntimeError, DistStoreError):  # the store went away: the group is being torn down
                 return
+
+    def stop(self) -> None:
+        """Stop the heartbeat and wait for its thread (at most one store call)."""
+        self._stop.set()
+        self._thread.join(timeout=5 * HEARTBEAT_S)
 
     def post(self, place: Place) -> None:
         self.store.set(f"{self.prefix}/place/{self.rank}", pickle.dumps(place))
@@ -160,6 +167,16 @@ class Watch:
 
 
 _WATCHES: dict[tuple, Watch | None] = {}
+
+
+@atexit.register
+def stop_watches() -> None:
+    """Stop every heartbeat thread before the interpreter exits. A daemon thread still inside a
+    store call when Python finalizes is ended by unwinding C++ frames that must not unwind: the
+    process aborts (``terminate called without an active exception``) after a run that went well."""
+    for watch in list(_WATCHES.values()):
+        if watch is not None:
+            watch.stop()
 
 
 def watch_of(group: Any) -> Watch | None:

@@ -16,11 +16,31 @@ __all__ = ["default_plan", "check_plan_arguments", "check_sync_options", "check_
 
 
 def default_plan(metas: list[ParamMeta], world_size: int, strategy: str | None,
-                  master_dtype: torch.dtype | None) -> Plan:
+                 master_dtype: torch.dtype | None, optimizer_class: Any = None, defaults: dict | None = None) -> Plan:
+    """The plan ``strategy=`` names. A flat plan keeps whole the params the rule itself needs whole
+    (`zero.functional.sharding.needs_whole`: Muon's matrices, Adafactor's factored ones ...): a
+    hybrid plan, which ``opt.plan`` shows (``flat + N whole``), instead of an error at the first step."""
     master = None if master_dtype is None else str(master_dtype).removeprefix("torch.")
     if strategy == "flat":
-        return make_plan(metas, world_size, "flat", bucket_numel=FLAT_BUCKET_NUMEL, master_dtype=master)
+        whole = _needed_whole(metas, optimizer_class, defaults or {})
+        return make_plan(metas, world_size, "flat", bucket_numel=FLAT_BUCKET_NUMEL, master_dtype=master,
+                         whole=whole or None)
     return make_plan(metas, world_size, strategy or "sorted_greedy", master_dtype=master)
+
+
+def _needed_whole(metas: list[ParamMeta], optimizer_class: Any, defaults: dict) -> list[str]:
+    """The trainable params' names a `zero.functional` rule needs whole (none for torch's classes,
+    whose rules a flat plan runs element by element or refuses by name)."""
+    from zero.functional.base import GradientTransformation
+    from zero.functional.sharding import needs_whole
+
+    if isinstance(optimizer_class, type) or optimizer_class is None:
+        return []
+    trainable = [m for m in metas if m.requires_grad]
+    if len({m.name for m in trainable}) != len(trainable):
+        return []  # whole= picks by name: the step checks instead
+    tx = optimizer_class if isinstance(optimizer_class, GradientTransformation) else optimizer_class(**defaults)
+    return needs_whole(tx, {m.name: (m.shape, getattr(torch, m.dtype)) for m in trainable})
 
 
 def check_plan_arguments(plan: Any, strategy: Any) -> None:

@@ -90,6 +90,13 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             ``None``: step the params in their own dtype.
         reduce_dtype: with ``reduce_scatter_grads`` only: accumulate and reduce-scatter the gradients
             in this dtype (FSDP2's name; e.g. ``torch.float32`` for bf16 params). Default: the params'.
+        find_unused_parameters: with ``reduce_scatter_grads`` only (DDP's name and meaning): a param
+            an iteration's backward does not reach (conditional compute, experts) counts as zeros in
+            the reductions, which then start when the step (or the next backward) comes; the result
+            equals ``DDP(find_unused_parameters=True)`` + the same optimizer. One extra all-reduce
+            per iteration finds the params no rank reached: a whole param keeps no gradient (its
+            owner skips it, as torch does); one in a flat shard steps with a zero gradient (a
+            warning names it). Off: such a param is a ``ValueError`` naming it.
         **defaults: hyperparameters for the local optimizer (``lr=...``).
 
     Attributes: ``plan`` (the `zero.Plan` executed), ``rank_state`` (the `RankState`: what this
@@ -105,7 +112,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                  parameters_as_bucket_view: bool | None = None, overlap_with_ddp: bool = False, *,
                  plan: Plan | None = None, strategy: str | None = None, sync_chunk_mb: float | None = None,
                  reduce_scatter_grads: bool = False, master_dtype: torch.dtype | str | None = None,
-                 reduce_dtype: torch.dtype | str | None = None, **defaults: Any):
+                 reduce_dtype: torch.dtype | str | None = None, find_unused_parameters: bool = False, **defaults: Any):
         check_plan_arguments(plan, strategy)
         master_dtype = resolve_dtype(master_dtype, "master_dtype")
         reduce_dtype = resolve_dtype(reduce_dtype, "reduce_dtype")
@@ -124,7 +131,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self.rank = comm.group_rank(self.process_group)
         self.parameters_as_bucket_view = parameters_as_bucket_view
         metas = param_metas(self.param_groups)
-        plan = plan if plan is not None else default_plan(metas, self.world_size, strategy, master_dtype)
+        plan = plan if plan is not None else default_plan(metas, self.world_size, strategy, master_dtype,
+                                                          optimizer_class, defaults)
         check_plan(plan, metas, self.world_size)
         self.master_dtype = planned_master_dtype(plan.master_dtype, master_dtype)
         warn_fp16(metas, self.master_dtype)
@@ -134,6 +142,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self.mode: Mode = make_mode(self.rank_state, metas, optimizer_class=optimizer_class, defaults=defaults,
                                     overlap_with_ddp=bool(overlap_with_ddp), reduce_scatter_grads=reduce_scatter_grads,
                                     reduce_dtype=reduce_dtype, bucket_view=parameters_as_bucket_view,
+                                    find_unused_parameters=bool(find_unused_parameters),
                                     chunk_bytes=int((sync_chunk_mb or 16) * 2**20))
         self.rank_state.build(self.mode.local_groups(), per_param=bool(overlap_with_ddp))
         me = weakref.ref(self)
@@ -233,6 +242,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             self.mode.retrain(param_metas(self.param_groups))
             self.rank_state.adopt_unfrozen()
         self.mode.storage.check()
+        self.mode.start_reductions()  # find_unused_parameters: what backward left pending, before the check-in
         verify = self.checks.check_in("step")
         self.rank_state.push()
         return verify

@@ -34,7 +34,7 @@ import optree
 import torch
 
 __all__ = ["Pieces", "Sharding", "installed", "every_group", "stepping", "subset", "global_norm", "total_norm",
-           "tensor_norms", "all_finite", "whole_tensors", "axis_sums", "axis_means", "every_axis"]
+           "tensor_norms", "all_finite", "whole_tensors", "needs_whole", "axis_sums", "axis_means", "every_axis"]
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,7 @@ class Sharding:
 
 _SHARDING: ContextVar[Sharding | None] = ContextVar("zero_sharding", default=None)
 _LEAVES: ContextVar[tuple[Pieces, ...] | None] = ContextVar("zero_sharded_leaves", default=None)
+_PROBE: ContextVar[set[int] | None] = ContextVar("zero_whole_probe", default=None)  # see needs_whole
 
 
 @contextlib.contextmanager
@@ -255,6 +256,10 @@ def whole_tensors(leaves: Sequence[torch.Tensor], what: str,
     element by element, so their pieces in a 1-D shard step as they would whole (Adafactor's
     vectors, beside the matrices it factors; a hybrid plan keeps those whole).
     """
+    probe = _PROBE.get()
+    if probe is not None:  # needs_whole is asking, on whole meta tensors: record, do not check
+        probe.update(id(leaf) for leaf in leaves if needs is None or needs(tuple(leaf.shape)))
+        return
     shapes = _SHARDING.get().shapes if _SHARDING.get() is not None else ()
     for pieces_of in cut_tensors(leaves, what) or ():  # None: every rank steps whole tensors, or no step
         cut = [t for t in pieces_of if needs is None or not shapes or needs(shapes[t])]
@@ -263,6 +268,35 @@ def whole_tensors(leaves: Sequence[torch.Tensor], what: str,
             raise ValueError(f"{what} needs each tensor whole, but this sharded step holds pieces of param "
                              f"{name_of(cut[0])}{shape} (a flat plan): keep it whole (zero.make_plan(..., 'flat', "
                              "whole=...): a hybrid plan), or use a whole-param plan")
+
+
+def needs_whole(tx: Any, params: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> list[str]:
+    """The params (by name) ``tx`` needs whole, asked of the rule itself: one ``init`` and
+    ``update`` on ``meta`` tensors of these shapes and dtypes, recording what its
+    `whole_tensors` checks ask for (Muon's matrices, Adafactor's factored ones, SM3's, NovoGrad's
+    every tensor) instead of checking: what a flat plan must keep whole to run it (a hybrid plan).
+
+    A chain that cannot run on meta tensors (a link reads data: ``clip_by_global_norm`` compares
+    its norm) is asked link by link; a link that cannot is taken to step element by element, and
+    the step still checks it (a ``ValueError`` naming the param it was given in pieces)."""
+    tree = {name: torch.empty(shape, dtype=dtype, device="meta") for name, (shape, dtype) in params.items()}
+    asked = _asked(tx, tree)
+    return [name for name in params if name in asked]
+
+
+def _asked(tx: Any, tree: dict[str, torch.Tensor]) -> set[str]:
+    grads = {name: torch.empty_like(t) for name, t in tree.items()}
+    index = {id(t): name for pair in (tree, grads) for name, t in pair.items()}
+    asked: set[int] = set()
+    token = _PROBE.set(asked)
+    try:
+        tx.update(grads, tx.init(tree), tree)
+        return {index[i] for i in asked if i in index}
+    except Exception:  # noqa: BLE001 - a link that reads data: ask its links, or take it as element-wise
+        links = getattr(getattr(tx, "spec", None), "links", ())
+        return set().union(*(_asked(link, tree) for link in links)) if links else set()
+    finally:
+        _PROBE.reset(token)
 
 
 def cut_tensors(leaves: Sequence[torch.Tensor], what: str = "which tensors a leaf holds pieces of"

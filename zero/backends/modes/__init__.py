@@ -44,10 +44,15 @@ __all__ = ["Mode", "WholeParams", "FlatShards", "HybridShards", "HybridReduceSca
 
 def make_mode(state: RankState, metas: list[ParamMeta], *, optimizer_class: Any, overlap_with_ddp: bool,
               reduce_scatter_grads: bool, bucket_view: bool | None, chunk_bytes: int,
-              reduce_dtype: torch.dtype | None = None, defaults: dict | None = None) -> Mode:
+              reduce_dtype: torch.dtype | None = None, defaults: dict | None = None,
+              find_unused_parameters: bool = False) -> Mode:
     """The mode that executes the rank state's plan with these options (``ValueError`` for
     combinations that cannot run)."""
     plan = state.plan
+    if find_unused_parameters and not reduce_scatter_grads:
+        raise ValueError("find_unused_parameters=True is for the gradients zero reduces itself "
+                         "(reduce_scatter_grads=True); with DDP, pass it to DDP: "
+                         "DistributedDataParallel(model, find_unused_parameters=True)")
     if reduce_dtype is not None and not reduce_scatter_grads:
         raise ValueError(f"reduce_dtype={reduce_dtype} is the dtype of the gradients' reduce-scatter, which runs "
                          "only with reduce_scatter_grads=True (with DDP, DDP reduces in the params' dtype; use a "
@@ -58,11 +63,11 @@ def make_mode(state: RankState, metas: list[ParamMeta], *, optimizer_class: Any,
             raise ValueError("overlap_with_ddp=True steps whole params as DDP's buckets arrive: use a "
                              "whole-param plan (flat plans reduce-scatter instead: reduce_scatter_grads=True)")
         if plan.hybrid and reduce_scatter_grads:
-            return HybridReduceScattered(state, metas, bucket_view, chunk_bytes, reduce_dtype)
+            return HybridReduceScattered(state, metas, bucket_view, chunk_bytes, reduce_dtype, find_unused_parameters)
         if plan.hybrid:
             return HybridShards(state, metas, bucket_view, chunk_bytes)
         if reduce_scatter_grads:
-            return ReduceScatteredShards(state, metas, reduce_dtype)
+            return ReduceScatteredShards(state, metas, reduce_dtype, find_unused_parameters)
         return FlatShards(state, metas)
     if reduce_scatter_grads:
         raise ValueError("reduce_scatter_grads=True needs a flat plan (strategy='flat'): whole-param plans "

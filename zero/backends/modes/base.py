@@ -116,6 +116,10 @@ class Mode:
         """``zero_grad``: torch's (``default``) unless the mode keeps the gradients itself."""
         default()
 
+    def start_reductions(self) -> None:
+        """Before the step's check-in: start the gradients' reductions backward left pending (only
+        where the mode reduces them itself), so every rank issues the same collectives in order."""
+
     def held_grads(self) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """Where the mode reduces the gradients itself (``reduce_scatter_grads``): the averaged
         gradients this rank steps, every reduction waited for, each beside the tensor it steps

@@ -49,6 +49,9 @@ class Gradients:
     def clear(self, mode: FlatShards) -> None:
         """After a step: what the gradients leave on the params (by default, DDP's: untouched)."""
 
+    def start_pending(self) -> None:
+        """See `Mode.start_reductions` (nothing to start where DDP reduces)."""
+
     def zero_grad(self, default: Callable[[], None]) -> None:
         default()
 
@@ -130,6 +133,9 @@ class FlatShards(Mode):
 
     def held_grads(self) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         return self.gradients.reduced(self)
+
+    def start_reductions(self) -> None:
+        self.gradients.start_pending()
 
     def no_sync(self):
         return self.gradients.no_sync()

@@ -50,5 +50,6 @@ class HybridReduceScattered(HybridShards):
     """A hybrid plan with ``reduce_scatter_grads=True``: no DDP; the gradients are `ReducedGradients`."""
 
     def __init__(self, state: RankState, metas: list[ParamMeta], bucket_view: bool | None, chunk_bytes: int,
-                 reduce_dtype: torch.dtype | None = None):
-        super().__init__(state, metas, bucket_view, chunk_bytes, lambda mode: ReducedGradients(mode, reduce_dtype))
+                 reduce_dtype: torch.dtype | None = None, find_unused: bool = False):
+        super().__init__(state, metas, bucket_view, chunk_bytes,
+                         lambda mode: ReducedGradients(mode, reduce_dtype, find_unused))

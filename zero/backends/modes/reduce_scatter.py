@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -57,8 +58,10 @@ class GradShards:
 
     def __init__(self, params: Sequence[torch.Tensor], metas: Sequence[ParamMeta], layout: FlatLayout,
                  outputs: Sequence[torch.Tensor], group: Any, whole: Sequence[int] = (), owner: Sequence[int] = (),
-                 rank: int = 0, reduce_dtype: torch.dtype | None = None):
+                 rank: int = 0, reduce_dtype: torch.dtype | None = None, find_unused: bool = False):
         self.params, self.metas, self.layout, self.outputs, self.group = list(params), metas, layout, outputs, group
+        self.find_unused = find_unused  # DDP's find_unused_parameters: a param without a gradient counts as zeros
+        self.whole = tuple(whole)
         self.owner, self.rank, self.world = owner, rank, layout.world_size
         self.units = reduction_units(layout, whole)
         self._where: dict[int, tuple[int, int, int]] = {}  # id(param) -> (param, unit, offset in its bucket)
@@ -76,6 +79,7 @@ class GradShards:
         self._hooks = [self.params[i].register_post_accumulate_grad_hook(self._ready)
                        for i, _, _ in self._where.values()]
         self._syncing = True
+        self._told = False
         self._flight: collections.deque = collections.deque()
         self.zero_grads()
 
@@ -87,7 +91,10 @@ class GradShards:
         self._fresh = [True] * len(self.outputs)  # the shard holds nothing yet: a reduction writes into it
         self.kept: dict[int, torch.Tensor] = {}  # whole param -> its mean gradient (its owner's), flat
         self._reduced = False  # a backward's gradients reduced since the last step
+        self._flagged = False  # find_unused: the params no rank reached found, this iteration
         self._settled = False  # every reduction waited for (`settle`) and no step since
+        self._reached: set[int] = set()  # params some backward reached since zero_grad (find_unused)
+        self.unused_everywhere: set[int] = set()  # find_unused: params no backward reached on any rank
         self._new_round()
         with torch.no_grad():
             for out in self.outputs:
@@ -115,13 +122,17 @@ class GradShards:
         if self._settled:
             raise after_settle(self.metas[i].name)
         if self._syncing and u < self._next:  # the last backward left some params without a gradient
-            missing = self._missing(self._next)
-            self._new_round()
-            raise no_gradient(self.metas[missing].name)
+            if self.find_unused:  # they count as zeros: reduce what it left, then this backward's
+                self._finish_round()
+            else:
+                missing = self._missing(self._next)
+                self._new_round()
+                raise no_gradient(self.metas[missing].name)
         self._add(u, i, off, param)
         if not self._syncing:
             return
         self._seen[u].add(i)
+        self._reached.add(i)
         while self._next < len(self.units) and self._complete(self._next):
             self._start(self._next)
             self._next += 1
@@ -207,6 +218,8 @@ class GradShards:
         passes since the last ``zero_grad``), to step or clip. Until the step, a backward is an error."""
         self.start_rest()
         self._drain()
+        for k in self.unused_everywhere & set(self.kept):  # no rank reached it: no gradient, as in DDP
+            del self.kept[k]
         self._settled = True
 
     def finish(self) -> None:
@@ -215,20 +228,80 @@ class GradShards:
         self.end_iteration()
 
     def start_rest(self) -> None:
-        """Start, in order, the reductions backward did not: every param must have its gradient,
-        and some backward must have run since the last step."""
-        if self._next == 0 and not any(self._seen):
-            if self._reduced or self._flight or not self.units:
-                return
+        """Start, in order, the reductions backward did not: every param must have its gradient
+        (or, with ``find_unused``, counts as zeros), and some backward must have run since the last step."""
+        idle = self._next == 0 and not any(self._seen)
+        if idle and not (self._reduced or self._flight or not self.units) and not self.find_unused:
             self.end_iteration()
             raise no_gradient(self.metas[self._members(0)[0]].name)
+        if not idle or not (self._reduced or self._flight):
+            self._finish_round()
+        self._new_round()
+        if self.find_unused and not self._flagged:
+            self._unused_everywhere()
+            self._flagged = True
+
+    def start_pending(self) -> None:
+        """With ``find_unused``: start the units the last backward left incomplete (zeros for its
+        missing params), before any other collective of the step (its check-in), in order."""
+        if self.find_unused and self._syncing and (self._next or any(self._seen)):
+            self._finish_round()
+
+    def _finish_round(self) -> None:
+        """Start the units of this round not started yet, in order; an incomplete one is an error
+        naming its first missing param, or with ``find_unused`` has zeros for them."""
         for u in range(self._next, len(self.units)):
             if not self._complete(u):
-                missing = self._missing(u)
-                self.end_iteration()
-                raise no_gradient(self.metas[missing].name)
+                if not self.find_unused:
+                    missing = self._missing(u)
+                    self.end_iteration()
+                    raise no_gradient(self.metas[missing].name)
+                self._zeros_for_unused(u)
             self._start(u)
         self._new_round()
+
+    @torch.no_grad()
+    def _zeros_for_unused(self, u: int) -> None:
+        """The params of unit ``u`` this backward did not reach count as zeros (DDP's
+        ``find_unused_parameters``): their regions of the bucket, or a whole param's bucket."""
+        kind, k = self.units[u]
+        for i in self._members(u):
+            if i in self._seen[u]:
+                continue
+            if kind == "whole":
+                self._buckets[u] = torch.zeros(self._numel[u], dtype=self._dtype[u], device=self.params[i].device)
+            else:
+                bucket = self._buckets.get(u)
+                if bucket is None:
+                    bucket = self._buckets[u] = torch.zeros(self._numel[u], dtype=self._dtype[u],
+                                                            device=self.outputs[k].device)
+                    self._written[u] = set()
+                off = self.layout.buffers[k].offsets[self.layout.buffers[k].params.index(i)]
+                bucket[off:off + self.params[i].numel()].zero_()
+                self._written[u].add(i)
+            self._seen[u].add(i)
+
+    def _unused_everywhere(self) -> None:
+        """After every reduction has started (the same collectives in the same order on every rank):
+        one all-reduce of which params each rank reached, as DDP does with find_unused_parameters.
+        A whole param no rank reached keeps no gradient, so its owner does not step it (as torch's
+        optimizers skip a ``None`` gradient); a flat shard steps as one tensor, so a param in one
+        that no rank reached steps with a zero gradient: said once, by name."""
+        members = [i for u in range(len(self.units)) for i in self._members(u)]
+        reached = torch.zeros(len(self.params), dtype=torch.float32, device=self.outputs[0].device
+                              if self.outputs else torch.device("cpu"))
+        reached[sorted(self._reached)] = 1.0
+        comm.all_reduce_max(reached, self.group)
+        self.unused_everywhere = {i for i in members if reached[i] == 0}
+        flat = sorted(i for i in self.unused_everywhere if i not in set(self.whole))
+        if flat and not self._told:
+            self._told = True
+            names = ", ".join(self.metas[i].name for i in flat[:5]) + (" ..." if len(flat) > 5 else "")
+            warnings.warn(f"{len(flat)} params got no gradient on any rank in this iteration ({names}): they sit in "
+                          "flat shards, which step as one tensor, so they step with a zero gradient (their "
+                          "momentum and weight decay go on), where DDP(find_unused_parameters=True) + torch would "
+                          "leave them alone. Keep such params whole (a hybrid plan's whole=) for DDP's behaviour. "
+                          "Said once.", stacklevel=2)
 
     def wait(self, bi: int) -> None:
         """Wait for flat buffer ``bi``'s reductions (after `start_rest`); its shard is then the mean."""
@@ -240,7 +313,8 @@ class GradShards:
         the next step."""
         self._drain(suppress=True)
         self._new_round()
-        self._reduced = self._settled = False
+        self._reached = set()
+        self._reduced = self._settled = self._flagged = False
 
     def held_bytes(self) -> int:
         """Bytes of whole-size buckets held now (filling, or being reduced, with their scratch
@@ -265,7 +339,7 @@ class ReducedGradients(Gradients):
 
     scaler_sees_grads = False  # a rank holds only its shards' reduced gradients
 
-    def __init__(self, mode: FlatShards, reduce_dtype: torch.dtype | None = None):
+    def __init__(self, mode: FlatShards, reduce_dtype: torch.dtype | None = None, find_unused: bool = False):
         params, metas, group, plan = mode.params, mode.metas, mode.group, mode.plan
         self.whole = plan.whole
         if reduce_dtype is not None:  # the shards' gradients, and the buffers reduced into them, in it
@@ -279,7 +353,7 @@ class ReducedGradients(Gradients):
             for i in plan.whole:
                 comm.broadcast_from(params[i].data, 0, group)
         self.shards = GradShards(params, metas, plan.flat, mode.grads, group, plan.whole,
-                                 plan.partition.owner if plan.whole else (), mode.rank, reduce_dtype)
+                                 plan.partition.owner if plan.whole else (), mode.rank, reduce_dtype, find_unused)
         clipping.register(mode, [p for p, m in zip(params, metas) if m.requires_grad])
         self.ddp_watch = register_module_forward_pre_hook(_refuse_ddp({id(p) for p in params}))
         weakref.finalize(self, self.ddp_watch.remove)  # an optimizer dropped before stepping leaves no hook
@@ -288,6 +362,9 @@ class ReducedGradients(Gradients):
     def kept(self) -> dict[int, torch.Tensor]:
         """The mean gradients of the whole params this rank owns (flat), by param."""
         return self.shards.kept
+
+    def start_pending(self) -> None:
+        self.shards.start_pending()
 
     def settle(self, mode: FlatShards) -> None:
         """Every reduction of the iteration waited for: the shards hold their means, each whole
@@ -354,8 +431,9 @@ class ReduceScatteredShards(FlatShards):
     all-gathers.
     """
 
-    def __init__(self, state: RankState, metas: list[ParamMeta], reduce_dtype: torch.dtype | None = None):
-        super().__init__(state, metas, lambda mode: ReducedGradients(mode, reduce_dtype))
+    def __init__(self, state: RankState, metas: list[ParamMeta], reduce_dtype: torch.dtype | None = None,
+                 find_unused: bool = False):
+        super().__init__(state, metas, lambda mode: ReducedGradients(mode, reduce_dtype, find_unused))
 
     def step(self, closure: Callable[[], float] | None, kwargs: dict, begin: Begin) -> Any:
         state = self.state
@@ -388,8 +466,9 @@ class ReduceScatteredShards(FlatShards):
 
 def no_gradient(name: str) -> ValueError:
     return ValueError(f"param {name} got no gradient in this iteration: with reduce_scatter_grads=True every "
-                      "trainable param needs one (as DDP without find_unused_parameters); freeze it before building "
-                      "the optimizer")
+                      "trainable param needs one (as DDP without find_unused_parameters): pass "
+                      "find_unused_parameters=True if some params sit out some iterations (conditional compute, "
+                      "experts), or freeze it before building the optimizer")
 
 
 def after_settle(name: str) -> ValueError:
