@@ -271,3 +271,22 @@ def test_a_chain_with_two_learning_rates_says_how_to_choose():
     with pytest.raises(ValueError, match=r"learning rate in more than one link \(link 0 \(adam\), link 1 \(sgd\)\)"
                                          r".*inject_hyperparams\(lambda learning_rate"):
         F.Optimizer([torch.nn.Parameter(torch.ones(2))], tx)
+
+
+@pytest.mark.parametrize("make", [lambda s: F.adamw(s), lambda s: F.chain(F.clip_by_global_norm(1.0), F.adamw(s))],
+                         ids=["alias", "chain"])
+def test_a_scheduled_learning_rate_shows_in_the_group_and_refuses_a_torch_scheduler(make):
+    """The group's lr is the schedule's value at the last step; a torch scheduler setting it
+    would be ignored (the schedule decides), so the next step says so."""
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = F.Optimizer([p], make(F.linear_schedule(0.1, 0.0, 10)))
+    seen = []
+    for _ in range(3):
+        p.grad = torch.ones(3)
+        opt.step()
+        seen.append(opt.param_groups[0]["lr"])
+    assert seen == pytest.approx([0.1, 0.09, 0.08])
+    torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5)
+    p.grad = torch.ones(3)
+    with pytest.raises(ValueError, match=r"'lr' was set to 0\.04.*follows the transformation's own schedule"):
+        opt.step()

@@ -233,5 +233,5 @@ def _main_torchrun(args) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+if __name__ == "__main__":  # under torchrun: a rank's process ends without finalization (see exit_now)
+    launch.exit_now(main())

@@ -163,8 +163,21 @@ def _sync_hyperparams(state: Any, group: dict) -> Any:
     hyperparams = getattr(state, "hyperparams", None)
     if not isinstance(hyperparams, dict) or not hasattr(state, "_replace"):
         return state
+    for k in getattr(state, "hyperparams_states", None) or {}:  # each step's value comes from its schedule
+        key = _group_key(k)
+        if key in group and float(group[key]) != float(hyperparams[k]):
+            raise ValueError(f"the param group's {key!r} was set to {group[key]!r}, but {k} follows the "
+                             f"transformation's own schedule (now {float(hyperparams[k])!r}), which would ignore "
+                             f"it: give {k} as a number to let torch's lr schedulers (or you) set it, or drop them")
     hp = {k: _like(v, group.get(_group_key(k), v)) for k, v in hyperparams.items()}
     return state._replace(hyperparams=hp)
+
+
+def _show_scheduled(state: Any, group: dict) -> None:
+    """After a step, a scheduled hyperparameter's value in its group (``lr`` as it is now)."""
+    for k in getattr(state, "hyperparams_states", None) or {}:
+        if _group_key(k) in group:
+            group[_group_key(k)] = float(state.hyperparams[k])
 
 
 def _like(old: Any, value: Any) -> Any:
@@ -282,6 +295,8 @@ class _StatesBySet:
         tree = as_tree(params, names)
         with sharding.stepping(tree):
             self.states[idx] = inplace_step(self.tx, tree, as_tree(grads, names), state, leaves=params)
+        if group is not None:
+            _show_scheduled(self.states[idx], group)
 
 
 class Optimizer(torch.optim.Optimizer):
