@@ -15,7 +15,7 @@ from zero.plans.meta import param_metas
 from zero.plans.plan import PLAN_STRATEGIES, WEIGHTS, Plan, make_plan
 from zero.plans.presets import PRESETS, preset
 
-__all__ = ["main", "load_metas"]
+__all__ = ["main", "load_metas", "subcommands"]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -159,6 +159,11 @@ def _read(path: Path) -> str:
         return path.read_text()
     except OSError as e:
         raise ValueError(f"cannot read plan {path}: {e.strerror}") from None
+
+
+def subcommands() -> list[str]:
+    """The ``zero`` command's subcommands (``plan``, ``simulate`` ...), as ``zero -h`` lists them."""
+    return list(next(a for a in _parser()._actions if a.dest == "command").choices)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -192,7 +192,7 @@ class GradShards:
         # Gloo's reduce-scatter copies its result into the output on wait(): wait exactly once.
         kind, k = self.units[u]
         wait_for(work, self.group, "the gradients' reduce-scatter" if kind == "flat" else
-                 f"the gradient's reduce to its owner (param {k})")
+                 f"the gradient's reduce to its owner (param {self.metas[k].name})")
         if kind == "whole":
             if self.owner[k] == self.rank:
                 kept = self.kept.get(k)
