@@ -103,10 +103,10 @@ def test_zero_optimizer_resolves_lazily_from_the_root():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-# Inside zero.functional, folders point one way too: core (the floor: base, sharding, elementwise, foreach)
+# Inside zero.functional, folders point one way too: core (the floor: base, sharding, elementwise, foreach, quantize)
 # <- kernels <- core combinators (update, combine, inject) <- transforms/schedules <- aliases/contrib <- adapters.
 # What each may not import (anywhere in the folder, at any level).
-FLOOR = ("base", "sharding", "elementwise", "foreach")
+FLOOR = ("base", "sharding", "elementwise", "foreach", "quantize")
 COMBINATORS = ("update", "combine", "inject")
 ABOVE_CORE = ("transforms", "schedules", "aliases", "contrib", "adapters")
 FUNCTIONAL_FORBIDDEN = {

@@ -201,3 +201,25 @@ def test_state_bytes_weight_balances_masters_too():
     # bf16 params cost 4 (master) + 4 (momentum) bytes an element, fp32 ones 4: big16 alone on a rank
     assert plan.partition.owner[0] != plan.partition.owner[1] == plan.partition.owner[2]
     assert sorted(r.master_bytes + r.state_bytes for r in plan.ranks) == [4080, 8000]
+
+
+def test_a_low_bit_plan_cuts_at_block_edges_and_counts_codes_and_scales():
+    """A 6,144-element weight and a small bias on 3 ranks: an Adam plan cuts the weight anywhere
+    (2,082 elements a shard), an 8-bit one at multiples of 256, the bias in a buffer of its own;
+    each rank's state is one byte a code and four a 256-block for the weight, 8 a moment element
+    for the bias, and the weight's blocks cost no padding."""
+    metas = [ParamMeta("w", (48, 128)), ParamMeta("b", (100,))]
+    adam = make_plan(metas, 3, "flat", optimizer="adam")
+    assert any(s.end % 256 for buf in adam.flat.buffers for segs in buf.segments for s in segs)
+    plan = make_plan(metas, 3, "flat", optimizer="adamw8bit")
+    weight = next(b for b in plan.flat.buffers if b.params == (0,))
+    assert weight.block == 256 and weight.shard_numel == 2048 and weight.padding == 0
+    assert [(s.start, s.end) for s in weight.segments[0]] == [(0, 2048), (2048, 4096), (4096, 6144)]
+    bias = next(b for b in plan.flat.buffers if b.params == (1,))
+    assert bias.block == 0
+    assert [r.state_bytes for r in plan.ranks] == [2 * (2048 + 8 * 4) + 2 * bias.shard_numel * 4] * 3
+    assert make_plan(metas, 3, "flat", optimizer="adamw4bit").ranks[0].state_bytes == \
+        2 * (1024 + 16 * 4) + 2 * bias.shard_numel * 4
+    assert "1 params cut at blocks of 256" in str(plan)
+    with pytest.raises(ValueError, match="unknown optimizer 'adamw8bit/3'"):
+        make_plan(metas, 3, "flat", optimizer="adamw8bit/3")

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from strategies import metas
 
 from zero import bucket_views, flat_layout, make_plan, partition
-from zero.plans.accounting import weights
+from zero.plans.accounting import optimizer_state, weights
 from zero.plans.meta import itemsize
 from zero.plans.partition import STRATEGIES
 
@@ -80,6 +80,26 @@ def test_flat_segments_tile_each_buffer(ms, w, alignment, bucket_numel):
     assert sorted(i for b in layout.buffers for i in b.params) == trainable
     firsts = [b.params[0] for b in layout.buffers]
     assert firsts == sorted(firsts, reverse=True), "in the order backward completes them"
+
+
+@given(metas(shapes=st.lists(st.sampled_from([1, 2, 3, 8, 16, 17, 32, 64]), max_size=3).map(tuple)), world_sizes,
+       st.sampled_from(["adamw8bit", "adamw4bit/16", "adam8bit/2", "adamw4bit/64"]), st.integers(1, 8),
+       st.none() | st.integers(1, 6000), st.booleans())
+def test_low_bit_plans_cut_params_only_at_their_block_edges(ms, w, optimizer, alignment, bucket_numel, hybrid):
+    """Every piece of a param with quantized state starts and ends at a multiple of its block
+    (each block on one rank), in a buffer of its own block; the rest in buffers without one."""
+    spec = optimizer_state(optimizer)
+    trainable = [m.name for m in ms if m.requires_grad]
+    whole = trainable[::3] if hybrid and trainable else None
+    plan = make_plan(ms, w, "flat", optimizer=optimizer, alignment=alignment, bucket_numel=bucket_numel,
+                     whole=whole)
+    for buf in plan.flat.buffers:
+        assert {spec.block_for(ms[i]) for i in buf.params} == {buf.block}
+        assert buf.shard_numel % max(buf.block, 1) == 0 and buf.shard_numel % alignment == 0
+        for segs in buf.segments:
+            assert all(s.start % max(buf.block, 1) == 0 and s.end % max(buf.block, 1) == 0 for s in segs)
+    assert make_plan(ms, w, "flat", optimizer=optimizer).fingerprint == \
+        type(plan).from_json(make_plan(ms, w, "flat", optimizer=optimizer).to_json()).fingerprint
 
 
 @given(metas(), world_sizes)

@@ -189,6 +189,10 @@ def _saved_by(group: dict) -> str:
 
 # Rules that need a whole tensor at once, which a flat plan's 1-D shards cannot give them.
 _NOT_ELEMENTWISE = ("LBFGS", "SparseAdam", "Adafactor", "Muon")
+# torchao's low-bit optimizers, and zero's rules with the same numbers
+_TORCHAO_LOW_BIT = {"AdamW8bit": "adamw_8bit", "AdamW4bit": "adamw_4bit", "Adam8bit": "adam_8bit",
+                    "Adam4bit": "adam_4bit", "AdamWFp8": "adamw_8bit (8-bit, not fp8)",
+                    "AdamFp8": "adam_8bit (8-bit, not fp8)"}
 
 
 def check_shardable(optimizer_class: Any, defaults: dict) -> None:
@@ -197,6 +201,13 @@ def check_shardable(optimizer_class: Any, defaults: dict) -> None:
     see into, or a mask or partition (given in the transformation, or as a factory's ``mask=``
     default), which picks params a flat shard does not keep apart. Whole-param plans run all."""
     name = getattr(optimizer_class, "__name__", "")
+    if isinstance(optimizer_class, type) and getattr(optimizer_class, "__module__", "").startswith("torchao") \
+            and name in _TORCHAO_LOW_BIT:
+        raise ValueError(f"torchao.optim.{name} decides 8-bit or full-precision state and its quantization blocks "
+                         "from the size of the tensor it is given, so on a flat plan's shards its numbers change "
+                         "with the world size (pytorch/ao#4912): use zero.functional.contrib."
+                         f"{_TORCHAO_LOW_BIT[name]}, which decides by the whole param and steps whole blocks, or a "
+                         "whole-param plan (strategy='sorted_greedy'), where torchao's class runs as it is")
     if isinstance(optimizer_class, type) and name in _NOT_ELEMENTWISE:
         raise ValueError(f"torch.optim.{name} needs whole tensors (its rule is not element-wise), so it cannot "
                          "step a flat plan's shards: use a whole-param plan (strategy='sorted_greedy')")

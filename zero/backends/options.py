@@ -8,11 +8,13 @@ from typing import Any
 
 import torch
 
+from zero.plans.accounting import optimizer_state
 from zero.plans.layout import FLAT_BUCKET_NUMEL
 from zero.plans.meta import ParamMeta, param_groups, param_metas
 from zero.plans.plan import PLAN_STRATEGIES, Plan, make_plan
 
-__all__ = ["default_plan", "check_plan_arguments", "check_sync_options", "check_torch_settings", "normalise_params"]
+__all__ = ["default_plan", "quantized_params", "check_blocks", "check_plan_arguments", "check_sync_options",
+           "check_torch_settings", "normalise_params"]
 
 
 def default_plan(metas: list[ParamMeta], world_size: int, strategy: str | None,
@@ -21,26 +23,77 @@ def default_plan(metas: list[ParamMeta], world_size: int, strategy: str | None,
     (`zero.functional.sharding.needs_whole`: Muon's matrices, Adafactor's factored ones ...): a
     hybrid plan, which ``opt.plan`` shows (``flat + N whole``), instead of an error at the first step."""
     master = None if master_dtype is None else str(master_dtype).removeprefix("torch.")
+    optimizer = _low_bit_name(quantized_params(metas, optimizer_class, defaults or {})) or "adam"
     if strategy == "flat":
         whole = _needed_whole(metas, optimizer_class, defaults or {})
         return make_plan(metas, world_size, "flat", bucket_numel=FLAT_BUCKET_NUMEL, master_dtype=master,
-                         whole=whole or None)
-    return make_plan(metas, world_size, strategy or "sorted_greedy", master_dtype=master)
+                         whole=whole or None, optimizer=optimizer)
+    return make_plan(metas, world_size, strategy or "sorted_greedy", master_dtype=master, optimizer=optimizer)
+
+
+def _rule(metas: list[ParamMeta], optimizer_class: Any, defaults: dict) -> tuple[Any, dict] | None:
+    """A `zero.functional` rule and the trainable params as whole meta shapes by name, to ask the
+    rule about them; None for torch's classes (a flat plan runs their rules element by element,
+    or refuses them by name) and for params without unique names."""
+    from zero.functional.base import GradientTransformation
+
+    if isinstance(optimizer_class, type) or not callable(optimizer_class) and \
+            not isinstance(optimizer_class, GradientTransformation):
+        return None  # not a rule: building the local optimizer names what it is
+    trainable = [m for m in metas if m.requires_grad]
+    if len({m.name for m in trainable}) != len(trainable):
+        return None  # asked by name: the step checks instead
+    tx = optimizer_class if isinstance(optimizer_class, GradientTransformation) else optimizer_class(**defaults)
+    return tx, {m.name: (m.shape, getattr(torch, m.dtype)) for m in trainable}
 
 
 def _needed_whole(metas: list[ParamMeta], optimizer_class: Any, defaults: dict) -> list[str]:
-    """The trainable params' names a `zero.functional` rule needs whole (none for torch's classes,
-    whose rules a flat plan runs element by element or refuses by name)."""
-    from zero.functional.base import GradientTransformation
+    """The trainable params' names a `zero.functional` rule needs whole."""
     from zero.functional.sharding import needs_whole
 
-    if isinstance(optimizer_class, type) or optimizer_class is None:
-        return []
-    trainable = [m for m in metas if m.requires_grad]
-    if len({m.name for m in trainable}) != len(trainable):
-        return []  # whole= picks by name: the step checks instead
-    tx = optimizer_class if isinstance(optimizer_class, GradientTransformation) else optimizer_class(**defaults)
-    return needs_whole(tx, {m.name: (m.shape, getattr(torch, m.dtype)) for m in trainable})
+    asked = _rule(metas, optimizer_class, defaults)
+    return [] if asked is None else needs_whole(*asked)
+
+
+def quantized_params(metas: list[ParamMeta], optimizer_class: Any, defaults: dict) -> dict[str, tuple[int, int]]:
+    """The trainable params (by name) whose state a `zero.functional` rule keeps quantized, each
+    with its (bits, block size), asked of the rule (`zero.functional.sharding.block_sizes`)."""
+    from zero.functional.sharding import block_sizes
+
+    asked = _rule(metas, optimizer_class, defaults)
+    return {} if asked is None else block_sizes(*asked)
+
+
+def _low_bit_name(found: dict[str, tuple[int, int]]) -> str | None:
+    """The plan's name for the state of a low-bit rule (``"adamw8bit"``, ``"adamw4bit/64"``), whose
+    figures and block-aligned cuts `zero.make_plan` then gives."""
+    kinds = set(found.values())
+    if not kinds:
+        return None
+    if len(kinds) > 1:
+        raise ValueError(f"the rule keeps state quantized in several ways ({sorted(kinds)} as (bits, block)), which "
+                         "one plan's state figures cannot say: pass plan= made with zero.make_plan")
+    (bits, block), = kinds
+    name = f"adamw{bits}bit"
+    return name if optimizer_state(name).block_size == block else f"{name}/{block}"
+
+
+def check_blocks(plan: Plan, metas: list[ParamMeta], optimizer_class: Any, defaults: dict) -> None:
+    """``ValueError`` when a flat plan cuts inside a param's quantization blocks (the rule keeps
+    its state quantized: `quantized_params`), naming the param: its numbers would change with
+    the plan. A whole param (a hybrid plan's) keeps its blocks."""
+    if plan.flat is None:
+        return
+    found = quantized_params(metas, optimizer_class, defaults)
+    index = {m.name: i for i, m in enumerate(metas)}
+    block_of = {i: b.block for b in plan.flat.buffers for i in b.params}
+    for name, (bits, block) in found.items():
+        i = index[name]
+        if i in block_of and block_of[i] != block:
+            raise ValueError(f"param {name!r}'s state is kept in {bits}-bit blocks of {block} elements, but the plan "
+                             f"cuts its flat buffer {'at ' + str(block_of[i]) if block_of[i] else 'anywhere'}: "
+                             f"make it with zero.make_plan(..., optimizer={_low_bit_name({name: (bits, block)})!r}), "
+                             "whose shards end at block edges, or pass strategy='flat' and let the optimizer make it")
 
 
 def check_plan_arguments(plan: Any, strategy: Any) -> None:

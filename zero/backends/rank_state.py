@@ -56,6 +56,7 @@ class RankState:
         self.make_optimizer, self.masters = make_optimizer, Masters(master_dtype, check=not comm.is_fake(group))
         self.optim: torch.optim.Optimizer | None = None
         self.steps = 0
+        self.rules: sharding.Sharding | None = None  # what the executor's steps answer rules with
         self.scaling: Scaling | None = None
         self.agreed_found_inf: torch.Tensor | None = None
         self._scaler_agrees = False
@@ -139,6 +140,14 @@ class RankState:
             self.masters.release(pairs)
         self.masters.write_back(pairs)
         return loss if loss is not None else out
+
+    def answering(self) -> contextlib.AbstractContextManager:
+        """The executor's `sharding.Sharding` installed, outside a step: a `zero.functional` state
+        started to load a checkpoint into is laid out as a step would lay it out (a low-bit rule's
+        quantized or full-precision moments, decided by the whole params)."""
+        if self.rules is None or not is_functional(self.optim):
+            return contextlib.nullcontext()
+        return sharding.installed(self.masters.rules(self.rules))
 
     def _finite(self, rules: sharding.Sharding) -> bool:
         """Without a loss scale, True; with one, unscale what steps and agree that it is finite."""

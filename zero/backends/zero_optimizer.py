@@ -25,6 +25,7 @@ from zero.backends.consistency import OptimizerChecks, settings
 from zero.backends.local_optimizer import is_functional, make_local_optimizer
 from zero.backends.modes import Mode, make_mode
 from zero.backends.options import (
+    check_blocks,
     check_plan_arguments,
     check_sync_options,
     check_torch_settings,
@@ -134,6 +135,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         plan = plan if plan is not None else default_plan(metas, self.world_size, strategy, master_dtype,
                                                           optimizer_class, defaults)
         check_plan(plan, metas, self.world_size)
+        check_blocks(plan, metas, optimizer_class, defaults)
         self.master_dtype = planned_master_dtype(plan.master_dtype, master_dtype)
         warn_fp16(metas, self.master_dtype)
         self.rank_state = RankState([p for g in self.param_groups for p in g["params"]], self.param_groups, plan,

@@ -3,16 +3,18 @@ and Optax. Loads torch, never jax (the Optax bridge imports it on first use) nor
 
 Where things live (every public name is re-exported here, one a line):
 
-- ``base``, ``update``, ``combine``, ``inject``, ``sharding``, ``elementwise``, ``foreach``: the
-  core: `GradientTransformation` and tree helpers, `apply_updates`, `chain`, `inject_hyperparams`,
-  the whole-tensor quantities a sharded step completes across ranks, and the floor every rule
-  computes on (the elementwise maths the rules share, and their list forms run as torch's
-  foreach ops with small CPU leaves packed into one tensor).
+- ``base``, ``update``, ``combine``, ``inject``, ``sharding``, ``elementwise``, ``foreach``,
+  ``quantize``: the core: `GradientTransformation` and tree helpers, `apply_updates`, `chain`,
+  `inject_hyperparams`, the whole-tensor quantities a sharded step completes across ranks, and
+  the floor every rule computes on (the elementwise maths the rules share, their list forms run
+  as torch's foreach ops with small CPU leaves packed into one tensor, and block-wise quantized
+  moments).
 - ``transforms/``: Optax's transformations, one module per topic (``adam``, ``rms``, ``clipping``,
   ``masking`` ...). A new transformation goes in the module of its topic.
 - ``schedules/``: step count -> hyperparameter functions. A new schedule goes here.
 - ``aliases/``: the optimizers (one `chain` each), one module per family. A new alias goes here.
-- ``contrib/``: ``optax.contrib``'s rules, one rule a module. A new contrib rule goes here.
+- ``contrib/``: ``optax.contrib``'s rules, one rule a module, and torchao's low-bit Adam. A new
+  contrib rule goes here.
 - ``kernels/``: in-place steps on torch's fused and multi-tensor kernels for chains that spell a
   torch rule (`explain` says which). A new kernel goes in ``kernels/``.
 - ``adapters/``: `from_torch`, `Optimizer` / `FunctionalOptimizer`, `from_optax`.

@@ -4,17 +4,24 @@ The per-optimizer figures are those of `torch.optim`'s default (non-fused, non-c
 implementations: ``slots`` state tensors shaped like the parameter (in its dtype) plus
 ``scalar_bytes`` of per-parameter scalars (Adam's float32 ``step`` tensor). State exists only for
 trainable parameters, because torch creates it lazily on the first gradient.
+
+Low-bit rules (``"adamw8bit"``, ``"adamw4bit"``: `zero.functional.contrib.adamw_8bit`, torchao's
+``AdamW8bit``) keep each moment block-wise quantized: one byte (8-bit) or half a byte (4-bit) a
+element plus one float32 scale a block, for params of at least ``min_numel`` elements that
+divide into blocks; smaller ones keep full-precision moments. ``"adamw8bit/128"`` names another
+block size.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from zero.plans.checks import check_int
 from zero.plans.meta import ParamMeta, itemsize
 
-__all__ = ["OptimizerState", "OPTIMIZERS", "optimizer_state", "state_bytes", "weights",
+__all__ = ["OptimizerState", "OPTIMIZERS", "LOW_BIT_MIN_NUMEL", "optimizer_state", "state_bytes", "weights",
            "sync_bytes", "check_master_dtype", "master_itemsize", "state_itemsize"]
 
 
@@ -37,6 +44,31 @@ class OptimizerState:
     # and those of the tensor before it still alive meanwhile (Adam's ``denom``, until reassigned).
     step_temps: int = 2
     step_temps_held: int = 1
+    # Block-wise quantized moments (torchao's): ``bits`` per element (0: full precision) and one
+    # float32 scale per ``block_size`` elements, for params with ``min_numel`` elements or more.
+    bits: int = 0
+    block_size: int = 0
+    min_numel: int = 0
+    # The step takes at most this many elements of a tensor at a time (0: all of it), its
+    # temporaries in float32: zero's low-bit step goes by chunks of 2^16 (zero.functional.quantize).
+    step_chunk: int = 0
+
+    def block_for(self, meta: ParamMeta) -> int:
+        """The quantization block of ``meta``'s moments, or 0 when they keep full precision
+        (frozen, fewer than ``min_numel`` elements, or not a whole number of blocks): decided by
+        the whole param's size, so no plan can change it."""
+        return self.block_size if self.quantizes(meta.numel) and meta.requires_grad else 0
+
+    def quantizes(self, numel: int) -> bool:
+        """Whether a param of ``numel`` elements gets quantized moments (torchao's rule)."""
+        return self.bits > 0 and numel >= self.min_numel and numel % self.block_size == 0
+
+    def moments_bytes(self, numel: int, itemsize: int, block: int = 0) -> int:
+        """Bytes of the ``slots`` moments of ``numel`` elements: quantized in blocks of ``block``
+        (codes and float32 scales), or full precision at ``itemsize`` bytes (``block`` 0)."""
+        if not block:
+            return self.slots * numel * itemsize
+        return self.slots * (numel * self.bits // 8 + numel // block * 4)
 
     def is_matrix(self, meta: ParamMeta) -> bool:
         """Whether ``meta`` is a matrix this rule orthogonalises."""
@@ -80,6 +112,12 @@ OPTIMIZERS: dict[str, OptimizerState] = {
     # zero.functional.contrib.muon: a momentum per matrix (5 Newton-Schulz steps); AdamW for the rest
     "muon": OptimizerState(2, 4, matrix_slots=1, ns_steps=5),
 }
+LOW_BIT_MIN_NUMEL = 4096  # torchao's (after bitsandbytes'): smaller params keep full-precision moments
+# zero.functional.contrib's low-bit Adam (torchao's maps and blocks): a 0-d count per state, no per-param scalars
+for _name, _bits, _block in (("adam8bit", 8, 256), ("adamw8bit", 8, 256), ("adam4bit", 4, 128), ("adamw4bit", 4, 128)):
+    # its step's temporaries: about ten float32s an element of a chunk (MemTracker on the in-place step)
+    OPTIMIZERS[_name] = OptimizerState(2, 0, bits=_bits, block_size=_block, min_numel=LOW_BIT_MIN_NUMEL,
+                                       step_temps=10, step_temps_held=0, step_chunk=1 << 16)
 
 
 def optimizer_state(optimizer: str | OptimizerState) -> OptimizerState:
@@ -87,9 +125,12 @@ def optimizer_state(optimizer: str | OptimizerState) -> OptimizerState:
     if isinstance(optimizer, OptimizerState):
         return optimizer
     key = str(optimizer).lower()
-    if key not in OPTIMIZERS:
-        raise ValueError(f"unknown optimizer {optimizer!r}; known: {', '.join(sorted(OPTIMIZERS))}")
-    return OPTIMIZERS[key]
+    name, _, block = key.partition("/")
+    if name not in OPTIMIZERS or block and not (OPTIMIZERS[name].bits and block.isdigit() and int(block) > 0
+                                                and int(block) % 2 == 0):
+        raise ValueError(f"unknown optimizer {optimizer!r}; known: {', '.join(sorted(OPTIMIZERS))} (a low-bit one "
+                         "with another even block size as 'adamw8bit/128')")
+    return dataclasses.replace(OPTIMIZERS[name], block_size=int(block)) if block else OPTIMIZERS[name]
 
 
 def state_bytes(meta: ParamMeta, optimizer: str | OptimizerState = "adam", master_dtype: str | None = None) -> int:
@@ -98,6 +139,8 @@ def state_bytes(meta: ParamMeta, optimizer: str | OptimizerState = "adam", maste
     if not meta.requires_grad:
         return 0
     spec = optimizer_state(optimizer)
+    if spec.bits:
+        return spec.moments_bytes(meta.numel, state_itemsize(meta.dtype, master_dtype), spec.block_for(meta))
     return spec.slots_for(meta) * meta.numel * state_itemsize(meta.dtype, master_dtype) + spec.scalar_bytes
 
 

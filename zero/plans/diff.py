@@ -53,7 +53,8 @@ def diff_plans(a: Plan, b: Plan) -> PlanDiff:
     """Compare plan ``a`` (where the state is now) with plan ``b`` (where it will be).
 
     State bytes per element are those of plan ``a``'s optimizer (``slots`` tensors in the
-    param's dtype); per-param scalars (Adam's ``step``) count once for each rank that receives
+    param's dtype; a low-bit rule's codes and scales for the params it quantizes, whose blocks
+    every plan made for it keeps whole); per-param scalars (Adam's ``step``) count once for each rank that receives
     part of a param it held nothing of. Frozen params have no state and never move.
     """
     for plan, name in ((a, "a"), (b, "b")):
@@ -69,10 +70,11 @@ def diff_plans(a: Plan, b: Plan) -> PlanDiff:
             changed.append(meta.name)
         if not meta.requires_grad:
             continue
-        per_element = spec.slots_for(meta) * itemsize(meta.dtype)
+        block = spec.block_for(meta)  # a low-bit rule's quantized moments: codes and a scale a block
+        per_element = spec.slots_for(meta) * itemsize(meta.dtype) if not block else 0
         for src, dst, count in _overlaps(before, after):
             if src != dst:
-                moves[(src, dst)] += count * per_element
+                moves[(src, dst)] += count * per_element if not block else spec.moments_bytes(count, 0, block)
         held = {r for r, _, _ in before}
         for dst in {r for r, _, _ in after} - held:
             if spec.scalar_bytes:

@@ -194,7 +194,7 @@ def _step_temporaries(plan: Plan, rank: int, reduce_scattered: bool, reduce: str
             casts += t.numel * itemsize(master)
         elif reduce_scattered and grad_dtype != dtype and grad_dtype != master:
             casts += t.numel * itemsize(dtype)
-        one = t.numel * state_itemsize(dtype, master)
+        one = min(t.numel, spec.step_chunk) * 4 if spec.step_chunk else t.numel * state_itemsize(dtype, master)
         rule = max(rule, spec.step_temps * one + (spec.step_temps_held * before[1] if before[0] == t.group else 0))
         before = (t.group, one)
     return casts + rule

@@ -85,7 +85,7 @@ def hybrid_placement(metas: Sequence[ParamMeta], keep: tuple[int, ...], world_si
         owner[i] = part.owner[k]
     order = tuple(tuple(keep[k] for k in o) for o in part.order)
     part = Partition(world_size, part.strategy, part.weight, tuple(owner), order, part.loads)
-    flat = flat_layout(_only(metas, chosen, keep=False), world_size, alignment, bucket_numel)
+    flat = flat_layout(_only(metas, chosen, keep=False), world_size, alignment, bucket_numel, spec.block_for)
     flat_ranks = flat_costs(metas, flat, spec, master_dtype)
     whole_ranks = partition_costs(_only(metas, chosen, keep=True), part, spec, master_dtype)
     ranks = tuple(_merged(f, w, w.load + _flat_load(f, weight)) for f, w in zip(flat_ranks, whole_ranks))

@@ -7,7 +7,7 @@ their buffers by (device, dtype), since one flat tensor has one of each.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from zero.plans.checks import check_int
@@ -234,6 +234,9 @@ class FlatBuffer:
     padded_numel: int
     shard_numel: int
     segments: tuple[tuple[Segment, ...], ...]
+    # The quantization block every shard edge respects (0: none): each param's element range
+    # is cut only at multiples of it, so each block of a low-bit moment lies on one rank.
+    block: int = 0
 
     @property
     def padding(self) -> int:
@@ -291,22 +294,29 @@ class FlatLayout:
 
 
 def flat_layout(metas: Sequence[ParamMeta], world_size: int, alignment: int = 1,
-                bucket_numel: int | None = None) -> FlatLayout:
+                bucket_numel: int | None = None, block_of: Callable[[ParamMeta], int] | None = None) -> FlatLayout:
     """Pack trainable params per (group, device, dtype) into buffers padded to ``world_size * alignment``.
 
     ``alignment`` (elements) makes every shard boundary a multiple of it, e.g. 128 bytes / itemsize
     for aligned NCCL transfers. ``bucket_numel`` caps a buffer's elements (a larger param gets
     a buffer of its own): gradients reduce-scatter per buffer, so smaller buffers start sooner.
+
+    ``block_of(meta)``: the quantization block of a param's optimizer state, 0 for none
+    (`zero.plans.accounting.OptimizerState.block_for`). Params with a block get buffers of their
+    own (one per block size), whose shards are a multiple of the block: each param's numel is one
+    too, so every param starts at a block edge of its buffer and is cut only at its own block
+    edges, whatever the world size. The padding this costs is in ``padding``.
     """
     metas = check_metas(metas)
     check_world_size(world_size)
     check_int("alignment", alignment, 1)
     if bucket_numel is not None:
         check_int("bucket_numel", bucket_numel, 1)
-    by_key: dict[tuple[int, str, str], list[int]] = {}
+    by_key: dict[tuple[int, str, str, int], list[int]] = {}
     for i, m in enumerate(metas):
         if m.requires_grad:
-            by_key.setdefault((m.group, *_key(m)), []).append(i)
+            block = check_int(f"block_of({m.name!r})", block_of(m), 0) if block_of is not None else 0
+            by_key.setdefault((m.group, *_key(m), block), []).append(i)
     chunks = [(key, idx) for key, members in by_key.items() for idx in _cut(metas, members, bucket_numel)]
     chunks.sort(key=lambda chunk: -chunk[1][0])  # backward completes a buffer when its first param is ready
     buffers = tuple(_flat_buffer(metas, key, idx, world_size, alignment) for key, idx in chunks)
@@ -342,12 +352,12 @@ def _flat_buffer(metas, key, idx, world_size, alignment) -> FlatBuffer:
     numels = [metas[i].numel for i in idx]
     offsets = _offsets(numels)
     total = offsets[-1]
-    quantum = world_size * alignment
+    group, device, dtype, block = key
+    quantum = world_size * (math.lcm(alignment, block) if block else alignment)
     padded = max(quantum, math.ceil(total / quantum) * quantum)
     shard = padded // world_size
     segments = tuple(_segments(off, n, shard) for off, n in zip(offsets, numels))
-    group, device, dtype = key
-    return FlatBuffer(device, dtype, group, tuple(idx), tuple(offsets[:-1]), total, padded, shard, segments)
+    return FlatBuffer(device, dtype, group, tuple(idx), tuple(offsets[:-1]), total, padded, shard, segments, block)
 
 
 def _segments(offset: int, numel: int, shard: int) -> tuple[Segment, ...]:

@@ -182,7 +182,7 @@ def make_plan(metas: Sequence[ParamMeta], world_size: int, strategy: str = "sort
         part, flat, ranks, mean, bound = hybrid_placement(metas, keep, world_size, weight, spec, alignment,
                                                           bucket_numel, master_dtype)
     elif strategy == "flat":
-        part, flat = None, flat_layout(metas, world_size, alignment, bucket_numel)
+        part, flat = None, flat_layout(metas, world_size, alignment, bucket_numel, spec.block_for)
         ranks = flat_costs(metas, flat, spec, master_dtype)
         mean = bound = sum(r.load for r in ranks) / world_size
     else:
@@ -251,7 +251,7 @@ def _payload(plan: Plan) -> dict:
         placement = whole
     else:
         flat = [{"group": b.group, "device": b.device, "dtype": b.dtype, "params": list(b.params),
-                 "offsets": list(b.offsets), "numel": b.numel, "padded_numel": b.padded_numel}
+                 "offsets": list(b.offsets), "numel": b.numel, "padded_numel": b.padded_numel, "block": b.block}
                 for b in plan.flat.buffers]
         placement = {"whole": whole, "flat": flat} if plan.hybrid else {"flat": flat}
     return {

@@ -12,8 +12,14 @@ def mib(n: int) -> str:
 
 
 def strategy(plan) -> str:
-    """The plan's strategy, with a hybrid's whole params counted."""
-    return f"{plan.strategy} + {len(plan.whole)} whole" if plan.hybrid else plan.strategy
+    """The plan's strategy, with a hybrid's whole params counted and the quantization blocks its
+    flat buffers are cut at (a low-bit optimizer's)."""
+    name = f"{plan.strategy} + {len(plan.whole)} whole" if plan.hybrid else plan.strategy
+    blocks = sorted({b.block for b in plan.flat.buffers if b.block}) if plan.flat is not None else []
+    if blocks:
+        cut = sum(len(b.params) for b in plan.flat.buffers if b.block)
+        name += f" ({cut} params cut at blocks of {', '.join(map(str, blocks))})"
+    return name
 
 
 def plan_table(plan, max_rows: int = 16):

@@ -145,7 +145,10 @@ def _shard_state(saved_state: dict, held: Holdings, j: int, per_element: set[str
 def _local_dict(state: dict[int, Any], group_sizes: Sequence[int], saved: dict, rank: int, where: Any) -> dict:
     """A local ``state_dict`` of ``state`` (local indices) and the global one's group settings."""
     ranges = group_ranges(group_sizes)
-    groups = [{**_settings(g), "params": list(r)} for g, r in zip(saved["param_groups"], ranges)]
+    # the global groups' param_names name the model's params, not this rank's tensors (shards, or
+    # a subset): without them the local optimizer keeps its own (torch's load_state_dict does)
+    groups = [{**{k: v for k, v in _settings(g).items() if k != "param_names"}, "params": list(r)}
+              for g, r in zip(saved["param_groups"], ranges)]
     local: dict[str, Any] = {"state": state, "param_groups": groups}
     if "tx_states" in saved:
         owner = saved["owner"]

@@ -60,7 +60,8 @@ def _functional_sets(state: RankState) -> Iterator[tuple[dict, tuple[int, ...], 
     optim, trainable, first = state.optim, state.trainable_locals(), 0
     for k, group in enumerate(optim.param_groups):
         n = len(group["params"])
-        optim.ensure_state(k, tuple(i for i in range(n) if first + i in trainable))
+        with state.answering():
+            optim.ensure_state(k, tuple(i for i in range(n) if first + i in trainable))
         states = optim.set_states(k)
         for idx in list(states):
             yield states, idx, [first + i for i in idx], optim.names_of(k, idx)
@@ -77,31 +78,41 @@ def functional_entries(state: RankState) -> Iterator[tuple[Held, str, Any]]:
         for key, pos, leaf in state_leaves(states[idx], len(idx), names):
             for j in js if pos is None else [js[pos]]:
                 for h in held.pieces(j):
-                    per_param = pos is not None and _shaped_like(leaf, params[j], h, state, key)
-                    yield h, key, _piece(state, h, leaf) if per_param else leaf
+                    k = _per_element(leaf, params[j], h, state, key) if pos is not None else 0
+                    yield h, key, _piece(state, h, leaf, k) if k else leaf
     for j, p in enumerate(params):
         if state.masters.stepped(p) is not None:
             for h in held.pieces(j):
                 yield h, MASTER_KEY, _piece(state, h, p)
 
 
-def _shaped_like(leaf: Any, local: torch.Tensor, h: Held, state: RankState, key: str) -> bool:
-    """Whether a per-param leaf is element-wise (saved in pieces, like the param); a leaf of
-    another shape (a factored statistic, a norm) is saved whole, which needs the whole param."""
+def _per_element(leaf: Any, local: torch.Tensor, h: Held, state: RankState, key: str) -> int:
+    """How many of the param's elements each element of a per-param leaf stands for: 1 for a leaf
+    shaped like the param (saved in pieces, like the param); ``k > 1`` for a 1-D leaf with one
+    element per ``k`` of the param's, which the held piece cuts at multiples of ``k`` (a quantized
+    moment's scales, one per block; 4-bit codes, two a byte), saved as pieces of a 1-D tensor of
+    ``numel // k`` elements; 0 for a leaf of another shape (a factored statistic, a norm), saved
+    whole, which needs the whole param."""
     if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape == local.shape:
-        return True
+        return 1
+    if isinstance(leaf, torch.Tensor) and leaf.dim() == 1 and 0 < leaf.numel() < local.numel() \
+            and local.numel() % leaf.numel() == 0:
+        k = local.numel() // leaf.numel()
+        if h.start % k == 0 and h.end % k == 0 and h.offset % k == 0:
+            return k
     whole = state.params[h.param].numel()
     if h.end - h.start != whole or local.numel() != whole:
         raise ValueError(f"state {key!r} of param {h.param} is not shaped like the param, and this rank holds only "
                          "part of it (a flat plan): it cannot be saved by FQN; use a whole-param plan")
-    return False
+    return 0
 
 
-def _piece(state: RankState, h: Held, value: torch.Tensor) -> torch.Tensor:
-    """This rank's piece of one state tensor: the tensor itself (param-shaped) when it holds all of
-    it, else a ``ShardedTensor`` of its boxes, views into ``value``."""
-    shape = tuple(state.params[h.param].shape)
-    flat = value.reshape(-1)[h.offset:h.offset + h.end - h.start]
+def _piece(state: RankState, h: Held, value: torch.Tensor, k: int = 1) -> torch.Tensor:
+    """This rank's piece of one state tensor (one element per ``k`` of the param's): the tensor
+    itself (the param's shape, or 1-D for ``k > 1``) when it holds all of it, else a
+    ``ShardedTensor`` of its boxes, views into ``value``."""
+    shape = tuple(state.params[h.param].shape) if k == 1 else (state.params[h.param].numel() // k,)
+    flat = value.reshape(-1)[h.offset // k:(h.offset + h.end - h.start) // k]
     chunks = state.holdings.chunks(h.param)
     if len(chunks) == 1:
         return flat.view(shape)
@@ -112,11 +123,12 @@ def _piece(state: RankState, h: Held, value: torch.Tensor) -> torch.Tensor:
     def placed(rank: int) -> str:
         return f"rank:{comm.global_rank(state.process_group, rank)}/{value.device}"
 
-    local = [Shard(flat[b.start - h.start:b.start - h.start + b.numel].view(b.sizes),
+    start, end = h.start // k, h.end // k
+    local = [Shard(flat[b.start - start:b.start - start + b.numel].view(b.sizes),
                    ShardMetadata(list(b.offsets), list(b.sizes), placed(state.rank)))
-             for b in range_boxes(shape, h.start, h.end)]
+             for b in range_boxes(shape, start, end)]
     everyone = [ShardMetadata(list(b.offsets), list(b.sizes), placed(r))
-                for r, s, e in chunks for b in range_boxes(shape, s, e)]
+                for r, s, e in chunks for b in range_boxes(shape, s // k, e // k)]
     meta = ShardedTensorMetadata(everyone, torch.Size(shape), TensorProperties(dtype=value.dtype))
     with quiet():
         return ShardedTensor._init_from_local_shards_and_global_metadata(local, meta,
@@ -168,8 +180,9 @@ def load_functional(state: RankState, names: list[str], sd: dict) -> None:
             held = [h for j in (js if pos is None else [js[pos]]) for h in held_by.pieces(j)]
             for h in held if pos is not None else held[:1]:
                 saved = _saved(sd, names[h.param], key)
-                if pos is not None and _shaped_like(leaf, params[h.local], h, state, key):
-                    _copy_piece(leaf, h, saved, names[h.param], key, tuple(state.params[h.param].shape))
+                k = _per_element(leaf, params[h.local], h, state, key) if pos is not None else 0
+                if k:
+                    _copy_piece(leaf, h, saved, names[h.param], key, _saved_shape(state, h, k), k)
                 elif isinstance(leaf, torch.Tensor):
                     _copy_whole(leaf, saved, names[h.param], key)
                 else:
@@ -205,9 +218,17 @@ def _copy_whole(dst: torch.Tensor, value: Any, fqn: str, key: str) -> None:
         dst.copy_(value)
 
 
-def _copy_piece(dst: torch.Tensor, h: Held, value: Any, fqn: str, key: str, shape: tuple[int, ...]) -> None:
+def _saved_shape(state: RankState, h: Held, k: int) -> tuple[int, ...]:
+    """The shape a state tensor with one element per ``k`` of param ``h.param``'s is saved in."""
+    return tuple(state.params[h.param].shape) if k == 1 else (state.params[h.param].numel() // k,)
+
+
+def _copy_piece(dst: torch.Tensor, h: Held, value: Any, fqn: str, key: str, shape: tuple[int, ...],
+                k: int = 1) -> None:
     """Write param ``h.param``'s elements ``h.start:h.end`` of ``value`` into ``dst`` at ``h.offset``
-    (skipped where ``value`` is a view of that very memory: DCP loaded into it)."""
+    (``value`` and ``dst`` holding one element per ``k`` of the param's: those positions divided
+    by ``k``), skipped where ``value`` is a view of that very memory: DCP loaded into it."""
+    h = Held(h.param, h.local, h.offset // k, h.start // k, h.end // k) if k > 1 else h
     region = dst.reshape(-1)[h.offset:h.offset + h.end - h.start]
     if hasattr(value, "local_shards"):
         strides = [prod(shape[d + 1:]) for d in range(len(shape))]

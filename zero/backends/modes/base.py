@@ -83,15 +83,18 @@ class Mode:
         pieces = {}
         for j, t in enumerate(held.tensors):
             hs = held.pieces(j)
+            block = self.plan.flat.buffers[t.buffer].block if t.buffer is not None else 0
             pieces[id(self.tensor(t))] = sharding.Pieces(tuple(h.param for h in hs), tuple(h.end - h.start for h in hs),
-                                                         tuple(h.start for h in hs))
+                                                         tuple(h.start for h in hs), block)
         whole = self.plan.flat is None  # every rank steps whole params: a property of the plan
         device = self.state.device
         reduce = reduce or comm.summed(self.group, device)
         reduce_max = reduce_max or comm.maxed(self.group, device)
-        return sharding.Sharding(pieces, tuple(p.dtype for p in params), reduce, reduce_max, every_group=every_group,
-                                 whole_params=whole, names=() if whole else tuple(m.name for m in self.plan.metas),
-                                 numels=tuple(p.numel() for p in params), shapes=tuple(tuple(p.shape) for p in params))
+        rules = sharding.Sharding(pieces, tuple(p.dtype for p in params), reduce, reduce_max, every_group=every_group,
+                                  whole_params=whole, names=() if whole else tuple(m.name for m in self.plan.metas),
+                                  numels=tuple(p.numel() for p in params), shapes=tuple(tuple(p.shape) for p in params))
+        self.state.rules = rules  # a state started outside a step (to load a checkpoint into) asks them too
+        return rules
 
     def step(self, closure: Callable[[], float] | None, kwargs: dict, begin: Begin) -> Any:
         """One optimizer step: the gradients of what this rank steps, the local step, the sync."""

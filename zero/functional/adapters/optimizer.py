@@ -67,8 +67,9 @@ def with_group_hyperparams(tx: Any, who: str = "tx") -> GradientTransformation:
 def _injected(factory: Any, args: dict) -> GradientTransformation:
     """``factory(**args)`` with its numeric arguments kept in the state, in float64 (which holds a
     Python float exactly: torch keeps group settings as Python numbers). A mask (or Muon's
-    dimension numbers) is a function of the params, not a schedule of the step: it stays fixed."""
-    fixed = [k for k in args if "mask" in k or "dimension_numbers" in k]
+    dimension numbers) is a function of the params, not a schedule of the step, and a block size
+    shapes the state: they stay fixed."""
+    fixed = [k for k in args if "mask" in k or "dimension_numbers" in k or k == "block_size"]
     return inject_hyperparams(factory, static_args=fixed, hyperparam_dtype=torch.float64)(**args)
 
 

@@ -1,9 +1,20 @@
 """Rules from ``optax.contrib``: one rule a module, each named and shaped as Optax's (its state
-layout included) and re-exported from here, as ``optax.contrib.<name>`` is.
+layout included) and re-exported from here, as ``optax.contrib.<name>`` is; and torchao's low-bit
+Adam (``adamw_8bit`` ...), which Optax does not have, with state no sharding changes.
 """
 
+from zero.functional.contrib._lowbit import (
+    ScaleByLowBitAdamState,
+    adam_4bit,
+    adam_8bit,
+    adamw_4bit,
+    adamw_8bit,
+    scale_by_adam_4bit,
+    scale_by_adam_8bit,
+)
 from zero.functional.contrib._muon import MuonState, muon, scale_by_muon, scale_by_shape
 from zero.functional.contrib.newton_schulz import MuonDimensionNumbers, orthogonalize_via_newton_schulz
 
-__all__ = ["MuonState", "muon", "scale_by_muon", "scale_by_shape", "MuonDimensionNumbers",
+__all__ = ["ScaleByLowBitAdamState", "adam_4bit", "adam_8bit", "adamw_4bit", "adamw_8bit", "scale_by_adam_4bit",
+           "scale_by_adam_8bit", "MuonState", "muon", "scale_by_muon", "scale_by_shape", "MuonDimensionNumbers",
            "orthogonalize_via_newton_schulz"]

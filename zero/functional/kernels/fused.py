@@ -20,7 +20,8 @@ decoupled after, AMSGrad with torch's running maximum); SGD, Optax's (``sgd``, w
 decay, ``maximize``); Adagrad, torch's (`from_torch`: ``lr_decay``, coupled decay,
 ``maximize``). RMSprop (torch's spelling), Adamax, Adadelta and Rprop run torch's multi-tensor
 implementations instead: torch has no fused kernel for them. Lion, which torch does not have,
-runs in place on torch's foreach ops.
+runs in place on torch's foreach ops. The low-bit Adam chains (`zero.functional.contrib.adamw_8bit`)
+step param by param in place (`zero.functional.kernels.lowbit`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from zero.functional.base import Spec, count_inc
+from zero.functional.kernels.lowbit import LOWBIT_KERNELS
 from zero.functional.kernels.matching import decayed_rule, maximize_and_decay, plain_adam, take, take_decay
 from zero.functional.kernels.multi_tensor import FOREACH_KERNELS
 from zero.functional.kernels.steps import KernelStep, Lists, advanced, by_decay, marked, picker, rate_of
@@ -37,7 +39,7 @@ __all__ = ["match"]
 
 def match(specs: list[tuple[int, Spec]]) -> KernelStep | None:
     """The kernel step for links with these ``(position, spec)``, or ``None`` if no kernel fits."""
-    for kernel in (_adam_kernel, _sgd_kernel, _adagrad_kernel, *FOREACH_KERNELS):
+    for kernel in (_adam_kernel, _sgd_kernel, _adagrad_kernel, *FOREACH_KERNELS, *LOWBIT_KERNELS):
         if (step := kernel(specs)) is not None:
             return step
     return None
