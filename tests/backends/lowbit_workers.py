@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import optree
 import torch
-from helpers import broadcast, fixed_grads, set_grads
+from helpers import fixed_grads, set_grads
 from torch import nn
 
 import zero
@@ -95,23 +95,47 @@ def save_then_resume(rank: int, world_size: int, path: str, rule: str, strategy:
     return {"params": [p.detach().to(torch.float64) for p in model.parameters()]}
 
 
-def consolidated_round_trip(rank: int, world_size: int, rule: str, steps: tuple[int, int]) -> dict:
-    """``steps[0]`` steps under the optimizer's own flat plan, torch's consolidated state dict on
-    rank 0 (``consolidate_state_dict`` + ``state_dict``), loaded into a new optimizer over a new
-    model on every rank, ``steps[1]`` more steps."""
+def consolidated_save_then_resume(rank: int, world_size: int, path: str, rule: str, strategy: str,
+                                  steps: tuple[int, int], phase: str) -> dict:
+    """As `save_then_resume`, in torch's consolidated format: ``consolidate_state_dict`` and
+    ``state_dict`` on rank 0, ``torch.save``-d with the model's; ``"resume"`` loads both on every
+    rank (this world size and plan may differ) and takes ``steps[1]`` more steps."""
     model = lowbit_model()
-    opt = Zero(groups(model), tx_of(rule), strategy="flat")
+    plan = plan_for(model, world_size, strategy, rule, False)
+    opt = Zero(groups(model), tx_of(rule), **({"plan": plan} if plan is not None else {"strategy": "flat"}))
     first, more = steps
-    for k in range(first):
+    if phase == "resume":
+        saved = torch.load(path, weights_only=False)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["optim"])
+    for k in range(first) if phase == "save" else range(first, first + more):
         set_grads(model, fixed_grads(list(model.parameters()), k))
         opt.step()
-    opt.consolidate_state_dict(to=0)
-    saved = broadcast(opt.state_dict() if rank == 0 else None)
-    fresh = lowbit_model(seed=1)
-    fresh.load_state_dict(model.state_dict())
-    again = Zero(groups(fresh), tx_of(rule), strategy="flat")
-    again.load_state_dict(saved)
-    for k in range(first, first + more):
-        set_grads(fresh, fixed_grads(list(fresh.parameters()), k))
-        again.step()
-    return {"params": [p.detach().to(torch.float64) for p in fresh.parameters()]}
+    if phase == "save":
+        opt.consolidate_state_dict(to=0)
+        if rank == 0:
+            torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, path)
+    return {"params": [p.detach().to(torch.float64) for p in model.parameters()]}
+
+
+def zero2_vs_ddp(rank: int, world_size: int, rule: str, steps: int) -> list[torch.Tensor]:
+    """ZeRO-2 (gradients reduce-scattered into block-aligned shards) with the low-bit rule beside
+    DDP + the same rule in `zero.functional.Optimizer`, each rank on its own data: the largest
+    difference of their params after each step."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import zero.functional as zf
+
+    ours_m, ref_m = lowbit_model(), lowbit_model()
+    ours = Zero(groups(ours_m), tx_of(rule), strategy="flat", reduce_scatter_grads=True)
+    ddp = DDP(ref_m)
+    ref = zf.Optimizer(groups(ref_m), tx_of(rule))
+    worst = []
+    for k in range(steps):
+        x = torch.randn(16, 64, generator=torch.Generator().manual_seed(100 * k + rank))
+        for model, opt in ((ours_m, ours), (ddp, ref)):
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        worst.append(max(float((p - q).abs().max()) for p, q in zip(ours_m.parameters(), ref_m.parameters())))
+    return worst

@@ -108,7 +108,11 @@ def test_state_dict_from_a_different_model():
         opt.load_state_dict({"params": []})
 
 
-def test_functional_state_reloads_only_onto_the_same_plan():
+def test_functional_state_of_the_earlier_form_reloads_only_onto_its_plan():
+    """A consolidated state dict of a `zero.functional` rule saved by an earlier zero (its local
+    states as they were, ``tx_states``, with the owners they reload onto) loads onto the same
+    placement, and elsewhere is an error that says so; today's per-param form loads anywhere,
+    and into a torch class it is an error naming what each keeps."""
     model = nn.Linear(3, 2)
     opt = Zero(model.parameters(), zf.adam, learning_rate=0.1)
     for p in model.parameters():
@@ -116,9 +120,14 @@ def test_functional_state_reloads_only_onto_the_same_plan():
     opt.step()
     opt.consolidate_state_dict()
     sd = opt.state_dict()
-    opt.load_state_dict(sd)  # same ownership: fine
+    opt.load_state_dict(sd)
+    earlier = {"state": {}, "param_groups": sd["param_groups"], "tx_states": [opt.optim.state_dict()["tx_states"]],
+               "owner": [0, 0]}
+    opt.load_state_dict(earlier)  # the same owners: fine
     with pytest.raises(ValueError, match="same plan and world size"):
-        opt.load_state_dict({**sd, "owner": [1, 0]})
+        opt.load_state_dict({**earlier, "owner": [1, 0]})
+    with pytest.raises(ValueError, match=r"has \['count', .*'inner_state.0.mu', 'inner_state.0.nu'\] but Adam keeps"):
+        Zero(nn.Linear(3, 2).parameters(), torch.optim.Adam, lr=0.1).load_state_dict(sd)
 
 
 def test_one_rank_steps_like_the_local_optimizer_and_exposes_its_keys():

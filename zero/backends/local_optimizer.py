@@ -19,7 +19,7 @@ from zero.functional.adapters.optimizer import check_not_optax
 from zero.plans.holdings import Holdings, LocalTensor
 
 __all__ = ["make_local_optimizer", "local_groups", "copy_hyperparams", "is_functional", "check_state_keys",
-           "per_element_keys", "check_shardable", "initial_state", "state_nbytes"]
+           "per_element_keys", "check_shardable", "initial_state", "state_nbytes", "is_per_element"]
 
 
 def make_local_optimizer(optimizer_class: Any, groups: list[dict], defaults: dict,
@@ -130,6 +130,14 @@ def initial_state(optim: torch.optim.Optimizer, which: set[int]) -> None:
                                  "(stepping a CPU copy of it failed), so its state cannot be made to load into")
             optim.state[p] = {k: (torch.zeros_like(p) if v.shape == (2,) else torch.zeros_like(v))
                               if isinstance(v, torch.Tensor) else v for k, v in probed.items()}
+
+
+def is_per_element(key: str, value: Any, per_element: set[str] | None) -> bool:
+    """Whether a state entry is shaped like its param (``per_element``: those keys; None: every
+    tensor with dimensions), as opposed to per-param scalars such as ``step``."""
+    if not isinstance(value, torch.Tensor):
+        return False
+    return key in per_element if per_element is not None else value.dim() > 0
 
 
 def state_nbytes(optimizer: torch.optim.Optimizer) -> int:

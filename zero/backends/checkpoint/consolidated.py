@@ -9,9 +9,14 @@ Both directions read what each rank holds from the plan (`zero.plans.holdings`),
 alike: a whole param's state travels as it is; a param held in pieces (flat shards) is put
 together from, or cut into, the pieces' elements, its per-param scalars (``step``) copied.
 
-A `zero.functional` local optimizer keeps one state per set of params stepped together, which
-cannot be split per param; its states travel as they are (``tx_states``) and reload only onto
-the same placement.
+A `zero.functional` local optimizer keeps one Optax-shaped state per set of params stepped
+together; its leaves travel per param, as `torch.distributed.checkpoint`'s entries do
+(`zero.backends.checkpoint.dcp_pieces.functional_leaves`): ``state[i]`` holds each of param
+``i``'s leaves under its path (``"0.mu"``; a quantized moment's ``"0.mu.codes"`` and
+``"0.mu.scale"``, one element per block, 1-D), put together from every rank's pieces, and the
+counts and hyperparameters its set shares; fp32 masters under ``"master"``. So it reloads at any
+world size and plan, each rank taking its pieces. (A state dict of the earlier form, the states
+as they were, ``tx_states``, reloads onto the same placement only.)
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ import optree
 import torch
 
 from zero.backends import comm
-from zero.backends.local_optimizer import check_state_keys
+from zero.backends.checkpoint.dcp_pieces import functional_leaves, held_elements, load_functional
+from zero.backends.local_optimizer import check_state_keys, is_functional, is_per_element
 from zero.backends.rank_state import RankState
 from zero.plans.checks import check_int
 from zero.plans.chunks import Held
@@ -31,14 +37,14 @@ from zero.plans.holdings import Holdings
 from zero.plans.plan import Plan
 from zero.plans.shards import group_ranges
 
-__all__ = ["gather", "to_global", "load", "merge", "cut", "placement", "check_compatible", "is_per_element"]
+__all__ = ["gather", "to_global", "load", "merge", "cut", "placement", "check_compatible"]
 
 
 def gather(state: RankState, to: int) -> list[dict] | None:
     """Every rank's local state dict, on rank ``to`` (in CPU memory), None elsewhere (call on all
     ranks). They move as raw tensors, rank by rank, point to point to ``to``."""
     state.push()
-    mine = state.state_dict()
+    mine = _local_form(state)
     if state.rank != to:
         comm.send_tree(mine, to, state.process_group, state.comm_device)
         return None
@@ -46,17 +52,57 @@ def gather(state: RankState, to: int) -> list[dict] | None:
             for r in range(state.world_size)]
 
 
+def _local_form(state: RankState) -> dict:
+    """What a rank sends: its local optimizer's state dict; for a `zero.functional` one, each
+    held piece of each leaf as ``(param, key, start, end, k, tensor)`` (elements ``start:end`` of
+    a tensor of ``numel // k``; ``k`` 0: the leaf as it is)."""
+    if not is_functional(state.optim):
+        return state.state_dict()
+    return {"pieces": [(h.param, key, h.start // k, h.end // k, k, held_elements(h, leaf, k)) if k
+                       else (h.param, key, 0, 0, 0, leaf) for h, key, leaf, k in functional_leaves(state)]}
+
+
 def to_global(state: RankState, local_dicts: Sequence[dict]) -> dict[str, Any]:
     """The global state dict out of every rank's local one (`gather`), each cut as the plan says."""
+    if local_dicts and "pieces" in local_dicts[0]:
+        per_param = _joined_leaves(local_dicts, state.params)
+        return _global_dict(per_param, state.param_groups)
     held = [state.holdings_of(r) for r in range(state.world_size)]
     return merge(local_dicts, held, state.param_groups, state.per_element_keys())
+
+
+def _joined_leaves(local_dicts: Sequence[dict], params: Sequence[torch.Tensor]) -> dict[int, dict]:
+    """Each param's `zero.functional` leaves out of every rank's pieces (`_local_form`)."""
+    state: dict[int, dict] = {}
+    covered: dict[tuple[int, str], int] = {}
+    for local in local_dicts:
+        for i, key, start, end, k, value in local["pieces"]:
+            entry = state.setdefault(i, {})
+            if not k:  # a leaf kept whole, or shared by the set: the same on every holder
+                entry.setdefault(key, value)
+                continue
+            whole = entry.setdefault(key, torch.empty(params[i].numel() // k, dtype=value.dtype))
+            whole[start:end] = value.reshape(-1)
+            covered[i, key] = covered.get((i, key), 0) + end - start
+    for (i, key), n in covered.items():
+        if n != state[i][key].numel():
+            raise ValueError(f"state {key!r} of param {i}: the ranks hold {n} of its {state[i][key].numel()} elements")
+        if state[i][key].numel() == params[i].numel():
+            state[i][key] = state[i][key].view(params[i].shape)
+    return state
 
 
 def load(state: RankState, saved: dict[str, Any]) -> None:
     """Load a global state dict (ours at any world size and plan, torch's, a plain optimizer's):
     this rank's part of it into its local optimizer, which places each tensor where it keeps it."""
-    check_compatible(saved, state.params, [len(g["params"]) for g in state.param_groups])
+    functional = is_functional(state.optim)
+    check_compatible(saved, state.params, [len(g["params"]) for g in state.param_groups], functional)
     check_state_keys(saved, state.optim)
+    if functional and "tx_states" not in saved:
+        names = [f"param {i}" for i in range(len(state.params))]
+        load_functional(state, names, {"state": {names[i]: st for i, st in saved["state"].items()},
+                                       "param_groups": saved["param_groups"]})
+        return
     state.load_state_dict(cut(saved, state.holdings, state.per_element_keys()))
 
 
@@ -77,7 +123,7 @@ def merge(local_dicts: Sequence[dict], held: Sequence[Holdings], param_groups: l
                 state[i] = ps[0][0]
         elif all(st for st, _, _ in ps):
             state[i] = _joined(ps, held[0].plan.metas[i].shape, per_element)
-    return _global_dict(state, local_dicts, param_groups, placement(held[0].plan))
+    return _global_dict(state, param_groups)
 
 
 def _joined(ps: list[tuple[dict, Held, bool]], shape: tuple[int, ...], per_element: set[str] | None) -> dict:
@@ -93,17 +139,11 @@ def _joined(ps: list[tuple[dict, Held, bool]], shape: tuple[int, ...], per_eleme
     return out
 
 
-def _global_dict(state: dict[int, Any], local_dicts: Sequence[dict], param_groups: list[dict],
-                 where: Any) -> dict:
-    """The global state dict of per-param ``state`` (global indices), with the groups' settings;
-    `zero.functional` local states (``tx_states``) travel per rank, with the placement they
-    reload onto (`placement`)."""
+def _global_dict(state: dict[int, Any], param_groups: list[dict]) -> dict:
+    """The global state dict of per-param ``state`` (global indices), with the groups' settings."""
     ranges = group_ranges([len(g["params"]) for g in param_groups])
     groups = [{**_settings(g), "params": list(r)} for g, r in zip(param_groups, ranges)]
     out: dict[str, Any] = {"state": state, "param_groups": groups}
-    tx_states = [local["tx_states"] for local in local_dicts if "tx_states" in local]
-    if tx_states:
-        out["tx_states"], out["owner"] = tx_states, where
     return out
 
 
@@ -170,8 +210,11 @@ def _settings(group: dict) -> dict:
     return {k: v for k, v in group.items() if k != "params"}
 
 
-def check_compatible(state_dict: Any, params: Sequence[torch.Tensor], group_sizes: Sequence[int]) -> None:
-    """``ValueError`` naming the mismatch when ``state_dict`` was saved for other params."""
+def check_compatible(state_dict: Any, params: Sequence[torch.Tensor], group_sizes: Sequence[int],
+                     functional: bool = False) -> None:
+    """``ValueError`` naming the mismatch when ``state_dict`` was saved for other params
+    (``functional``: for a `zero.functional` rule, whose state may hold 1-D tensors of one
+    element per block, or statistics of other shapes; loading checks each against its place)."""
     if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
         keys = sorted(state_dict) if isinstance(state_dict, dict) else "-"
         raise ValueError("state_dict must be an optimizer state dict with 'state' and 'param_groups' keys, got "
@@ -183,17 +226,10 @@ def check_compatible(state_dict: Any, params: Sequence[torch.Tensor], group_size
     for index, st in state_dict["state"].items():
         check_int("state_dict's param index", index, 0, len(params))
         for key, value in (st or {}).items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != params[index].shape:
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != params[index].shape \
+                    and not functional:
                 raise ValueError(f"state_dict's {key!r} for param {index} has shape {tuple(value.shape)} but the "
                                  f"param has shape {tuple(params[index].shape)}: it was saved for a different model")
-
-
-def is_per_element(key: str, value: Any, per_element: set[str] | None) -> bool:
-    """Whether a state entry is shaped like its param (``per_element``: those keys; None: every
-    tensor with dimensions), as opposed to per-param scalars such as ``step``."""
-    if not isinstance(value, torch.Tensor):
-        return False
-    return key in per_element if per_element is not None else value.dim() > 0
 
 
 def _cpu_copy(tree: Any) -> Any:

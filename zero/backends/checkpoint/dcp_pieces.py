@@ -18,14 +18,14 @@ from typing import Any
 import torch
 
 from zero.backends import comm
-from zero.backends.checkpoint.consolidated import is_per_element
-from zero.backends.local_optimizer import initial_state
+from zero.backends.local_optimizer import initial_state, is_per_element
 from zero.backends.precision import MASTER_KEY
 from zero.backends.rank_state import RankState
 from zero.functional.adapters.optimizer import map_state_leaves, state_leaves
 from zero.plans.chunks import Held, range_boxes
 
-__all__ = ["quiet", "torch_entries", "functional_entries", "load_torch", "load_functional"]
+__all__ = ["quiet", "torch_entries", "functional_entries", "functional_leaves", "held_elements", "saved_shape",
+           "load_torch", "load_functional"]
 
 
 @contextlib.contextmanager
@@ -69,21 +69,34 @@ def _functional_sets(state: RankState) -> Iterator[tuple[dict, tuple[int, ...], 
 
 
 def functional_entries(state: RankState) -> Iterator[tuple[Held, str, Any]]:
+    """``(held piece, key, value for DCP)`` of a `zero.functional` local optimizer's state (see
+    `functional_leaves`)."""
+    for h, key, leaf, k in functional_leaves(state):
+        yield h, key, _piece(state, h, leaf, k) if k else leaf
+
+
+def functional_leaves(state: RankState) -> Iterator[tuple[Held, str, Any, int]]:
     """The Optax-shaped state of a `zero.functional` local optimizer, per held piece: each
     per-param leaf under its path (``"0.mu"`` ...), each shared leaf (counts, hyperparameters)
-    under every param of its set; masters under `MASTER_KEY`."""
+    under every param of its set; masters under `MASTER_KEY`. With each, how many of the param's
+    elements one of the leaf's stands for (`_per_element`; 0: the leaf is saved as it is)."""
     held = state.holdings
     params = [p for g in state.optim.param_groups for p in g["params"]]
     for states, idx, js, names in _functional_sets(state):
         for key, pos, leaf in state_leaves(states[idx], len(idx), names):
             for j in js if pos is None else [js[pos]]:
                 for h in held.pieces(j):
-                    k = _per_element(leaf, params[j], h, state, key) if pos is not None else 0
-                    yield h, key, _piece(state, h, leaf, k) if k else leaf
+                    yield h, key, leaf, _per_element(leaf, params[j], h, state, key) if pos is not None else 0
     for j, p in enumerate(params):
         if state.masters.stepped(p) is not None:
             for h in held.pieces(j):
-                yield h, MASTER_KEY, _piece(state, h, p)
+                yield h, MASTER_KEY, p, 1
+
+
+def held_elements(h: Held, value: torch.Tensor, k: int) -> torch.Tensor:
+    """The held piece's part of a local state tensor with one element per ``k`` of the param's
+    (flat, a view)."""
+    return value.reshape(-1)[h.offset // k:(h.offset + h.end - h.start) // k]
 
 
 def _per_element(leaf: Any, local: torch.Tensor, h: Held, state: RankState, key: str) -> int:
@@ -111,8 +124,8 @@ def _piece(state: RankState, h: Held, value: torch.Tensor, k: int = 1) -> torch.
     """This rank's piece of one state tensor (one element per ``k`` of the param's): the tensor
     itself (the param's shape, or 1-D for ``k > 1``) when it holds all of it, else a
     ``ShardedTensor`` of its boxes, views into ``value``."""
-    shape = tuple(state.params[h.param].shape) if k == 1 else (state.params[h.param].numel() // k,)
-    flat = value.reshape(-1)[h.offset // k:(h.offset + h.end - h.start) // k]
+    shape = saved_shape(state, h, k)
+    flat = held_elements(h, value, k)
     chunks = state.holdings.chunks(h.param)
     if len(chunks) == 1:
         return flat.view(shape)
@@ -182,7 +195,7 @@ def load_functional(state: RankState, names: list[str], sd: dict) -> None:
                 saved = _saved(sd, names[h.param], key)
                 k = _per_element(leaf, params[h.local], h, state, key) if pos is not None else 0
                 if k:
-                    _copy_piece(leaf, h, saved, names[h.param], key, _saved_shape(state, h, k), k)
+                    _copy_piece(leaf, h, saved, names[h.param], key, saved_shape(state, h, k), k)
                 elif isinstance(leaf, torch.Tensor):
                     _copy_whole(leaf, saved, names[h.param], key)
                 else:
@@ -218,7 +231,7 @@ def _copy_whole(dst: torch.Tensor, value: Any, fqn: str, key: str) -> None:
         dst.copy_(value)
 
 
-def _saved_shape(state: RankState, h: Held, k: int) -> tuple[int, ...]:
+def saved_shape(state: RankState, h: Held, k: int) -> tuple[int, ...]:
     """The shape a state tensor with one element per ``k`` of param ``h.param``'s is saved in."""
     return tuple(state.params[h.param].shape) if k == 1 else (state.params[h.param].numel() // k,)
 
