@@ -254,3 +254,18 @@ def test_the_plans_step_chunk_is_the_kernels():
     from zero.plans.accounting import optimizer_state
 
     assert optimizer_state("adamw8bit").step_chunk == optimizer_state("adamw4bit").step_chunk == Q.CHUNK_NUMEL
+
+
+def test_float64_params_step_and_complex_ones_are_refused():
+    """float64 params compute in float64, their quantized moments rounded to float32 first (as
+    torchao computes in float32); a complex param is a TypeError naming its dtype."""
+    params = [torch.randn(4096, dtype=torch.float64), torch.randn(10, dtype=torch.float64)]
+    tx = adamw_8bit(1e-2)
+    state = tx.init(params)
+    for k in range(3):
+        updates, state = tx.update([g.double() for g in _grads(k, [(4096,), (10,)])], state, params)
+        params = zf.apply_updates(params, updates)
+    assert isinstance(state[0].mu[0], Q.Quantized) and state[0].mu[1].dtype == torch.float64
+    assert all(p.dtype == torch.float64 and torch.isfinite(p).all() for p in params)
+    with pytest.raises(TypeError, match=r"scale_by_adam_8bit keeps real moments.*complex64"):
+        tx.init([torch.zeros(8, dtype=torch.complex64)])

@@ -165,9 +165,10 @@ def _threshold_values(values: tuple[float, ...]) -> tuple[float, ...]:
 
 
 def quantize(x: torch.Tensor, table: torch.Tensor, bits: int, block_size: int, shape: tuple[int, ...]) -> Quantized:
-    """``x`` (float32, any shape, ``numel`` a multiple of ``block_size``) quantized: per block, its
-    scale, and per element the nearest map value's index (half-way rounds up, as torchao's)."""
-    blocks = x.reshape(-1, block_size)
+    """``x`` (any shape, ``numel`` a multiple of ``block_size``; float64 is rounded to float32
+    first, as torchao computes) quantized: per block, its scale, and per element the nearest map
+    value's index (half-way rounds up, as torchao's)."""
+    blocks = x.reshape(-1, block_size).to(torch.float32)
     scale = blocks.abs().amax(-1).clamp(min=SCALE_FLOOR)
     scaled = (blocks / scale.view(-1, 1)).reshape(-1)
     codes = codes_of(scaled, table)

@@ -468,7 +468,6 @@ def all_finite(leaves: Sequence[torch.Tensor]) -> bool:
     return bad == 0
 
 
-
 def quantized(leaves: Sequence[torch.Tensor], block: int, quantizes: Callable[[int], bool], what: str,
               bits: int = 8) -> list[bool]:
     """Per leaf, whether a rule that keeps state quantized in blocks of ``block`` elements (in

@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from zero.plans.accounting import OPTIMIZERS
+from zero.plans.accounting import OPTIMIZERS, optimizer_state
 from zero.plans.diff import diff_plans
 from zero.plans.meta import param_metas
 from zero.plans.plan import PLAN_STRATEGIES, WEIGHTS, Plan, make_plan
@@ -35,7 +35,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--weight", choices=WEIGHTS, default="numel",
                    help="what to balance: elements, optimizer-state bytes, or the work of each step "
                         "(step_flops; with --optimizer muon, Newton-Schulz matmuls)")
-    p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adam")
+    p.add_argument("--optimizer", type=_optimizer_name, default="adam", metavar="NAME",
+                   help=f"whose state to count: {', '.join(sorted(OPTIMIZERS))}; a low-bit one with another "
+                        "block size as adamw8bit/128")
     p.add_argument("--alignment", type=int, default=1, help="flat shard alignment (elements)")
     p.add_argument("--master-dtype", help="the optimizer steps master copies in this dtype (e.g. float32 for a "
                                           "bf16 model): counts them and their state per rank")
@@ -93,6 +95,15 @@ def load_metas(args: argparse.Namespace):
     return param_metas(obj)
 
 
+def _optimizer_name(name: str) -> str:
+    """An optimizer name `zero.make_plan` knows (argparse reports the ValueError's words)."""
+    try:
+        optimizer_state(name)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return name
+
+
 def _plan(args: argparse.Namespace) -> int:
     from zero.plans.render import compare_table, render
 
@@ -102,7 +113,7 @@ def _plan(args: argparse.Namespace) -> int:
         return 0
     metas = load_metas(args)
     if args.compare:
-        matrices = OPTIMIZERS[args.optimizer].ns_steps > 0  # Muon: whole matrices, and work to balance
+        matrices = optimizer_state(args.optimizer).ns_steps > 0  # Muon: whole matrices, and work to balance
         weights = ("numel", "state_bytes", "step_flops") if matrices else ("numel", "state_bytes")
         plans = [make_plan(metas, args.world_size, s, w, args.optimizer, args.alignment,
                            master_dtype=args.master_dtype)

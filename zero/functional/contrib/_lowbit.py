@@ -72,7 +72,7 @@ def quantizes(numel: int, block_size: int) -> bool:
     return numel >= MIN_QUANTIZED_NUMEL and numel % block_size == 0
 
 
-def _check_block(bits: int, block_size: Any) -> None:
+def _check_block(block_size: Any) -> None:
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 2 or block_size % 2:
         raise ValueError(f"block_size must be an even int >= 2 (two 4-bit codes share a byte), got {block_size!r}")
 
@@ -81,7 +81,7 @@ def _scale_by_lowbit_adam(bits: int, b1: float, b2: float, eps: float, block_siz
     check_unit("b1", b1)
     check_unit("b2", b2)
     check_non_negative("eps", eps)
-    _check_block(bits, block_size)
+    _check_block(block_size)
     name = f"scale_by_adam_{bits}bit"
     whole = functools.partial(quantizes, block_size=block_size)
 
@@ -90,6 +90,9 @@ def _scale_by_lowbit_adam(bits: int, b1: float, b2: float, eps: float, block_siz
         kinds = dict(zip(map(id, leaves), sharding.quantized(leaves, block_size, whole, name, bits)))
 
         def moment(p):
+            if not p.is_floating_point():
+                raise TypeError(f"{name} keeps real moments and steps float params; got a {p.dtype} param of shape "
+                                f"{tuple(p.shape)}")
             if kinds[id(p)]:
                 return Q.zeros(p.numel(), tuple(p.shape), bits, block_size, p.device)
             return torch.zeros_like(p)
