@@ -10,6 +10,7 @@ from torch import nn
 import zero
 import zero.functional as zf
 from zero.backends import ZeroRedundancyOptimizer as Zero
+from zero.backends import checkpoint as ckpt
 from zero.functional import contrib
 
 STEPS = 6
@@ -112,9 +113,10 @@ def test_strategy_flat_makes_the_block_aligned_plan_and_says_so():
 
 @pytest.mark.usefixtures("one_rank")
 @pytest.mark.parametrize("name", ["AdamW8bit", "AdamW4bit"])
-def test_torchaos_classes_run_whole_params_and_are_refused_on_a_flat_plan(name):
-    """Whole-param plans give torchao's class whole params, as it expects; a flat plan's shards
-    would change its numbers (ao#4912): a ValueError that points to zero's rule."""
+def test_torchaos_classes_run_whole_params_and_are_refused_on_a_flat_plan(name, tmp_path):
+    """Whole-param plans give torchao's class whole params, as it expects, and its state (torchao's
+    own tensor subclasses) round-trips a DCP checkpoint; a flat plan's shards would change its
+    numbers (ao#4912): a ValueError that points to zero's rule."""
     torchao_optim = pytest.importorskip("torchao.optim", reason="torchao is a test dependency (make installs it)")
     cls = getattr(torchao_optim, name)
     model = nn.Sequential(nn.Linear(64, 128), nn.Linear(128, 3))
@@ -126,5 +128,13 @@ def test_torchaos_classes_run_whole_params_and_are_refused_on_a_flat_plan(name):
             set_grads(m, fixed_grads(list(m.parameters()), k))
             opt.step()
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters()))
+    ckpt.save(str(tmp_path / "ao"), model, ours)
+    again = nn.Sequential(nn.Linear(64, 128), nn.Linear(128, 3))
+    resumed = Zero(again.parameters(), cls, lr=1e-2)
+    ckpt.load(str(tmp_path / "ao"), again, resumed)
+    for m, opt in ((model, ours), (again, resumed)):
+        set_grads(m, fixed_grads(list(m.parameters()), 3))
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), again.parameters()))
     with pytest.raises(ValueError, match=rf"torchao.optim.{name}.*ao#4912.*contrib.{name.lower()[:5]}_{name[-4:]}"):
         Zero(model.parameters(), cls, strategy="flat", lr=1e-2)

@@ -125,6 +125,8 @@ def _piece(state: RankState, h: Held, value: torch.Tensor, k: int = 1) -> torch.
     itself (the param's shape, or 1-D for ``k > 1``) when it holds all of it, else a
     ``ShardedTensor`` of its boxes, views into ``value``."""
     shape = saved_shape(state, h, k)
+    if tuple(value.shape) == shape and h.end - h.start == value.numel() * k:
+        return value  # the whole tensor, as it is (a tensor subclass, torchao's state, may not reshape)
     flat = held_elements(h, value, k)
     chunks = state.holdings.chunks(h.param)
     if len(chunks) == 1:
