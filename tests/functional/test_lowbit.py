@@ -249,11 +249,17 @@ def test_the_in_place_step_takes_large_params_in_chunks_with_the_same_bits(monke
     assert all(torch.equal(a, b) for a, b in zip(optree.tree_leaves(chunked), optree.tree_leaves(whole)))
 
 
-def test_the_plans_step_chunk_is_the_kernels():
-    """`zero.plans` counts the step's temporaries per chunk: the chunk the kernel takes."""
+def test_the_plans_rules_are_the_kernels():
+    """`zero.plans` (no torch) states torchao's threshold and the step's chunk again: they agree
+    with the rule's, size by size, so the plan's bytes and cuts are the rule's."""
+    from zero.functional.contrib._lowbit import quantizes
     from zero.plans.accounting import optimizer_state
 
     assert optimizer_state("adamw8bit").step_chunk == optimizer_state("adamw4bit").step_chunk == Q.CHUNK_NUMEL
+    for name, block in (("adamw8bit", 256), ("adamw4bit", 128), ("adamw8bit/64", 64)):
+        spec = optimizer_state(name)
+        assert spec.block_size == block
+        assert [spec.quantizes(n) for n in range(3800, 9000)] == [quantizes(n, block) for n in range(3800, 9000)]
 
 
 def test_float64_params_step_and_complex_ones_are_refused():

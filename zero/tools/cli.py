@@ -19,6 +19,11 @@ __all__ = ["main", "load_metas", "subcommands"]
 
 
 def _parser() -> argparse.ArgumentParser:
+    return _parsers()[0]
+
+
+def _parsers() -> tuple[argparse.ArgumentParser, argparse.Action]:
+    """The ``zero`` parser, and its subcommands' action (whose ``choices`` name them)."""
     parser = argparse.ArgumentParser(prog="zero", description="zero: sharded optimizers whose plans are values. "
                                      "Plan a model's sharding, run the ZeRO demo, or run the benchmarks.")
     parser.add_argument("--version", action="version", version=f"zero {_version()}")
@@ -58,7 +63,7 @@ def _parser() -> argparse.ArgumentParser:
                    add_help=False)
     sub.add_parser("simulate", help="ranks of a large job running the real step under torch's fake process group: "
                    "memory and collectives measured vs the plan's prediction (see zero simulate -h)", add_help=False)
-    return parser
+    return parser, sub
 
 
 def load_metas(args: argparse.Namespace):
@@ -174,7 +179,7 @@ def _read(path: Path) -> str:
 
 def subcommands() -> list[str]:
     """The ``zero`` command's subcommands (``plan``, ``simulate`` ...), as ``zero -h`` lists them."""
-    return list(next(a for a in _parser()._actions if a.dest == "command").choices)
+    return list(_parsers()[1].choices)
 
 
 def main(argv: list[str] | None = None) -> int:
