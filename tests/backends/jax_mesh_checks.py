@@ -146,8 +146,14 @@ def errors() -> dict[str, str]:
         "frozen": lambda: jax_mesh.init(optax.adam(1e-2), params,
                                         zero.make_plan([m._replace(requires_grad=m.name != "b2") for m in metas], 8),
                                         mesh),
-        "hybrid": lambda: jax_mesh.init(optax.adam(1e-2), params,
-                                        zero.make_plan(metas, 8, "flat", whole=lambda m: m.name == "w1"), mesh),
+        "hybrid_global_norm": lambda: jax_mesh.init(
+            optax.chain(optax.clip_by_global_norm(1.0), optax.contrib.muon(1e-2)), params,
+            zero.make_plan(metas, 8, "flat", optimizer="muon"), mesh),
+        "hybrid_flat_adafactor": lambda: jax_mesh.init(
+            optax.adafactor(1e-2, min_dim_size_to_factor=8), params,
+            zero.make_plan(metas, 8, "flat", whole=lambda m: len(m.shape) == 2), mesh),
+        "hybrid_gather": lambda: jax_mesh.gather_state(None, optax.adam(1e-2), params,
+                                                       zero.make_plan(metas, 8, "flat", optimizer="muon"), mesh),
         "grads_tree": lambda: jax_mesh.update(optax.adam(1e-2), plan, mesh)(
             {k: v for k, v in params.items() if k != "b2"}, jax_mesh.init(optax.adam(1e-2), params, plan, mesh),
             params),
@@ -197,6 +203,118 @@ def checkpoint_moves(folder: str) -> dict:
             "plan_bytes": [r.state_bytes - 4 for r in plan.ranks]}
 
 
+MATRICES = {**SHAPES, "w3": (64, 40), "w4": (40, 40)}
+HYBRID = {  # name: (transformation, make_plan's keywords)
+    "muon": (lambda: optax.contrib.muon(1e-2, weight_decay=0.1), dict(optimizer="muon")),
+    "adafactor": (lambda: optax.adafactor(1e-2, min_dim_size_to_factor=16), dict(whole=lambda m: True)),
+}
+
+
+def branch_dots(text: str) -> list[int]:
+    """The dot ops each branch of the compiled step's switch over devices runs (with what it calls),
+    for the conditional whose branches hold any."""
+    bodies = re.split(r"\n(?=\S.*\{\s*$)", text, flags=re.M)
+    comps = {}
+    for body in bodies:
+        head = re.match(r"(?:ENTRY )?%?([\w.\-]+)", body.strip())
+        if head:
+            comps[head.group(1)] = body
+    calls = {n: re.findall(r"(?:calls|to_apply|body|condition)=%?([\w.\-]+)", b) +
+             [c for group in re.findall(r"branch_computations=\{([^}]*)\}", b) for c in re.findall(r"%?([\w.\-]+)", group)]
+             for n, b in comps.items()}
+    memo: dict[str, int] = {}
+
+    def dots(name: str) -> int:
+        if name not in memo:
+            memo[name] = 0
+            memo[name] = len(re.findall(r"= \S+ dot\(", comps.get(name, ""))) + sum(dots(c) for c in calls.get(name, []))
+        return memo[name]
+
+    found = []
+    for b in comps.values():
+        for group in re.findall(r"branch_computations=\{([^}]*)\}", b):
+            counts = [dots(c) for c in re.findall(r"%?([\w.\-]+)", group)]
+            if sum(counts):
+                found.append(counts)
+    return found[0] if len(found) == 1 else found
+
+
+def hybrid(name: str) -> dict:
+    """A hybrid plan on 8 devices: 20 float32 steps against Optax unsharded, the Newton-Schulz
+    dots of each device's branch, the bytes each device holds."""
+    make, kwargs = HYBRID[name]
+    rng = np.random.default_rng(5)
+    tree = lambda: {k: jnp.asarray(rng.standard_normal(s), np.float32) for k, s in MATRICES.items()}
+    params, tx, mesh = tree(), make(), mesh_of(8)
+    plan = zero.make_plan(zero.param_metas(params), 8, "flat", **kwargs)
+    state, step = jax_mesh.init(tx, params, plan, mesh), jax_mesh.update(tx, plan, mesh)
+    ref, ref_state, ours, rel, compiles = params, tx.init(params), params, 0.0, []
+    for _ in range(20):
+        g = tree()
+        before = len(COMPILES)
+        ours, state = step(g, state, ours)
+        compiles.append(len(COMPILES) - before)
+        updates, ref_state = tx.update(g, ref_state, ref)
+        ref = optax.apply_updates(ref, updates)
+        rel = max(rel, worst(ours, ref))
+    args = (jax.device_put(g, step._placed.replicated), state, jax.device_put(ours, step._placed.replicated))
+    text = step._jitted.lower(*args).compile().as_text()
+    unsharded = jax.jit(tx.update).lower(g, ref_state, ref).compile().as_text()
+    names = list(MATRICES)
+    owners = {names[i]: plan.partition.owner[i] for i in plan.whole}
+    return {"rel": rel, "whole": owners, "branch_dots": branch_dots(text),
+            "dots": len(re.findall(r"= \S+ dot\(", text)), "unsharded_dots": len(re.findall(r"= \S+ dot\(", unsharded)),
+            "bytes": jax_mesh.state_bytes(state, mesh), "device_bytes": jax_mesh.device_bytes(tx, params, plan),
+            "own_bytes": list(step._whole.nbytes()), "compiles_after_first": sum(compiles[1:]),
+            "collectives": collectives(step, *args)}
+
+
+def orbax_moves(folder: str) -> dict:
+    """10 AdamW steps on 8 devices under a flat plan, saved with Orbax (twice: the second replaces
+    the first), restored on 4 devices under a whole-param plan, 10 more steps: against 20 steps
+    uninterrupted. What each device read, and the errors of a wrong restore."""
+    from zero.backends.jax_mesh import checkpoint
+
+    rng = np.random.default_rng(7)
+    params = tree_of(rng, np.float32)
+    grads = [tree_of(rng, np.float32) for _ in range(20)]
+    tx, metas = optax.adamw(1e-2, weight_decay=0.1), zero.param_metas(params)
+    flat8, whole4 = zero.make_plan(metas, 8, "flat", bucket_numel=1000), zero.make_plan(metas, 4, "sorted_greedy")
+    step8 = jax_mesh.update(tx, flat8, mesh_of(8))
+    alone, state = params, jax_mesh.init(tx, params, flat8, mesh_of(8))
+    for k in range(20):
+        alone, state = step8(grads[k], state, alone)
+    p, state = params, jax_mesh.init(tx, params, flat8, mesh_of(8))
+    path = os.path.join(folder, "orbax_ckpt")
+    checkpoint.save(path, state, flat8, mesh_of(8), params=p)  # an older checkpoint, replaced below
+    for k in range(10):
+        p, state = step8(grads[k], state, p)
+    checkpoint.save(path, state, flat8, mesh_of(8), params=p)
+    reads: dict[int, int] = {}
+    p, state = checkpoint.restore(path, tx, params, whole4, mesh_of(4), reads=reads)
+    restored_bytes = jax_mesh.state_bytes(state, mesh_of(4))
+    step4 = jax_mesh.update(tx, whole4, mesh_of(4))
+    for k in range(10, 20):
+        p, state = step4(grads[k], state, p)
+    errors = {}
+    for name, call in {
+        "other_rule": lambda: checkpoint.restore(path, optax.sgd(1e-2, momentum=0.9), params, whole4, mesh_of(4)),
+        "other_params": lambda: checkpoint.restore(path, tx, {**params, "w1": jnp.zeros((16, 34))},
+                                                   zero.make_plan(zero.param_metas({**params, "w1": jnp.zeros((16, 34))}), 4),
+                                                   mesh_of(4)),
+        "no_checkpoint": lambda: checkpoint.restore(os.path.join(folder, "nothing"), tx, params, whole4, mesh_of(4)),
+    }.items():
+        try:
+            call()
+            errors[name] = "no error"
+        except ValueError as err:
+            errors[name] = f"ValueError: {err}"
+    own = [whole4.ranks[r].state_bytes - 4 * len(whole4.partition.params_of(r)) for r in range(4)]  # less torch's per-param step
+    return {"rel": worst(jax.tree.map(np.asarray, p), jax.tree.map(np.asarray, alone)), "reads": [reads.get(r, 0) for r in range(4)], "own_bytes": own,
+            "restored_bytes": restored_bytes, "device_bytes": jax_mesh.device_bytes(tx, params, whole4),
+            "errors": errors, "siblings": sorted(n for n in os.listdir(folder) if n.startswith("orbax_ckpt."))}
+
+
 def main() -> None:
     with open(sys.argv[1]) as f:
         plan_texts = json.load(f)
@@ -204,7 +322,8 @@ def main() -> None:
                       for rule in RULES for kind in PLANS for dt in (np.float64,)},
            "errors": errors(), "two_executors": two_executors(plan_texts),
            "checkpoint": checkpoint_moves(os.path.dirname(sys.argv[1])),  # the test's own temporary folder
-           "two_axes": two_axes()}
+           "two_axes": two_axes(), "hybrid": {name: hybrid(name) for name in HYBRID},
+           "orbax": orbax_moves(os.path.dirname(sys.argv[1]))}
     out["parity"].update({f"{rule}-{kind}-float32": parity(rule, kind, np.float32)
                           for rule, kind in (("adamw", "flat"), ("clip_adam", "whole"))})
     out["parity"]["adamw-flat-mixed"] = parity("adamw", "flat", "mixed")

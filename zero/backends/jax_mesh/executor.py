@@ -18,11 +18,12 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from zero.backends.jax_mesh.buffers import pack, pack_slices, packing, unpack
+from zero.backends.jax_mesh.hybrid import HybridState, WholeParams, masked
 from zero.backends.jax_mesh.rules import check_rule, check_state, is_per_param
 from zero.plans.meta import param_metas
 from zero.plans.plan import Plan, check_plan
 
-__all__ = ["init", "update", "gather_state", "place_state", "state_bytes"]
+__all__ = ["init", "update", "gather_state", "place_state", "state_bytes", "device_bytes"]
 
 
 class _Placed:
@@ -37,10 +38,6 @@ class _Placed:
         if plan.world_size != mesh.shape[axis]:
             raise ValueError(f"the plan is for {plan.world_size} ranks but mesh axis {axis!r} has "
                              f"{mesh.shape[axis]} devices: make the plan for {mesh.shape[axis]}")
-        if plan.hybrid:
-            raise ValueError(f"a hybrid plan (flat, with {len(plan.whole)} params whole) needs the rules that want "
-                             "whole tensors, which a mesh refuses (see jax_mesh.rules): make the plan without "
-                             "whole= (a flat plan) or use a whole-param strategy")
         frozen = [m.name for m in plan.metas if not m.requires_grad]
         if frozen:
             raise ValueError(f"the plan marks param {frozen[0]!r} frozen, but a mesh steps every leaf it is given: "
@@ -52,10 +49,21 @@ class _Placed:
 
     def check(self, tx: optax.GradientTransformation, params: Any) -> None:
         """``ValueError`` when ``params`` are not the plan's, or ``tx`` cannot be placed or stepped
-        on buffers (see `rules`)."""
+        on buffers, with a hybrid plan's whole params on their owners (see `rules`)."""
         names = self.check_params(params)
-        check_state(tx, params)
-        check_rule(tx, params, names)
+        whole = self.plan.whole
+        check_state(tx, masked(params, [i for i in range(len(names)) if i not in set(whole)]) if whole else params)
+        check_rule(tx, params, names, {i: self.plan.partition.owner[i] for i in whole})
+
+    def refuse_hybrid(self, what: str) -> None:
+        if self.plan.hybrid:
+            raise ValueError(f"{what} moves element-wise state between Optax's tree and a plan's buffers; a hybrid "
+                             f"plan's whole params keep per-owner state ({len(self.plan.whole)} params): save it "
+                             "with jax_mesh.save, which keeps each device's rows as they are")
+
+    def whole_params(self, tx: optax.GradientTransformation, params: Any) -> WholeParams | None:
+        """A hybrid plan's per-owner step of its whole params (None for other plans)."""
+        return WholeParams(tx, self.plan, params, self.mesh, self.axis) if self.plan.hybrid else None
 
     def check_params(self, params: Any) -> list[str]:
         """``ValueError`` naming the first param that differs from the plan's; the params' names."""
@@ -70,24 +78,30 @@ class _Placed:
     def pack(self, leaves) -> tuple[jax.Array, ...]:
         return pack_slices(leaves, self.buffers, self.mesh, self.axis)
 
-    def shardings(self, state_shapes: Any) -> Any:
-        """Each state leaf's placement: a buffer's leaves sharded, scalars replicated."""
+    def shardings(self, tx: optax.GradientTransformation, params: Any, whole: WholeParams | None) -> Any:
+        """Each state leaf's placement: a buffer's leaves sharded; scalars, and constants (leaves
+        that keep their shape when the buffers grow: Muon's coefficients), replicated; a hybrid
+        plan's rows sharded."""
+        view = self.view_of(params)
+        state_shapes = jax.eval_shape(tx.init, view)
+        grown = jax.eval_shape(tx.init, tuple(jax.ShapeDtypeStruct((b.shape[0] + self.plan.world_size,), b.dtype)
+                                              for b in view))
         lengths = {(b.length,) for b in self.buffers}
 
-        def place(path, leaf):
-            if leaf.shape == ():
+        def place(path, leaf, other):
+            if leaf.shape == () or leaf.shape == other.shape:
                 return self.replicated
             if tuple(leaf.shape) in lengths:
                 return self.sharded
             raise ValueError(f"optimizer state leaf {jax.tree_util.keystr(path)} of the packed step has shape "
                              f"{tuple(leaf.shape)}, not a buffer's: no plan can place it")
 
-        return jax.tree_util.tree_map_with_path(place, state_shapes)
+        flat = jax.tree_util.tree_map_with_path(place, state_shapes, grown)
+        return flat if whole is None else HybridState(flat, (self.sharded,) * len(whole.state.dtypes))
 
     def view_of(self, params: Any) -> Any:
         """The buffers' abstract values, for ``jax.eval_shape``."""
-        leaves = jax.tree.leaves(params)
-        return tuple(jax.ShapeDtypeStruct((b.length,), leaves[b.params[0]].dtype) for b in self.buffers)
+        return buffer_shapes(self.buffers, params)
 
 
 def init(tx: optax.GradientTransformation, params: Any, plan: Plan, mesh: Mesh, axis: str = "data") -> Any:
@@ -98,6 +112,10 @@ def init(tx: optax.GradientTransformation, params: Any, plan: Plan, mesh: Mesh, 
     ``r`` holds rank ``r``'s elements; scalars (counts) are replicated. It is built under ``jit``
     with those output shardings, so no device ever holds it whole. `gather_state` gives it in the
     params' tree (Optax's layout), `place_state` places such a state.
+
+    Under a hybrid plan (``make_plan(..., "flat", optimizer="muon")``) it is a
+    `zero.backends.jax_mesh.hybrid.HybridState`: that state for the flat buffers, and each
+    device's ``tx.init`` of the whole params it owns, in rows (`zero.backends.jax_mesh.hybrid`).
     """
     placed = _Placed(plan, mesh, axis)
     placed.check(tx, params)
@@ -106,19 +124,22 @@ def init(tx: optax.GradientTransformation, params: Any, plan: Plan, mesh: Mesh, 
 
 def _init_program(tx: optax.GradientTransformation, placed: _Placed, params: Any) -> Callable:
     """``tx.init`` over the packed params, jitted with the state's shardings as its outputs."""
+    whole = placed.whole_params(tx, params)
 
     def build(params):
-        return tx.init(placed.pack(jax.tree.leaves(params)))
+        flat = tx.init(placed.pack(jax.tree.leaves(params)))
+        return flat if whole is None else HybridState(flat, whole.init(params))
 
-    return jax.jit(build, out_shardings=placed.shardings(jax.eval_shape(build, params)))
+    return jax.jit(build, out_shardings=placed.shardings(tx, params, whole))
 
 
 def update(tx: optax.GradientTransformation, plan: Plan, mesh: Mesh, axis: str = "data") -> Callable:
     """A step ``(grads, state, params) -> (params, state)`` of ``tx`` placed by ``plan``.
 
-    Each device steps its slice of every buffer; the state keeps its placement (the old one is
-    donated), the params come back replicated. The first call checks the params against the plan
-    and compiles; later calls with the same tree reuse the compiled step.
+    Each device steps its slice of every buffer, and under a hybrid plan the whole params it
+    owns (only those: one device per matrix); the state keeps its placement (the old one is
+    donated), the params come back replicated. The first call checks the params against the
+    plan and compiles; later calls with the same tree reuse the compiled step.
     """
     placed = _Placed(plan, mesh, axis)
     return _Step(tx, placed)
@@ -128,15 +149,15 @@ class _Step:
     """The jitted step of `update`, compiled on the first call (it needs the params' tree)."""
 
     def __init__(self, tx: optax.GradientTransformation, placed: _Placed):
-        self._tx, self._placed, self._jitted, self._treedef = tx, placed, None, None
+        self._tx, self._placed, self._jitted, self._treedef, self._whole = tx, placed, None, None, None
 
     def __call__(self, grads: Any, state: Any, params: Any) -> tuple[Any, Any]:
         treedef = jax.tree.structure(params)
         if self._jitted is None:
             self._placed.check(self._tx, params)
-            state_shapes = jax.eval_shape(self._tx.init, self._placed.view_of(params))
-            self._jitted = jax.jit(self._step, donate_argnums=1,
-                                   out_shardings=(self._placed.replicated, self._placed.shardings(state_shapes)))
+            self._whole = self._placed.whole_params(self._tx, params)
+            self._jitted = jax.jit(self._step, donate_argnums=1, out_shardings=(
+                self._placed.replicated, self._placed.shardings(self._tx, params, self._whole)))
             self._treedef = treedef
         elif treedef != self._treedef:
             raise ValueError(f"these params are another tree than the first step's: {treedef} against {self._treedef}")
@@ -147,12 +168,16 @@ class _Step:
 
     def _step(self, grads, state, params):
         leaves, treedef = jax.tree.flatten(params)
+        flat_state = state if self._whole is None else state.flat
+        if self._whole is not None:  # the owners' whole params first, the flat buffers then fill in theirs
+            leaves, rows = self._whole.step(grads, state.whole, params)
         view = self._placed.pack(leaves)
-        updates, state = self._tx.update(self._placed.pack(treedef.flatten_up_to(grads)), state, view)
+        updates, flat_state = self._tx.update(self._placed.pack(treedef.flatten_up_to(grads)), flat_state, view)
         stepped = optax.apply_updates(view, updates)
         # gathered whole before they are cut into params: one all-gather a buffer, then local slices
         gathered = [jax.lax.with_sharding_constraint(b, self._placed.replicated) for b in stepped]
-        return treedef.unflatten(unpack(gathered, self._placed.buffers, leaves)), state
+        new = treedef.unflatten(unpack(gathered, self._placed.buffers, leaves))
+        return new, (flat_state if self._whole is None else HybridState(flat_state, rows))
 
 
 def gather_state(state: Any, tx: optax.GradientTransformation, params: Any, plan: Plan, mesh: Mesh,
@@ -162,6 +187,7 @@ def gather_state(state: Any, tx: optax.GradientTransformation, params: Any, plan
     `zero.functional.from_optax_state`, which reads single-device arrays, and a torch checkpoint.
     Each buffer travels to the host and is cut into params there, so no other device holds it whole."""
     placed = _Placed(plan, mesh, axis)
+    placed.refuse_hybrid("gather_state")
     placed.check_params(params)
     tree, view = _trees(tx, params, placed)
     nodes = [[np.asarray(b) for b in n] if like else np.asarray(n) for n, like in zip(_nodes(state, view), tree.likes)]
@@ -176,6 +202,7 @@ def place_state(optax_state: Any, tx: optax.GradientTransformation, params: Any,
     `zero.functional.to_optax_state`) placed as `init` places it: packed on the host, each device
     sent only its slice."""
     placed = _Placed(plan, mesh, axis)
+    placed.refuse_hybrid("place_state")
     placed.check_params(params)
     tree, view = _trees(tx, params, placed)
     nodes = _nodes(jax.tree.map(np.asarray, optax_state), tree)
@@ -185,8 +212,10 @@ def place_state(optax_state: Any, tx: optax.GradientTransformation, params: Any,
 
 
 def state_bytes(state: Any, mesh: Mesh, axis: str = "data") -> tuple[int, ...]:
-    """Bytes of ``state``'s sharded leaves on the device at each position along ``axis`` (the
-    per-param state a plan accounts for; replicated scalars are left out)."""
+    """Bytes of ``state``'s sharded leaves on the device at each position along ``axis``: what
+    each device really holds, padding included (a whole-param plan's rows are each as long as the
+    busiest rank's; a hybrid plan's whole-param rows too). Replicated scalars are left out.
+    `device_bytes` predicts it from the plan without a state."""
     where = mesh.axis_names.index(axis)
     devices = [np.asarray(np.take(mesh.devices, r, axis=where)).flat[0] for r in range(mesh.shape[axis])]
     out = [0] * len(devices)
@@ -197,6 +226,26 @@ def state_bytes(state: Any, mesh: Mesh, axis: str = "data") -> tuple[int, ...]:
             if shard.device in devices:
                 out[devices.index(shard.device)] += shard.data.nbytes
     return tuple(out)
+
+
+def device_bytes(tx: optax.GradientTransformation, params: Any, plan: Plan) -> tuple[int, ...]:
+    """The bytes of ``tx``'s state each device of a mesh holds under ``plan``, padding included,
+    from the params' shapes alone (no mesh, no arrays): what `state_bytes` measures. A plan's own
+    ``ranks[r].state_bytes`` counts rank ``r``'s elements only, as torch ranks hold them; a mesh
+    shards evenly, so under a whole-param plan every device holds the busiest rank's row."""
+    buffers = packing(plan)
+    view = buffer_shapes(buffers, params)
+    per_buffer = {(b.length,) for b in buffers}
+    flat = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(tx.init, view))
+               if tuple(x.shape) in per_buffer) // plan.world_size
+    whole = WholeParams(tx, plan, params, None, "") if plan.hybrid else None  # shapes only: no mesh needed
+    rows = 0 if whole is None else sum(w * np.dtype(d).itemsize for d, w in zip(whole.state.dtypes, whole.state.width))
+    return (flat + rows,) * plan.world_size
+
+
+def buffer_shapes(buffers: Any, params: Any) -> tuple[jax.ShapeDtypeStruct, ...]:
+    leaves = jax.tree.leaves(params)
+    return tuple(jax.ShapeDtypeStruct((b.length,), leaves[b.params[0]].dtype) for b in buffers)
 
 
 class _Layout:
