@@ -50,11 +50,17 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.Action]:
     out.add_argument("--compare", action="store_true", help="every strategy side by side (prints only)")
     out.add_argument("--json", type=Path, help="save the plan as JSON here")
     p.add_argument("--rows", type=int, default=16, help="ranks (and, with --diff, transfers) shown in the tables")
-    c = sub.add_parser("checkpoint", help="look into a sharded checkpoint (torch.distributed.checkpoint's format)")
-    c.add_argument("action", choices=("show", "train"),
-                   help="show: each saved tensor, its shape, dtype, bytes and chunks; train: see zero checkpoint "
-                        "train -h")
+    c = sub.add_parser("checkpoint", help="look into a sharded checkpoint (torch.distributed.checkpoint's format, "
+                                          "or a JAX mesh's Orbax one), or convert one into the other")
+    c.add_argument("action", choices=("show", "train", "convert"),
+                   help="show: each saved tensor, its shape, dtype, bytes and chunks; convert: PATH into DST in the "
+                        "format --to names; train: see zero checkpoint train -h")
     c.add_argument("path", type=Path, help="the checkpoint's directory")
+    c.add_argument("dst", type=Path, nargs="?", help="convert: the directory to write")
+    c.add_argument("--to", choices=("orbax", "dcp"), help="convert: the format to write")
+    c.add_argument("--names", choices=("torch", "optax"), default="torch",
+                   help="convert --to dcp: the optimizer state under torch.optim's names (Adam, AdamW, SGD) or Optax's "
+                        "paths (a zero.functional rule)")
     c.add_argument("--json", action="store_true", help="print JSON (for scripts) instead of a table")
     c.add_argument("--rows", type=int, default=40, help="tensors shown in the table")
     sub.add_parser("demo", help="the ZeRO tutorial on 2 gloo ranks: ZeRO vs plain Adam (see zero demo -h)",
@@ -138,8 +144,13 @@ def _plan(args: argparse.Namespace) -> int:
 def _checkpoint(args: argparse.Namespace) -> int:
     from rich.table import Table
 
-    from zero.backends.checkpoint import describe  # torch loads only here
     from zero.plans.render import render
+
+    if args.action == "convert":
+        return _convert(args)
+    if (args.path / "zero" / "metadata").exists():
+        return _show_orbax(args, render, Table)
+    from zero.backends.checkpoint import describe  # torch loads only here
 
     rows = describe(args.path)
     if args.json:
@@ -158,6 +169,45 @@ def _checkpoint(args: argparse.Namespace) -> int:
     print(render(table))
     if len(tensors) > args.rows:
         print(f"... {len(tensors) - args.rows} more tensors (--rows, or --json for all)")
+    return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    if args.dst is None or args.to is None:
+        raise ValueError("convert needs a destination and a format: zero checkpoint convert SRC DST --to orbax|dcp")
+    from zero.backends.checkpoint import convert  # torch and jax load only here
+
+    if args.to == "orbax":
+        meta = convert.to_orbax(args.path, args.dst)
+        print(f"wrote {args.dst}: {len(meta['names'])} params, state {[n['path'] for n in meta['nodes']]} (Orbax, "
+              "for zero.backends.jax_mesh.restore)")
+    else:
+        convert.to_dcp(args.path, args.dst, names=args.names)
+        print(f"wrote {args.dst} (DCP, for zero.backends.checkpoint.load; state under {args.names} names)")
+    return 0
+
+
+def _show_orbax(args: argparse.Namespace, render, Table) -> int:
+    import json as _json
+
+    from zero.backends.checkpoint.convert import orbax_entries
+
+    with open(args.path / "zero" / "metadata") as f:
+        meta = _json.load(f)
+    rows = list(orbax_entries(meta))
+    if args.json:
+        print(json.dumps({"layout": meta["layout"], "plan": meta["plan"] is not None, "entries": rows}, indent=1))
+        return 0
+    saved = "per param" if meta["layout"] == "params" else "in a plan's buffers, one chunk a device"
+    table = Table(title=f"{args.path}: Orbax (zero.backends.jax_mesh), {len(meta['names'])} params, state "
+                        f"{[n['path'] for n in meta['nodes']]} {saved}, {sum(r['bytes'] for r in rows) / 2**20:.2f} MiB")
+    for col in ("key", "shape", "dtype", "bytes"):
+        table.add_column(col, justify="left" if col == "key" else "right")
+    for r in rows[:args.rows]:
+        table.add_row(r["key"], str(tuple(r["shape"])), r["dtype"], str(r["bytes"]))
+    print(render(table))
+    if len(rows) > args.rows:
+        print(f"... {len(rows) - args.rows} more entries (--rows, or --json for all)")
     return 0
 
 

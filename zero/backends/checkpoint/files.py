@@ -137,7 +137,11 @@ def load(checkpoint_id: Any, model: nn.Module, optimizer: Any, *, options: Any =
             model_sd, optim_sd = get_state_dict(model, optimizer, options=options, masters=False)
         request = {"model": model_sd, "optim": optim_sd}
         _check_against(metadata, request, resolve_options(options).strict)
-        dcp.load(request, checkpoint_id=checkpoint_id, process_group=unwrap_post_local_sgd(optimizer)[0].process_group)
+        # every tensor is there (checked above); settings absent (a checkpoint converted from a JAX
+        # run has no torch hyperparameters) keep the optimizer's own
+        partial = any(k not in metadata.state_dict_metadata for k in _flat(request))
+        dcp.load(request, checkpoint_id=checkpoint_id, planner=dcp.DefaultLoadPlanner(allow_partial_load=partial),
+                 process_group=unwrap_post_local_sgd(optimizer)[0].process_group)
         set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options)
 
 
@@ -158,12 +162,16 @@ def read_metadata(checkpoint_id: Any) -> Any:
     return FileSystemReader(path).read_metadata()
 
 
-def _tensors(request: dict) -> dict[str, Any]:
-    """DCP's flat key -> tensor (or ShardedTensor) of a nested state dict."""
+def _flat(request: dict) -> dict[str, Any]:
+    """DCP's flat key -> value of a nested state dict."""
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
-    flat, _ = flatten_state_dict(request)
-    return {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
+    return flatten_state_dict(request)[0]
+
+
+def _tensors(request: dict) -> dict[str, Any]:
+    """DCP's flat key -> tensor (or ShardedTensor) of a nested state dict."""
+    return {k: v for k, v in _flat(request).items() if isinstance(v, torch.Tensor)}
 
 
 def _missing(metadata: Any, request: dict, masters_only: bool = False) -> list[str]:

@@ -82,7 +82,8 @@ def save(path: str | os.PathLike, state: Any, plan: Plan, mesh: Mesh, axis: str 
             items[f"s{j}"] = node
             nodes.append({"path": dotted(key_path), "per_param": False})
     meta = {"format": FORMAT, "layout": "buffers", "names": names, "shapes": [list(m.shape) for m in plan.metas],
-            "dtypes": [m.dtype for m in plan.metas], "plan": plan.to_json(), "nodes": nodes}
+            "dtypes": [m.dtype for m in plan.metas], "plan": plan.to_json(), "nodes": nodes,
+            "has_params": params is not None}
     composite = {"state": ocp_args().PyTreeSave(items), "zero": ocp_args().JsonSave(meta)}
     if params is not None:
         composite["params"] = ocp_args().PyTreeSave(dict(zip(names, jax.tree.leaves(params))))

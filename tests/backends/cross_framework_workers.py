@@ -1,0 +1,46 @@
+"""The torch side of `test_cross_framework.py`: AdamW under `ZeroRedundancyOptimizer` on gloo
+ranks over the twin of `jax_mesh_twin` (float32), saving and loading zero's DCP checkpoints."""
+
+from __future__ import annotations
+
+import torch
+from jax_mesh_twin import grads, initial
+from torch import nn
+
+from zero.backends import ZeroRedundancyOptimizer as Zero
+from zero.backends import checkpoint
+
+LR, BETAS, EPS, WD = 1e-2, (0.9, 0.99), 1e-8, 0.1  # optax.adamw(LR, 0.9, 0.99, EPS, weight_decay=WD)
+
+
+def model_and_optimizer(strategy: str):
+    model = nn.Sequential(nn.Linear(7, 33), nn.Linear(33, 5), nn.Linear(5, 64))
+    with torch.no_grad():
+        for p, value in zip(model.parameters(), initial()):
+            p.copy_(torch.from_numpy(value).float())
+    opt = Zero(model.parameters(), torch.optim.AdamW, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, strategy=strategy)
+    return model, opt
+
+
+def steps(model, opt, first: int, last: int) -> None:
+    for k in range(first, last):
+        for p, g in zip(model.parameters(), grads(k)):
+            p.grad = torch.from_numpy(g).float()
+        opt.step()
+
+
+def train_save_continue(rank: int, world_size: int, save_to: str) -> list:
+    """Steps 0-9, saved to ``save_to``, then steps 10-19: the params at 20."""
+    model, opt = model_and_optimizer("flat")
+    steps(model, opt, 0, 10)
+    checkpoint.save(save_to, model, opt)
+    steps(model, opt, 10, 20)
+    return [p.detach().numpy().tolist() for p in model.parameters()]
+
+
+def load_continue(rank: int, world_size: int, load_from: str) -> list:
+    """A converted checkpoint of step 20 loaded, steps 20-29: the params at 30."""
+    model, opt = model_and_optimizer("sorted_greedy")
+    checkpoint.load(load_from, model, opt)
+    steps(model, opt, 20, 30)
+    return [p.detach().numpy().tolist() for p in model.parameters()]

@@ -1,0 +1,100 @@
+"""One run moving between frameworks through `zero checkpoint convert`: AdamW on 2 gloo ranks
+saved with `zero.backends.checkpoint.save` (DCP), converted to Orbax, continued on a 4-device
+JAX mesh with ``optax.adamw`` (`zero.backends.jax_mesh.restore`), saved there with Orbax,
+converted to DCP and continued by torch on 3 ranks: each leg equal to the other framework's own
+continuation. The JAX side runs in a subprocess (`cross_framework_checks.py`: XLA's device count
+is fixed when jax starts)."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import cross_framework_workers as w
+import numpy as np
+import pytest
+import torch
+from helpers import run_ranks
+
+pytest.importorskip("orbax.checkpoint", reason="the Orbax checkpoints need the zero[jax] extra")
+
+from zero.backends.checkpoint import convert  # noqa: E402
+from zero.tools import cli  # noqa: E402
+
+HERE = pathlib.Path(__file__).parent
+
+
+def rel(a, b) -> float:
+    return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y))) / np.max(np.abs(np.asarray(y))))
+               for x, y in zip(a, b))
+
+
+@pytest.fixture(scope="module")
+def moves(tmp_path_factory) -> dict:
+    folder = tmp_path_factory.mktemp("cross")
+    torch_at20 = run_ranks(w.train_save_continue, 2, str(folder / "dcp10"), timeout=240)[0]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, str(HERE / "cross_framework_checks.py"), str(folder)], capture_output=True,
+                         text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-4000:]
+    jax_side = json.loads(out.stdout)
+    torch_at30 = run_ranks(w.load_continue, 3, str(folder / "dcp20"), timeout=240)[0]
+    return {"folder": folder, "torch_at20": torch_at20, "torch_at30": torch_at30, **jax_side}
+
+
+@pytest.mark.timeout(600)
+def test_torch_run_converted_to_orbax_continues_on_a_mesh_as_in_torch(moves):
+    """Steps 10-19 on the mesh from torch's step-10 checkpoint equal torch's own steps 10-19."""
+    assert moves["nodes"] == [{"path": "0.mu", "per_param": True, "dtype": "float32"},
+                              {"path": "0.nu", "per_param": True, "dtype": "float32"},
+                              {"path": "0.count", "per_param": False}]
+    assert rel(moves["at20"], moves["torch_at20"]) <= 1e-5
+
+
+def test_mesh_run_converted_to_dcp_continues_in_torch_at_3_ranks_as_on_the_mesh(moves):
+    """Steps 20-29 by torch (3 ranks, a whole-param plan) from the mesh's Orbax checkpoint equal
+    the mesh's own steps 20-29."""
+    assert rel(moves["torch_at30"], moves["at30"]) <= 1e-5
+
+
+def test_optax_names_round_trip_bitwise(moves):
+    """Orbax -> DCP under Optax's paths (a zero.functional rule's) -> Orbax: params and state unchanged."""
+    assert moves["round_trip_equal"] and all(moves["round_trip_equal"])
+
+
+def test_checkpoint_show_reads_both_formats(moves, capsys):
+    folder = moves["folder"]
+    assert cli.main(["checkpoint", "show", str(folder / "orbax20"), "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    keys = {e["key"]: e for e in shown["entries"]}
+    assert shown["layout"] == "buffers" and shown["plan"]
+    assert keys["state.0.weight.0.mu"]["shape"] == [33, 7] and keys["state.0.weight.0.mu"]["bytes"] == 33 * 7 * 4
+    assert cli.main(["checkpoint", "show", str(folder / "orbax10"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["layout"] == "params"
+    assert cli.main(["checkpoint", "show", str(folder / "dcp20"), "--json"]) == 0
+    dcp_keys = {r["key"] for r in json.loads(capsys.readouterr().out)}
+    assert {"model.0.weight", "optim.state.0.weight.exp_avg", "optim.state.0.weight.step"} <= dcp_keys
+
+
+def _dcp(path, state: dict) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"model": {"w": torch.ones(3)}, "optim": {"state": {"w": state}}}, checkpoint_id=str(path), no_dist=True)
+
+
+@pytest.mark.parametrize("state, message", [
+    ({"max_exp_avg_sq": torch.ones(3)}, r"torch's optimizer state 'max_exp_avg_sq' has no Optax counterpart"),
+    ({"master": torch.ones(3)}, r"the checkpoint holds master weights"),
+])
+def test_convert_refuses_state_it_cannot_name(tmp_path, state, message):
+    _dcp(tmp_path / "src", state)
+    with pytest.raises(ValueError, match=message):
+        convert.to_orbax(tmp_path / "src", tmp_path / "dst")
+    assert not (tmp_path / "dst").exists() and os.listdir(tmp_path) == ["src"], "nothing half-written"
+
+
+def test_convert_cli_needs_a_destination_and_a_format(tmp_path, capsys):
+    assert cli.main(["checkpoint", "convert", str(tmp_path)]) == 2
+    assert "zero checkpoint convert SRC DST --to orbax|dcp" in capsys.readouterr().err
