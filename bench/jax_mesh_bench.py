@@ -7,13 +7,17 @@ gradients given. Rows, each a jitted step ``(grads, state, params) -> (params, s
 - Optax unsharded, replicated: plain ``jit`` over the mesh, the state on every device (what data
   parallelism without ZeRO holds);
 - Optax on one device: the same step, state and params on the first device only;
-- ``zero.backends.jax_mesh`` with a flat plan, and with a whole-param plan (``sorted_greedy``).
+- ``zero.backends.jax_mesh`` with a flat plan, and with a whole-param plan (``sorted_greedy``);
+- ``--rule muon`` (``optax.contrib.muon``): instead of those two, GSPMD (the same ``jit`` with
+  each state leaf sharded along its first dimension where it divides: XLA partitions Muon's
+  Newton-Schulz across devices with collectives between), and ``zero.backends.jax_mesh`` with a
+  hybrid plan (``make_plan(..., "flat", optimizer="muon")``: each matrix on its owner device).
 
 Times are medians of ``--repeat`` runs of ``--steps`` steps, after a compiling step; bytes are the
 optimizer state each device holds (``addressable_shards``). The devices are XLA's host devices,
 sharing this machine's cores: a ratio of times here says what the executor costs in work and
 copies, not what a mesh of accelerators would gain.
-Usage: python bench/jax_mesh_bench.py [--devices 8] [--rule adamw] [--repeat 5] [--steps 10]
+Usage: python bench/jax_mesh_bench.py [--devices 8] [--rule adamw|clip_adam|muon] [--repeat 5] [--steps 10]
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--devices", type=int, default=8)
-    parser.add_argument("--rule", choices=("adamw", "clip_adam"), default="adamw")
+    parser.add_argument("--rule", choices=("adamw", "clip_adam", "muon"), default="adamw")
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--repeat", type=int, default=5)
@@ -67,6 +71,8 @@ def gpt_params(layers: int, width: int, vocab: int = 4096, context: int = 512) -
 def rule(name: str) -> optax.GradientTransformation:
     if name == "adamw":
         return optax.adamw(1e-3, weight_decay=0.1)
+    if name == "muon":
+        return optax.contrib.muon(1e-3, weight_decay=0.1)
     return optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))
 
 
@@ -114,12 +120,37 @@ def main() -> None:
         rows.append((label, ms, per_device_bytes(state, devices)))
     params, grads = jax.device_put(host, replicated), jax.device_put(grads_host, replicated)
     metas = zero.param_metas(params)
-    for label, plan in (("zero jax_mesh, flat plan", zero.make_plan(metas, ARGS.devices, "flat")),
-                        ("zero jax_mesh, whole plan", zero.make_plan(metas, ARGS.devices, "sorted_greedy"))):
+    if ARGS.rule == "muon":
+        rows.append(gspmd_row(tx, mesh, grads, params, devices))
+        plans = (("zero jax_mesh, hybrid plan", zero.make_plan(metas, ARGS.devices, "flat", optimizer="muon")),)
+    else:
+        plans = (("zero jax_mesh, flat plan", zero.make_plan(metas, ARGS.devices, "flat")),
+                 ("zero jax_mesh, whole plan", zero.make_plan(metas, ARGS.devices, "sorted_greedy")))
+    for label, plan in plans:
         state = jax_mesh.init(tx, params, plan, mesh)
         ms, state = time_steps(jax_mesh.update(tx, plan, mesh), grads, state, params)
         rows.append((label, ms, per_device_bytes(state, devices)))
     report(rows, sum(x.size for x in host.values()))
+
+
+def gspmd_row(tx, mesh, grads, params, devices) -> tuple:
+    """The rule under plain ``jit`` with its state sharded along each leaf's first dimension where
+    the device count divides it (replicated elsewhere): GSPMD partitions the step to match."""
+    def place(x):
+        spec = PartitionSpec("data") if x.ndim and x.shape[0] % len(devices) == 0 else PartitionSpec()
+        return NamedSharding(mesh, spec)
+
+    shardings = jax.tree.map(place, jax.eval_shape(tx.init, params))
+    state = jax.jit(tx.init, out_shardings=shardings)(params)
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def step(grads, state, params):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    jitted = jax.jit(step, donate_argnums=1, out_shardings=(replicated, shardings))
+    ms, state = time_steps(jitted, grads, state, params)
+    return "GSPMD: jit, state sharded by dim 0", ms, per_device_bytes(state, devices)
 
 
 def report(rows, numel: int) -> None:

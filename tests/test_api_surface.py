@@ -58,7 +58,7 @@ PUBLIC = {
         "describe", "get_state_dict", "load", "model_fqns", "read_metadata", "save", "set_state_dict",
     ),
     "zero.backends.jax_mesh": (
-        "gather_state", "init", "packing", "place_state", "state_bytes", "update",
+        "device_bytes", "gather_state", "init", "packing", "place_state", "restore", "save", "state_bytes", "update",
     ),
 }
 
