@@ -219,15 +219,17 @@ def branch_dots(text: str) -> list[int]:
         head = re.match(r"(?:ENTRY )?%?([\w.\-]+)", body.strip())
         if head:
             comps[head.group(1)] = body
-    calls = {n: re.findall(r"(?:calls|to_apply|body|condition)=%?([\w.\-]+)", b) +
-             [c for group in re.findall(r"branch_computations=\{([^}]*)\}", b) for c in re.findall(r"%?([\w.\-]+)", group)]
+    name = r"%?([\w.\-]+)"
+    calls = {n: re.findall(r"(?:calls|to_apply|body|condition)=" + name, b) +
+             [c for group in re.findall(r"branch_computations=\{([^}]*)\}", b) for c in re.findall(name, group)]
              for n, b in comps.items()}
     memo: dict[str, int] = {}
 
     def dots(name: str) -> int:
         if name not in memo:
             memo[name] = 0
-            memo[name] = len(re.findall(r"= \S+ dot\(", comps.get(name, ""))) + sum(dots(c) for c in calls.get(name, []))
+            own = len(re.findall(r"= \S+ dot\(", comps.get(name, "")))
+            memo[name] = own + sum(dots(c) for c in calls.get(name, []))
         return memo[name]
 
     found = []
@@ -296,11 +298,10 @@ def orbax_moves(folder: str) -> dict:
     step4 = jax_mesh.update(tx, whole4, mesh_of(4))
     for k in range(10, 20):
         p, state = step4(grads[k], state, p)
-    errors = {}
+    errors, wider = {}, {**params, "w1": jnp.zeros((16, 34))}
     for name, call in {
         "other_rule": lambda: checkpoint.restore(path, optax.sgd(1e-2, momentum=0.9), params, whole4, mesh_of(4)),
-        "other_params": lambda: checkpoint.restore(path, tx, {**params, "w1": jnp.zeros((16, 34))},
-                                                   zero.make_plan(zero.param_metas({**params, "w1": jnp.zeros((16, 34))}), 4),
+        "other_params": lambda: checkpoint.restore(path, tx, wider, zero.make_plan(zero.param_metas(wider), 4),
                                                    mesh_of(4)),
         "no_checkpoint": lambda: checkpoint.restore(os.path.join(folder, "nothing"), tx, params, whole4, mesh_of(4)),
     }.items():
@@ -309,10 +310,59 @@ def orbax_moves(folder: str) -> dict:
             errors[name] = "no error"
         except ValueError as err:
             errors[name] = f"ValueError: {err}"
-    own = [whole4.ranks[r].state_bytes - 4 * len(whole4.partition.params_of(r)) for r in range(4)]  # less torch's per-param step
-    return {"rel": worst(jax.tree.map(np.asarray, p), jax.tree.map(np.asarray, alone)), "reads": [reads.get(r, 0) for r in range(4)], "own_bytes": own,
+    # the plan's bytes, less torch's per-param step (Optax keeps one count, replicated)
+    own = [whole4.ranks[r].state_bytes - 4 * len(whole4.partition.params_of(r)) for r in range(4)]
+    return {"rel": worst(jax.tree.map(np.asarray, p), jax.tree.map(np.asarray, alone)),
+            "reads": [reads.get(r, 0) for r in range(4)], "own_bytes": own,
             "restored_bytes": restored_bytes, "device_bytes": jax_mesh.device_bytes(tx, params, whole4),
             "errors": errors, "siblings": sorted(n for n in os.listdir(folder) if n.startswith("orbax_ckpt."))}
+
+
+def hybrid_orbax(folder: str) -> dict:
+    """Muon, 10 steps on 8 devices under a hybrid plan, saved with Orbax, restored on 2 devices
+    (each owning several matrices now), 10 more: against 20 uninterrupted. The saved state also
+    goes to DCP under Optax's paths and back to Orbax, and restores bitwise the same."""
+    from zero.backends.checkpoint import convert
+    from zero.backends.jax_mesh import checkpoint
+
+    rng = np.random.default_rng(11)
+    tree = lambda: {k: jnp.asarray(rng.standard_normal(s), np.float32) for k, s in MATRICES.items()}
+    params, grads = tree(), [tree() for _ in range(20)]
+    tx, metas = HYBRID["muon"][0](), zero.param_metas(params)
+    at8, at2 = (zero.make_plan(metas, n, "flat", optimizer="muon") for n in (8, 2))
+    step8 = jax_mesh.update(tx, at8, mesh_of(8))
+    alone, state = params, jax_mesh.init(tx, params, at8, mesh_of(8))
+    for k in range(20):
+        alone, state = step8(grads[k], state, alone)
+    p, state = params, jax_mesh.init(tx, params, at8, mesh_of(8))
+    for k in range(10):
+        p, state = step8(grads[k], state, p)
+    path = os.path.join(folder, "hybrid_ckpt")
+    checkpoint.save(path, state, at8, mesh_of(8), params=p, tx=tx)
+    reads: dict[int, int] = {}
+    p, state = checkpoint.restore(path, tx, params, at2, mesh_of(2), reads=reads)
+    restored = jax.tree.leaves((p, state))
+    convert.to_dcp(path, os.path.join(folder, "hybrid_dcp"), names="optax")
+    convert.to_orbax(os.path.join(folder, "hybrid_dcp"), os.path.join(folder, "hybrid_again"))
+    again = jax.tree.leaves(checkpoint.restore(os.path.join(folder, "hybrid_again"), tx, params, at2, mesh_of(2)))
+    same = [bool(np.array_equal(np.asarray(a), np.asarray(b))) for a, b in zip(restored, again)]  # before donation
+    owned = [[list(MATRICES)[i] for i in at2.partition.params_of(r)] for r in range(2)]
+    # its own bytes: Adam's two moments of its flat slice, Muon's momentum of its matrices (float32)
+    own = [4 * (2 * sum(b.owned[r] for b in jax_mesh.packing(at2))
+                + sum(int(np.prod(MATRICES[n])) for n in owned[r])) for r in range(2)]
+    bytes_after = jax_mesh.state_bytes(state, mesh_of(2))
+    step2 = jax_mesh.update(tx, at2, mesh_of(2))
+    for k in range(10, 20):
+        p, state = step2(grads[k], state, p)
+    try:
+        checkpoint.save(path, state, at2, mesh_of(2))
+        no_tx = "no error"
+    except ValueError as err:
+        no_tx = f"ValueError: {err}"
+    return {"rel": worst(jax.tree.map(np.asarray, p), jax.tree.map(np.asarray, alone)), "owned": owned,
+            "reads": [reads.get(r, 0) for r in range(2)], "own_bytes": own, "bytes": bytes_after,
+            "device_bytes": jax_mesh.device_bytes(tx, params, at2),
+            "round_trip_equal": same, "no_tx": no_tx}
 
 
 def main() -> None:
@@ -323,7 +373,8 @@ def main() -> None:
            "errors": errors(), "two_executors": two_executors(plan_texts),
            "checkpoint": checkpoint_moves(os.path.dirname(sys.argv[1])),  # the test's own temporary folder
            "two_axes": two_axes(), "hybrid": {name: hybrid(name) for name in HYBRID},
-           "orbax": orbax_moves(os.path.dirname(sys.argv[1]))}
+           "orbax": orbax_moves(os.path.dirname(sys.argv[1])),
+           "hybrid_orbax": hybrid_orbax(os.path.dirname(sys.argv[1]))}
     out["parity"].update({f"{rule}-{kind}-float32": parity(rule, kind, np.float32)
                           for rule, kind in (("adamw", "flat"), ("clip_adam", "whole"))})
     out["parity"]["adamw-flat-mixed"] = parity("adamw", "flat", "mixed")

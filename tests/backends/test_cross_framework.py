@@ -47,8 +47,9 @@ def moves(tmp_path_factory) -> dict:
 @pytest.mark.timeout(600)
 def test_torch_run_converted_to_orbax_continues_on_a_mesh_as_in_torch(moves):
     """Steps 10-19 on the mesh from torch's step-10 checkpoint equal torch's own steps 10-19."""
-    assert moves["nodes"] == [{"path": "0.mu", "per_param": True, "dtype": "float32"},
-                              {"path": "0.nu", "per_param": True, "dtype": "float32"},
+    every = list(range(6))
+    assert moves["nodes"] == [{"path": "0.mu", "per_param": True, "dtype": "float32", "params": every},
+                              {"path": "0.nu", "per_param": True, "dtype": "float32", "params": every},
                               {"path": "0.count", "per_param": False}]
     assert rel(moves["at20"], moves["torch_at20"]) <= 1e-5
 

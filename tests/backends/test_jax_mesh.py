@@ -192,3 +192,16 @@ def test_orbax_restore_names_what_does_not_fit(mesh_run, case):
     import re
 
     assert re.match(ORBAX_ERRORS[case], mesh_run["orbax"]["errors"][case]), mesh_run["orbax"]["errors"][case]
+
+
+def test_orbax_hybrid_muon_saved_at_8_restores_at_2_and_continues(mesh_run):
+    """Muon's hybrid state (flat buffers and each rank's rows) saved at 8 devices, restored at 2,
+    where each device owns several matrices: 10 more steps equal 20 uninterrupted; each device
+    read its own state (its flat slice and its matrices' momenta), the padding of its rows none."""
+    r = mesh_run["hybrid_orbax"]
+    assert r["rel"] <= 1e-5, r["rel"]
+    assert all(len(names) >= 2 for names in r["owned"]), r["owned"]
+    assert r["bytes"] == r["device_bytes"]
+    assert r["reads"] == r["own_bytes"] and max(r["reads"]) < r["bytes"][0], (r["reads"], r["bytes"])
+    assert r["round_trip_equal"] and all(r["round_trip_equal"]), "Orbax -> DCP (Optax paths) -> Orbax changed it"
+    assert r["no_tx"].startswith("ValueError: a hybrid plan's state"), r["no_tx"]

@@ -199,8 +199,9 @@ def _show_orbax(args: argparse.Namespace, render, Table) -> int:
         print(json.dumps({"layout": meta["layout"], "plan": meta["plan"] is not None, "entries": rows}, indent=1))
         return 0
     saved = "per param" if meta["layout"] == "params" else "in a plan's buffers, one chunk a device"
+    mib = sum(r["bytes"] for r in rows) / 2**20
     table = Table(title=f"{args.path}: Orbax (zero.backends.jax_mesh), {len(meta['names'])} params, state "
-                        f"{[n['path'] for n in meta['nodes']]} {saved}, {sum(r['bytes'] for r in rows) / 2**20:.2f} MiB")
+                        f"{[n['path'] for n in meta['nodes']]} {saved}, {mib:.2f} MiB")
     for col in ("key", "shape", "dtype", "bytes"):
         table.add_column(col, justify="left" if col == "key" else "right")
     for r in rows[:args.rows]:

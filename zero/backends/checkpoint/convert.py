@@ -31,7 +31,6 @@ from zero.backends.precision import MASTER_KEY
 __all__ = ["to_orbax", "to_dcp", "TORCH_TO_OPTAX"]
 
 TORCH_TO_OPTAX = {"exp_avg": "0.mu", "exp_avg_sq": "0.nu", "step": "0.count", "momentum_buffer": "0.trace"}
-_SHARED = {"0.count"}  # per param in torch, one for all params in Optax
 
 
 @contextlib.contextmanager
@@ -109,7 +108,12 @@ def to_orbax(src: str | os.PathLike, dst: str | os.PathLike) -> dict:
     source = _DcpSource(src)
     names = sorted({n for f in source.fqns for n in source.state[f]})
     paths = {n: source.optax_path(n) for n in names}
-    per_param = sorted({p for p in paths.values() if p not in _SHARED and not p.endswith(".count")})
+    # a leaf shaped like its param is per param (moments); others the params share (counts, Muon's
+    # coefficients), saved under every param in DCP and once in Optax: every param's must agree
+    shapes = {f: tuple(source.md[f"model.{f}"].size) for f in source.fqns}
+    per_param = sorted({paths[n] for f in source.fqns for n in source.state[f]
+                        if tuple(source.md[f"optim.state.{f}.{n}"].size) == shapes[f] and shapes[f] != ()
+                        and n != "step"})
     shared = sorted(set(paths.values()) - set(per_param))
     nodes = [{"path": p, "per_param": True} for p in per_param] + [{"path": p, "per_param": False} for p in shared]
     meta = {"format": FORMAT, "layout": "params", "names": source.fqns, "shapes": [], "dtypes": [], "plan": None,
@@ -126,14 +130,12 @@ def to_orbax(src: str | os.PathLike, dst: str | os.PathLike) -> dict:
             for name in source.state[fqn]:
                 value, path = _numpy(source.load(f"optim.state.{fqn}.{name}")), paths[name]
                 if path in shared:
-                    _same_shared(shared_values, path, value, fqn)
+                    _same_shared(shared_values, path, value.astype(np.int32) if name == "step" else value, fqn)
                     continue
                 j = [n["path"] for n in nodes].index(path)
                 nodes[j]["dtype"] = value.dtype.name
+                nodes[j].setdefault("params", []).append(i)  # a node may hold some params only (Muon's: matrices)
                 item[f"n{j}"] = value
-            missing = [n["path"] for j, n in enumerate(nodes) if n["per_param"] and f"n{j}" not in item]
-            if missing:
-                raise ValueError(f"param {fqn!r} has no {missing} in the checkpoint, which other params have")
             pytree.save(os.path.join(tmp, f"p{i}"), ocp.args.PyTreeSave(item))
         pytree.save(os.path.join(tmp, "shared"), ocp.args.PyTreeSave(
             {f"s{j}": shared_values[n["path"]] for j, n in enumerate(nodes) if not n["per_param"]}))
@@ -144,12 +146,12 @@ def to_orbax(src: str | os.PathLike, dst: str | os.PathLike) -> dict:
 
 
 def _same_shared(seen: dict[str, np.ndarray], path: str, value: np.ndarray, fqn: str) -> None:
-    """Torch keeps a step per param; Optax one count: every param's must agree."""
-    count = np.asarray(value).astype(np.int32).reshape(())
-    if path in seen and seen[path] != count:
-        raise ValueError(f"param {fqn!r} is at step {int(count)} but others at {int(seen[path])}: Optax keeps one "
-                         "count for all params")
-    seen[path] = count
+    """Torch keeps a step (and a `zero.functional` rule its shared leaves) per param; Optax one for
+    all params: every param's must agree."""
+    if path in seen and not np.array_equal(seen[path], value):
+        raise ValueError(f"param {fqn!r} has {path!r} = {value.tolist()} but others {seen[path].tolist()}: Optax "
+                         "keeps one for all params")
+    seen[path] = value
 
 
 def to_dcp(src: str | os.PathLike, dst: str | os.PathLike, *, names: str = "torch") -> None:
@@ -164,23 +166,24 @@ def to_dcp(src: str | os.PathLike, dst: str | os.PathLike, *, names: str = "torc
         raise ValueError(f"names must be 'torch' or 'optax', got {names!r}")
     meta = read_meta(src)
     source = Source(src, meta)
-    if all(source.param(i) is None for i in range(min(1, len(meta["names"])))):
+    if not meta.get("has_params"):
         raise ValueError(f"the Orbax checkpoint at {os.fspath(src)!r} holds no params (save it with "
                          "jax_mesh.save(..., params=params)): a torch run needs them")
     back = {v: k for k, v in TORCH_TO_OPTAX.items()}
     entries: dict[str, tuple[tuple[int, ...], torch.dtype, Any]] = {}
     for i, (name, shape, dtype) in enumerate(zip(meta["names"], meta["shapes"], meta["dtypes"])):
         entries[f"model.{name}"] = (tuple(shape), _torch(np.zeros(0, dtype)).dtype, ("param", i))
-        for j, node in enumerate(meta["nodes"]):
+        for node in meta["nodes"]:
             key = node["path"] if names == "optax" else back.get(node["path"])
             if key is None:
                 raise ValueError(f"state {node['path']!r} has no torch name (known: {sorted(back)}); convert with "
                                  "names='optax' for a zero.functional rule")
             if node["per_param"]:
-                entries[f"optim.state.{name}.{key}"] = (tuple(shape), _torch(np.zeros(0, node["dtype"])).dtype,
-                                                        ("node", j, i))
+                if source.has(node["path"], i):  # a hybrid plan's nodes hold some params each (Muon's: matrices)
+                    entries[f"optim.state.{name}.{key}"] = (tuple(shape), _torch(np.zeros(0, node["dtype"])).dtype,
+                                                            ("node", node["path"], i))
             else:
-                count = source.shared(j)
+                count = source.shared(node["path"])
                 value = torch.tensor(float(count), dtype=torch.float32) if names == "torch" else _torch(count)
                 entries[f"optim.state.{name}.{key}"] = (tuple(value.shape), value.dtype, ("value", value))
     write_replacing(dst, lambda tmp: _write_dcp(tmp, entries, source, meta))
@@ -196,9 +199,9 @@ def _write_dcp(path: str, entries: dict, source: Any, meta: dict) -> None:
             return what[1]
         if what[0] == "param":
             return _torch(source.param(what[1]).reshape(meta["shapes"][what[1]]))
-        _, j, i = what
+        _, path, i = what
         n = int(np.prod(meta["shapes"][i], dtype=np.int64))
-        return _torch(source.piece(j, i, 0, n).reshape(meta["shapes"][i]))
+        return _torch(source.piece(path, i, 0, n).reshape(meta["shapes"][i]))
 
     class Lazy(DefaultSavePlanner):
         def resolve_data(self, write_item):  # the tensor, read now: one at a time

@@ -22,6 +22,7 @@ it), so that a converted torch checkpoint streams tensor by tensor; `restore` re
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -36,6 +37,7 @@ from jax.sharding import Mesh
 
 from zero.backends.jax_mesh.buffers import Buffer, packing
 from zero.backends.jax_mesh.executor import _Placed
+from zero.backends.jax_mesh.hybrid import HybridState, WholeParams, masked
 from zero.backends.jax_mesh.rules import is_per_param
 from zero.plans.plan import Plan
 
@@ -63,31 +65,86 @@ def _per_buffer(buffers: tuple[Buffer, ...]) -> Callable[[Any], bool]:
 
 
 def save(path: str | os.PathLike, state: Any, plan: Plan, mesh: Mesh, axis: str = "data", *,
-         params: Any = None) -> None:
+         params: Any = None, tx: optax.GradientTransformation | None = None) -> None:
     """Write ``state`` (from `init` or a step under ``plan``) with Orbax, each device its own
-    slice, with ``params`` (replicated, optional) and the plan beside it.
+    slice, with ``params`` (replicated, optional) and the plan beside it. A hybrid plan's state
+    needs ``params`` and ``tx`` too: its rows hold each rank's ``tx.init`` of its own params,
+    laid out by them.
 
     Saving over a checkpoint replaces it whole or not at all: the new one is written beside it
     and renamed into place once Orbax has finished it."""
     placed = _Placed(plan, mesh, axis)
-    placed.refuse_hybrid("jax_mesh.save")
     names = [m.name for m in plan.metas]
+    if plan.hybrid and (tx is None or params is None or not isinstance(state, HybridState)):
+        raise ValueError("a hybrid plan's state (a HybridState, from jax_mesh.init under the plan) is saved with the "
+                         "rule and the params that lay out its rows: save(path, state, plan, mesh, params=params, "
+                         "tx=tx)")
+    items, nodes = _flat_items(state.flat if plan.hybrid else state, placed)
+    meta = {"format": FORMAT, "layout": "buffers", "names": names, "shapes": [list(m.shape) for m in plan.metas],
+            "dtypes": [m.dtype for m in plan.metas], "plan": plan.to_json(), "nodes": nodes,
+            "has_params": params is not None}
+    if plan.hybrid:
+        meta["whole"] = _whole_items(state.whole, placed.whole_params(tx, params), params, items, nodes)
+    composite = {"state": ocp_args().PyTreeSave(items), "zero": ocp_args().JsonSave(meta)}
+    if params is not None:
+        composite["params"] = ocp_args().PyTreeSave(dict(zip(names, jax.tree.leaves(params))))
+    write_replacing(path, lambda tmp: _checkpointer().save(tmp, ocp_args().Composite(**composite)))
+
+
+def _flat_items(state: Any, placed: _Placed) -> tuple[dict, list[dict]]:
+    """The arrays and node descriptions of a state over the plan's buffers."""
     per_buffer = _per_buffer(placed.buffers)
     items, nodes = {}, []
     for j, (key_path, node) in enumerate(jax.tree_util.tree_flatten_with_path(state, is_leaf=per_buffer)[0]):
         if per_buffer(node):
             items.update({f"n{j}.b{k}": b for k, b in enumerate(node)})
-            nodes.append({"path": dotted(key_path), "per_param": True, "dtype": np.dtype(node[0].dtype).name})
+            nodes.append({"path": dotted(key_path), "per_param": True, "flat": True,
+                          "dtype": np.dtype(node[0].dtype).name})
         else:
             items[f"s{j}"] = node
             nodes.append({"path": dotted(key_path), "per_param": False})
-    meta = {"format": FORMAT, "layout": "buffers", "names": names, "shapes": [list(m.shape) for m in plan.metas],
-            "dtypes": [m.dtype for m in plan.metas], "plan": plan.to_json(), "nodes": nodes,
-            "has_params": params is not None}
-    composite = {"state": ocp_args().PyTreeSave(items), "zero": ocp_args().JsonSave(meta)}
-    if params is not None:
-        composite["params"] = ocp_args().PyTreeSave(dict(zip(names, jax.tree.leaves(params))))
-    write_replacing(path, lambda tmp: _checkpointer().save(tmp, ocp_args().Composite(**composite)))
+    return items, nodes
+
+
+def _whole_items(rows: tuple, whole: WholeParams, params: Any, items: dict, nodes: list[dict]) -> dict:
+    """A hybrid state's rows into ``items`` (as placed: each device writes its own), the nodes only
+    they hold into ``nodes``; returns where each rank's leaves sit in them."""
+    if tuple(r.shape for r in rows) != tuple(s.shape for s in whole.state.shapes()):
+        raise ValueError(f"the state's rows have shapes {[r.shape for r in rows]}, not those of this rule's state "
+                         f"under the plan {[s.shape for s in whole.state.shapes()]}: pass the tx it was made with")
+    known = {n["path"] for n in nodes}
+    slots = []
+    for r, roles in enumerate(whole_roles(whole, params)):
+        mine = []
+        for (path, i), (d, start, size), like in zip(roles, whole.state.slots[r], whole.state_like[r]):
+            mine.append([path, i, d, start, size, list(like.shape)])
+            if path not in known:
+                known.add(path)
+                nodes.append({"path": path, "per_param": i is not None, "flat": False,
+                              **({"dtype": whole.state.dtypes[d]} if i is not None else {})})
+        slots.append(mine)
+    items.update({f"w{d}": row for d, row in enumerate(rows)})
+    return {"dtypes": list(whole.state.dtypes), "width": list(whole.state.width), "slots": slots}
+
+
+def _holds_params(node: Any, treedef: Any, shapes: list) -> bool:
+    return is_per_param(node, treedef, shapes)
+
+
+def whole_roles(whole: WholeParams, params: Any) -> list[list[tuple[str, int | None]]]:
+    """For each rank, each leaf of its state: ``(node path, param)`` for a per-param leaf (Muon's
+    momentum of one matrix), ``(leaf path, None)`` for a leaf its params share (counts)."""
+    leaves, out = jax.tree.leaves(params), []
+    for r, mine in enumerate(whole.owned):
+        treedef = jax.tree.structure(masked(params, mine))
+        shapes = [tuple(np.shape(leaves[i])) for i in mine]
+        per_param = functools.partial(_holds_params, treedef=treedef, shapes=shapes)
+        state = whole.state_defs[r].unflatten(whole.state_like[r])
+        roles: list[tuple[str, int | None]] = []
+        for key_path, node in jax.tree_util.tree_flatten_with_path(state, is_leaf=per_param)[0]:
+            roles += [(dotted(key_path), i) for i in mine] if per_param(node) else [(dotted(key_path), None)]
+        out.append(roles)
+    return out
 
 
 def ocp_args():
@@ -133,21 +190,39 @@ def read_meta(path: str | os.PathLike) -> dict:
 
 class Source:
     """Reads pieces of a saved checkpoint's per-param state, and its shared leaves, with
-    tensorstore: only the chunks a piece falls in are read. ``read_bytes`` counts what was asked."""
+    tensorstore: only the chunks a piece falls in are read. ``read_bytes`` counts what was asked.
+
+    Each ``(node path, param)`` sits in a saved flat buffer (``n{j}.b{k}``), a hybrid plan's row
+    (``w{d}``), or a per-param item (``p{i}``, the converter's layout)."""
 
     def __init__(self, path: str | os.PathLike, meta: dict):
         import tensorstore as ts
 
         self._ts, self.root, self.meta = ts, os.path.abspath(os.fspath(path)), meta
-        self.index = {n: i for i, n in enumerate(meta["names"])}
         self._open: dict[tuple[str, str], Any] = {}
         self.read_bytes = 0
-        if meta["layout"] == "buffers":
-            saved = Plan.from_json(meta["plan"])
-            self._where = {}
-            for k, b in enumerate(packing(saved)):
-                for i, start in zip(b.params, b.starts):
-                    self._where[i] = (k, start)
+        self.at: dict[tuple[str, int], tuple] = {}  # (node path, param) -> where
+        self.shared_at: dict[str, tuple] = {}  # leaf path -> where
+        flat = packing(Plan.from_json(meta["plan"])) if meta["layout"] == "buffers" else ()
+        for j, node in enumerate(meta["nodes"]):
+            path = node["path"]
+            if not node["per_param"]:
+                item = "state" if meta["layout"] == "buffers" else "shared"
+                self.shared_at.setdefault(path, ("array", item, f"s{j}"))
+            elif meta["layout"] == "params":
+                held = node.get("params", range(len(meta["names"])))  # the params it holds
+                self.at.update({(path, i): ("param", f"p{i}", f"n{j}") for i in held})
+            elif node.get("flat", True):
+                for k, b in enumerate(flat):
+                    self.at.update({(path, i): ("range", f"n{j}.b{k}", start) for i, start in zip(b.params, b.starts)})
+        whole = meta.get("whole")
+        for r, slots in enumerate(whole["slots"] if whole else ()):
+            for path, i, d, start, size, shape in slots:
+                offset = r * whole["width"][d] + start
+                if i is None:
+                    self.shared_at.setdefault(path, ("row", f"w{d}", offset, size, tuple(shape)))
+                else:
+                    self.at[path, i] = ("range", f"w{d}", offset)
 
     def array(self, item: str, key: str) -> Any:
         if (item, key) not in self._open:
@@ -156,14 +231,27 @@ class Source:
             self._open[item, key] = self._ts.open(spec, open=True, read=True).result()
         return self._open[item, key]
 
-    def piece(self, node: int, param: int, lo: int, hi: int) -> np.ndarray:
-        """Elements ``lo:hi`` of saved param ``param``'s leaf of per-param node ``node`` (flattened)."""
-        if self.meta["layout"] == "buffers":
-            k, start = self._where[param]
-            out = self.array("state", f"n{node}.b{k}")[start + lo:start + hi].read().result()
+    def require(self, path: str) -> None:
+        """``ValueError`` when the checkpoint has no state node ``path`` at all (another rule)."""
+        held = sorted(n["path"] for n in self.meta["nodes"])
+        if path not in held:
+            raise ValueError(f"this transformation's state has {path!r}, which the checkpoint at {self.root!r} lacks "
+                             f"(it holds {held}): restore with the rule it was saved with")
+
+    def has(self, path: str, param: int) -> bool:
+        return (path, param) in self.at
+
+    def piece(self, path: str, param: int, lo: int, hi: int) -> np.ndarray:
+        """Elements ``lo:hi`` of saved param ``param``'s leaf of per-param node ``path`` (flattened)."""
+        if (path, param) not in self.at:
+            raise ValueError(f"the checkpoint at {self.root!r} has no state {path!r} for param "
+                             f"{self.meta['names'][param]!r}: restore with the rule and plan kind it was saved with")
+        where = self.at[path, param]
+        if where[0] == "range":
+            _, key, start = where
+            out = np.asarray(self.array("state", key)[start + lo:start + hi].read().result())
         else:
-            arr = self.array(f"p{param}", f"n{node}")
-            shape = tuple(self.meta["shapes"][param])
+            arr, shape = self.array(where[1], where[2]), tuple(self.meta["shapes"][param])
             row = int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1
             if len(shape) == 0:
                 out = np.asarray(arr.read().result()).reshape(-1)[lo:hi]
@@ -171,20 +259,25 @@ class Source:
                 first, last = lo // row, -(-hi // row)
                 out = np.asarray(arr[first:last].read().result()).reshape(-1)[lo - first * row:hi - first * row]
         self.read_bytes += out.nbytes
-        return np.asarray(out)
+        return out
 
-    def shared(self, node: int) -> np.ndarray:
-        item = "state" if self.meta["layout"] == "buffers" else "shared"
-        return np.asarray(self.array(item, f"s{node}").read().result())
+    def shared(self, path: str) -> np.ndarray:
+        """A leaf the params share (a count), whole."""
+        self.require(path)
+        if path not in self.shared_at:
+            raise ValueError(f"state {path!r} is per param in the checkpoint at {self.root!r} but shared here")
+        where = self.shared_at[path]
+        if where[0] == "array":
+            return np.asarray(self.array(where[1], where[2]).read().result())
+        _, key, offset, size, shape = where
+        return np.asarray(self.array("state", key)[offset:offset + size].read().result()).reshape(shape)
 
     def param(self, param: int) -> np.ndarray | None:
         """A saved param whole (None when the checkpoint has no params)."""
-        if self.meta["layout"] == "buffers":
-            if not os.path.isdir(os.path.join(self.root, "params")):
-                return None
-            return np.asarray(self.array("params", self.meta["names"][param]).read().result())
         if not self.meta.get("has_params"):
             return None
+        if self.meta["layout"] == "buffers":
+            return np.asarray(self.array("params", self.meta["names"][param]).read().result())
         return np.asarray(self.array(f"p{param}", "param").read().result())
 
 
@@ -193,41 +286,61 @@ def restore(path: str | os.PathLike, tx: optax.GradientTransformation, params: A
     """``(params, state)`` of a checkpoint `save` (or ``zero checkpoint convert``) wrote, the state
     placed by ``plan`` along ``axis`` of ``mesh`` as `init` places it, to continue with
     `update(tx, plan, mesh)`. ``plan`` may differ from the saved one (another mesh size, another
-    strategy): each device reads only the pieces of its own slice. ``params`` gives the tree (and
-    the values, when the checkpoint holds none); the saved ones come back replicated.
+    strategy; a hybrid plan's whole params another owner): each device reads only the pieces of
+    its own slice, or its own whole params' state. ``params`` gives the tree (and the values, when
+    the checkpoint holds none); the saved ones come back replicated.
 
     A ``ValueError`` names what does not fit: a param missing or reshaped, a state node ``tx``
     needs that the checkpoint lacks, another dtype. ``reads``, a dict, receives the bytes of
     per-param state each position along ``axis`` read."""
     placed = _Placed(plan, mesh, axis)
-    placed.refuse_hybrid("jax_mesh.restore")
     placed.check(tx, params)
-    meta = read_meta(path)
-    source = Source(path, meta)
-    mapping = _match_params(meta, plan)
-    view = placed.view_of(params)
+    source = Source(path, read_meta(path))
+    mapping = _match_params(source.meta, plan)
+    reads = {} if reads is None else reads
     per_buffer = _per_buffer(placed.buffers)
-    found, upper = jax.tree_util.tree_flatten(jax.eval_shape(tx.init, view), is_leaf=per_buffer)
-    paths = [dotted(p) for p, _ in jax.tree_util.tree_flatten_with_path(jax.eval_shape(tx.init, view),
-                                                                         is_leaf=per_buffer)[0]]
-    saved = {n["path"]: (j, n) for j, n in enumerate(meta["nodes"])}
+    found, upper = jax.tree_util.tree_flatten_with_path(jax.eval_shape(tx.init, placed.view_of(params)),
+                                                        is_leaf=per_buffer)
     out = []
-    for p, node in zip(paths, found):
-        if p not in saved:
-            raise ValueError(f"this transformation's state has {p!r}, which the checkpoint at {os.fspath(path)!r} "
-                             f"lacks (it holds {sorted(saved)}): restore with the rule it was saved with")
-        j, info = saved[p]
+    for key_path, node in found:
+        p = dotted(key_path)
+        source.require(p)
         if per_buffer(node):
-            if not info["per_param"]:
-                raise ValueError(f"state {p!r} is per param here but shared in the checkpoint")
-            out.append(tuple(_buffer(source, j, b, leaf, placed, mapping, reads)
+            out.append(tuple(_buffer(source, p, b, leaf, placed, mapping, reads)
                              for b, leaf in zip(placed.buffers, node)))
         else:
-            value = source.shared(j)
+            value = source.shared(p)
             _check_dtype(p, value.dtype, node.dtype)
             out.append(jax.device_put(value.reshape(node.shape), placed.replicated))
     state = upper.unflatten(out)
+    whole = placed.whole_params(tx, params)
+    if whole is not None:
+        state = HybridState(state, _rows(source, whole, whole_roles(whole, params), placed, mapping, reads))
     return _params(source, params, mapping, placed), state
+
+
+def _rows(source: Source, whole: WholeParams, roles: list, placed: _Placed, mapping: list[int],
+          reads: dict[int, int]) -> tuple[jax.Array, ...]:
+    """A hybrid plan's state rows, each device's built from its own params' saved state alone."""
+    built: dict[int, tuple[np.ndarray, ...]] = {}
+
+    def rank_rows(r: int) -> tuple[np.ndarray, ...]:
+        if r not in built:
+            before, leaves = source.read_bytes, []
+            for (path, i), like in zip(roles[r], whole.state_like[r]):
+                numel = int(np.prod(like.shape))
+                value = source.shared(path) if i is None else source.piece(path, mapping[i], 0, numel)
+                _check_dtype(path, value.dtype, like.dtype)
+                leaves.append(value.reshape(like.shape))
+            built[r] = whole.state.pack(r, leaves, np)
+            reads[r] = reads.get(r, 0) + source.read_bytes - before
+        return built[r]
+
+    def row(d: int, width: int) -> jax.Array:
+        return jax.make_array_from_callback((placed.plan.world_size * width,), placed.sharded,
+                                            lambda index: rank_rows((index[0].start or 0) // width)[d])
+
+    return tuple(row(d, w) for d, w in enumerate(whole.state.width))
 
 
 def _match_params(meta: dict, plan: Plan) -> list[int]:
@@ -255,11 +368,10 @@ def _check_dtype(what: str, saved: Any, here: Any) -> None:
                          "here: restore with params and a rule of the saved dtypes")
 
 
-def _buffer(source: Source, node: int, buf: Buffer, like: Any, placed: _Placed, mapping: list[int],
-            reads: dict[int, int] | None) -> jax.Array:
+def _buffer(source: Source, node: str, buf: Buffer, like: Any, placed: _Placed, mapping: list[int],
+            reads: dict[int, int]) -> jax.Array:
     """One buffer leaf of the new placement, each device's slice read from its pieces alone."""
     dtype = np.dtype(like.dtype)
-    _check_dtype(source.meta["nodes"][node]["path"], source.meta["nodes"][node]["dtype"], dtype)
 
     def slice_of(index: tuple[slice, ...]) -> np.ndarray:
         lo, hi, _ = index[0].indices(buf.length)
@@ -267,10 +379,11 @@ def _buffer(source: Source, node: int, buf: Buffer, like: Any, placed: _Placed, 
         for i, start, size in zip(buf.params, buf.starts, buf.sizes):
             a, b = max(start, lo), min(start + size, hi)
             if a < b:
-                out[a - lo:b - lo] = source.piece(node, mapping[i], a - start, b - start)
-        if reads is not None:
-            rank = lo // (buf.length // placed.plan.world_size)
-            reads[rank] = reads.get(rank, 0) + source.read_bytes - before
+                piece = source.piece(node, mapping[i], a - start, b - start)
+                _check_dtype(node, piece.dtype, dtype)
+                out[a - lo:b - lo] = piece
+        rank = lo // (buf.length // placed.plan.world_size)
+        reads[rank] = reads.get(rank, 0) + source.read_bytes - before
         return out
 
     return jax.make_array_from_callback((buf.length,), placed.sharded, slice_of)

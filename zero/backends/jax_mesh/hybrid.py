@@ -91,11 +91,11 @@ class Rows:
         """Rank ``rank``'s row of each dtype, its leaves back to back and zeros after."""
         parts: list[list] = [[] for _ in self.dtypes]
         for (d, _, _), x in zip(self.slots[rank], leaves):
-            parts[d].append(xp.ravel(x).astype(self.dtypes[d]))
+            parts[d].append(xp.ravel(x).astype(jnp.dtype(self.dtypes[d])))
         rows = []
         for d, (dtype, width) in enumerate(zip(self.dtypes, self.width)):
             used = sum(n for dd, _, n in self.slots[rank] if dd == d)
-            rows.append(xp.concatenate(parts[d] + [xp.zeros(width - used, dtype)]))
+            rows.append(xp.concatenate(parts[d] + [xp.zeros(width - used, jnp.dtype(dtype))]))
         return tuple(rows)
 
     def unpack(self, rank: int, rows: Sequence[jax.Array], like: Sequence[Any]) -> list[jax.Array]:
@@ -117,7 +117,9 @@ class WholeParams:
     def __init__(self, tx: optax.GradientTransformation, plan: Plan, params: Any, mesh: Any, axis: str):
         self.tx, self.mesh, self.axis = tx, mesh, axis
         whole = set(plan.whole)
-        self.owned = [tuple(i for i in plan.partition.params_of(r) if i in whole) for r in range(plan.world_size)]
+        # in tree order: a masked tree hands its leaves to the rule, and back, in that order
+        self.owned = [tuple(sorted(i for i in plan.partition.params_of(r) if i in whole))
+                      for r in range(plan.world_size)]
         leaves = jax.tree.leaves(params)
         self.params = Rows.of([[leaves[i] for i in mine] for mine in self.owned])
         states = [jax.eval_shape(tx.init, masked(params, mine)) for mine in self.owned]
