@@ -81,6 +81,7 @@ def parity(rule: str, kind: str, dtype) -> dict:
     buffers = jax_mesh.packing(plan)
     return {"rel": rel, "state_rel": worst(gathered, ref_state), "bytes": jax_mesh.state_bytes(state, mesh),
             "init_bytes": placed_bytes, "plan_bytes": [r.state_bytes for r in plan.ranks],
+            "mesh_bytes": list(plan.mesh_state_bytes()),
             "scalar_bytes": [zero.plans.accounting.optimizer_state(accounting).scalar_bytes
                              * (len(buffers) if kind == "flat" else len(plan.partition.params_of(r)))
                              for r in range(8)],
@@ -267,6 +268,7 @@ def hybrid(name: str) -> dict:
     return {"rel": rel, "whole": owners, "branch_dots": branch_dots(text),
             "dots": len(re.findall(r"= \S+ dot\(", text)), "unsharded_dots": len(re.findall(r"= \S+ dot\(", unsharded)),
             "bytes": jax_mesh.state_bytes(state, mesh), "device_bytes": jax_mesh.device_bytes(tx, params, plan),
+            "mesh_bytes": list(plan.mesh_state_bytes()),
             "own_bytes": list(step._whole.nbytes()), "compiles_after_first": sum(compiles[1:]),
             "collectives": collectives(step, *args)}
 

@@ -57,6 +57,7 @@ def test_mesh_steps_equal_optax_unsharded(mesh_run, case):
 def test_each_device_holds_the_plans_state_bytes(mesh_run, case):
     """The plan accounts torch's per-param scalars (Adam's ``step``); Optax keeps one count, replicated."""
     r, slots = mesh_run["parity"][case], SLOTS[case.split("-")[0]]
+    assert r["bytes"] == r["mesh_bytes"], f"{case}: Plan.mesh_state_bytes against the devices"
     per_param = [p - s for p, s in zip(r["plan_bytes"], r["scalar_bytes"])]
     owned = [n * slots * r["itemsize"] for n in r["owned"]]
     if case.endswith("mixed"):  # a bf16 and a float32 buffer per bucket: the plan counts each in its dtype
@@ -156,6 +157,8 @@ def test_hybrid_plan_steps_each_whole_param_on_its_owner_equal_to_optax(mesh_run
     assert r["collectives"]["all-reduce"] == 0  # no device computes another's whole param
     assert r["bytes"] == r["device_bytes"], "device_bytes predicts what each device holds"
     assert min(r["bytes"]) == max(r["bytes"]) >= max(r["own_bytes"]), "rows padded to the busiest rank's"
+    if name == "muon":  # the plan counts the moments; the rows also carry the rule's counts and coefficients
+        assert 0 < r["bytes"][0] - r["mesh_bytes"][0] <= 64, (r["bytes"], r["mesh_bytes"])
 
 
 def test_hybrid_muon_orthogonalises_each_matrix_once_on_its_owner(mesh_run):

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from zero import ParamMeta, assign_ddp_buckets, ddp_buckets, flat_layout, make_plan, partition
+from zero import ParamMeta, assign_ddp_buckets, ddp_buckets, flat_layout, make_plan, param_metas, partition
 from zero.plans.plan import Plan
 from zero.plans.presets import preset
 
@@ -223,3 +223,19 @@ def test_a_low_bit_plan_cuts_at_block_edges_and_counts_codes_and_scales():
     assert "1 params cut at blocks of 256" in str(plan)
     with pytest.raises(ValueError, match="unknown optimizer 'adamw8bit/3'"):
         make_plan(metas, 3, "flat", optimizer="adamw8bit/3")
+
+
+def test_mesh_state_bytes_pads_each_dtype_row_to_its_busiest_rank():
+    """A JAX mesh lays a whole-param plan's state in one row per dtype, each as long as that
+    dtype's busiest rank's: here bf16's is rank 2's (d: 21 elements x 2 moments x 2 bytes = 84)
+    and float32's rank 1's (c: 300 x 2 x 4 = 2400), so every device holds 2484 bytes, more than
+    any rank's own (torch's per-param step left out: Optax keeps one count)."""
+    metas = param_metas({"a": {"shape": [10], "dtype": "bfloat16"}, "b": (10,), "c": (300,),
+                              "d": {"shape": [7, 3], "dtype": "bfloat16"}})
+    plan = make_plan(metas, 3, "contiguous")
+    assert plan.partition.owner == (0, 0, 1, 2)
+    assert [r.state_bytes for r in plan.ranks] == [40 + 80 + 8, 2400 + 4, 84 + 4]
+    assert plan.mesh_state_bytes() == (84 + 2400,) * 3
+    flat = make_plan(metas, 3, "flat")  # a flat buffer's slice is its padded shard, per dtype
+    assert flat.mesh_state_bytes() == (sum(b.padded_numel // 3 * 2 * (2 if b.dtype == "bfloat16" else 4)
+                                           for b in flat.flat.buffers),) * 3

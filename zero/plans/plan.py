@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from zero.plans.accounting import check_master_dtype, optimizer_state, weights
+from zero.plans.accounting import check_master_dtype, optimizer_state, state_bytes, weights
 from zero.plans.cost import RankCost, flat_costs, partition_costs, stage_bytes
 from zero.plans.hybrid import Whole, hybrid_placement, resolve_whole
 from zero.plans.layout import FlatLayout, flat_layout
@@ -68,6 +68,30 @@ class Plan:
             rows[keys[2]] = max(self.footprint(r, reduce_scatter_grads=True).peak
                                 for r in range(self.world_size)) if self.flat is not None else None
         return rows
+
+    def mesh_state_bytes(self) -> tuple[int, ...]:
+        """The optimizer state each device of a JAX mesh holds executing this plan
+        (`zero.backends.jax_mesh`), padding included. A mesh shards arrays evenly: a flat
+        buffer's slice is its padded shard, and the rows of whole params (one per dtype) are each
+        as long as the busiest rank's, on every device. ``ranks[r].state_bytes`` counts rank
+        ``r``'s own, as torch ranks hold it. Per-param scalars (torch's ``step``) are left out:
+        Optax keeps one count, replicated. For an element-wise rule this is what
+        `zero.backends.jax_mesh.state_bytes` measures; under a hybrid plan the rule's own scalars
+        ride in the rows too (`zero.backends.jax_mesh.device_bytes` counts them from the rule)."""
+        spec = optimizer_state(self.optimizer)
+
+        def own(i: int) -> int:
+            m = self.metas[i]
+            return state_bytes(m, spec, self.master_dtype) - spec.scalar_bytes if m.requires_grad else 0
+
+        flat = 0
+        for b in self.flat.buffers if self.flat is not None else ():
+            flat += b.padded_numel // self.world_size * (own(b.params[0]) // self.metas[b.params[0]].numel)
+        whole = self.whole if self.flat is not None else range(len(self.metas))
+        rows: dict[str, list[int]] = {}
+        for i in whole:
+            rows.setdefault(self.metas[i].dtype, [0] * self.world_size)[self.partition.owner[i]] += own(i)
+        return (flat + sum(max(r) for r in rows.values()),) * self.world_size
 
     def footprint(self, rank: int, **mode):
         """What ``rank`` holds at its peak and moves per step executing this plan in ``mode``

@@ -44,6 +44,9 @@ def plan_table(plan, max_rows: int = 16):
                   f"{mib(r.broadcast_bytes[0])} / {mib(r.broadcast_bytes[1])}",
                   f"{mib(r.all_gather_bytes[0])} / {mib(r.all_gather_bytes[1])}")
     t.caption = "busiest rank: " + ", ".join(f"{name} {mib(n)} MiB" for name, n in plan.stage_bytes().items())
+    if plan.flat is None or plan.hybrid:  # a mesh shards evenly: every device holds the busiest rank's rows
+        t.caption += (f"; on a JAX mesh (zero.backends.jax_mesh) every device holds "
+                      f"{mib(plan.mesh_state_bytes()[0])} MiB of optimizer state, rows padded to the busiest rank's")
     return t
 
 
