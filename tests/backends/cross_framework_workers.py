@@ -44,3 +44,20 @@ def load_continue(rank: int, world_size: int, load_from: str) -> list:
     checkpoint.load(load_from, model, opt)
     steps(model, opt, 20, 30)
     return [p.detach().numpy().tolist() for p in model.parameters()]
+
+
+def other_rule_save_continue(rank: int, world_size: int, rule: str, save_to: str) -> list:
+    """``rule`` ("sgd": torch's SGD with momentum; "functional": zero.functional's adamw) on one
+    rank: 5 steps, saved, 5 more: the params at 10."""
+    import zero.functional as zf
+
+    model = nn.Sequential(nn.Linear(7, 33), nn.Linear(33, 5), nn.Linear(5, 64))
+    with torch.no_grad():
+        for p, value in zip(model.parameters(), initial()):
+            p.copy_(torch.from_numpy(value).float())
+    opt = (Zero(model.parameters(), torch.optim.SGD, lr=LR, momentum=0.9) if rule == "sgd" else
+           Zero(model.parameters(), zf.adamw(LR, b1=BETAS[0], b2=BETAS[1], eps=EPS, weight_decay=WD)))
+    steps(model, opt, 0, 5)
+    checkpoint.save(save_to, model, opt)
+    steps(model, opt, 5, 10)
+    return [p.detach().numpy().tolist() for p in model.parameters()]

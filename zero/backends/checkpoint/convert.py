@@ -9,8 +9,10 @@ for each tensor as it writes it).
 
 State names: torch's ``exp_avg`` / ``exp_avg_sq`` / ``step`` of Adam and AdamW are Optax's
 ``0.mu`` / ``0.nu`` / ``0.count`` (of ``optax.adam`` / ``adamw``), SGD's ``momentum_buffer`` is
-``0.trace`` (of ``optax.sgd(momentum=...)``). A `zero.functional` rule's state is saved under
-Optax's own paths already and passes as it is. Anything else is a ``ValueError`` naming it.
+``0.trace`` (of ``optax.sgd(momentum=...)``); other torch state (AMSGrad's maximum, master
+weights) is a ``ValueError`` naming it. A `zero.functional` rule's state is saved under Optax's
+own paths already and passes as it is (``zero.functional.adamw`` injects its hyperparameters: it
+is ``optax.inject_hyperparams(optax.adamw)``'s state).
 """
 
 from __future__ import annotations
@@ -86,11 +88,13 @@ class _DcpSource:
             dcp.load({key: out}, checkpoint_id=self.path, no_dist=True)
         return out
 
-    def optax_path(self, name: str) -> str:
+    def optax_path(self, name: str, torch_names: bool) -> str:
+        """Optax's path of state ``name``: torch.optim's names mapped (``torch_names``: the checkpoint
+        holds some), a `zero.functional` rule's paths as they are."""
         if name == MASTER_KEY:
             raise ValueError("the checkpoint holds master weights (a low-precision model stepped in float32): a "
                              "mesh run has none; save it without masters (save(..., masters=False))")
-        if "." in name:  # a zero.functional rule: Optax's own path
+        if not torch_names:
             return name
         if name not in TORCH_TO_OPTAX:
             raise ValueError(f"torch's optimizer state {name!r} has no Optax counterpart here (known: "
@@ -107,7 +111,8 @@ def to_orbax(src: str | os.PathLike, dst: str | os.PathLike) -> dict:
 
     source = _DcpSource(src)
     names = sorted({n for f in source.fqns for n in source.state[f]})
-    paths = {n: source.optax_path(n) for n in names}
+    torch_names = any(n in TORCH_TO_OPTAX for n in names)  # torch.optim's state, else a zero.functional rule's
+    paths = {n: source.optax_path(n, torch_names) for n in names}
     # a leaf shaped like its param is per param (moments); others the params share (counts, Muon's
     # coefficients), saved under every param in DCP and once in Optax: every param's must agree
     shapes = {f: tuple(source.md[f"model.{f}"].size) for f in source.fqns}
@@ -137,8 +142,9 @@ def to_orbax(src: str | os.PathLike, dst: str | os.PathLike) -> dict:
                 nodes[j].setdefault("params", []).append(i)  # a node may hold some params only (Muon's: matrices)
                 item[f"n{j}"] = value
             pytree.save(os.path.join(tmp, f"p{i}"), ocp.args.PyTreeSave(item))
-        pytree.save(os.path.join(tmp, "shared"), ocp.args.PyTreeSave(
-            {f"s{j}": shared_values[n["path"]] for j, n in enumerate(nodes) if not n["per_param"]}))
+        if shared:  # Orbax refuses an empty item
+            pytree.save(os.path.join(tmp, "shared"), ocp.args.PyTreeSave(
+                {f"s{j}": shared_values[n["path"]] for j, n in enumerate(nodes) if not n["per_param"]}))
         ocp.Checkpointer(ocp.JsonCheckpointHandler()).save(os.path.join(tmp, "zero"), ocp.args.JsonSave(meta))
 
     write_replacing(dst, write)

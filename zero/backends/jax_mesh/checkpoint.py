@@ -309,9 +309,8 @@ def restore(path: str | os.PathLike, tx: optax.GradientTransformation, params: A
             out.append(tuple(_buffer(source, p, b, leaf, placed, mapping, reads)
                              for b, leaf in zip(placed.buffers, node)))
         else:
-            value = source.shared(p)
-            _check_dtype(p, value.dtype, node.dtype)
-            out.append(jax.device_put(value.reshape(node.shape), placed.replicated))
+            value = _shared(source, p, node)
+            out.append(jax.device_put(value, placed.replicated))
     state = upper.unflatten(out)
     whole = placed.whole_params(tx, params)
     if whole is not None:
@@ -329,7 +328,7 @@ def _rows(source: Source, whole: WholeParams, roles: list, placed: _Placed, mapp
             before, leaves = source.read_bytes, []
             for (path, i), like in zip(roles[r], whole.state_like[r]):
                 numel = int(np.prod(like.shape))
-                value = source.shared(path) if i is None else source.piece(path, mapping[i], 0, numel)
+                value = _shared(source, path, like) if i is None else source.piece(path, mapping[i], 0, numel)
                 _check_dtype(path, value.dtype, like.dtype)
                 leaves.append(value.reshape(like.shape))
             built[r] = whole.state.pack(r, leaves, np)
@@ -360,6 +359,16 @@ def _match_params(meta: dict, plan: Plan) -> list[int]:
     if extra:
         raise ValueError(f"the checkpoint holds params these do not have: {extra[:8]}")
     return out
+
+
+def _shared(source: Source, path: str, like: Any) -> np.ndarray:
+    """A shared leaf (a count, a hyperparameter) as ``like`` has it: a float of another width is
+    cast (torch keeps injected hyperparameters in float64, Optax in float32), another kind is not."""
+    value = source.shared(path)
+    if np.dtype(value.dtype).kind == np.dtype(like.dtype).kind and value.dtype != like.dtype:
+        value = value.astype(like.dtype)
+    _check_dtype(path, value.dtype, like.dtype)
+    return value.reshape(like.shape)
 
 
 def _check_dtype(what: str, saved: Any, here: Any) -> None:
