@@ -226,9 +226,12 @@ class Source:
 
     def array(self, item: str, key: str) -> Any:
         if (item, key) not in self._open:
-            spec = {"driver": "zarr", "kvstore": {"driver": "ocdbt", "base": f"file://{self.root}/{item}/",
-                                                  "path": key}}
-            self._open[item, key] = self._ts.open(spec, open=True, read=True).result()
+            kvstore = {"driver": "ocdbt", "base": f"file://{self.root}/{item}/", "path": key}
+            try:  # Orbax writes zarr v2 arrays in an OCDBT store by default; zarr v3 when asked to
+                opened = self._ts.open({"driver": "zarr", "kvstore": kvstore}, open=True, read=True).result()
+            except ValueError:
+                opened = self._ts.open({"driver": "zarr3", "kvstore": kvstore}, open=True, read=True).result()
+            self._open[item, key] = opened
         return self._open[item, key]
 
     def require(self, path: str) -> None:
