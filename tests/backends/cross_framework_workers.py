@@ -61,3 +61,29 @@ def other_rule_save_continue(rank: int, world_size: int, rule: str, save_to: str
     checkpoint.save(save_to, model, opt)
     steps(model, opt, 5, 10)
     return [p.detach().numpy().tolist() for p in model.parameters()]
+
+
+def fsdp2_save_continue(rank: int, world_size: int, save_to: str) -> list:
+    """The twin under FSDP2 (each Linear and the root ``fully_shard``-ed) with ``torch.optim.AdamW``:
+    5 steps, saved with ``dcp.save`` of torch's own ``get_state_dict``, 5 more: the params at 10."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import distribute_tensor
+
+    model = nn.Sequential(nn.Linear(7, 33), nn.Linear(33, 5), nn.Linear(5, 64))
+    with torch.no_grad():
+        for p, value in zip(model.parameters(), initial()):
+            p.copy_(torch.from_numpy(value).float())
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    for k in range(10):
+        if k == 5:
+            model_sd, optim_sd = get_state_dict(model, opt)
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=save_to)
+        for p, g in zip(model.parameters(), grads(k)):
+            p.grad = distribute_tensor(torch.from_numpy(g).float(), p.device_mesh, p.placements)
+        opt.step()
+    return [p.full_tensor().detach().numpy().tolist() for p in model.parameters()]

@@ -86,7 +86,8 @@ def _dcp(path, state: dict) -> None:
 
 
 @pytest.mark.parametrize("state, message", [
-    ({"max_exp_avg_sq": torch.ones(3)}, r"torch's optimizer state 'max_exp_avg_sq' has no Optax counterpart"),
+    ({"exp_avg": torch.ones(3), "exp_avg_sq": torch.ones(3), "max_exp_avg_sq": torch.ones(3)},  # AMSGrad's
+     r"torch's optimizer state 'max_exp_avg_sq' has no Optax counterpart"),
     ({"master": torch.ones(3)}, r"the checkpoint holds master weights"),
 ])
 def test_convert_refuses_state_it_cannot_name(tmp_path, state, message):
@@ -102,10 +103,11 @@ def test_convert_cli_needs_a_destination_and_a_format(tmp_path, capsys):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("rule", ["sgd", "functional"])
-def test_sgd_momentum_and_a_zero_functional_rule_convert_too(tmp_path, rule):
+@pytest.mark.parametrize("rule", ["sgd", "functional", "fsdp2"])
+def test_sgd_momentum_a_zero_functional_rule_and_fsdp2_convert_too(tmp_path, rule):
     """torch's SGD with momentum (``momentum_buffer`` -> ``0.trace``) and zero.functional's adamw
-    (state saved under Optax's paths) on one rank, converted, continued by ``optax.sgd`` /
+    (state saved under Optax's paths) on one rank, and AdamW under FSDP2 on 2 ranks (saved by
+    torch's own ``get_state_dict`` and ``dcp.save``), converted, continued by ``optax.sgd`` /
     ``optax.adamw`` on one device: equal to torch's own continuation."""
     import jax
     import jax.numpy as jnp
@@ -116,19 +118,23 @@ def test_sgd_momentum_and_a_zero_functional_rule_convert_too(tmp_path, rule):
     import zero
     from zero.backends import jax_mesh
 
-    torch_at10 = run_ranks(w.other_rule_save_continue, 1, rule, str(tmp_path / "dcp5"), timeout=240)[0]
+    torch_at10 = (run_ranks(w.fsdp2_save_continue, 2, str(tmp_path / "dcp5"), timeout=240) if rule == "fsdp2" else
+                  run_ranks(w.other_rule_save_continue, 1, rule, str(tmp_path / "dcp5"), timeout=240))[0]
     meta = convert.to_orbax(tmp_path / "dcp5", tmp_path / "orbax5")
     names = [f"{layer}.{kind}" for layer in range(3) for kind in ("weight", "bias")]
     template = {n: jnp.zeros(s, jnp.float32) for n, s in zip(names, SHAPES)}
     plan, mesh = zero.make_plan(zero.param_metas(template), 1, "flat"), Mesh(np.array(jax.devices()[:1]), ("data",))
-    tx = optax.sgd(w.LR, momentum=0.9) if rule == "sgd" else optax.inject_hyperparams(optax.adamw)(
-        learning_rate=w.LR, b1=w.BETAS[0], b2=w.BETAS[1], eps=w.EPS, weight_decay=w.WD)  # zf.adamw's state
+    tx = {"sgd": optax.sgd(w.LR, momentum=0.9),
+          "functional": optax.inject_hyperparams(optax.adamw)(  # zf.adamw's state
+              learning_rate=w.LR, b1=w.BETAS[0], b2=w.BETAS[1], eps=w.EPS, weight_decay=w.WD),
+          "fsdp2": optax.adamw(w.LR, b1=w.BETAS[0], b2=w.BETAS[1], eps=w.EPS, weight_decay=w.WD)}[rule]
     params, state = jax_mesh.restore(tmp_path / "orbax5", tx, template, plan, mesh)
     step = jax_mesh.update(tx, plan, mesh)
     for k in range(5, 10):
         params, state = step({n: jnp.asarray(g, jnp.float32) for n, g in zip(names, grads(k))}, state, params)
     per_param = [n["path"] for n in meta["nodes"] if n["per_param"]]
-    assert per_param == (["0.trace"] if rule == "sgd" else ["inner_state.0.mu", "inner_state.0.nu"])
+    assert per_param == {"sgd": ["0.trace"], "functional": ["inner_state.0.mu", "inner_state.0.nu"],
+                         "fsdp2": ["0.mu", "0.nu"]}[rule]
     assert rel([np.asarray(params[n]) for n in names], torch_at10) <= 1e-5
 
 
