@@ -76,7 +76,7 @@ def parity(rule: str, kind: str, dtype) -> dict:
         ref, ref_state = ref_step(g, ref_state, ref)
         rel = max(rel, worst(ours, ref))
     gathered = jax_mesh.gather_state(state, tx, params, plan, mesh)
-    init_memory = executor._init_program(tx, executor._Placed(plan, mesh, "data"), params).lower(
+    init_memory = executor._init_program(tx, executor.Placed(plan, mesh, "data"), params).lower(
         params).compile().memory_analysis()  # what one device's init program allocates
     buffers = jax_mesh.packing(plan)
     return {"rel": rel, "state_rel": worst(gathered, ref_state), "bytes": jax_mesh.state_bytes(state, mesh),

@@ -107,11 +107,23 @@ ERRORS = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(ERRORS))
-def test_wrong_input_is_an_error_naming_it(mesh_run, case):
+ORBAX_ERRORS = {
+    "other_rule": r"ValueError: this transformation's state has '0.trace', which the checkpoint at .* lacks "
+                  r"\(it holds \['0.count', '0.mu', '0.nu'\]\)",
+    "other_params": r"ValueError: param 'w1' has shape \(16, 34\) here but \(16, 33\) in the checkpoint",
+    "no_checkpoint": r"ValueError: no zero Orbax checkpoint at .*nothing",
+}
+
+
+@pytest.mark.parametrize("where, case", [("errors", c) for c in sorted(ERRORS)] +
+                         [("orbax", c) for c in sorted(ORBAX_ERRORS)])
+def test_wrong_input_is_an_error_naming_it(mesh_run, where, case):
+    """Wrong input to the step, and to an Orbax restore (``where``: whose errors)."""
     import re
 
-    assert re.match(ERRORS[case], mesh_run["errors"][case]), mesh_run["errors"][case]
+    expected, got = (ERRORS if where == "errors" else ORBAX_ERRORS)[case], (
+        mesh_run["errors"] if where == "errors" else mesh_run["orbax"]["errors"])[case]
+    assert re.match(expected, got), got
 
 
 @pytest.mark.timeout(300)
@@ -180,21 +192,6 @@ def test_orbax_save_at_8_flat_restores_at_4_whole_and_continues(mesh_run):
     assert r["reads"] == r["own_bytes"]
     assert r["restored_bytes"] == r["device_bytes"] == [max(r["own_bytes"])] * 4
     assert r["siblings"] == [], "a replaced checkpoint leaves nothing beside it"
-
-
-ORBAX_ERRORS = {
-    "other_rule": r"ValueError: this transformation's state has '0.trace', which the checkpoint at .* lacks "
-                  r"\(it holds \['0.count', '0.mu', '0.nu'\]\)",
-    "other_params": r"ValueError: param 'w1' has shape \(16, 34\) here but \(16, 33\) in the checkpoint",
-    "no_checkpoint": r"ValueError: no zero Orbax checkpoint at .*nothing",
-}
-
-
-@pytest.mark.parametrize("case", sorted(ORBAX_ERRORS))
-def test_orbax_restore_names_what_does_not_fit(mesh_run, case):
-    import re
-
-    assert re.match(ORBAX_ERRORS[case], mesh_run["orbax"]["errors"][case]), mesh_run["orbax"]["errors"][case]
 
 
 def test_orbax_hybrid_muon_saved_at_8_restores_at_2_and_continues(mesh_run):

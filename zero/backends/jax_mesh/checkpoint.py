@@ -36,7 +36,7 @@ import optax
 from jax.sharding import Mesh
 
 from zero.backends.jax_mesh.buffers import Buffer, packing
-from zero.backends.jax_mesh.executor import _Placed
+from zero.backends.jax_mesh.executor import Placed
 from zero.backends.jax_mesh.hybrid import HybridState, WholeParams, masked
 from zero.backends.jax_mesh.rules import is_per_param
 from zero.plans.plan import Plan
@@ -73,7 +73,7 @@ def save(path: str | os.PathLike, state: Any, plan: Plan, mesh: Mesh, axis: str 
 
     Saving over a checkpoint replaces it whole or not at all: the new one is written beside it
     and renamed into place once Orbax has finished it."""
-    placed = _Placed(plan, mesh, axis)
+    placed = Placed(plan, mesh, axis)
     names = [m.name for m in plan.metas]
     if plan.hybrid and (tx is None or params is None or not isinstance(state, HybridState)):
         raise ValueError("a hybrid plan's state (a HybridState, from jax_mesh.init under the plan) is saved with the "
@@ -91,7 +91,7 @@ def save(path: str | os.PathLike, state: Any, plan: Plan, mesh: Mesh, axis: str 
     write_replacing(path, lambda tmp: _checkpointer().save(tmp, ocp_args().Composite(**composite)))
 
 
-def _flat_items(state: Any, placed: _Placed) -> tuple[dict, list[dict]]:
+def _flat_items(state: Any, placed: Placed) -> tuple[dict, list[dict]]:
     """The arrays and node descriptions of a state over the plan's buffers."""
     per_buffer = _per_buffer(placed.buffers)
     items, nodes = {}, []
@@ -296,7 +296,7 @@ def restore(path: str | os.PathLike, tx: optax.GradientTransformation, params: A
     A ``ValueError`` names what does not fit: a param missing or reshaped, a state node ``tx``
     needs that the checkpoint lacks, another dtype. ``reads``, a dict, receives the bytes of
     per-param state each position along ``axis`` read."""
-    placed = _Placed(plan, mesh, axis)
+    placed = Placed(plan, mesh, axis)
     placed.check(tx, params)
     source = Source(path, read_meta(path))
     mapping = _match_params(source.meta, plan)
@@ -321,7 +321,7 @@ def restore(path: str | os.PathLike, tx: optax.GradientTransformation, params: A
     return _params(source, params, mapping, placed), state
 
 
-def _rows(source: Source, whole: WholeParams, roles: list, placed: _Placed, mapping: list[int],
+def _rows(source: Source, whole: WholeParams, roles: list, placed: Placed, mapping: list[int],
           reads: dict[int, int]) -> tuple[jax.Array, ...]:
     """A hybrid plan's state rows, each device's built from its own params' saved state alone."""
     built: dict[int, tuple[np.ndarray, ...]] = {}
@@ -380,7 +380,7 @@ def _check_dtype(what: str, saved: Any, here: Any) -> None:
                          "here: restore with params and a rule of the saved dtypes")
 
 
-def _buffer(source: Source, node: str, buf: Buffer, like: Any, placed: _Placed, mapping: list[int],
+def _buffer(source: Source, node: str, buf: Buffer, like: Any, placed: Placed, mapping: list[int],
             reads: dict[int, int]) -> jax.Array:
     """One buffer leaf of the new placement, each device's slice read from its pieces alone."""
     dtype = np.dtype(like.dtype)
@@ -401,7 +401,7 @@ def _buffer(source: Source, node: str, buf: Buffer, like: Any, placed: _Placed, 
     return jax.make_array_from_callback((buf.length,), placed.sharded, slice_of)
 
 
-def _params(source: Source, params: Any, mapping: list[int], placed: _Placed) -> Any:
+def _params(source: Source, params: Any, mapping: list[int], placed: Placed) -> Any:
     leaves, treedef = jax.tree.flatten(params)
     saved = [source.param(i) for i in mapping]
     if any(s is None for s in saved):

@@ -23,11 +23,12 @@ from zero.backends.jax_mesh.rules import check_rule, check_state, is_per_param
 from zero.plans.meta import param_metas
 from zero.plans.plan import Plan, check_plan
 
-__all__ = ["init", "update", "gather_state", "place_state", "state_bytes", "device_bytes"]
+__all__ = ["init", "update", "gather_state", "place_state", "state_bytes", "device_bytes", "Placed"]
 
 
-class _Placed:
-    """One plan on one mesh axis: its buffers, shardings, and the checks of what it is given."""
+class Placed:
+    """One plan on one mesh axis: its buffers, shardings, and the checks of what it is given
+    (shared by the step here and the checkpoints of `zero.backends.jax_mesh.checkpoint`)."""
 
     def __init__(self, plan: Plan, mesh: Mesh, axis: str):
         if not isinstance(plan, Plan):
@@ -117,12 +118,12 @@ def init(tx: optax.GradientTransformation, params: Any, plan: Plan, mesh: Mesh, 
     `zero.backends.jax_mesh.hybrid.HybridState`: that state for the flat buffers, and each
     device's ``tx.init`` of the whole params it owns, in rows (`zero.backends.jax_mesh.hybrid`).
     """
-    placed = _Placed(plan, mesh, axis)
+    placed = Placed(plan, mesh, axis)
     placed.check(tx, params)
     return _init_program(tx, placed, params)(params)
 
 
-def _init_program(tx: optax.GradientTransformation, placed: _Placed, params: Any) -> Callable:
+def _init_program(tx: optax.GradientTransformation, placed: Placed, params: Any) -> Callable:
     """``tx.init`` over the packed params, jitted with the state's shardings as its outputs."""
     whole = placed.whole_params(tx, params)
 
@@ -141,14 +142,14 @@ def update(tx: optax.GradientTransformation, plan: Plan, mesh: Mesh, axis: str =
     donated), the params come back replicated. The first call checks the params against the
     plan and compiles; later calls with the same tree reuse the compiled step.
     """
-    placed = _Placed(plan, mesh, axis)
+    placed = Placed(plan, mesh, axis)
     return _Step(tx, placed)
 
 
 class _Step:
     """The jitted step of `update`, compiled on the first call (it needs the params' tree)."""
 
-    def __init__(self, tx: optax.GradientTransformation, placed: _Placed):
+    def __init__(self, tx: optax.GradientTransformation, placed: Placed):
         self._tx, self._placed, self._jitted, self._treedef, self._whole = tx, placed, None, None, None
 
     def __call__(self, grads: Any, state: Any, params: Any) -> tuple[Any, Any]:
@@ -186,7 +187,7 @@ def gather_state(state: Any, tx: optax.GradientTransformation, params: Any, plan
     the mesh's first device (as a consolidated checkpoint is on one rank): for
     `zero.functional.from_optax_state`, which reads single-device arrays, and a torch checkpoint.
     Each buffer travels to the host and is cut into params there, so no other device holds it whole."""
-    placed = _Placed(plan, mesh, axis)
+    placed = Placed(plan, mesh, axis)
     placed.refuse_hybrid("gather_state")
     placed.check_params(params)
     tree, view = _trees(tx, params, placed)
@@ -201,7 +202,7 @@ def place_state(optax_state: Any, tx: optax.GradientTransformation, params: Any,
     """An Optax state of ``tx.init(params)``'s layout (from `gather_state`, or a torch run through
     `zero.functional.to_optax_state`) placed as `init` places it: packed on the host, each device
     sent only its slice."""
-    placed = _Placed(plan, mesh, axis)
+    placed = Placed(plan, mesh, axis)
     placed.refuse_hybrid("place_state")
     placed.check_params(params)
     tree, view = _trees(tx, params, placed)
@@ -258,7 +259,7 @@ class _Layout:
         self.likes = [likes if per_param(n) else None for n in nodes]
 
 
-def _trees(tx, params, placed: _Placed) -> tuple[_Layout, _Layout]:
+def _trees(tx, params, placed: Placed) -> tuple[_Layout, _Layout]:
     """The layouts of ``tx``'s state over the params' tree and over the plan's buffers."""
     leaves, treedef = jax.tree.flatten(params)
     shapes = [tuple(x.shape) for x in leaves]
