@@ -15,9 +15,11 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
+from zero.functional.foreach import traced
+
 __all__ = ["GradientTransformation", "Spec", "EmptyState", "identity", "stateless_tx", "set_to_zero", "stateless",
            "stateless_with_tree_map", "inplace_step", "step_in_place", "add_updates", "tree_map", "takes_extra_args",
-           "update_with", "with_extra_args_support", "as_dtype",
+           "update_with", "with_extra_args_support", "as_dtype", "step_count", "select",
            "flatten_like", "check_structure", "tree_leaves", "zeros_like", "full_like", "count_zero", "count_inc",
            "NO_PARAMS_MSG", "check_positive", "check_unit", "check_non_negative", "Schedule", "ScalarOrSchedule"]
 
@@ -158,7 +160,11 @@ def zeros_like(tree: Any, dtype: torch.dtype | str | None = None) -> Any:
     return tree_map(lambda p: torch.zeros_like(p, dtype=dtype), tree)
 
 
-def full_like(tree: Any, value: float) -> Any:
+def full_like(tree: Any, value: float | torch.Tensor) -> Any:
+    """Each leaf's shape filled with ``value``; a 0-d tensor ``value`` stays in the graph (a
+    hyperparameter being differentiated or swept)."""
+    if isinstance(value, torch.Tensor):
+        return tree_map(lambda p: torch.zeros_like(p) + value, tree)
     return tree_map(lambda p: torch.full_like(p, value), tree)
 
 
@@ -168,8 +174,28 @@ def count_zero() -> torch.Tensor:
 
 
 def count_inc(count: torch.Tensor) -> torch.Tensor:
-    """``count + 1``, saturating at the int32 maximum (Optax's ``safe_increment``)."""
-    return torch.tensor(min(int(count) + 1, _INT32_MAX), dtype=torch.int32)
+    """``count + 1``, saturating at the int32 maximum (Optax's ``safe_increment``). Tensor maths
+    throughout, so a compiled update does not specialize on the count (or recompile each step)."""
+    count = torch.as_tensor(count)
+    return torch.where(count < _INT32_MAX, count + 1, count).to(torch.int32)
+
+
+def step_count(count: Any) -> int | torch.Tensor:
+    """A step count as the rules' maths reads it: a Python int when eager (the bias corrections
+    then fold into foreach ops' scalars), a 0-d float64 tensor when traced (`traced`): ``int()``
+    would stop the compiler, or make it recompile at every step, and under ``vmap`` an ensemble's
+    counts are batched. The scalars computed from it (``1 - b^t``) are then float64 as Python's
+    are, and are cast to each tensor's dtype where they meet it, as a Python number would be
+    (`zero.functional.foreach.ops`, `zero.functional.elementwise.debias`)."""
+    if not traced():
+        return int(count)
+    return torch.as_tensor(count).to(torch.float64)
+
+
+def select(pred: torch.Tensor, if_true: Any, if_false: Any) -> Any:
+    """``torch.where(pred, a, b)`` leaf by leaf over two trees of one structure: how a traced
+    update (`traced`) takes one of two outcomes held in one graph, as Optax's ``lax.cond``."""
+    return tree_map(lambda a, b: torch.where(pred, a, b), if_true, if_false)
 
 
 def identity() -> GradientTransformation:
@@ -246,23 +272,32 @@ def check_number(name: str, value: Any) -> None:
         raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
 
 
+def _unknown(value: Any) -> bool:
+    """Whether a hyperparameter's value cannot be read now: a schedule, or a tensor that
+    ``torch.func`` or ``torch.compile`` is tracing (reading it would stop the trace, and under
+    ``vmap`` it holds one value per sweep entry). Its range is then not checked here."""
+    return callable(value) or (isinstance(value, torch.Tensor) and traced())
+
+
 def check_positive(name: str, value: Any) -> None:
     if not callable(value):
         check_number(name, value)
-    if not callable(value) and not value > 0:
+    if not _unknown(value) and not value > 0:
         raise ValueError(f"{name} must be > 0, got {value!r}")
 
 
 def check_non_negative(name: str, value: Any) -> None:
     if not callable(value):
         check_number(name, value)
-    if not callable(value) and not value >= 0:
+    if not _unknown(value) and not value >= 0:
         raise ValueError(f"{name} must be >= 0, got {value!r}")
 
 
 def check_unit(name: str, value: Any, closed: bool = False) -> None:
     """``value`` in [0, 1) (or [0, 1] when ``closed``)."""
     check_number(name, value)
+    if _unknown(value):
+        return
     ok = 0 <= value <= 1 if closed else 0 <= value < 1
     if not ok:
         raise ValueError(f"{name} must be in [0, {'1]' if closed else '1)'}, got {value!r}")

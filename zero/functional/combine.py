@@ -8,6 +8,7 @@ from zero.functional.base import (
     check_structure,
     update_with,
 )
+from zero.functional.foreach import traced
 from zero.functional.kernels.chains import fuse
 
 __all__ = ['chain', 'named_chain']
@@ -43,7 +44,10 @@ def chain(*transformations: GradientTransformation) -> GradientTransformation:
             new_state.append(s)
         return updates, tuple(new_state)
 
-    return GradientTransformation(init, update, fuse(transformations), Spec("chain", {}, links=transformations))
+    # traced (an inject_hyperparams update building its chain under torch.compile or torch.func):
+    # no in-place kernel is wanted, and matching one would read the traced hyperparameters
+    inplace = None if traced() else fuse(transformations)
+    return GradientTransformation(init, update, inplace, Spec("chain", {}, links=transformations))
 
 
 def _folded(links) -> list:

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["abs_sq", "debias", "inv_root", "max_real", "moment", "moments", "plus_scaled", "same_dtypes", "sqrt",
-           "times", "times_inv_root"]
+from zero.functional.foreach import as_scalar_for, ops
+
+__all__ = ["abs_sq", "debias", "inv_root", "max_real", "moment", "moments", "nonzero", "plus_scaled", "same_dtypes",
+           "sqrt", "times", "times_inv_root"]
 
 
 def moment(g, m, decay, order):
@@ -31,7 +33,16 @@ def max_real(a, b):
 
 
 def debias(t, decay, count):
-    return t / (1 - decay ** int(count))
+    """``t / (1 - decay^count)``; ``count`` a Python int, or a tensor (see `step_count`), whose
+    correction is cast to ``t``'s dtype (as Optax casts it) rather than widening ``t``."""
+    return t / as_scalar_for(1 - decay ** count, t)
+
+
+def nonzero(x) -> bool:
+    """Whether a term ``x`` must be computed: a number unless it is 0, a tensor always (its value
+    may be traced, and a zero still has a gradient: Optax's ``eps_root`` for differentiating
+    through ``sqrt``)."""
+    return isinstance(x, torch.Tensor) or x != 0
 
 
 def same_dtypes(*lists) -> bool:
@@ -41,12 +52,12 @@ def same_dtypes(*lists) -> bool:
 def moments(gs, ms, decay, order):
     """`moment` over lists as fresh tensors, in fused passes when each pair shares a dtype:
     ``m + (1 - decay)(g - m)`` for order 1, ``decay m + (1 - decay) g conj(g)`` for order 2."""
-    if not same_dtypes(gs, ms):
+    if not same_dtypes(gs, ms) or isinstance(decay, torch.Tensor):  # foreach ops take no tensor weight
         return [moment(g, m, decay, order) for g, m in zip(gs, ms)]
     if order == 1:
-        return torch._foreach_lerp(ms, gs, 1 - decay)
-    out = torch._foreach_mul(ms, decay)
-    torch._foreach_addcmul_(out, gs, [g.conj() for g in gs], 1 - decay)
+        return ops.lerp(ms, gs, 1 - decay)
+    out = ops.mul(ms, decay)
+    ops.addcmul_(out, gs, [g.conj() for g in gs], 1 - decay)
     return out
 
 
@@ -54,18 +65,18 @@ def plus_scaled(xs, ys, alpha):
     """``x + alpha y`` over lists, fresh: one pass when ``alpha`` is a number and each pair shares
     a dtype, else the formula tensor by tensor (Optax's promotion)."""
     if isinstance(alpha, (int, float)) and same_dtypes(xs, ys):
-        return torch._foreach_add(xs, ys, alpha=alpha)
+        return ops.add(xs, ys, alpha=alpha)
     return [x + alpha * y for x, y in zip(xs, ys)]
 
 
 def times(xs, factor, own):
     """``factor * x`` over a list: in place when ``own`` (a temporary of the rule), else fresh."""
-    if factor == 1.0:
+    if not isinstance(factor, torch.Tensor) and factor == 1.0:
         return xs
     if own:
-        torch._foreach_mul_(xs, factor)
+        ops.mul_(xs, factor)
         return xs
-    return torch._foreach_mul(xs, factor)
+    return ops.mul(xs, factor)
 
 
 def times_inv_root(gs, vs, eps, eps_in_sqrt):
@@ -73,19 +84,19 @@ def times_inv_root(gs, vs, eps, eps_in_sqrt):
     if not same_dtypes(gs, vs):
         return [inv_root(v, eps, eps_in_sqrt) * g for g, v in zip(gs, vs)]
     if eps_in_sqrt:
-        out = torch._foreach_add(vs, eps)
-        torch._foreach_rsqrt_(out)
-        return torch._foreach_mul(out, gs)  # fresh: rsqrt's backward keeps its result
+        out = ops.add(vs, eps)
+        ops.rsqrt_(out)
+        return ops.mul(out, gs)  # fresh: rsqrt's backward keeps its result
     out = sqrt(vs)
-    torch._foreach_add_(out, eps)
-    return torch._foreach_div(gs, out)
+    ops.add_(out, eps)
+    return ops.div(gs, out)
 
 
 def sqrt(xs):
     """``sqrt`` over a list, fresh. Real tensors take ``pow(x, 0.5)`` (the same numbers), whose
     backward keeps the input rather than the result, so a rule may scale the result in place and
     still be differentiated through (Optax's ``eps_root``)."""
-    return torch._foreach_sqrt(xs) if any(x.is_complex() for x in xs) else torch._foreach_pow(xs, 0.5)
+    return ops.sqrt(xs) if any(x.is_complex() for x in xs) else ops.pow(xs, 0.5)
 
 
 def inv_root(v, eps, eps_in_sqrt):

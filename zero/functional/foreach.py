@@ -12,18 +12,29 @@ CPU tensors of one dtype per list runs unpacked.
 
 Elementwise maths gives the same numbers either way: packing changes which tensors hold the
 elements, not what is computed for each.
+
+Traced calls (`traced`) take other paths, so an update can be differentiated, batched and
+compiled as an Optax update is under ``jax.grad``, ``jax.vmap`` and ``jax.jit``:
+
+- under ``torch.func`` (``grad``, ``vmap``, ``jacrev`` ...) nothing is packed (its tensors have no
+  storage to pack) and the maths runs tensor by tensor (`ops`): torch has no batching rule
+  for foreach ops, and their backward under ``torch.func`` mishandles a tensor scalar;
+- under ``torch.compile`` nothing is packed (the compiler fuses the lists itself) and the foreach
+  ops run as written, which the compiler lowers to fused loops.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import optree
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-__all__ = ["PACK_NUMEL", "foreach_map", "map_lists", "elementwise_map"]
+__all__ = ["PACK_NUMEL", "foreach_map", "map_lists", "elementwise_map", "traced", "functorch_active", "ops",
+           "as_scalar_for"]
 
 # A leaf of at most this many elements is packed: copying it into a flat buffer (about 1 ns per
 # element) costs less than the per-tensor dispatches it saves across a rule's ops.
@@ -48,6 +59,10 @@ def map_lists(fn: Callable[..., Any], treedef: Any, lists: list[list[Any]], outp
     if not leaves:
         empty = optree.tree_unflatten(treedef, [])
         return empty if outputs == 1 else (empty,) * outputs
+    if traced():
+        result = fn(*lists)
+        trees = [optree.tree_unflatten(treedef, list(out)) for out in ([result] if outputs == 1 else result)]
+        return trees[0] if outputs == 1 else tuple(trees)
     packing = _Packing.of(leaves)
     packed = None if packing is None else packing.pack(lists)
     result = fn(*(lists if packed is None else packed))
@@ -66,6 +81,108 @@ def elementwise_map(fn: Callable[..., torch.Tensor], tree: Any, *rest: Any) -> A
     """``tree_map(fn, tree, *rest)`` for an elementwise ``fn`` of single tensors, run on packed
     tensors where `foreach_map` packs (few dispatches for many small leaves)."""
     return foreach_map(lambda *lists: [fn(*xs) for xs in zip(*lists)], tree, *rest)
+
+
+def traced() -> bool:
+    """Whether ``torch.compile`` or a ``torch.func`` transform is tracing the caller.
+
+    Rules read this to keep their scalars as tensors (a step count read with ``int()`` would stop
+    the compiler, and recompile at every step) and `map_lists` to step aside from packing. Eager
+    calls, plain autograd included, are not traced.
+    """
+    return torch.compiler.is_compiling() or functorch_active()
+
+
+def functorch_active() -> bool:
+    """Whether a ``torch.func`` transform (``grad``, ``vmap``, ``jacrev`` ...) is running."""
+    return torch._C._functorch.peek_interpreter_stack() is not None
+
+
+def as_scalar_for(scalar: Any, t: torch.Tensor) -> Any:
+    """``scalar`` as it may multiply ``t`` without changing its dtype: a 0-d floating tensor is
+    cast to ``t``'s floating dtype, as a Python number is read in it (a float64 tensor times a
+    float32 tensor of shape ``()`` would give float64); other values as they are."""
+    if (isinstance(scalar, torch.Tensor) and scalar.dim() == 0 and scalar.is_floating_point()
+            and t.is_floating_point() and scalar.dtype != t.dtype):
+        return scalar.to(t.dtype)
+    return scalar
+
+
+def _per_tensor(name: str, args: tuple, kwargs: dict) -> Any:
+    """``torch._foreach_<name>(*args, **kwargs)`` as ``torch.<name>`` on each index of its lists.
+
+    Under ``torch.func`` an in-place op (``mul_``) puts its results in the list it was given
+    instead of writing to its tensors. The rules modify only lists of their own temporaries in
+    place (see `zero.functional.elementwise`), so this is the same step, and it stays pure for
+    ``vmap`` (which refuses to write a batched result into an unbatched tensor).
+    """
+    inplace = name.endswith("_")
+    op = name[:-1] if inplace else name
+    one = _PER_TENSOR.get(op) or getattr(torch, op)
+    lists = args[0]
+    out = [one(*(a[i] if isinstance(a, (list, tuple)) else as_scalar_for(a, x) for a in args),
+               **{k: as_scalar_for(v, x) for k, v in kwargs.items()}) for i, x in enumerate(lists)]
+    if not inplace:
+        return out
+    if functorch_active() and not torch.compiler.is_compiling():
+        for i, t in enumerate(out):
+            lists[i] = t
+    else:  # a compiled update: the compiler may hold the list as a tuple; it fuses the copies away
+        for t, new in zip(lists, out):
+            t.copy_(new)
+    return None
+
+
+# foreach ops whose single-tensor form is not ``torch.<op>`` of the same arguments
+_PER_TENSOR = {
+    "norm": lambda x, ord=2, dtype=None: torch.linalg.vector_norm(x, ord, dtype=dtype),
+    "zero": torch.zeros_like,
+    "max": torch.amax,
+    "add": lambda x, y, alpha=1: x + alpha * y if isinstance(alpha, torch.Tensor) else torch.add(x, y, alpha=alpha),
+    "addcmul": lambda x, a, b, value=1: torch.addcmul(x, a, b, value=value),
+    "addcdiv": lambda x, a, b, value=1: torch.addcdiv(x, a, b, value=value),
+}
+
+# foreach ops that take a 0-d tensor as their scalar (an overload ``.Tensor``) and whose
+# compiled form handles one; others given a tensor scalar run tensor by tensor
+_TENSOR_SCALAR = {"mul", "mul_", "div", "div_", "add", "add_", "sub", "sub_", "pow", "pow_", "maximum", "maximum_",
+                  "minimum", "minimum_", "clamp_min", "clamp_min_", "clamp_max", "clamp_max_"}
+
+
+def _foreach_op(name: str) -> Callable[..., Any]:
+    native = getattr(torch, "_foreach_" + name)
+
+    def op(*args: Any, **kwargs: Any) -> Any:
+        scalars = [a for a in args[1:] if isinstance(a, torch.Tensor)] + \
+            [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
+        if torch.compiler.is_compiling():
+            if not scalars:
+                return native(*args, **kwargs)
+            dtypes = {t.dtype for t in args[0]}
+            if name in _TENSOR_SCALAR and not kwargs and len(dtypes) == 1:
+                return native(args[0], *(as_scalar_for(a, args[0][0]) for a in args[1:]))
+        elif not scalars and not functorch_active():
+            return native(*args, **kwargs)
+        return _per_tensor(name, args, kwargs)
+
+    op.__name__ = op.__qualname__ = name
+    op.__doc__ = f"``torch._foreach_{name}``, tensor by tensor where it cannot run (see `ops`)."
+    return op
+
+
+_OPS = ("abs", "add", "add_", "addcmul", "addcmul_", "addcdiv", "addcdiv_", "clamp_max", "clamp_min", "clamp_min_",
+        "div", "div_", "exp", "lerp", "lerp_", "maximum", "maximum_", "minimum", "minimum_", "mul", "mul_", "neg",
+        "norm", "pow", "pow_", "reciprocal", "rsqrt", "rsqrt_", "sign", "sqrt", "sqrt_", "sub", "sub_", "zero_")
+
+ops = SimpleNamespace(**{name: _foreach_op(name) for name in _OPS})
+ops.__doc__ = """torch's foreach ops by their short names (``ops.mul(xs, 2.0)`` is
+``torch._foreach_mul(xs, 2.0)``), which every rule calls instead of torch's.
+
+Each runs torch's foreach op where it can, and the same maths tensor by tensor where it cannot:
+under ``torch.func`` (torch has no batching rule for foreach ops, and their backward there
+mishandles a tensor scalar), and given a 0-d tensor as its scalar (a hyperparameter passed as a
+tensor, to be differentiated or swept) unless ``torch.compile`` is tracing an op that takes one.
+"""
 
 
 class _Packing:

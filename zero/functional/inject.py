@@ -26,6 +26,7 @@ from zero.functional.base import (
     tree_leaves,
     update_with,
 )
+from zero.functional.foreach import traced
 from zero.functional.kernels.chains import described, explain
 from zero.functional.kernels.steps import keep_placement
 
@@ -109,8 +110,16 @@ def _as_hyperparam(value: Any, dtype: torch.dtype) -> torch.Tensor:
     """A hyperparameter as stored: a tensor keeps its dtype, a Python float takes ``dtype``, an
     int stays an int (as Optax, which casts only weakly typed floats)."""
     if isinstance(value, torch.Tensor):
-        return value.detach()
+        return value
     return torch.tensor(value, dtype=dtype if isinstance(value, float) else None)
+
+
+def _scheduled(value: Any, dtype: torch.dtype) -> torch.Tensor:
+    """A schedule's value as stored: in ``dtype`` when it is a float, whether the schedule gave a
+    Python float (eager) or a float64 tensor (traced), so the state keeps one dtype throughout."""
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.to(dtype)
+    return _as_hyperparam(value, dtype)
 
 
 def _split(bound: dict, static: set[str]) -> tuple[dict, dict, dict]:
@@ -168,6 +177,8 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation],
             return inner_factory(**fixed, **dict(values))
 
         def build(hyperparams: dict) -> GradientTransformation:
+            if traced() or any(v.requires_grad for v in hyperparams.values()):
+                return inner_factory(**fixed, **hyperparams)  # tensors: differentiated, swept or compiled
             return inner(tuple((k, v.item()) for k, v in hyperparams.items()))
 
         last: dict[int, GradientTransformation] = {}  # per param list: the inner transformation it last stepped
@@ -182,7 +193,7 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation],
         def current(state, params, extra_args):
             dtype = hyperparam_dtype or _params_dtype(params)
             hp = {k: _as_hyperparam(v, dtype) for k, v in state.hyperparams.items()}
-            hp.update({k: _as_hyperparam(f(state.hyperparams_states[k], **extra_args), dtype)
+            hp.update({k: _scheduled(f(state.hyperparams_states[k], **extra_args), dtype)
                        for k, f in scheduled.items()})
             schedule_states = {k: f.update(state.hyperparams_states[k], **extra_args) for k, f in scheduled.items()}
             return hp, schedule_states
@@ -191,7 +202,7 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation],
             dtype = hyperparam_dtype or _params_dtype(params)
             schedule_states = {k: f.init() for k, f in scheduled.items()}
             hp = {k: _as_hyperparam(v, dtype) for k, v in numeric.items()}
-            hp.update({k: _as_hyperparam(f(schedule_states[k]), dtype) for k, f in scheduled.items()})
+            hp.update({k: _scheduled(f(schedule_states[k]), dtype) for k, f in scheduled.items()})
             return InjectStatefulHyperparamsState(count_zero(), hp, schedule_states, build(hp).init(params))
 
         def update(updates, state, params=None, **extra_args):
@@ -204,8 +215,8 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation],
             inner_state = step_in_place(build_for(params, hp), params, grads, state.inner_state)
             return InjectStatefulHyperparamsState(count_inc(state.count), hp, schedule_states, inner_state)
 
-        initial = {k: float(v) for k, v in numeric.items()}
-        initial.update({k: float(f(f.init())) for k, f in scheduled.items()})
+        initial = {k: _initial(v) for k, v in numeric.items()}
+        initial.update({k: _initial(f(f.init())) for k, f in scheduled.items()})
 
         def describe(params):
             inner_tx = build({k: torch.tensor(v) for k, v in initial.items()})
@@ -216,6 +227,14 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation],
                                                                   "source": (inner_factory, dict(bound.arguments))}))
 
     return wrapped
+
+
+def _initial(value: Any) -> Any:
+    """A hyperparameter's first value as the spec shows it: a float, or the tensor itself when it
+    cannot be read (traced by ``torch.func`` or ``torch.compile``)."""
+    if isinstance(value, torch.Tensor):
+        return value if traced() else float(value.detach())
+    return float(value)
 
 
 def _first_id(params: Any) -> int:

@@ -33,6 +33,8 @@ from typing import Any
 import optree
 import torch
 
+from zero.functional.foreach import ops, traced
+
 __all__ = ["Pieces", "Sharding", "installed", "every_group", "stepping", "subset", "global_norm", "total_norm",
            "tensor_norms", "all_finite", "whole_tensors", "needs_whole", "axis_sums", "axis_means", "every_axis",
            "quantized", "block_sizes"]
@@ -94,15 +96,34 @@ _BLOCKS: ContextVar[dict[int, tuple[int, int]] | None] = ContextVar("zero_block_
 def installed(sharding: Sharding) -> Iterator[None]:
     """Make ``sharding`` the answer for the steps taken inside the block."""
     token = _SHARDING.set(sharding)
+    _OPEN[0] += 1
     try:
         yield
     finally:
+        _OPEN[0] -= 1
         _SHARDING.reset(token)
+
+
+# How many `installed` blocks are open, in a plain list that torch.compile can read: it cannot
+# trace a ContextVar, so a compiled update takes the unsharded answers, and refuses when one is open.
+_OPEN = [0]
+
+
+def _current(var: ContextVar) -> Any:
+    """``var.get()``; under ``torch.compile``, ``None`` (no sharding), or a ``RuntimeError`` when
+    a sharding is installed: a sharded step's whole-tensor quantities cannot be compiled."""
+    if torch.compiler.is_compiling():
+        if _OPEN[0]:
+            raise RuntimeError("torch.compile cannot trace a sharded optimizer's step (its global norms and "
+                               "whole-tensor checks read the sharding from a ContextVar): step it uncompiled, "
+                               "or compile the update of an unsharded transformation")
+        return None
+    return var.get()
 
 
 def every_group() -> bool:
     """Whether a sharded step must step every param group, even one with no gradients here."""
-    sharding = _SHARDING.get()
+    sharding = _current(_SHARDING)
     return sharding is not None and sharding.every_group
 
 
@@ -110,7 +131,7 @@ def every_group() -> bool:
 def stepping(params: Any) -> Iterator[None]:
     """Inside the block, leaf ``k`` of the trees being transformed is a piece of leaf ``k`` of the
     tree ``params`` (flattened only when a sharding is installed: unsharded steps pay nothing)."""
-    sharding = _SHARDING.get()
+    sharding = _current(_SHARDING)
     if sharding is None:
         yield
         return
@@ -129,8 +150,8 @@ def stepping(params: Any) -> Iterator[None]:
 def subset(keep: Sequence[bool]) -> Iterator[None]:
     """Inside the block, the trees being transformed hold only the leaves where ``keep`` is True
     (``masked`` and ``partition`` hand their inner transformations the masked-in leaves)."""
-    pieces = _LEAVES.get()
-    if _SHARDING.get() is None or pieces is None or len(pieces) != len(keep):
+    pieces = _current(_LEAVES)
+    if _current(_SHARDING) is None or pieces is None or len(pieces) != len(keep):
         yield  # unsharded, or not the stepped params' own leaves: the checks below say so if it matters
         return
     token = _LEAVES.set(tuple(pc for pc, k in zip(pieces, keep) if k))
@@ -141,7 +162,7 @@ def subset(keep: Sequence[bool]) -> Iterator[None]:
 
 
 def _sharded(leaves: Sequence[torch.Tensor], what: str) -> tuple[Sharding, tuple[Pieces, ...]] | None:
-    sharding, pieces = _SHARDING.get(), _LEAVES.get()
+    sharding, pieces = _current(_SHARDING), _current(_LEAVES)
     if sharding is None:
         return None
     if pieces is None or len(pieces) != len(leaves):
@@ -166,7 +187,7 @@ def global_norm(leaves: Sequence[torch.Tensor]) -> torch.Tensor:
     if found is None:
         if not leaves:
             return torch.zeros(())
-        return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(leaves)))
+        return torch.linalg.vector_norm(torch.stack(ops.norm(leaves)))
     sharding, pieces = found
     norms = _whole_norms(sharding, pieces, leaves)
     for dt in set(sharding.dtypes):  # tensors outside this step have norm 0 and add nothing
@@ -260,11 +281,11 @@ def whole_tensors(leaves: Sequence[torch.Tensor], what: str,
     element by element, so their pieces in a 1-D shard step as they would whole (Adafactor's
     vectors, beside the matrices it factors; a hybrid plan keeps those whole).
     """
-    probe = _PROBE.get()
+    probe = _current(_PROBE)
     if probe is not None:  # needs_whole is asking, on whole meta tensors: record, do not check
         probe.update(id(leaf) for leaf in leaves if needs is None or needs(tuple(leaf.shape)))
         return
-    shapes = _SHARDING.get().shapes if _SHARDING.get() is not None else ()
+    shapes = _current(_SHARDING).shapes if _current(_SHARDING) is not None else ()
     for pieces_of in cut_tensors(leaves, what) or ():  # None: every rank steps whole tensors, or no step
         cut = [t for t in pieces_of if needs is None or not shapes or needs(shapes[t])]
         if cut:
@@ -308,7 +329,7 @@ def cut_tensors(leaves: Sequence[torch.Tensor], what: str = "which tensors a lea
     """Per leaf, the whole tensors it holds pieces of (empty for a whole tensor in its own
     shape); None when every rank steps whole tensors, or outside a step (a transformation's
     init: the step checks). ``what`` names the asker in errors."""
-    if _stepping_whole() or _LEAVES.get() is None:
+    if _stepping_whole() or _current(_LEAVES) is None:
         return None
     sharding, pieces = _sharded(leaves, what)
     return [() if _whole(sharding, pc) and pc.lengths[0] == leaf.numel() and _own_shape(sharding, pc, leaf)
@@ -319,7 +340,7 @@ def whole_tree() -> tuple[dict[str, torch.Tensor], list[int]]:
     """The step's whole tensors as a dict by name, each an empty ``meta`` tensor of its shape and
     dtype (for a rule's function of the params' tree, asked about the whole tensors), and which
     tensor each of the dict's leaves is, in ``tree_leaves`` order."""
-    sharding = _SHARDING.get()
+    sharding = _current(_SHARDING)
     names = sharding.names if sharding is not None else ()
     if not names or len(set(names)) != len(names) or not sharding.shapes:
         raise ValueError("this sharded step does not know its tensors' names and shapes (or two share a name)")
@@ -331,7 +352,7 @@ def whole_tree() -> tuple[dict[str, torch.Tensor], list[int]]:
 
 def name_of(t: int) -> str:
     """Whole tensor ``t``'s name in errors: its index, and its name when the step knows it."""
-    sharding = _SHARDING.get()
+    sharding = _current(_SHARDING)
     return f"{t} ({sharding.names[t]})" if sharding is not None and sharding.names else str(t)
 
 
@@ -358,7 +379,8 @@ def axis_sums(leaves: Sequence[torch.Tensor], axes_of: AxesOf) -> list[torch.Ten
     """
     found = _pieces_of(leaves, "sums over a tensor's axes")
     if found is None:
-        return [None if (axes := axes_of(tuple(x.shape))) is None else _sum(x, axes) for x in leaves]
+        axes = [axes_of(tuple(x.shape)) for x in leaves]  # no walrus: torch.compile cannot trace one here
+        return [None if a is None else _sum(x, a) for x, a in zip(leaves, axes)]
     sharding, pieces = found
     units, where = _units(sharding, axes_of)
     sums = torch.zeros(units, dtype=torch.float64)
@@ -377,7 +399,8 @@ def axis_means(leaves: Sequence[torch.Tensor], axes_of: AxesOf) -> list[torch.Te
     keepdim=True)`` unsharded."""
     found = _pieces_of(leaves, "means over a tensor's axes")
     if found is None:
-        return [None if (axes := axes_of(tuple(x.shape))) is None else _mean(x, axes) for x in leaves]
+        axes = [axes_of(tuple(x.shape)) for x in leaves]  # no walrus: torch.compile cannot trace one here
+        return [None if a is None else _mean(x, a) for x, a in zip(leaves, axes)]
     sharding, pieces = found
     counts = torch.tensor([math.prod(shape[a] for a in axes) if (axes := axes_of(shape)) is not None else 1
                            for shape in sharding.shapes], dtype=torch.float64)
@@ -398,7 +421,7 @@ def _pieces_of(leaves: Sequence[torch.Tensor], what: str) -> tuple[Sharding, tup
     (no sharding, or a whole-param plan: per-tensor sums need no collective there)."""
     if _stepping_whole():
         return None
-    sharding, stepped = _SHARDING.get(), _LEAVES.get()
+    sharding, stepped = _current(_SHARDING), _current(_LEAVES)
     if not sharding.shapes or any(not pc.starts for pc in (stepped or ())):
         raise ValueError(f"{what} needs the shapes of the tensors and where each piece starts; this backend's "
                          "sharding does not give them")
@@ -451,7 +474,7 @@ def _spread(total: torch.Tensor, index: torch.Tensor, used: int, leaf: torch.Ten
 
 def _stepping_whole() -> bool:
     """No sharding, or every rank steps whole tensors only (a whole-param plan)."""
-    sharding = _SHARDING.get()
+    sharding = _current(_SHARDING)
     return sharding is None or sharding.whole_params
 
 
@@ -459,13 +482,14 @@ def _whole(sharding: Sharding, pc: Pieces) -> bool:
     return len(pc.tensors) == 1 and bool(sharding.numels) and pc.lengths[0] == sharding.numels[pc.tensors[0]]
 
 
-def all_finite(leaves: Sequence[torch.Tensor]) -> bool:
-    """Whether every element of every leaf is finite, on every rank when sharded."""
-    bad = sum(int((~torch.isfinite(leaf)).sum()) for leaf in leaves)
+def all_finite(leaves: Sequence[torch.Tensor]) -> bool | torch.Tensor:
+    """Whether every element of every leaf is finite, on every rank when sharded: a bool, or a
+    0-d bool tensor when traced (`zero.functional.foreach.traced`), for a rule to select with."""
+    bad = torch.stack([(~torch.isfinite(leaf)).sum() for leaf in leaves]).sum() if leaves else torch.zeros(())
     found = _sharded(leaves, "a finiteness check")
     if found is not None:
-        bad = int(found[0].reduce(torch.tensor(bad, dtype=torch.float64)))
-    return bad == 0
+        bad = found[0].reduce(bad.to(torch.float64))
+    return bad == 0 if traced() else int(bad) == 0
 
 
 def quantized(leaves: Sequence[torch.Tensor], block: int, quantizes: Callable[[int], bool], what: str,
@@ -482,7 +506,7 @@ def quantized(leaves: Sequence[torch.Tensor], block: int, quantizes: Callable[[i
     probe = _BLOCKS.get()
     if probe is not None:
         probe.update({id(leaf): (bits, block) for leaf in leaves if quantizes(leaf.numel())})
-    sharding = _SHARDING.get()
+    sharding = _current(_SHARDING)
     if sharding is None or sharding.whole_params:
         return [quantizes(leaf.numel()) for leaf in leaves]
     return [_quantized_leaf(sharding, leaf, block, quantizes, what) for leaf in leaves]

@@ -33,6 +33,7 @@ from zero.functional.base import (
     count_inc,
     count_zero,
     stateless_tx,
+    step_count,
     tree_leaves,
     tree_map,
     zeros_like,
@@ -146,11 +147,11 @@ def scale_by_muon(ns_coeffs: Any = DEFAULT_NS_COEFFS, ns_steps: int = 5, beta: f
         dims = dims_per_leaf(weight_dimension_numbers, updates)
         count = count_inc(state.count)
         mu = [moment(g, m, beta, 1) for g, m in zip(leaves, treedef.flatten_up_to(state.mu))]
+        c = step_count(count)
         if nesterov:
-            hat = [beta * debias(m, beta, int(count) + 1) + (1 - beta) * debias(g, beta, count)
-                   for m, g in zip(mu, leaves)]
+            hat = [beta * debias(m, beta, c + 1) + (1 - beta) * debias(g, beta, c) for m, g in zip(mu, leaves)]
         else:
-            hat = [debias(m, beta, count) for m in mu]
+            hat = [debias(m, beta, c) for m in mu]
         out = [orthogonalize(h, state.ns_coeffs, ns_steps, preconditioning, eps, d) for h, d in zip(hat, dims)]
         if adaptive:
             out = [torch.sum(h.conj() * o) * o for h, o in zip(hat, out)]

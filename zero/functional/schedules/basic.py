@@ -1,38 +1,59 @@
 """Optax's schedules, one formula each: functions from a step count to a hyperparameter value.
 
-They take an int or a 0-d tensor and return a Python float, so a schedule can drive both a
-transformation and a torch param group's ``lr``. Given a tensor of counts they are elementwise,
-as Optax's, and return a tensor of values in the default dtype.
+Each formula is written once, in torch ops on a float64 tensor of counts (`_elementwise`). A
+schedule given an int or a 0-d tensor returns a Python float, so it can drive both a
+transformation and a torch param group's ``lr``; given a tensor of counts it is elementwise, as
+Optax's, and returns a tensor of values in the default dtype. Under ``torch.compile`` or
+``torch.func`` (`zero.functional.foreach.traced`) it returns a 0-d float64 tensor: the compiled
+update then reads the next value from the count tensor without recompiling.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import torch
 
 from zero.functional.base import Schedule
+from zero.functional.foreach import traced
 
 __all__ = ["Schedule", "constant_schedule", "polynomial_schedule", "linear_schedule", "cosine_decay_schedule",
            "exponential_decay", "piecewise_constant_schedule", "piecewise_interpolate_schedule"]
 
+Formula = Callable[[torch.Tensor], torch.Tensor]
 
-def _elementwise(fn: Schedule) -> Schedule:
-    """``fn`` of a scalar count, also taking a tensor of counts (value by value)."""
-    @functools.wraps(fn)
+
+def _elementwise(formula: Formula) -> Schedule:
+    """The schedule of ``formula``, which maps a float64 tensor of counts to their values (see
+    the module). The formula stays reachable as the schedule's ``formula``, for joins."""
+    @functools.wraps(formula)
     def schedule(count):
-        if isinstance(count, torch.Tensor) and count.dim() > 0:
-            values = [float(fn(c)) for c in count.reshape(-1).tolist()]
-            return torch.tensor(values, dtype=torch.get_default_dtype()).reshape(count.shape)
-        return fn(count)
+        t = torch.as_tensor(count).to(torch.float64)
+        value = formula(t)
+        if traced():
+            return value
+        return value.to(torch.get_default_dtype()) if t.dim() > 0 else float(value)
 
+    schedule.formula = formula
     return schedule
+
+
+def value_at(schedule: Schedule, t: torch.Tensor) -> torch.Tensor:
+    """``schedule`` at the float64 counts ``t``, as a float64 tensor: its formula when it is one
+    of these, else the schedule itself (given an int when eager, as it would be by a transformation)."""
+    formula = getattr(schedule, "formula", None)
+    if formula is not None:
+        return formula(t)
+    if t.dim() == 0 and not traced():
+        return torch.tensor(float(schedule(int(t))), dtype=torch.float64)
+    return torch.as_tensor(schedule(t)).to(torch.float64)
 
 
 def constant_schedule(value: float) -> Schedule:
     """``value`` at every step (``optax.constant_schedule``)."""
-    return _elementwise(lambda count: value)
+    return _elementwise(lambda t: torch.full_like(t, value))
 
 
 def polynomial_schedule(init_value: float, end_value: float, power: float, transition_steps: int,
@@ -42,8 +63,8 @@ def polynomial_schedule(init_value: float, end_value: float, power: float, trans
         return constant_schedule(init_value)
     transition_begin = max(transition_begin, 0)
 
-    def schedule(count):
-        t = min(max(int(count) - transition_begin, 0), transition_steps)
+    def schedule(t):
+        t = (t - transition_begin).clamp(0, transition_steps)
         return (init_value - end_value) * (1 - t / transition_steps) ** power + end_value
 
     return _elementwise(schedule)
@@ -62,9 +83,8 @@ def cosine_decay_schedule(init_value: float, decay_steps: int, alpha: float = 0.
     if not decay_steps > 0:
         raise ValueError(f"cosine_decay_schedule needs decay_steps > 0, got {decay_steps!r}")
 
-    def schedule(count):
-        t = min(float(count), decay_steps)
-        cosine = 0.5 * (1 + math.cos(math.pi * t / decay_steps))
+    def schedule(t):
+        cosine = 0.5 * (1 + torch.cos(math.pi * t.clamp(max=decay_steps) / decay_steps))
         return init_value * ((1 - alpha) * cosine**exponent + alpha)
 
     return _elementwise(schedule)
@@ -77,15 +97,16 @@ def exponential_decay(init_value: float, transition_steps: int, decay_rate: floa
     if transition_steps <= 0 or decay_rate == 0:
         return constant_schedule(init_value)
     transition_begin = max(transition_begin, 0)
-    clip = max if decay_rate < 1.0 else min
 
-    def schedule(count):
-        steps = int(count) - transition_begin
+    def schedule(t):
+        steps = t - transition_begin
         p = steps / transition_steps
         if staircase:
-            p = math.floor(p)
-        value = init_value if steps <= 0 else init_value * decay_rate**p
-        return value if end_value is None else clip(value, end_value)
+            p = torch.floor(p)
+        value = torch.where(steps <= 0, init_value, init_value * decay_rate**p)
+        if end_value is None:
+            return value
+        return value.clamp(min=end_value) if decay_rate < 1.0 else value.clamp(max=end_value)
 
     return _elementwise(schedule)
 
@@ -97,11 +118,10 @@ def piecewise_constant_schedule(init_value: float,
     if any(scale < 0 for _, scale in items):
         raise ValueError(f"piecewise_constant_schedule needs non-negative scales, got {dict(items)}")
 
-    def schedule(count):
-        value = init_value
+    def schedule(t):
+        value = torch.full_like(t, init_value)
         for boundary, scale in items:
-            if int(count) >= boundary:
-                value *= scale
+            value = torch.where(t >= boundary, value * scale, value)
         return value
 
     return _elementwise(schedule)
@@ -109,7 +129,7 @@ def piecewise_constant_schedule(init_value: float,
 
 _INTERPOLATE = {
     "linear": lambda start, end, pct: (end - start) * pct + start,
-    "cosine": lambda start, end, pct: end + (start - end) / 2.0 * (math.cos(math.pi * pct) + 1),
+    "cosine": lambda start, end, pct: end + (start - end) / 2.0 * (torch.cos(math.pi * pct) + 1),
 }
 
 
@@ -128,15 +148,13 @@ def piecewise_interpolate_schedule(interpolate_type: str, init_value: float,
     for _, scale in items:
         values.append(values[-1] * scale)
 
-    def schedule(count):
-        count = int(count)
-        if count >= bounds[-1]:
-            return values[-1]
+    def schedule(t):
+        value = torch.zeros_like(t)  # a negative count, before every interval (Optax gives 0 there too)
         for i in range(len(bounds) - 1):
-            if bounds[i] <= count < bounds[i + 1]:
-                pct = (count - bounds[i]) / max(bounds[i + 1] - bounds[i], 1)
-                return interpolate(values[i], values[i + 1], pct)
-        return 0.0  # a negative count, before every interval (Optax gives 0 there too)
+            pct = (t - bounds[i]) / max(bounds[i + 1] - bounds[i], 1)
+            inside = (bounds[i] <= t) & (t < bounds[i + 1])
+            value = torch.where(inside, interpolate(values[i], values[i + 1], pct), value)
+        return torch.where(t >= bounds[-1], values[-1], value)
 
     return _elementwise(schedule)
 

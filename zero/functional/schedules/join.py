@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
+
 from zero.functional.schedules.basic import (
     Schedule,
     _check_transition_steps,
@@ -12,6 +14,7 @@ from zero.functional.schedules.basic import (
     cosine_decay_schedule,
     linear_schedule,
     piecewise_interpolate_schedule,
+    value_at,
 )
 
 __all__ = ["join_schedules", "warmup_cosine_decay_schedule", "linear_onecycle_schedule", "cosine_onecycle_schedule",
@@ -24,12 +27,11 @@ def join_schedules(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> 
         raise ValueError(f"{len(schedules)} schedules need {len(schedules) - 1} boundaries, "
                          f"got {len(boundaries)}")
 
-    def schedule(count):
-        count = int(count)
-        value = schedules[0](count)
+    def schedule(t):
+        value = value_at(schedules[0], t)
         for boundary, s in zip(boundaries, schedules[1:]):
-            if count >= boundary:
-                value = s(count - boundary)
+            # where the count is short of the boundary, the later schedule is read at 0 (never used)
+            value = torch.where(t >= boundary, value_at(s, (t - boundary).clamp(min=0)), value)
         return value
 
     return _elementwise(schedule)

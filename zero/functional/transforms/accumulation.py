@@ -16,13 +16,14 @@ from zero.functional.base import (
     count_inc,
     count_zero,
     flatten_like,
+    select,
     step_in_place,
     tree_leaves,
     tree_map,
     update_with,
     zeros_like,
 )
-from zero.functional.foreach import elementwise_map
+from zero.functional.foreach import elementwise_map, traced
 from zero.functional.kernels.chains import Path, described, explain
 
 __all__ = ['MultiStepsState', 'MultiSteps', 'skip_not_finite', 'skip_large_updates', 'ApplyEvery', 'apply_every']
@@ -72,6 +73,8 @@ class MultiSteps:
                                zeros_like(params, self._acc_dtype), skip_state)
 
     def update(self, updates: Any, state: MultiStepsState, params: Any = None, **extra_args):
+        if traced():
+            return self._traced_update(updates, state, params, extra_args)
         skip, skip_state = (False, ()) if self._skip is None else self._skip(updates, state.gradient_step, params)
         if bool(skip):
             return zeros_like(updates), state._replace(skip_state=skip_state)
@@ -90,6 +93,27 @@ class MultiSteps:
         final, inner_state = update_with(self._opt, inner_updates, state.inner_opt_state, params, extra_args)
         return final, MultiStepsState(count_zero(), count_inc(state.gradient_step), inner_state,
                                       zeros_like(acc, self._acc_dtype), skip_state)
+
+    def _traced_update(self, updates: Any, state: MultiStepsState, params: Any, extra_args: dict):
+        """`update` under torch.compile / torch.func: the counts stay tensors and the inner step
+        is taken at every micro-step, kept on the k-th by `select` (Optax's ``lax.cond``), so one
+        graph serves every micro-step. It costs an inner step per micro-step."""
+        skip, skip_state = (False, ()) if self._skip is None else self._skip(updates, state.gradient_step, params)
+        n, k = state.mini_step, self._k(state.gradient_step)
+        if self._use_grad_mean:
+            acc = elementwise_map(lambda g, a: a + (g - a) / (n + 1), updates, state.acc_grads)
+        else:
+            acc = elementwise_map(lambda g, a: g + a, updates, state.acc_grads)
+        inner_updates = elementwise_map(lambda a, g: a.to(g.dtype), acc, updates)
+        final, inner_state = update_with(self._opt, inner_updates, state.inner_opt_state, params, extra_args)
+        last = n == k - 1
+        taken = MultiStepsState(count_zero(), count_inc(state.gradient_step), inner_state,
+                                zeros_like(acc, self._acc_dtype), skip_state)
+        kept = MultiStepsState(count_inc(state.mini_step), state.gradient_step, state.inner_opt_state,
+                               elementwise_map(lambda a: a.to(self._acc_dtype), acc), skip_state)
+        new = select(last, taken, kept)
+        out = tree_map(lambda u: torch.where(last & ~torch.as_tensor(skip), u, torch.zeros_like(u)), final)
+        return out, select(torch.as_tensor(skip), state._replace(skip_state=skip_state), new)
 
     def _zeros_like_inner(self, updates: Any, inner_state: Any, params: Any, extra_args: dict) -> Any:
         """Zeros in the dtypes the inner optimizer's updates would have (Optax's mini-steps return

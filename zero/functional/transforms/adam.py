@@ -9,7 +9,6 @@ and ``scale_by_learning_rate`` also steps in place with torch's fused kernel
 
 from __future__ import annotations
 
-import math
 from typing import Any, NamedTuple
 
 import torch
@@ -23,10 +22,11 @@ from zero.functional.base import (
     count_inc,
     count_zero,
     full_like,
+    step_count,
     zeros_like,
 )
-from zero.functional.elementwise import abs_sq, debias, max_real, moment, moments, same_dtypes, sqrt, times
-from zero.functional.foreach import elementwise_map, foreach_map
+from zero.functional.elementwise import abs_sq, debias, max_real, moment, moments, nonzero, same_dtypes, sqrt, times
+from zero.functional.foreach import elementwise_map, foreach_map, ops
 
 __all__ = ["ScaleByAdamState", "ScaleByAmsgradState", "ScaleByBeliefState", "scale_by_adam", "scale_by_amsgrad",
            "scale_by_adamax", "scale_by_belief", "scale_by_radam", "scale_by_yogi", "ScaleByAdanState",
@@ -115,9 +115,10 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_roo
     def scaled(factor=1.0):
         def update(updates, state, params=None):
             count = count_inc(state.count)
+            c = step_count(count)
 
             def rule(g, mu, nu):
-                out, mu, nu = _adam_foreach(g, mu, nu, int(count), b1, b2, eps, eps_root, nesterov, factor)
+                out, mu, nu = _adam_foreach(g, mu, nu, c, b1, b2, eps, eps_root, nesterov, factor)
                 return out, (mu if mu_dtype is None else [m.to(mu_dtype) for m in mu]), nu
 
             out, mu, nu = foreach_map(rule, updates, state.mu, state.nu, outputs=3)
@@ -149,7 +150,7 @@ def _adam_moments(g, mu, nu, b1, b2):
     # The first moment in the wider of its and the update's dtypes (mu_dtype=float32 with bf16
     # updates accumulates in float32), as Optax's type promotion does.
     wide = [torch.promote_types(m.dtype, x.dtype) for m, x in zip(mu, g)]
-    mu = torch._foreach_lerp([m.to(d) for m, d in zip(mu, wide)], [x.to(d) for x, d in zip(g, wide)], 1 - b1)
+    mu = ops.lerp([m.to(d) for m, d in zip(mu, wide)], [x.to(d) for x, d in zip(g, wide)], 1 - b1)
     return g, mu, moments(g, nu, b2, 2)  # |g|^2 for complex updates
 
 
@@ -159,21 +160,21 @@ def _adam_direction(g, mu, nu, c, b1, b2, eps, eps_root, nesterov, factor):
     bc1, bc2 = 1 - b1**c, 1 - b2**c
     # sqrt(v / bc2 + eps_root) = sqrt(v + eps_root bc2) / sqrt(bc2): the corrections fold into
     # scalars on the denominator, two passes over the moments fewer than applying them to tensors.
-    denom = sqrt(torch._foreach_add(nu, eps_root * bc2) if eps_root else nu)
+    denom = sqrt(ops.add(nu, eps_root * bc2) if nonzero(eps_root) else nu)
     if nesterov:
-        torch._foreach_mul_(denom, 1 / math.sqrt(bc2))
-        torch._foreach_add_(denom, eps)
-        return torch._foreach_div(_nesterov_hat(g, mu, b1, c, factor), denom)
+        ops.mul_(denom, bc2 ** -0.5)
+        ops.add_(denom, eps)
+        return ops.div(_nesterov_hat(g, mu, b1, c, factor), denom)
     # c m_hat / (sqrt(v_hat) + eps) = m / ((bc1 sqrt(v) / sqrt(bc2) + bc1 eps) / c)
-    torch._foreach_mul_(denom, bc1 / math.sqrt(bc2) / factor)
-    torch._foreach_add_(denom, bc1 * eps / factor)
-    return torch._foreach_div(mu, denom)
+    ops.mul_(denom, bc1 * bc2 ** -0.5 / factor)
+    ops.add_(denom, bc1 * eps / factor)
+    return ops.div(mu, denom)
 
 
 def _nesterov_hat(g, mu, b1, c, factor=1.0):
     """``factor (b1 m / (1 - b1^(c+1)) + (1 - b1) g / (1 - b1^c))`` over lists, fresh."""
-    num = torch._foreach_mul(mu, factor * b1 / (1 - b1 ** (c + 1)))
-    torch._foreach_add_(num, g, alpha=factor * (1 - b1) / (1 - b1**c))
+    num = ops.mul(mu, factor * b1 / (1 - b1 ** (c + 1)))
+    ops.add_(num, g, alpha=factor * (1 - b1) / (1 - b1**c))
     return num
 
 
@@ -192,7 +193,7 @@ def scale_by_amsgrad(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_
     def scaled(factor=1.0):
         def update(updates, state, params=None):
             count = count_inc(state.count)
-            c = int(count)
+            c = step_count(count)
             bc1 = 1 - b1**c if bias_correction_mu else 1.0
             bc2 = 1 - b2**c if bias_correction_nu else 1.0
 
@@ -203,10 +204,10 @@ def scale_by_amsgrad(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_
                     return ([factor * (a / bc1) / (torch.sqrt(b + eps_root) + eps) for a, b in zip(mu, nu_max)],
                             mu, nu, nu_max)
                 mu, nu = moments(g, m, b1, 1), moments(g, v, b2, 2)
-                nu_max = torch._foreach_maximum(vm, torch._foreach_div(nu, bc2) if bias_correction_nu else nu)
-                denom = sqrt(torch._foreach_add(nu_max, eps_root) if eps_root else nu_max)
-                torch._foreach_add_(denom, eps)
-                out = torch._foreach_div(mu, denom)
+                nu_max = ops.maximum(vm, ops.div(nu, bc2) if bias_correction_nu else nu)
+                denom = sqrt(ops.add(nu_max, eps_root) if nonzero(eps_root) else nu_max)
+                ops.add_(denom, eps)
+                out = ops.div(mu, denom)
                 return times(out, factor / bc1, own=True), mu, nu, nu_max
 
             out, mu, nu, nu_max = foreach_map(rule, updates, state.mu, state.nu, state.nu_max, outputs=4)
@@ -233,18 +234,18 @@ def scale_by_adamax(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Gr
     def scaled(factor=1.0):
         def update(updates, state, params=None):
             count = count_inc(state.count)
-            bc1 = 1 - b1 ** int(count)
+            bc1 = 1 - b1 ** step_count(count)
 
             def rule(g, m, v):
                 if not _real_alike(g, m, v):  # complex or mixed dtypes: Optax's formulas leaf by leaf
                     mu = [moment(a, b, b1, 1) for a, b in zip(g, m)]
                     nu = [max_real(a.abs() + eps, b2 * b) for a, b in zip(g, v)]
                     return [factor * (a / bc1) / b for a, b in zip(mu, nu)], mu, nu
-                mu, size = moments(g, m, b1, 1), torch._foreach_abs(g)
-                torch._foreach_add_(size, eps)
-                nu = torch._foreach_mul(v, b2)
-                torch._foreach_maximum_(nu, size)  # max(|g| + eps, b2 v): the infinity norm
-                return times(torch._foreach_div(mu, nu), factor / bc1, own=True), mu, nu
+                mu, size = moments(g, m, b1, 1), ops.abs(g)
+                ops.add_(size, eps)
+                nu = ops.mul(v, b2)
+                ops.maximum_(nu, size)  # max(|g| + eps, b2 v): the infinity norm
+                return times(ops.div(mu, nu), factor / bc1, own=True), mu, nu
 
             out, mu, nu = foreach_map(rule, updates, state.mu, state.nu, outputs=3)
             return out, ScaleByAdamState(count, mu, nu)
@@ -267,11 +268,12 @@ def scale_by_belief(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-16, eps_
         mu = elementwise_map(lambda g, m: moment(g, m, b1, 1), updates, state.mu)
         nu = elementwise_map(lambda g, m, v: moment(g - m, v, b2, 2) + eps_root, updates, mu, state.nu)
         count = count_inc(state.count)
+        c = step_count(count)
         if nesterov:
-            mu_hat = foreach_map(lambda gs, ms: _nesterov_hat(gs, ms, b1, int(count)), updates, mu)
+            mu_hat = foreach_map(lambda gs, ms: _nesterov_hat(gs, ms, b1, c), updates, mu)
         else:
-            mu_hat = elementwise_map(lambda m: debias(m, b1, count), mu)
-        out = elementwise_map(lambda m, v: m / (torch.sqrt(debias(v, b2, count)) + eps), mu_hat, nu)
+            mu_hat = elementwise_map(lambda m: debias(m, b1, c), mu)
+        out = elementwise_map(lambda m, v: m / (torch.sqrt(debias(v, b2, c)) + eps), mu_hat, nu)
         return out, ScaleByBeliefState(count, mu, nu)
 
     return GradientTransformation(init, update)
@@ -291,17 +293,25 @@ def scale_by_radam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_ro
     def scaled(factor=1.0):
         def update(updates, state, params=None):
             count = count_inc(state.count)
-            c = int(count)
+            c = step_count(count)
             ro = ro_inf - 2 * c * b2**c / (1 - b2**c)
+
+            def rectified(g, mu, nu, r):  # Adam's direction, rectified
+                return _adam_direction(g, mu, nu, c, b1, b2, eps, eps_root, nesterov, factor * r ** 0.5)
+
+            def plain(g, mu):
+                return _nesterov_hat(g, mu, b1, c, factor) if nesterov else ops.mul(mu, factor / (1 - b1**c))
 
             def rule(g, mu, nu):
                 g, mu, nu = _adam_moments(g, mu, nu, b1, b2)
-                if ro >= threshold:  # Adam's direction, rectified
-                    r = ((ro - 4) * (ro - 2) * ro_inf / ((ro_inf - 4) * (ro_inf - 2) * ro)) ** 0.5
-                    return _adam_direction(g, mu, nu, c, b1, b2, eps, eps_root, nesterov, factor * r), mu, nu
-                if nesterov:
-                    return _nesterov_hat(g, mu, b1, c, factor), mu, nu
-                return torch._foreach_mul(mu, factor / (1 - b1**c)), mu, nu
+                r = (ro - 4) * (ro - 2) * ro_inf / ((ro_inf - 4) * (ro_inf - 2) * ro)
+                if not isinstance(ro, torch.Tensor):
+                    return (rectified(g, mu, nu, r) if ro >= threshold else plain(g, mu)), mu, nu
+                # traced (ro a tensor): both branches, selected per step; the rectifier's root taken
+                # of 1 where unused, so its gradient stays finite (JAX's gives NaN there)
+                ok = ro >= threshold
+                out = zip(rectified(g, mu, nu, torch.where(ok, r, 1.0)), plain(g, mu))
+                return [torch.where(ok, a, b) for a, b in out], mu, nu
 
             out, mu, nu = foreach_map(rule, updates, state.mu, state.nu, outputs=3)
             return out, ScaleByAdamState(count, mu, nu)
@@ -324,8 +334,8 @@ def scale_by_yogi(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-3, eps_roo
         mu = elementwise_map(lambda g, m: moment(g, m, b1, 1), updates, state.mu)
         nu = elementwise_map(lambda g, v: v - (1 - b2) * torch.sgn(v - abs_sq(g)) * abs_sq(g), updates, state.nu)
         count = count_inc(state.count)
-        out = elementwise_map(lambda m, v: debias(m, b1, count) / (torch.sqrt(debias(v, b2, count) + eps_root) + eps),
-                       mu, nu)
+        c = step_count(count)
+        out = elementwise_map(lambda m, v: debias(m, b1, c) / (torch.sqrt(debias(v, b2, c) + eps_root) + eps), mu, nu)
         return out, ScaleByAdamState(count, mu, nu)
 
     return GradientTransformation(init, update)
@@ -356,14 +366,15 @@ def scale_by_adan(b1: float = 0.98, b2: float = 0.92, b3: float = 0.99, eps: flo
                                 count_zero())
 
     def update(updates, state, params=None):
-        first = int(state.t) == 0
-        diff = elementwise_map(lambda g, prev: torch.zeros_like(g) if first else g - prev, updates, state.g)
+        first = state.t == 0  # a tensor: the same graph at every step (torch.compile)
+        diff = elementwise_map(lambda g, prev: torch.where(first, 0, g - prev), updates, state.g)
         m = elementwise_map(lambda g, m: moment(g, m, b1, 1), updates, state.m)
         v = elementwise_map(lambda d, v: moment(d, v, b2, 1), diff, state.v)
         n = elementwise_map(lambda g, d, n: moment(g + (1 - b2) * d, n, b3, 2), updates, diff, state.n)
         t = count_inc(state.t)
-        out = elementwise_map(lambda m, v, n: (debias(m, b1, t) + (1 - b2) * debias(v, b2, t))
-                       / (torch.sqrt(debias(n, b3, t) + eps_root) + eps), m, v, n)
+        c = step_count(t)
+        out = elementwise_map(lambda m, v, n: (debias(m, b1, c) + (1 - b2) * debias(v, b2, c))
+                       / (torch.sqrt(debias(n, b3, c) + eps_root) + eps), m, v, n)
         return out, ScaleByAdanState(m, v, n, updates, t)
 
     return GradientTransformation(init, update)

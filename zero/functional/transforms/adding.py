@@ -21,7 +21,7 @@ from zero.functional.base import (
     stateless_tx,
     tree_map,
 )
-from zero.functional.elementwise import plus_scaled, times
+from zero.functional.elementwise import nonzero, plus_scaled, times
 from zero.functional.foreach import foreach_map
 from zero.functional.transforms.scaling import scale_tree
 
@@ -64,7 +64,7 @@ def add_decayed_weights(weight_decay: ScalarOrSchedule = 0.0,
             if params is None:
                 raise ValueError(NO_PARAMS_MSG)
             new_state = WeightDecaySchedule(count_inc(state.count)) if scheduled else state
-            if not scheduled and weight_decay == 0.0:
+            if not scheduled and not nonzero(weight_decay):
                 return scale_tree(updates, factor) if factor != 1.0 else updates, new_state
             s = weight_decay(state.count) if scheduled else weight_decay
             if any(g is None for g in optree.tree_leaves(updates, none_is_leaf=True)):

@@ -20,7 +20,7 @@ from zero.functional.base import (
     tree_leaves,
 )
 from zero.functional.elementwise import abs_sq
-from zero.functional.foreach import elementwise_map
+from zero.functional.foreach import elementwise_map, traced
 
 __all__ = ["clip", "global_norm", "clip_by_global_norm", "clip_by_block_rms", "adaptive_grad_clip",
            "per_example_global_norm_clip"]
@@ -45,9 +45,10 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
 
     def update(updates, state, params=None):
         norm = global_norm(updates)
-        if norm < max_norm:
+        if not traced() and norm < max_norm:  # nothing to clip: no pass over the updates
             return updates, state
-        return elementwise_map(lambda g: g / norm.to(g.dtype) * max_norm, updates), state
+        small = norm < max_norm  # traced: a tensor, so one graph holds both outcomes
+        return elementwise_map(lambda g: torch.where(small, g, g / norm.to(g.dtype) * max_norm), updates), state
 
     # A chain starting with it folds it into its kernel (zero.functional.kernels.chains): its spec says so.
     return GradientTransformation(lambda params: EmptyState(), update, spec=Spec("clip_by_global_norm",

@@ -14,6 +14,7 @@ from zero.functional.base import (
     Spec,
     count_inc,
     count_zero,
+    select,
     step_in_place,
     tree_leaves,
     tree_map,
@@ -54,6 +55,8 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int) 
 
     def update(updates, state, params=None, **extra_args):
         finite = sharding.all_finite(tree_leaves(updates))
+        if isinstance(finite, torch.Tensor):
+            return traced_update(updates, state, params, extra_args, finite)
         notfinite = count_zero() if finite else count_inc(state.notfinite_count)
         if finite or int(notfinite) > max_consecutive_errors:
             updates, inner_state = update_with(inner, updates, state.inner_state, params, extra_args)
@@ -61,6 +64,16 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int) 
             updates, inner_state = zeros_like(updates), state.inner_state
         total = state.total_notfinite if finite else count_inc(state.total_notfinite)
         return updates, ApplyIfFiniteState(notfinite, torch.tensor(finite), total, inner_state)
+
+    def traced_update(updates, state, params, extra_args, finite):
+        """`update` under torch.compile / torch.func: the inner step is taken, and kept or not by
+        `select`, so the graph is the same whatever the updates hold (Optax's ``lax.cond``)."""
+        notfinite = torch.where(finite, count_zero(), count_inc(state.notfinite_count))
+        keep = finite | (notfinite > max_consecutive_errors)
+        new, inner_state = update_with(inner, updates, state.inner_state, params, extra_args)
+        updates = tree_map(lambda u: torch.where(keep, u, torch.zeros_like(u)), new)
+        total = torch.where(finite, state.total_notfinite, count_inc(state.total_notfinite))
+        return updates, ApplyIfFiniteState(notfinite, finite, total, select(keep, inner_state, state.inner_state))
 
     @torch.no_grad()
     def inplace(params, grads, state):

@@ -89,11 +89,11 @@ def scale_by_novograd(b1: float = 0.9, b2: float = 0.25, eps: float = 1e-8, eps_
             raise ValueError(NO_PARAMS_MSG)
         sharding.whole_tensors(tree_leaves(updates), "scale_by_novograd")
         count = count_inc(state.count)
-        first = int(count) == 1
+        first = count == 1  # a tensor: the same graph at every step (torch.compile)
         norms = tree_map(lambda g, n: (torch.linalg.vector_norm(g) ** 2).to(n.dtype), updates, state.nu)
-        nu = norms if first else tree_map(lambda s, n: moment(s, n, b2, 1), norms, state.nu)
+        nu = tree_map(lambda s, n: torch.where(first, s, moment(s, n, b2, 1)), norms, state.nu)
         step = tree_map(lambda g, p, n: g / (torch.sqrt(n + eps_root) + eps) + weight_decay * p, updates, params, nu)
-        mu = step if first else tree_map(lambda m, s: b1 * m + s, state.mu, step)
+        mu = tree_map(lambda m, s: torch.where(first, s, b1 * m + s), state.mu, step)
         if mu_dtype is not None:
             mu = tree_map(lambda m: m.to(mu_dtype), mu)
         return mu, ScaleByNovogradState(count, mu, nu)

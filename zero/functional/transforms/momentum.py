@@ -15,6 +15,7 @@ from zero.functional.base import (
     check_unit,
     count_inc,
     count_zero,
+    step_count,
     zeros_like,
 )
 from zero.functional.elementwise import (
@@ -22,7 +23,7 @@ from zero.functional.elementwise import (
     plus_scaled,
     times,
 )
-from zero.functional.foreach import elementwise_map, foreach_map
+from zero.functional.foreach import elementwise_map, foreach_map, ops
 
 __all__ = ['TraceState', 'trace', 'EmaState', 'ema', 'ScaleByOptimisticGradientState', 'scale_by_optimistic_gradient']
 
@@ -81,7 +82,7 @@ def ema(decay: float, debias: bool = True, accumulator_dtype: torch.dtype | None
 
         def rule(gs, es):
             new = moments(gs, es, decay, 1)
-            out = torch._foreach_div(new, 1 - decay ** int(count)) if debias else new
+            out = ops.div(new, 1 - decay ** step_count(count)) if debias else new
             return out, (new if accumulator_dtype is None else [e.to(accumulator_dtype) for e in new])
 
         out, new = foreach_map(rule, updates, state.ema, outputs=2)
@@ -109,8 +110,8 @@ def scale_by_optimistic_gradient(alpha: float = 1.0, beta: float = 1.0) -> Gradi
         return ScaleByOptimisticGradientState(torch.tensor(True), zeros_like(params))
 
     def update(updates, state, params=None):
-        first = bool(state.is_initial_step)
-        out = elementwise_map(lambda g, prev: (alpha + beta) * g - beta * (g if first else prev),
+        first = state.is_initial_step  # a tensor: the same graph at every step (torch.compile)
+        out = elementwise_map(lambda g, prev: (alpha + beta) * g - beta * torch.where(first, g, prev),
                        updates, state.previous_gradient)
         return out, ScaleByOptimisticGradientState(torch.tensor(False), updates)
 

@@ -15,10 +15,11 @@ from zero.functional.base import (
     count_inc,
     count_zero,
     full_like,
+    step_count,
     zeros_like,
 )
 from zero.functional.elementwise import moments, same_dtypes, times, times_inv_root
-from zero.functional.foreach import foreach_map
+from zero.functional.foreach import foreach_map, ops
 
 __all__ = ["ScaleByRmsState", "ScaleByRmsWithCountState", "ScaleByRStdDevState", "ScaleByRStdDevWithCountState",
            "ScaleByRssState", "ScaleByAdaDeltaState", "scale_by_rms", "scale_by_stddev", "scale_by_rss",
@@ -111,7 +112,7 @@ def scale_by_rms(decay: float = 0.9, eps: float = 1e-8, initial_scale: float = 0
 
             def rule(gs, vs):
                 nu = moments(gs, vs, decay, 2)
-                nu_hat = torch._foreach_div(nu, 1 - decay ** int(count)) if bias_correction else nu
+                nu_hat = ops.div(nu, 1 - decay ** step_count(count)) if bias_correction else nu
                 return times(times_inv_root(gs, nu_hat, eps, eps_in_sqrt), factor, own=True), nu
 
             out, nu = foreach_map(rule, updates, state.nu, outputs=2)
@@ -144,11 +145,11 @@ def scale_by_stddev(decay: float = 0.9, eps: float = 1e-8, initial_scale: float 
 
             def rule(gs, ms, vs):
                 mu, nu = moments(gs, ms, decay, 1), moments(gs, vs, decay, 2)
-                bc = 1 - decay ** int(count) if bias_correction else 1.0
-                mu_hat = torch._foreach_div(mu, bc) if bias_correction else mu
-                var = torch._foreach_div(nu, bc) if bias_correction else torch._foreach_mul(nu, 1.0)
+                bc = 1 - decay ** step_count(count) if bias_correction else 1.0
+                mu_hat = ops.div(mu, bc) if bias_correction else mu
+                var = ops.div(nu, bc) if bias_correction else ops.mul(nu, 1.0)
                 if same_dtypes(var, mu_hat):
-                    torch._foreach_addcmul_(var, mu_hat, mu_hat, -1)
+                    ops.addcmul_(var, mu_hat, mu_hat, -1)
                 else:
                     var = [v - m * m for v, m in zip(var, mu_hat)]
                 return times(times_inv_root(gs, var, eps, eps_in_sqrt), factor, own=True), mu, nu
@@ -168,7 +169,7 @@ def scale_by_rss(initial_accumulator_value: float = 0.1, eps: float = 1e-7) -> G
     check_non_negative("initial_accumulator_value", initial_accumulator_value)
 
     def rule(gs, ts):
-        sos = torch._foreach_addcmul(ts, gs, [g.conj() for g in gs]) if same_dtypes(gs, ts) else \
+        sos = ops.addcmul(ts, gs, [g.conj() for g in gs]) if same_dtypes(gs, ts) else \
             [g * g.conj() + t for g, t in zip(gs, ts)]
         if eps > 0 and not any(t.is_complex() for t in sos):
             # Optax's where(sos > 0, rsqrt(sos + eps), 0) g: sos = 0 only where g = 0, and then

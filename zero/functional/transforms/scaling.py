@@ -20,7 +20,7 @@ from zero.functional.base import (
     identity,
     tree_leaves,
 )
-from zero.functional.foreach import elementwise_map, foreach_map
+from zero.functional.foreach import elementwise_map, foreach_map, ops
 
 __all__ = ['ScaleByScheduleState', 'scale', 'scale_by_schedule', 'scale_by_learning_rate', 'scale_by_polyak']
 
@@ -44,7 +44,7 @@ def scale(step_size: float) -> GradientTransformation:
 def scale_tree(tree, factor):
     if not optree.tree_leaves(tree):
         return tree
-    return foreach_map(lambda us: torch._foreach_mul(us, factor), tree)
+    return foreach_map(lambda us: ops.mul(us, factor), tree)
 
 
 def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
