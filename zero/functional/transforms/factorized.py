@@ -22,6 +22,7 @@ from zero.functional.base import (
     GradientTransformation,
     count_inc,
     count_zero,
+    step_count,
     tree_leaves,
     tree_map,
     zeros_like,
@@ -47,9 +48,10 @@ class FactoredState(NamedTuple):
     v: Any
 
 
-def _decay_rate_pow(i: int, exponent: float = 0.8) -> torch.Tensor:
-    """``1 - (i + 1)^-exponent``, in float32 as Optax computes it."""
-    return 1.0 - torch.tensor(i + 1, dtype=torch.float32) ** (-exponent)
+def _decay_rate_pow(i: int | torch.Tensor, exponent: float = 0.8) -> torch.Tensor:
+    """``1 - (i + 1)^-exponent``, in float32 as Optax computes it (``i`` an int, or a tensor
+    when traced: see `step_count`)."""
+    return 1.0 - torch.as_tensor(i + 1).to(torch.float32) ** (-exponent)
 
 
 def _factored_dims(shape: torch.Size, factored: bool, min_dim_size_to_factor: int) -> tuple[int, int] | None:
@@ -109,7 +111,7 @@ def scale_by_factored_rms(factored: bool = True, decay_rate: float = 0.8, step_o
         g_leaves, treedef = optree.tree_flatten(updates)
         sharding.whole_tensors(g_leaves, "scale_by_factored_rms (adafactor)",  # the vectors step by element
                                needs=lambda shape: _factored_dims(shape, factored, min_dim_size_to_factor) is not None)
-        decay = decay_rate_fn(int(state.count) - step_offset, decay_rate)
+        decay = decay_rate_fn(step_count(state.count) - step_offset, decay_rate)
         columns = [treedef.flatten_up_to(t) for t in (state.v_row, state.v_col, state.v, params)]
         results = [one(g, *rest, decay) for g, *rest in zip(g_leaves, *columns)]
         unflat = lambda i: optree.tree_unflatten(treedef, [r[i] for r in results])
