@@ -3,11 +3,13 @@ and a weight-decay mask by param name, one step, every way of running it, in one
 
 Rows: torch's ``clip_grad_norm_`` + fused AdamW with two param groups (decay, no decay) and a
 LambdaLR (the reference); `zero.functional.Optimizer` given ``named_parameters()`` (the fused
-path, as `explain` reports it); the same chain on its pure path (the links' updates, fresh
-tensors); jitted Optax (the pure path's anchor: it too writes fresh params and state); and at 2
-gloo ranks torch's ZeroRedundancyOptimizer (fused AdamW, two groups, clip_grad_norm_ on the full
-grads) against zero's (the sharded global norm, the fused kernel on the rank's share). Two shapes:
-8.4M params in 16 tensors, and 2,000 small tensors. Median of ``--repeat`` steps each.
+path, as `explain` reports it); the same chain on its pure path (the links' updates and
+``apply_updates``, fresh tensors); that pure update under ``torch.compile(fullgraph=True)``
+(inductor; its first call, the compilation, is reported apart); jitted Optax (the pure path's
+anchor: it too writes fresh params and state); and at 2 gloo ranks torch's
+ZeroRedundancyOptimizer (fused AdamW, two groups, clip_grad_norm_ on the full grads) against
+zero's (the sharded global norm, the fused kernel on the rank's share). Two shapes: 8.4M params
+in 16 tensors, and 2,000 small tensors. Median of ``--repeat`` steps each.
 Usage: python bench/chain_bench.py [--repeat 20] [--ranks 2] [--no-optax] [--no-zero]
 """
 
@@ -80,12 +82,32 @@ def torch_step(model: nn.Module, zero_class=None):
     return step
 
 
-def zero_step(model: nn.Module, pure: bool = False, zero_class=None):
-    tx = readme_chain()
-    if pure:
-        tx = tx._replace(inplace=None)
-    opt = (F.Optimizer if zero_class is None else zero_class)(model.named_parameters(), tx)
+def zero_step(model: nn.Module, zero_class=None):
+    opt = (F.Optimizer if zero_class is None else zero_class)(model.named_parameters(), readme_chain())
     return opt.step, opt
+
+
+def pure_step(model: nn.Module, compiled: bool = False):
+    """The chain's pure update and ``apply_updates``, eager or under
+    ``torch.compile(fullgraph=True)`` (inductor): fresh params and state each step, as jitted
+    Optax's below. (`zero.functional.Optimizer` steps the fused kernel whatever its ``inplace``:
+    it rebuilds the alias to show its hyperparameters as group keys.)"""
+    tx = readme_chain()
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    held = {"params": params, "state": tx.init(params)}
+
+    def update(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return F.apply_updates(params, updates), state
+
+    if compiled:
+        update = torch.compile(update, fullgraph=True)
+
+    def step():
+        held["params"], held["state"] = update(held["params"], held["state"], grads)
+
+    return step
 
 
 def optax_step(model: nn.Module):
@@ -126,10 +148,14 @@ def one_process(shape: tuple[int, int], repeat: int, optax: bool) -> dict:
     rows = {"torch clip_grad_norm_ + fused AdamW": median_ms(torch_step(with_grads(model_of(*shape))), repeat)}
     step, opt = zero_step(with_grads(model_of(*shape)))
     rows["zero Optimizer (fused)"] = median_ms(step, repeat)
-    rows["zero Optimizer (pure path)"] = median_ms(zero_step(with_grads(model_of(*shape)), pure=True)[0], repeat)
+    rows["zero pure update (eager)"] = median_ms(pure_step(with_grads(model_of(*shape))), repeat)
+    step, started = pure_step(with_grads(model_of(*shape)), compiled=True), time.perf_counter()
+    step()  # the compilation
+    compile_s = time.perf_counter() - started
+    rows["zero pure update, torch.compile"] = median_ms(step, repeat)
     if optax:
         rows["jitted Optax"] = median_ms(optax_step(with_grads(model_of(*shape))), repeat)
-    return {"rows": rows, "path": str(opt.path[0])}
+    return {"rows": rows, "path": str(opt.path[0]), "compile_s": compile_s}
 
 
 def zero_worker(rank: int, world_size: int, shape: tuple[int, int], repeat: int) -> dict:
@@ -162,6 +188,7 @@ def main() -> int:
     for label, shape in SHAPES.items():
         found = one_process(shape, args.repeat, not args.no_optax)
         rows, paths[label] = found["rows"], found["path"]
+        paths[f"{label}, torch.compile's first call"] = f"{found['compile_s']:.1f} s"
         ref = rows["torch clip_grad_norm_ + fused AdamW"]
         for system, ms in rows.items():
             table.add_row(label, system, f"{ms:.2f}", f"{ms / ref:.2f}x")
