@@ -137,7 +137,6 @@ def _per_tensor(name: str, args: tuple, kwargs: dict) -> Any:
 _PER_TENSOR = {
     "norm": lambda x, ord=2, dtype=None: torch.linalg.vector_norm(x, ord, dtype=dtype),
     "zero": torch.zeros_like,
-    "max": torch.amax,
     "add": lambda x, y, alpha=1: x + alpha * y if isinstance(alpha, torch.Tensor) else torch.add(x, y, alpha=alpha),
     "addcmul": lambda x, a, b, value=1: torch.addcmul(x, a, b, value=value),
     "addcdiv": lambda x, a, b, value=1: torch.addcdiv(x, a, b, value=value),
