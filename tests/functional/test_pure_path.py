@@ -295,3 +295,23 @@ def test_a_count_saturates_at_the_int32_maximum_in_tensor_maths():
 
     top = torch.tensor(2**31 - 1, dtype=torch.int32)
     assert count_inc(top) == top and count_inc(top - 1) == top and count_inc(top).dtype == torch.int32
+
+
+def test_a_compiled_optimizer_step_runs_eagerly_and_equals_the_step():
+    """``torch.compile(opt.step)`` does not compile `zero.functional.Optimizer`'s step (its fused
+    kernels run as they are; compile ``tx.update`` for a compiled pure step), and steps as eager."""
+    def train(compiled):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+        tx = F.chain(F.clip_by_global_norm(1.0), F.adamw(F.warmup_cosine_decay_schedule(0.0, 1e-2, 3, 30),
+                                                         mask=lambda t: {k: not k.endswith("bias") for k in t}))
+        opt = F.Optimizer(model.named_parameters(), tx)
+        step = torch.compile(opt.step, backend="aot_eager") if compiled else opt.step
+        x, y = torch.randn(16, 8, generator=torch.Generator().manual_seed(1)), torch.zeros(16, 2)
+        for _ in range(10):
+            opt.zero_grad()
+            ((model(x) - y) ** 2).mean().backward()
+            step()
+        return [p.detach() for p in model.parameters()]
+
+    torch.testing.assert_close(train(compiled=True), train(compiled=False), rtol=0, atol=0)

@@ -329,6 +329,10 @@ class Optimizer(torch.optim.Optimizer):
         _check_names(self.param_groups[-1], len(self.param_groups) - 1)
         self._states.append(_StatesBySet(tx, self._per_param))
 
+    # torch.compile(opt.step) runs the step eagerly (its kernels are torch's fused ones): traced,
+    # its Python bookkeeping breaks the graph, and dynamo then mistakes the state's 0-d
+    # hyperparameter tensors for data-dependent scalars. Compile `tx.update` for a compiled step.
+    @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
