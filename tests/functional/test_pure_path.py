@@ -315,3 +315,18 @@ def test_a_compiled_optimizer_step_runs_eagerly_and_equals_the_step():
         return [p.detach() for p in model.parameters()]
 
     torch.testing.assert_close(train(compiled=True), train(compiled=False), rtol=0, atol=0)
+
+
+def test_muon_hypergradient_equals_jax_grad_and_compiles_once():
+    """`contrib.muon` (Newton-Schulz on the matrices, Adam on the rest) as every alias above."""
+    def torch_loss(lr):
+        return unrolled(F.contrib.muon(lr), to_torch(P0), torch)
+
+    def jax_loss(lr):
+        return unrolled(optax.contrib.muon(lr), to_jax(P0), jnp)
+
+    ours = torch.func.grad(torch_loss)(torch.tensor(0.02, dtype=torch.float64))
+    theirs = jax.grad(jax_loss)(jnp.float64(0.02))
+    assert_leaves_close(ours, theirs, 1e-9, ["d/dlr"])
+    worst, compilations = compiled_against_eager(F.contrib.muon(0.02))
+    assert compilations == 1 and worst <= 1e-6

@@ -93,6 +93,8 @@ def dims_per_leaf(dimension_numbers: DimensionNumbers, tree: Any) -> list:
     is one `MuonDimensionNumbers` for all, a tree of them (a prefix of ``tree``; None marks
     leaves that are not Muon's), or a function of ``tree`` returning one."""
     dims = dimension_numbers(_unmasked(tree)) if callable(dimension_numbers) else dimension_numbers
+    if _is_dims_leaf(dims):  # one for all (torch.compile cannot trace optree's broadcast)
+        return [dims] * len(optree.tree_leaves(tree, none_is_leaf=True))
     full = optree.tree_broadcast_prefix(dims, tree, is_leaf=_is_dims_leaf, none_is_leaf=True)
     return optree.tree_leaves(full, is_leaf=_is_dims_leaf, none_is_leaf=True)
 

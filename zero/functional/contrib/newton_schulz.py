@@ -64,7 +64,7 @@ def _split_axes(shape: torch.Size, dims: Any) -> tuple[tuple[int, ...], tuple[in
 def fans(shape: torch.Size, dims: Any) -> tuple[int, int]:
     """(fan_in, fan_out): the products of the reduction and of the output axes."""
     _, red, out = _split_axes(shape, dims)
-    return math.prod(shape[a] for a in red), math.prod(shape[a] for a in out)
+    return math.prod([shape[a] for a in red]), math.prod([shape[a] for a in out])  # lists: torch.compile
 
 
 def as_matrices(x: torch.Tensor, dims: Any):
