@@ -8,8 +8,9 @@ own combinators take it; an Optax transformation handed to a zero combinator run
 `zero.functional.from_optax`. ``jax.jit`` in the test bodies is the identity (compilation is not
 behaviour), and so Optax's count of XLA compilations logs nothing; a test that traces through a
 zero rule some other way (``jax.grad``, ``vmap``, ``lax.scan``) cannot apply to torch and is
-skipped with that reason, as is ``optax.tree.map_params`` on a zero rule (an Optax-internal
-protocol). A test that never reaches a zero rule is skipped: it tests Optax alone.
+skipped with that reason, naming the tracer that reached the rule, as is
+``optax.tree.map_params`` on a zero rule (an Optax-internal protocol). A test that never
+reaches a zero rule is skipped: it tests Optax alone.
 
 Each test records whether it reached a zero rule (`reached`).
 """
@@ -34,7 +35,11 @@ import zero.functional as F
 from zero.functional.adapters.optax_bridge import from_optax
 from zero.functional.base import takes_extra_args, update_with
 
-TRACED = "traces a zero rule with a JAX transformation (grad/vmap/scan/jit at import): not applicable to torch"
+TRACED = "traces a zero rule with {what} ({tracer}): not applicable to torch"
+# A tracer's kind says which JAX transformation reached a zero rule. jax.grad and jax.vmap have
+# torch.func's equivalents (tests/functional/test_pure_path.py runs every alias under them); a
+# JAX loop, jit at import or pmap (a jaxpr tracer) would need torch code inside JAX's program.
+_TRACERS = {"JVPTracer": "jax.grad/jvp", "LinearizeTracer": "jax.grad/linearize", "BatchTracer": "jax.vmap"}
 
 
 class Traced(unittest.SkipTest):
@@ -75,7 +80,8 @@ def to_torch(x: Any, data: bool = False) -> Any:
     if hasattr(x, "zero_object"):
         return x.zero_object
     if isinstance(x, jax.core.Tracer):
-        raise Traced(TRACED)
+        kind = type(x).__name__
+        raise Traced(TRACED.format(what=_TRACERS.get(kind, "a JAX loop, jit at import or pmap"), tracer=kind))
     if isinstance(x, optax.MaskedNode):
         return F.MaskedNode()
     if isinstance(x, bool | int | float | complex) and data:
