@@ -222,6 +222,16 @@ def compiled_against_eager(tx, steps=20, backend="aot_eager"):
     return worst, counter.frame_count
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _x64():
+    """JAX in float64 for every test here, whatever a module run before set (Optax's own test
+    modules, run earlier in the suite, turn it off)."""
+    before = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    yield
+    jax.config.update("jax_enable_x64", before)
+
+
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
     torch._dynamo.reset()  # each test counts its own compilations
