@@ -4,7 +4,7 @@ import pytest
 import torch
 from launch_workers import heartbeat_stopped, many_tensors, tensors
 
-from zero.tools.launch import run
+from zero.tools.launch import free_port, run
 
 
 @pytest.mark.timeout(120)
@@ -32,3 +32,10 @@ def test_the_heartbeat_threads_stop_before_exit():
     (``terminate called without an active exception``): zero stops its own at exit."""
     for r in run(heartbeat_stopped, 2, timeout=90):
         assert r["before"] and r["after"] == [], r
+
+
+def test_free_port_never_hands_out_a_port_twice():
+    """The system hands a just-freed port out again (2 repeats in 300 here): a rank of an earlier
+    run still retrying its store could then join the next run's group."""
+    ports = [free_port() for _ in range(300)]
+    assert len(set(ports)) == len(ports)

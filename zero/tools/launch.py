@@ -24,11 +24,21 @@ import torch.multiprocessing as mp
 __all__ = ["free_port", "run", "exit_now"]
 
 
+_GIVEN: set[int] = set()  # the ports free_port handed out in this process
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free now (for ``MASTER_PORT``)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that is free now (for ``MASTER_PORT``), and not one handed out
+    before in this process: the system hands a freed port out again soon, and a rank of an
+    earlier run still retrying its store must not reach the next run's."""
+    for _ in range(1000):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _GIVEN:
+            _GIVEN.add(port)
+            return port
+    raise RuntimeError("free_port: the system kept handing out ports this process already used")
 
 
 def _worker(fn, rank, world_size, port, results, args, pg_timeout, backend, threads):
