@@ -55,6 +55,7 @@ def _worker(fn, rank, world_size, port, results, args, pg_timeout, backend, thre
                 torch.cuda.set_device(rank)
             dist.init_process_group(backend, rank=rank, world_size=world_size,
                                     timeout=datetime.timedelta(seconds=pg_timeout))
+            dist.distributed_c10d._get_default_store().add(_JOINED, 1)
             out = fn(rank, world_size, *args)
         # By value: torch's queue would pass a tensor as a handle to this process's shared
         # memory, unreadable once it exits (ConnectionResetError in the parent)
@@ -63,6 +64,8 @@ def _worker(fn, rank, world_size, port, results, args, pg_timeout, backend, thre
         results.put((rank, False, traceback.format_exc()))
     finally:
         if dist.is_initialized():
+            if rank == 0:
+                _wait_for_every_rank(world_size, pg_timeout)
             dist.destroy_process_group()
     results.close()
     results.join_thread()  # the result is in the pipe
@@ -81,6 +84,20 @@ def exit_now(code: int = 0) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+_JOINED = "zero_launch_joined"
+
+
+def _wait_for_every_rank(world_size: int, timeout: float) -> None:
+    """Rank 0 hosts the store: it stays until every rank has joined, so that a rank slow to start
+    (a loaded machine) still finds the store when a run ends without collectives (an error raised
+    before the first one): else it retries a store that is gone until the run times out."""
+    import torch.distributed as dist
+
+    store, deadline = dist.distributed_c10d._get_default_store(), time.monotonic() + timeout
+    while store.add(_JOINED, 0) < world_size and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _rpc_worker(fn, rank, world_size, port, args, rpc_timeout):
