@@ -1,5 +1,6 @@
 import datetime
 import os
+import sys
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -22,3 +23,12 @@ def one_rank():
     dist.init_process_group("gloo", rank=0, world_size=1, timeout=datetime.timedelta(seconds=30))
     yield
     dist.destroy_process_group()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _rank_pools():
+    """The pools of gloo ranks the multi-rank tests share (`helpers.run_ranks`), ended with the session."""
+    yield
+    helpers = sys.modules.get("helpers")
+    if helpers is not None:
+        helpers.close_pools()

@@ -2,14 +2,18 @@
 gradients they feed, the loop that steps optimizers side by side, the collectives counter, and
 the checks that params are close.
 
-Ranks start with the library's own launcher (`zero.tools.launch.run`), each in a fresh process
-with a hard timeout; the per-rank bodies live in the ``*_workers`` modules beside the tests.
+Ranks run in the library's own pools (`zero.tools.launch.Pool`): one pool per world size for the
+session, its processes and gloo group reused from test to test, each run with a hard timeout;
+runs that let a rank die, use another backend or another group timeout get fresh processes
+(`zero.tools.launch.run`), as every run does with ``ZERO_TEST_FRESH_RANKS=1``. The per-rank
+bodies live in the ``*_workers`` modules beside the tests.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -20,12 +24,48 @@ import torch.distributed as dist
 from torch import nn
 
 from zero.backends import comm
+from zero.tools import launch
 from zero.tools.launch import free_port
-from zero.tools.launch import run as run_ranks
 
-__all__ = ["run_ranks", "free_port", "MODELS", "Net", "make_model", "groups_of", "ddp_grads", "fixed_grads",
-           "set_grads", "side_by_side", "worst", "assert_params_close", "assert_trees_close", "digest",
+__all__ = ["run_ranks", "close_pools", "free_port", "MODELS", "Net", "make_model", "groups_of", "ddp_grads",
+           "fixed_grads", "set_grads", "side_by_side", "worst", "assert_params_close", "assert_trees_close", "digest",
            "same_on_every_rank", "broadcast", "patched", "CountingCalls", "CommCounter"]
+
+# -- ranks ------------------------------------------------------------------------------------
+
+_POOLS: dict[int, launch.Pool] = {}
+POOL_RUNS = 60  # a pool's processes are started again after this many runs (what tests leave behind)
+
+
+def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 240, pg_timeout: float = 60,
+              allow_exit: tuple[int, ...] = (), backend: str = "gloo", threads: int = 1, fresh: bool = False) -> list:
+    """``fn(rank, world_size, *args)`` on ``world_size`` ranks (see `zero.tools.launch.run`), on
+    the session's pool of that size unless the run needs fresh processes: ``fresh`` for a run
+    whose ranks diverge on purpose (they leave the group unusable, which the pool would find
+    only at its barrier's timeout), and runs where a rank may die, another backend, another
+    group timeout."""
+    fresh = fresh or allow_exit or backend != "gloo" or pg_timeout != 60 or \
+        os.environ.get("ZERO_TEST_FRESH_RANKS") == "1"
+    if fresh:
+        return launch.run(fn, world_size, *args, timeout=timeout, pg_timeout=pg_timeout, allow_exit=allow_exit,
+                          backend=backend, threads=threads)
+    pool = _POOLS.get(world_size)
+    if pool is None or pool.runs >= POOL_RUNS:
+        if pool is not None:
+            pool.close()
+        pool = _POOLS[world_size] = launch.Pool(world_size)
+    out = pool.run(fn, *args, timeout=timeout, threads=threads)
+    if os.environ.get("ZERO_POOL_LOG") and not pool.alive:
+        with open(os.environ["ZERO_POOL_LOG"], "a") as f:
+            f.write(f"{fn.__module__}.{fn.__name__} on {world_size}: the pool did not settle: {pool.unsettled}\n")
+    return out
+
+
+def close_pools() -> None:
+    for pool in _POOLS.values():
+        pool.close()
+    _POOLS.clear()
+
 
 # -- models -----------------------------------------------------------------------------------
 

@@ -10,7 +10,12 @@ import zero.functional as zf
 from zero.backends import ZeroRedundancyOptimizer as Zero
 from zero.backends import checkpoint
 
-RULES = {**PLAN_RULES, "from_torch_adamw": (zf.from_torch(torch.optim.AdamW, lr=1e-2, weight_decay=0.1), {}, None)}
+RULES = {**PLAN_RULES, "from_torch_adamw": (zf.from_torch(torch.optim.AdamW, lr=1e-2, weight_decay=0.1), {}, None),
+         "sgd_momentum": (torch.optim.SGD, dict(lr=1e-2, momentum=0.9), "sgd_momentum"),
+         # zero.functional rules with torch's maths, built with other settings than the checkpoint's:
+         # loading a torch.optim checkpoint gives them its settings, as torch's load_state_dict does
+         "f_adamw": (zf.adamw(0.5, b1=0.5, weight_decay=0.0), {}, None),
+         "f_sgd": (zf.sgd(0.5, momentum=0.1), {}, None)}
 
 
 def build(strategy: str, masters: bool, rule: str = "adamw"):

@@ -242,6 +242,32 @@ def branch_dots(text: str) -> list[int]:
     return found[0] if len(found) == 1 else found
 
 
+def explicit_mesh(n: int) -> Mesh:
+    """``jax.make_mesh``'s mesh, whose axes JAX types ``Explicit`` by default (arrays' types carry
+    their shardings): the executor must take it as it takes ``Mesh(devices, names)``."""
+    return jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
+
+
+def hybrid_fed_back(name: str) -> dict:
+    """A hybrid plan (matrices and vectors) on ``jax.make_mesh``'s mesh: 24 steps, each fed the
+    last one's params and state, against Optax unsharded."""
+    make, kwargs = HYBRID[name]
+    rng = np.random.default_rng(6)
+    tree = lambda: {k: jnp.asarray(rng.standard_normal(s), np.float32) for k, s in MATRICES.items()}
+    params, tx, mesh = tree(), make(), explicit_mesh(8)
+    plan = zero.make_plan(zero.param_metas(params), 8, "flat", **kwargs)
+    state, step = jax_mesh.init(tx, params, plan, mesh), jax_mesh.update(tx, plan, mesh)
+    ref, ref_state, ours, rel = params, tx.init(params), params, 0.0
+    for _ in range(24):
+        g = tree()
+        ours, state = step(g, state, ours)
+        updates, ref_state = tx.update(g, ref_state, ref)
+        ref = optax.apply_updates(ref, updates)
+        rel = max(rel, worst(ours, ref))
+    return {"rel": rel, "vectors": sorted(k for k, s in MATRICES.items() if len(s) == 1),
+            "axis_types": [str(t) for t in mesh.axis_types]}
+
+
 def hybrid(name: str) -> dict:
     """A hybrid plan on 8 devices: 20 float32 steps against Optax unsharded, the Newton-Schulz
     dots of each device's branch, the bytes each device holds."""
@@ -375,6 +401,7 @@ def main() -> None:
            "errors": errors(), "two_executors": two_executors(plan_texts),
            "checkpoint": checkpoint_moves(os.path.dirname(sys.argv[1])),  # the test's own temporary folder
            "two_axes": two_axes(), "hybrid": {name: hybrid(name) for name in HYBRID},
+           "hybrid_fed_back": {name: hybrid_fed_back(name) for name in HYBRID},
            "orbax": orbax_moves(os.path.dirname(sys.argv[1])),
            "hybrid_orbax": hybrid_orbax(os.path.dirname(sys.argv[1]))}
     out["parity"].update({f"{rule}-{kind}-float32": parity(rule, kind, np.float32)

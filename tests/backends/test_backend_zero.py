@@ -73,6 +73,28 @@ def test_join_with_uneven_inputs_matches_torch():
     run_ranks(w.join_uneven, 2)
 
 
+def test_a_join_hook_sets_gradients_through_all_params_as_with_torchs():
+    """torch's own ZeRO test sets a joined rank's gradients in a JoinHook through
+    ``zero_optim._all_params``: code written that way runs, and steps as torch's class does."""
+    rows = run_ranks(w.join_sets_grads_through_all_params, 3)
+    assert [r["shadowed"] for r in rows] == [[4, 4], [2, 2], [0, 0]], "the joined ranks' hooks set grads"
+    assert rows[0]["all_params"] == [tuple(p.shape) for p in w.make_model("small").parameters()]
+
+
+def test_torchs_attributes_that_code_in_the_wild_reads_are_there_and_agree_with_torchs():
+    """The names torch's class exposes that drop-in code reads (`TORCH_NAMES`) exist on ours and
+    give torch's values over the same params; a flat plan, where a param has no one owner, says
+    so instead of answering."""
+    for r in run_ranks(w.torch_names, 3):
+        assert r["missing"] == {"ours": [], "torch": []}
+        assert r["read_only"]
+        same = r["same"]
+        ours, theirs = same.pop("scalars")
+        assert ours == theirs, "global_rank, initialized, _overlap_with_ddp, world_size, rank, type(optim)"
+        assert all(same.values()), same
+        assert "splits params across ranks" in r["flat_error"]
+
+
 def test_non_default_process_groups():
     results = run_ranks(w.subgroups, 4)
     assert [(r["group_rank"], r["world_size"]) for r in results] == [(0, 2), (1, 2), (0, 2), (1, 2)]
@@ -102,7 +124,7 @@ def test_a_rank_that_skips_step_in_a_loop_is_named_on_every_rank_at_once(mode, w
     """DDP + ZeRO, and a flat plan with reduce_scatter_grads: the skipper's next backward pass
     would pair its gradients' collective with the others' step; every rank raises instead, within
     a second, where the process group's timeout (60 s here, gloo's default 30 min) would hang."""
-    results = run_ranks(w.skips_a_step, world_size, mode, skipper, pg_timeout=60, timeout=90)
+    results = run_ranks(w.skips_a_step, world_size, mode, skipper, timeout=90, fresh=True)  # they diverge
     for r in results:
         assert r["error"] == "ValueError" and r["seconds"] < 5, r
         assert f"rank {skipper} skipped step(): it has taken 2 steps and started backward pass 4" in r["message"], r

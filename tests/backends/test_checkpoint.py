@@ -148,6 +148,81 @@ def test_a_checkpoint_of_another_optimizer_names_the_missing_state(saved, tmp_pa
         checkpoint.load(saved, model, opt)
 
 
+def test_a_checkpoint_of_another_optimizer_names_the_rule_that_saved_it_and_the_one_loading(saved, tmp_path):
+    import zero.functional as F
+    from zero.backends import checkpoint
+
+    model, opt = _one_rank_run(tmp_path, optimizer_class=torch.optim.SGD, momentum=0.9)
+    with pytest.raises(ValueError, match=r"lacks 9 tensors .*\(its optimizer state was saved by torch\.optim\.AdamW "
+                                         r"\(state exp_avg, exp_avg_sq, step\), and this optimizer steps "
+                                         r"torch\.optim\.SGD\)"):
+        checkpoint.load(saved, model, opt)
+    model, opt = _one_rank_run(tmp_path, optimizer_class=F.lion(1e-3))
+    with pytest.raises(ValueError, match=r"saved by torch\.optim\.AdamW .*this optimizer steps zero\.functional\.lion: "
+                                         r"torch\.optim's state loads directly into the rule with the same maths only"):
+        checkpoint.load(saved, model, opt)
+    functional = tmp_path / "functional"
+    checkpoint.save(functional, *_one_rank_run(tmp_path, optimizer_class=F.adamw(1e-2)))
+    model, opt = _one_rank_run(tmp_path, optimizer_class=torch.optim.AdamW)
+    with pytest.raises(ValueError, match=r"saved by a zero\.functional rule \(state count, hyperparams\.b1, .*\), and "
+                                         r"this optimizer steps torch\.optim\.AdamW"):
+        checkpoint.load(functional, model, opt)
+
+
+@pytest.mark.parametrize("cls, settings, rule, refused", [
+    (torch.optim.AdamW, dict(amsgrad=True), "adamw", r"has amsgrad=True, which zero\.functional\.adamw does not have"),
+    (torch.optim.Adam, dict(weight_decay=0.01), "adam", r"has weight_decay=0\.01, .* decays by L2 in the gradient"),
+    (torch.optim.SGD, dict(momentum=0.9, dampening=0.1), "sgd", r"has dampening=0\.1, which zero\.functional\.sgd"),
+    (torch.optim.SGD, dict(momentum=0.9, nesterov=True), "sgd", r"has nesterov=True, .* fixed when it is built"),
+])
+def test_torch_settings_the_functional_rule_does_not_have_are_refused_by_name(one_rank, tmp_path, cls, settings,
+                                                                              rule, refused):
+    import zero.functional as F
+    from zero.backends import checkpoint
+
+    checkpoint.save(tmp_path / "torch", *_one_rank_run(tmp_path, optimizer_class=cls, **settings))
+    model, opt = _one_rank_run(tmp_path, optimizer_class=getattr(F, rule)(1e-2, **({"momentum": 0.9} if rule == "sgd"
+                                                                                  else {})))
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=refused):
+        checkpoint.load(tmp_path / "torch", model, opt)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before)), "nothing loaded before the refusal"
+
+
+def test_torch_steps_that_differ_within_a_group_are_refused_by_name(one_rank, tmp_path):
+    """torch keeps a step per param (a param without a gradient skips one); the rule one count."""
+    import zero.functional as F
+    from zero.backends import checkpoint
+
+    model, opt = _one_rank_run(tmp_path)
+    model[0].bias.grad = None  # 0.bias sits out the second step
+    opt.step()
+    checkpoint.save(tmp_path / "torch", model, opt)
+    model, opt = _one_rank_run(tmp_path, optimizer_class=F.adamw(1e-2))
+    with pytest.raises(ValueError, match=r"in param group 0 they differ \('0\.bias' at step 1, '4\.bias' at 2\); "
+                                         r"zero\.functional\.adamw keeps one count"):
+        checkpoint.load(tmp_path / "torch", model, opt)
+
+
+@pytest.mark.parametrize("saved_rule, loaded_rule", [("adamw", "f_adamw"), ("sgd_momentum", "f_sgd")])
+def test_a_torch_checkpoint_loads_into_the_functional_rule_with_the_same_maths(tmp_path, saved_rule, loaded_rule):
+    """torch.optim.AdamW (SGD) on 2 ranks, saved; resumed at 3 ranks under another plan by
+    zero.functional.adamw (sgd), built with other settings: it takes the checkpoint's moments,
+    steps and settings, and goes on as torch's own resumed run does."""
+    run_ranks(cw.dcp_leg, 2, "flat", None, str(tmp_path / "a"), 0, 4, False, saved_rule)
+    theirs = run_ranks(cw.dcp_leg, 3, "sorted_greedy", str(tmp_path / "a"), None, 4, 4, False, saved_rule)
+    ours = run_ranks(cw.dcp_leg, 3, "sorted_greedy", str(tmp_path / "a"), None, 4, 4, False, loaded_rule)
+    for a, b in zip(_params(ours), _params(theirs)):
+        np.testing.assert_allclose(a, b, rtol=1e-13, atol=1e-15)
+
+
+def test_an_fsdp2_adamw_checkpoint_continues_as_zero_functional_adamw(tmp_path):
+    run_ranks(cw.fsdp2_leg, 2, None, str(tmp_path / "fsdp2"), 0, 4, timeout=120)
+    rows = run_ranks(cw.dcp_leg, 3, "flat", str(tmp_path / "fsdp2"), None, 4, 4, False, "f_adamw", timeout=120)
+    for a, b in zip(_params(rows), pw.single_process(8)):
+        np.testing.assert_allclose(a, b.double().numpy(), rtol=1e-13, atol=1e-15)
+
+
 def test_options_a_sharded_state_dict_cannot_honour_are_refused(saved, tmp_path):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 

@@ -173,6 +173,16 @@ def test_hybrid_plan_steps_each_whole_param_on_its_owner_equal_to_optax(mesh_run
         assert 0 < r["bytes"][0] - r["mesh_bytes"][0] <= 64, (r["bytes"], r["mesh_bytes"])
 
 
+@pytest.mark.parametrize("name", ["muon", "adafactor"])
+def test_hybrid_rules_step_matrices_and_vectors_fed_back_on_jax_make_meshs_mesh(mesh_run, name):
+    """24 steps, each fed the last one's params, of a model with vectors beside its matrices, on
+    ``jax.make_mesh``'s mesh (``Explicit`` axes, JAX's default): equal to Optax unsharded. Before,
+    the step failed there, at the first step or the second."""
+    r = mesh_run["hybrid_fed_back"][name]
+    assert r["vectors"] == ["b1", "b2"] and r["axis_types"] == ["Explicit"]
+    assert r["rel"] <= 1e-5, r["rel"]
+
+
 def test_hybrid_muon_orthogonalises_each_matrix_once_on_its_owner(mesh_run):
     """Newton-Schulz is 5 steps of 3 matmuls a matrix: the compiled step holds as many dots as
     Optax's own unsharded step (each matrix once), all within device branches, each branch the

@@ -75,8 +75,8 @@ def test_the_checks_that_read_data_step_aside_only_under_a_fake_group():
 
     with fake_group(3, 8) as group:
         assert comm.is_fake(group) and consistency.watch_of(group) is None
-        verify = consistency.check_in("step", {"steps taken": 7}, group, torch.device("cpu"))
-        assert verify() is None  # no rank to disagree with, no data to read: nothing runs
+        verify = consistency.check_in("step", {"steps taken": 7}, group, torch.device("cpu"), carried=(0,))
+        assert verify() == [[0]]  # no rank to disagree with, no data to read: nothing runs, its own flag back
 
 
 def test_the_executed_stage_rows_are_the_peaks():

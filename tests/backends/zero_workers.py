@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import os
 
 import torch
@@ -240,6 +241,107 @@ def join_uneven(rank: int, world_size: int) -> dict:
         assert same_on_every_rank(model.module), f"{cls.__module__}: replicas differ after Join"
     assert_params_close(finals[0], finals[1], exact=True, what="Join with uneven inputs vs torch")
     return {}
+
+
+def _shadow_grads(params: list, k: int) -> list:
+    return fixed_grads(params, 100 + k)
+
+
+class _GradSetter:
+    """torch's ZeRO test's helper, as drop-in code writes it: once its rank has run out of
+    inputs, its join hook sets every param's gradient through the optimizer's ``_all_params``
+    (torch's list of every param, in order) before the optimizer's hook steps."""
+
+    def __init__(self, opt, grads):
+        from torch.distributed.algorithms.join import Joinable, JoinHook
+
+        setter = self
+
+        class Hook(JoinHook):
+            def main_hook(self):
+                for p, g in zip(setter.opt._all_params, setter.grads(setter.shadowed)):
+                    p.grad = g.clone()
+                setter.shadowed += 1
+
+        class Setter(Joinable):
+            def __init__(self):
+                super().__init__()
+
+            def join_hook(self, **kwargs):
+                return Hook()
+
+            @property
+            def join_device(self):
+                return torch.device("cpu")
+
+            @property
+            def join_process_group(self):
+                return dist.group.WORLD
+
+        self.opt, self.grads, self.shadowed, self.joinable = opt, grads, 0, Setter()
+
+
+def join_sets_grads_through_all_params(rank: int, world_size: int) -> dict:
+    """Uneven inputs (2 + 2 * rank batches) under Join([setter, DDP, ZeRO]), a joined rank's
+    gradients set through ``opt._all_params``: ours ends where torch's does, bit for bit."""
+    from torch.distributed.algorithms.join import Join
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    finals, seen = [], []
+    for cls in (Zero, TorchZero):
+        model = DDP(make_model("small"))
+        opt = cls(groups_of(model.module), torch.optim.Adam, lr=1e-2)
+        params = list(model.parameters())
+        setter = _GradSetter(opt, functools.partial(_shadow_grads, params))
+        gen = torch.Generator().manual_seed(rank)
+        with Join([setter.joinable, model, opt]):
+            for _ in range(2 + 2 * rank):
+                Join.notify_join_context(setter.joinable)
+                opt.zero_grad()
+                model(torch.randn(4, 7, generator=gen)).square().mean().backward()
+                opt.step()
+        finals.append(model.module)
+        seen.append(setter.shadowed)
+    assert_params_close(finals[0], finals[1], exact=True, what="Join, grads set through _all_params, vs torch")
+    return {"shadowed": seen, "all_params": [tuple(p.shape) for p in opt._all_params]}
+
+
+def torch_names(rank: int, world_size: int) -> dict:
+    """torch's attributes that code in the wild reads, on torch's class and ours over the same
+    params and partition (ours executes torch's sorted-greedy partition exactly)."""
+    from zero.backends.torch_names import TORCH_NAMES
+
+    ours_m, ref_m = make_model("plan"), make_model("plan")
+    ours = Zero(groups_of(ours_m), torch.optim.Adam, lr=1e-2)
+    ref = TorchZero(groups_of(ref_m), torch.optim.Adam, lr=1e-2)
+    missing = {"ours": [n for n in TORCH_NAMES if not hasattr(ours, n)],
+               "torch": [n for n in TORCH_NAMES if not hasattr(ref, n)]}
+    index = {id(p): i for i, p in enumerate(ours_m.parameters())}
+    ref_index = {id(p): i for i, p in enumerate(ref_m.parameters())}
+
+    def by_index(opt, idx):
+        return {idx[id(p)]: r for p, r in opt._param_to_rank.items()}
+
+    def partition(opt, idx):
+        return [[sorted(idx[id(p)] for p in g["params"]) for g in groups] for groups in opt._partition_parameters()]
+
+    flat = Zero(make_model("plan").parameters(), torch.optim.Adam, strategy="flat", lr=1e-2)
+    try:
+        flat_error = f"no error: {len(flat._param_to_rank)} owners"
+    except RuntimeError as e:
+        flat_error = str(e)
+    return {"missing": missing, "flat_error": flat_error,
+            "same": {"_param_to_rank": by_index(ours, index) == by_index(ref, ref_index),
+                     "_partition_parameters": partition(ours, index) == partition(ref, ref_index),
+                     "_all_params": [tuple(p.shape) for p in ours._all_params] ==
+                                    [tuple(p.shape) for p in ref._all_params],
+                     "_index_to_param": [index[id(p)] for p in ours._index_to_param] ==
+                                        [ref_index[id(p)] for p in ref._index_to_param],
+                     "_param_to_index": {index[id(p)]: i for p, i in ours._param_to_index.items()} ==
+                                        {ref_index[id(p)]: i for p, i in ref._param_to_index.items()},
+                     "scalars": [(o.global_rank, o.initialized, o._overlap_with_ddp, o.world_size, o.rank,
+                                  type(o.optim)) for o in (ours, ref)]},
+            "read_only": isinstance(ours._all_params, tuple)}
 
 
 def subgroups(rank: int, world_size: int, steps: int = 10) -> dict:

@@ -327,3 +327,26 @@ def test_param_groups_sharing_a_rule_at_two_lrs_keep_a_placement_each(scheduled,
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 / (1 + step)) if scheduled else None
     train(model, opt, data[:10], scheduler)
     assert len(checks) == 2, "one check per param group, at its first step"
+
+
+def test_apply_if_finite_says_when_it_skips_and_when_it_gives_up():
+    """Its skips are counted on the optimizer and warned of, and so is the step it takes anyway
+    once more than ``max_consecutive_errors`` in a row held NaN or inf."""
+    import math
+    import warnings
+
+    p = torch.ones(3, requires_grad=True)
+    opt = F.Optimizer([p], F.apply_if_finite(F.sgd(0.1), 1))
+    said = []
+    for bad in [False, True, True, False]:
+        p.grad = torch.full((3,), math.nan if bad else 1.0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt.step()
+        said.append([str(w.message) for w in caught])
+    assert said[0] == said[3] == []
+    assert said[1] == ["step 2: apply_if_finite found NaN or inf in the updates and skipped it (1 in a row, 1 in all; "
+                       "optimizer.skipped_steps counts them)"]
+    assert said[2] == ["step 3: apply_if_finite found NaN or inf in the updates and stepped anyway: 2 steps in a row "
+                       "held them, more than its max_consecutive_errors allows"]
+    assert opt.skipped_steps == 1

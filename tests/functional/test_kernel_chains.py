@@ -84,7 +84,13 @@ def fused_run(tx, model, steps, nan_at=None):
     for step in range(steps):
         for n, p in model.named_parameters():
             p.grad = grads_at(model, step, nan_at)[n]
-        opt.step()
+        if step == nan_at:  # apply_if_finite says it skipped
+            with pytest.warns(RuntimeWarning, match=rf"step {step + 1}: apply_if_finite found NaN or inf in the "
+                                                    r"updates and skipped it \(1 in a row, 1 in all"):
+                opt.step()
+            assert opt.skipped_steps == 1
+        else:
+            opt.step()
     return opt, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 

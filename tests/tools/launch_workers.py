@@ -30,3 +30,51 @@ def heartbeat_stopped(rank, world_size):
     before = [t.name for t in threading.enumerate() if t.name == "zero-heartbeat"]
     consistency.stop_watches()
     return {"before": before, "after": [t.name for t in threading.enumerate() if t.name == "zero-heartbeat"]}
+
+
+def dirty(rank, world_size):
+    """Leaves a rank's process state changed: the next pooled run must not see any of it."""
+    import os
+
+    torch.set_default_dtype(torch.float64)
+    torch.set_grad_enabled(False)
+    os.environ["ZERO_LEFT_BEHIND"] = "1"
+    os.chdir("/")
+    torch.manual_seed(rank + 123)
+    return {"pid": os.getpid()}
+
+
+def fresh_state(rank, world_size):
+    """What a fresh rank sees: the default dtype, grad mode, environment, working directory,
+    threads and the first draw of torch's default generator."""
+    import os
+
+    return {"pid": os.getpid(), "dtype": str(torch.get_default_dtype()), "grad": torch.is_grad_enabled(),
+            "env": os.environ.get("ZERO_LEFT_BEHIND"), "cwd": os.getcwd(), "threads": torch.get_num_threads(),
+            "draw": torch.rand(3).tolist()}
+
+
+def fails_on(rank, world_size, bad):
+    if rank == bad:
+        raise ValueError(f"rank {rank} fails on purpose")
+    return rank
+
+
+def crashes(rank, world_size):
+    """Rank 1 dies without a word (as a segfault or an abort would)."""
+    import os
+
+    if rank == 1:
+        os._exit(3)
+    return rank
+
+
+def diverges(rank, world_size):
+    """Rank 0 leaves an all-reduce no other rank joins: the group cannot pair collectives after it."""
+    if rank == 0:
+        dist.all_reduce(torch.ones(1000), async_op=True)
+    return rank
+
+
+def uneven_results(rank, world_size):
+    return [torch.full((256,), float(i)) for i in range(200)] if rank == 1 else [rank]

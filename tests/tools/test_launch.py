@@ -1,10 +1,11 @@
 """zero.tools.launch.run: results come back from ranks that have exited, tensors included."""
 
+import launch_workers as lw
 import pytest
 import torch
 from launch_workers import heartbeat_stopped, many_tensors, tensors
 
-from zero.tools.launch import free_port, run
+from zero.tools.launch import Pool, free_port, run
 
 
 @pytest.mark.timeout(120)
@@ -39,3 +40,83 @@ def test_free_port_never_hands_out_a_port_twice():
     run still retrying its store could then join the next run's group."""
     ports = [free_port() for _ in range(300)]
     assert len(set(ports)) == len(ports)
+
+
+@pytest.mark.timeout(120)
+def test_a_pool_keeps_its_ranks_and_each_run_starts_from_a_fresh_ranks_state():
+    """One process group for many runs; what a run leaves behind (default dtype, grad mode,
+    environment, working directory, the default generator's state) is put back before the
+    next, which sees what a fresh rank sees (compared with one; a process's seed is its own)."""
+    fresh = run(lw.fresh_state, 2, timeout=90)
+    with Pool(2) as pool:
+        before = pool.run(lw.fresh_state)
+        pool.run(lw.dirty)
+        again = pool.run(lw.fresh_state, threads=1)
+        assert [r["pid"] for r in again] == [r["pid"] for r in before], "the same processes"
+        for got, first, want in zip(again, before, fresh):
+            assert got["draw"] == first["draw"], "the default generator starts where it started"
+            assert {k: v for k, v in got.items() if k not in ("pid", "draw")} == \
+                {k: v for k, v in want.items() if k not in ("pid", "draw")}
+        assert pool.run(tensors)[1]["total"].tolist() == [3.0, 3.0, 3.0]  # the group still pairs collectives
+        assert pool.runs == 4 and pool.alive
+
+
+@pytest.mark.timeout(120)
+def test_runs_back_to_back_keep_the_pool():
+    with Pool(2) as pool:
+        for _ in range(8):
+            assert len(pool.run(lw.uneven_results)[1]) == 200
+            assert pool.alive, pool.unsettled
+
+
+def test_a_fast_ranks_end_of_run_that_comes_before_a_slow_ranks_result_is_counted():
+    """Each rank sends its result, then (past the barrier) its end of the run; across ranks they
+    interleave: rank 1's end may come before rank 0's result. Seen under load: the pool dropped
+    it, waited for it and started its processes again after every such run."""
+    import pickle
+    import queue
+
+    from zero.tools import launch
+
+    pool = Pool(2)
+    pool._results = queue.Queue()
+    for item in [(7, 1, True, pickle.dumps("one")), (7, 1, launch._SETTLED, None), (7, 0, True, pickle.dumps("zero")),
+                 (7, 0, launch._SETTLED, None)]:
+        pool._results.put(item)
+    assert pool._collect(lw.tensors, 7, timeout=5) == ["zero", "one"]
+    assert pool._settled(7, timeout=1), pool.unsettled
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_run_names_the_rank_and_the_next_run_gets_new_processes():
+    with Pool(3) as pool:
+        pids = [r["pid"] for r in pool.run(lw.fresh_state)]
+        with pytest.raises(AssertionError, match=r"rank 2 of 3 pooled ranks failed in fails_on:(.|\n)*rank 2 fails on"):
+            pool.run(lw.fails_on, 2)
+        assert not pool.alive
+        again = pool.run(lw.fresh_state)
+        assert not set(pids) & {r["pid"] for r in again}
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_dies_fails_the_run_at_once_not_at_its_timeout():
+    import time
+
+    with Pool(2) as pool:
+        start = time.monotonic()
+        with pytest.raises(AssertionError, match=r"rank 1 of 2 pooled ranks died in crashes without a result "
+                                                 r"\(exit code 3\)"):
+            pool.run(lw.crashes, timeout=100)
+        assert time.monotonic() - start < 30
+    start = time.monotonic()
+    with pytest.raises(AssertionError, match=r"rank 1 of 2 ranks died in crashes without a result \(exit code 3\)"):
+        run(lw.crashes, 2, timeout=100)
+    assert time.monotonic() - start < 60
+
+
+@pytest.mark.timeout(120)
+def test_a_run_that_leaves_the_group_unusable_returns_and_the_pool_starts_again():
+    with Pool(2) as pool:
+        assert pool.run(lw.diverges) == [0, 1]
+        assert not pool.alive and pool.unsettled  # its barrier found the group broken
+        assert pool.run(lw.fails_on, 5) == [0, 1]

@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["Collective", "recording", "resolve_group", "is_fake", "group_rank", "group_size", "global_rank",
-           "in_group", "device_for", "summed", "maxed", "all_gather_rows", "all_gather_into", "broadcast_from",
-           "all_reduce_sum", "all_reduce_max", "reduce_scatter_sum", "reduce_sum_to", "new_subgroup", "twin_group",
-           "send_tree", "recv_tree"]
+           "all_gather_object", "in_group", "device_for", "summed", "maxed", "all_gather_rows", "all_gather_into",
+           "broadcast_from", "all_reduce_sum", "all_reduce_max", "reduce_scatter_sum", "reduce_sum_to", "new_subgroup",
+           "twin_group", "send_tree", "recv_tree"]
 
 # torch 2.13 renamed all_gather_into_tensor; keep working on the 2.x releases before it.
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -99,6 +99,13 @@ def broadcast_object(obj: Any, group: Any) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=global_rank(group, 0), group=group)
     return box[0]
+
+
+def all_gather_object(obj: Any, group: Any) -> list[Any]:
+    """Every rank's ``obj``, in group-rank order (pickled; for what a rare path exchanges)."""
+    out: list[Any] = [None] * group_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
 
 
 def in_group(group: Any) -> bool:

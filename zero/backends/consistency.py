@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from zero.backends.rank_state import RankState
 
 __all__ = ["Place", "Watch", "watch_of", "HEARTBEAT_S", "STOPPED_S", "wait_for", "check_in", "OptimizerChecks",
-           "settings"]
+           "settings", "stop_watches", "forget_places"]
 
 HEARTBEAT_S = 0.5  # how often each process bumps its heartbeat
 STOPPED_S = 10.0  # a rank whose heartbeat has not moved for this long while others wait is named
@@ -177,6 +177,16 @@ def stop_watches() -> None:
     for watch in list(_WATCHES.values()):
         if watch is not None:
             watch.stop()
+    _WATCHES.clear()  # a group used after this starts a new heartbeat
+
+
+def forget_places() -> None:
+    """Delete the places this process posted (`Watch.post`), for a process that goes on to run
+    another job on the same group (`zero.tools.launch.Pool`): a place left from the last one
+    must not be read as where this rank is now."""
+    for watch in _WATCHES.values():
+        if watch is not None:
+            watch.store.delete_key(f"{watch.prefix}/place/{watch.rank}")
 
 
 def watch_of(group: Any) -> Watch | None:
@@ -220,7 +230,8 @@ def _failed(error: RuntimeError, group: Any, what: str) -> RuntimeError:
 
 
 def check_in(what: str, fields: Mapping[str, int], group: Any, device: torch.device,
-             facts: Mapping[str, Callable[[], Facts]] | None = None, place: Place | None = None) -> Callable[[], None]:
+             facts: Mapping[str, Callable[[], Facts]] | None = None, place: Place | None = None,
+             carried: Sequence[int] = ()) -> Callable[[], list[list[int]]]:
     """Start checking that all ranks are in the same call ``what`` with equal ``fields``; returns ``verify``.
 
     ``fields`` names the ints every rank must agree on (steps taken, checksums of the params and
@@ -235,16 +246,19 @@ def check_in(what: str, fields: Mapping[str, int], group: Any, device: torch.dev
     hanging. Started before a local step and verified after it, its latency hides behind the
     step's compute. A rank that never joins (it skipped the call, or stopped) is named in bounded
     time from ``place`` (where this rank is: `Place`), not after the group's timeout.
+
+    ``carried``: ints each rank reports that need not agree (whether it found non-finite
+    gradients), riding in the same collective; ``verify()`` returns every rank's, by rank.
     """
     if comm.is_fake(group):  # a simulated rank: no other rank to agree with, no data to compare
-        return lambda: None
+        return lambda: [list(carried)]
     rank, size = comm.group_rank(group), comm.group_size(group)
     watch = watch_of(group) if place is not None else None
     values = [_CALLS[what], *fields.values()]
-    rows = torch.tensor([values] * size, dtype=torch.int64, device=device)  # others' rows are overwritten
+    rows = torch.tensor([[*values, *carried]] * size, dtype=torch.int64, device=device)  # others' are overwritten
     work = comm.all_gather_into(rows.view(-1), rows[rank], group)
 
-    def verify() -> None:
+    def verify() -> list[list[int]]:
         if watch is not None:
             watch.wait(work.is_completed, place)
         try:
@@ -254,7 +268,7 @@ def check_in(what: str, fields: Mapping[str, int], group: Any, device: torch.dev
         got = rows.tolist()
         column = next((j for j in range(len(values)) if any(row[j] != got[0][j] for row in got)), None)
         if column is None:
-            return
+            return [row[len(values):] for row in got]
         odd = next(r for r, row in enumerate(got) if row[column] != got[rank][column])
         if column == 0:
             names = {v: k for k, v in _CALLS.items()}
@@ -265,19 +279,13 @@ def check_in(what: str, fields: Mapping[str, int], group: Any, device: torch.dev
         if describe is None:
             detail = f"{got[rank][column]} here, {got[odd][column]} on rank {odd}"
         else:  # every rank found the same column: they all exchange that field's facts
-            everyone = _all_gather_object(list(describe()), group)
+            everyone = comm.all_gather_object(list(describe()), group)
             odd = next((r for r, theirs in enumerate(everyone) if theirs != everyone[rank]), odd)
             detail = _first_difference(everyone[rank], everyone[odd], odd)
         raise ValueError(f"rank {rank} and rank {odd} differ in {name} at {what} ({detail}): every rank must "
                          "build the same optimizer and make the same calls")
 
     return verify
-
-
-def _all_gather_object(obj: Any, group: Any) -> list[Any]:
-    out: list[Any] = [None] * comm.group_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
 
 
 def _first_difference(mine: Facts, theirs: Facts, odd: int) -> str:
@@ -315,10 +323,10 @@ class OptimizerChecks:
         self.state, self.trainable, self.joined = state, trainable, joined
         self.backwards = 0  # backward passes through the params: with the steps, where this rank is
 
-    def check_in(self, what: str, argument: int = 0,
-                 argument_facts: Callable[[], Facts] | None = None) -> Callable[[], None]:
+    def check_in(self, what: str, argument: int = 0, argument_facts: Callable[[], Facts] | None = None,
+                 carried: Sequence[int] = ()) -> Callable[[], list[list[int]]]:
         """Start the check that every rank is in call ``what`` on the same optimizer (`check_in`);
-        returns ``verify``."""
+        returns ``verify`` (which returns every rank's ``carried``)."""
         state = self.state
         groups = [(len(g["params"]), settings(g)) for g in state.param_groups]
         fields = {"steps taken": state.steps,
@@ -332,7 +340,7 @@ class OptimizerChecks:
         if argument_facts is not None:
             facts["the call's argument (to=, or the new group)"] = argument_facts
         place = Place(what, state.steps, self.backwards)
-        return check_in(what, fields, state.process_group, state.comm_device, facts, place)
+        return check_in(what, fields, state.process_group, state.comm_device, facts, place, carried)
 
     def _trainable_facts(self) -> Facts:
         names = [m.name for m in self.state.plan.metas]

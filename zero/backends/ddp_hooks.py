@@ -63,7 +63,7 @@ class _ZeroStepHook:
             raise ValueError("the optimizer was built with overlap_with_ddp=False: build it with "
                              "overlap_with_ddp=True to step inside DDP's comm hook")
         _check_same_params(ddp, mode.params)
-        mode.attach(ddp.bucket_bytes_cap / 2**20, bool(shard_buckets))
+        mode.attach(ddp.bucket_bytes_cap / 2**20, bool(shard_buckets), getattr(zero, "nonfinite", None))
         self._hook, self._mode, self._interleaved = hook, mode, interleaved
         self._index = {id(p): i for i, p in enumerate(mode.params)}
         self._lock = threading.Lock()  # bucket callbacks may run on several communication threads

@@ -14,12 +14,13 @@ from typing import Any
 
 import torch
 
-from zero.functional import GradientTransformation, Optimizer, inject_hyperparams
-from zero.functional.adapters.optimizer import check_not_optax
+from zero.functional import GradientTransformation, Optimizer
+from zero.functional.adapters.optimizer import check_not_optax, from_factory
 from zero.plans.holdings import Holdings, LocalTensor
 
 __all__ = ["make_local_optimizer", "local_groups", "copy_hyperparams", "is_functional", "check_state_keys",
-           "per_element_keys", "check_shardable", "initial_state", "state_nbytes", "is_per_element"]
+           "per_element_keys", "check_shardable", "initial_state", "state_nbytes", "is_per_element",
+           "saved_by_settings"]
 
 
 def make_local_optimizer(optimizer_class: Any, groups: list[dict], defaults: dict,
@@ -28,8 +29,9 @@ def make_local_optimizer(optimizer_class: Any, groups: list[dict], defaults: dic
 
     ``optimizer_class`` is a ``torch.optim.Optimizer`` subclass (built with ``**defaults``), a
     `GradientTransformation` (``defaults`` must be empty), or a factory such as
-    ``zero.functional.adam``: it is wrapped in `inject_hyperparams` so each group's values (``lr``
-    for ``learning_rate``) and lr schedulers reach it. ``per_param``: a transformation steps the
+    ``zero.functional.adam``, built with ``**defaults`` into exactly what the built
+    transformation gives (`zero.functional.adapters.optimizer.from_factory`), so each group's
+    values (``lr`` for ``learning_rate``) and lr schedulers reach it. ``per_param``: a transformation steps the
     params in changing sets (see `zero.functional.FunctionalOptimizer`).
     """
     check_not_optax(optimizer_class, "optimizer_class")
@@ -41,11 +43,7 @@ def make_local_optimizer(optimizer_class: Any, groups: list[dict], defaults: dic
                             f"hyperparameters; got {sorted(defaults)}")
         return Optimizer(groups, optimizer_class, per_param=per_param)
     if callable(optimizer_class) and not isinstance(optimizer_class, type):
-        tx = inject_hyperparams(optimizer_class)(**defaults)
-        if not isinstance(tx, GradientTransformation):
-            raise TypeError(f"optimizer_class {optimizer_class!r} returned {type(tx).__name__}, "
-                            "not a GradientTransformation")
-        return Optimizer(groups, tx, per_param=per_param)
+        return Optimizer(groups, from_factory(optimizer_class, defaults), per_param=per_param)
     raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass or a zero.functional "
                     f"transformation or factory, got {optimizer_class!r}")
 
@@ -108,7 +106,7 @@ def check_state_keys(saved: dict, optim: torch.optim.Optimizer) -> None:
                 name = type(optim).__name__
                 raise ValueError(f"state_dict's state for param {i} has {sorted(keys)} but {name} keeps "
                                  f"{sorted(expected[k])} (missing {sorted(missing)}): it was saved by another "
-                                 f"optimizer, {_saved_by(group)} judging by its settings, not by {name}")
+                                 f"optimizer, {saved_by_settings(group)} judging by its settings, not by {name}")
 
 
 @torch.no_grad()
@@ -174,7 +172,7 @@ def _probe(cls: type, group: dict) -> dict | None:
     return dict(probe.state[p])
 
 
-def _saved_by(group: dict) -> str:
+def saved_by_settings(group: dict) -> str:
     """The ``torch.optim`` class whose constructor's options best match a saved group's keys.
 
     Adam and AdamW keep the same keys; ``decoupled_weight_decay`` (saved by torch >= 2.6) tells

@@ -59,6 +59,7 @@ class RankState:
         self.rules: sharding.Sharding | None = None  # what the executor's steps answer rules with
         self.scaling: Scaling | None = None
         self.agreed_found_inf: torch.Tensor | None = None
+        self.skipping = False  # every rank agreed to skip this step (non-finite gradients, nonfinite="skip")
         self._scaler_agrees = False
         self.replan(plan)
 
@@ -124,7 +125,7 @@ class RankState:
             with torch.enable_grad():
                 loss, closure = closure(), None
         pairs = self.masters.grads_in(self.optim, grads or {})
-        if not self._finite(rules):
+        if self.skipping or not self._finite(rules):
             self.masters.release(pairs)
             return loss
         installed = sharding.installed(self.masters.rules(rules)) if is_functional(self.optim) \

@@ -24,6 +24,7 @@ from zero.backends.checkpoint import consolidated
 from zero.backends.consistency import OptimizerChecks, settings
 from zero.backends.local_optimizer import is_functional, make_local_optimizer
 from zero.backends.modes import Mode, make_mode
+from zero.backends.nonfinite import NonFinite
 from zero.backends.options import (
     check_blocks,
     check_plan_arguments,
@@ -34,6 +35,7 @@ from zero.backends.options import (
 )
 from zero.backends.precision import Masters, planned_master_dtype, resolve_dtype, scaling_of, warn_fp16
 from zero.backends.rank_state import RankState
+from zero.backends.torch_names import TorchNames
 from zero.functional.kernels.chains import Path
 from zero.plans.checks import checksum
 from zero.plans.meta import param_metas
@@ -43,7 +45,7 @@ from zero.plans.plan import Plan, check_plan, make_plan
 __all__ = ["ZeroRedundancyOptimizer"]
 
 
-class ZeroRedundancyOptimizer(Optimizer, Joinable):
+class ZeroRedundancyOptimizer(TorchNames, Optimizer, Joinable):
     """Shard any optimizer's state across a process group (ZeRO stage 1); a drop-in for torch's.
 
     Each rank keeps the full model but steps, and holds state for, only what the plan gives it:
@@ -91,6 +93,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             ``None``: step the params in their own dtype.
         reduce_dtype: with ``reduce_scatter_grads`` only: accumulate and reduce-scatter the gradients
             in this dtype (FSDP2's name; e.g. ``torch.float32`` for bf16 params). Default: the params'.
+        nonfinite: what a step does with gradients that hold NaN or inf (`zero.backends.nonfinite`):
+            ``"warn"`` (the default) steps and warns, ``"skip"`` skips the step on every rank together
+            and warns, ``"raise"`` raises ``FloatingPointError`` before anything is stepped; each names
+            the step, the params and the ranks where the values appeared. Checked at no collective of
+            its own; a step a ``GradScaler`` drives is the scaler's to skip.
         find_unused_parameters: with ``reduce_scatter_grads`` only (DDP's name and meaning): a param
             an iteration's backward does not reach (conditional compute, experts) counts as zeros in
             the reductions, which then start when the step (or the next backward) comes; the result
@@ -102,7 +109,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     Attributes: ``plan`` (the `zero.Plan` executed), ``rank_state`` (the `RankState`: what this
     rank holds, the local optimizer ``optim`` and its ``masters``), ``mode`` (the
-    `zero.backends.modes.Mode` executing the plan).
+    `zero.backends.modes.Mode` executing the plan); and torch's names that code written against its
+    class reads (``_all_params``, ``global_rank``, ``_param_to_rank`` ...: `zero.backends.torch_names`).
 
     Loss scaling: ``torch.amp.GradScaler`` hands ``step`` its scale and found-inf flag; the step
     unscales what it steps and skips on every rank together. With ``reduce_scatter_grads`` use
@@ -113,8 +121,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                  parameters_as_bucket_view: bool | None = None, overlap_with_ddp: bool = False, *,
                  plan: Plan | None = None, strategy: str | None = None, sync_chunk_mb: float | None = None,
                  reduce_scatter_grads: bool = False, master_dtype: torch.dtype | str | None = None,
-                 reduce_dtype: torch.dtype | str | None = None, find_unused_parameters: bool = False, **defaults: Any):
+                 reduce_dtype: torch.dtype | str | None = None, find_unused_parameters: bool = False,
+                 nonfinite: str = "warn", **defaults: Any):
         check_plan_arguments(plan, strategy)
+        self.nonfinite = NonFinite(nonfinite, overlap_with_ddp=bool(overlap_with_ddp))
         master_dtype = resolve_dtype(master_dtype, "master_dtype")
         reduce_dtype = resolve_dtype(reduce_dtype, "reduce_dtype")
         self.process_group = comm.resolve_group(process_group, "ZeroRedundancyOptimizer")
@@ -181,6 +191,13 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 for g in self.optim.param_groups]
 
     @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for gradients (or updates) with NaN or inf: by ``nonfinite="skip"``, and by
+        an ``apply_if_finite`` in a `zero.functional` rule (each also warned of)."""
+        local = self.optim.skipped_steps if is_functional(self.optim) else 0
+        return self.nonfinite.skipped + local
+
+    @property
     def optim(self) -> Optimizer:
         """The local optimizer: over the params (or flat shards) this rank steps."""
         return self.rank_state.optim
@@ -240,14 +257,16 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def _begin_step(self) -> Callable[[], None]:
         """What every mode that steps here does first: check the params, start the ranks' check-in,
         hand the groups' settings to the local optimizer. Returns the check-in's ``verify``."""
+        state = self.rank_state
         if self.mode.trainability_changed():
             self.mode.retrain(param_metas(self.param_groups))
-            self.rank_state.adopt_unfrozen()
+            state.adopt_unfrozen()
         self.mode.storage.check()
         self.mode.start_reductions()  # find_unused_parameters: what backward left pending, before the check-in
-        verify = self.checks.check_in("step")
-        self.rank_state.push()
-        return verify
+        flag = self.nonfinite.flag(self.mode, state.scaling is not None)
+        verify = self.checks.check_in("step", carried=(flag,))  # each rank's flag rides in the check-in
+        state.push()
+        return self.nonfinite.verifying(verify, self.mode, state)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch's; with ``reduce_scatter_grads`` the shards' gradients are zeroed in place (the

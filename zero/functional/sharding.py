@@ -189,7 +189,7 @@ def global_norm(leaves: Sequence[torch.Tensor]) -> torch.Tensor:
             return torch.zeros(())
         return torch.linalg.vector_norm(torch.stack(ops.norm(leaves)))
     sharding, pieces = found
-    norms = _whole_norms(sharding, pieces, leaves)
+    norms = _whole_norms(sharding, pieces, leaves, ops.norm)
     for dt in set(sharding.dtypes):  # tensors outside this step have norm 0 and add nothing
         at = [t for t, d in enumerate(sharding.dtypes) if d == dt]
         norms[at] = norms[at].to(dt).double()
@@ -244,15 +244,25 @@ def tensor_norms(leaves: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     holding its tensor's norm (padding gets 0).
     """
     found = _sharded(leaves, "per-tensor norms")
-    if found is None:
+    if found is None or found[0].whole_params:  # whole tensors here: nothing to ask the other ranks
         return [torch.linalg.vector_norm(leaf) for leaf in leaves]
     sharding, pieces = found
     norms = _whole_norms(sharding, pieces, leaves)
     return [_expand(norms, pc, leaf) for leaf, pc in zip(leaves, pieces)]
 
 
-def _whole_norms(sharding: Sharding, pieces: Sequence[Pieces], leaves: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The norm of every whole tensor (float64, CPU): per-piece sums of squares, one ``reduce``."""
+def _whole_norms(sharding: Sharding, pieces: Sequence[Pieces], leaves: Sequence[torch.Tensor],
+                 norms_of: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None) -> torch.Tensor:
+    """The norm of every whole tensor (float64, CPU), one ``reduce``: per-piece sums of squares;
+    under a whole-param plan (every leaf a whole tensor) the leaves' own norms by ``norms_of``,
+    the unsharded step's function, so that the plan's step is the unsharded step bit for bit."""
+    if sharding.whole_params and norms_of is not None:
+        local = torch.zeros(sharding.n_tensors, dtype=torch.float64)
+        held = [(leaf, pc.tensors[0]) for leaf, pc in zip(leaves, pieces) if pc.tensors]
+        if held:
+            norms = norms_of([leaf for leaf, _ in held])
+            local[torch.tensor([t for _, t in held])] = torch.stack([n.to("cpu", torch.float64) for n in norms])
+        return sharding.reduce(local)  # each tensor's norm from its owner, zeros elsewhere: exact
     sums = torch.zeros(sharding.n_tensors, dtype=torch.float64)
     for leaf, pc in zip(leaves, pieces):
         if pc.tensors:

@@ -17,6 +17,7 @@ from torch import nn
 from zero.backends import comm
 from zero.backends.checkpoint.dcp import get_state_dict, resolve_options, set_state_dict, unwrap_post_local_sgd
 from zero.backends.checkpoint.dcp_pieces import quiet
+from zero.backends.checkpoint.torch_state import from_torch, loading, saved_by
 from zero.backends.precision import MASTER_KEY
 
 __all__ = ["save", "load", "read_metadata", "describe"]
@@ -131,18 +132,27 @@ def load(checkpoint_id: Any, model: nn.Module, optimizer: Any, *, options: Any =
     import torch.distributed.checkpoint as dcp
 
     metadata = read_metadata(checkpoint_id)
+    inner = unwrap_post_local_sgd(optimizer)[0]
     with quiet():
         model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
         if _missing(metadata, {"model": model_sd, "optim": optim_sd}, masters_only=True):
             model_sd, optim_sd = get_state_dict(model, optimizer, options=options, masters=False)
-        request = {"model": model_sd, "optim": optim_sd}
-        _check_against(metadata, request, resolve_options(options).strict)
+        translated = from_torch(metadata, checkpoint_id, inner, optim_sd)  # torch.optim's state, same maths
+        request = {"model": model_sd, "optim": optim_sd if translated is None else translated.request}
+        _check_against(metadata, request, resolve_options(options).strict, lambda: _whose(metadata, checkpoint_id,
+                                                                                           inner))
         # every tensor is there (checked above); settings absent (a checkpoint converted from a JAX
         # run has no torch hyperparameters) keep the optimizer's own
         partial = any(k not in metadata.state_dict_metadata for k in _flat(request))
         dcp.load(request, checkpoint_id=checkpoint_id, planner=dcp.DefaultLoadPlanner(allow_partial_load=partial),
-                 process_group=unwrap_post_local_sgd(optimizer)[0].process_group)
+                 process_group=inner.process_group)
+        if translated is not None:
+            translated.finish()
         set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options)
+
+
+def _whose(metadata: Any, path: Any, optimizer: Any) -> str:
+    return f"its optimizer state was saved by {saved_by(metadata, path)}, and this optimizer steps {loading(optimizer)}"
 
 
 def read_metadata(checkpoint_id: Any) -> Any:
@@ -179,13 +189,15 @@ def _missing(metadata: Any, request: dict, masters_only: bool = False) -> list[s
     return [k for k in keys if k.endswith("." + MASTER_KEY)] if masters_only else keys
 
 
-def _check_against(metadata: Any, request: dict, strict: bool) -> None:
-    """``ValueError`` naming what the checkpoint lacks or holds differently from ``request``."""
+def _check_against(metadata: Any, request: dict, strict: bool, whose: Any = None) -> None:
+    """``ValueError`` naming what the checkpoint lacks or holds differently from ``request``
+    (``whose()``: which optimizer saved it and which loads, said when optimizer state is missing)."""
     saved = metadata.state_dict_metadata
     missing = _missing(metadata, request)
     if missing:
         fqns = sorted(k.removeprefix("model.") for k in missing if k.startswith("model."))
-        which = f" (the model's {fqns[:6]}: it was saved for another model)" if fqns else ""
+        which = f" (the model's {fqns[:6]}: it was saved for another model)" if fqns else \
+            f" ({whose()})" if whose is not None else ""
         raise ValueError(f"the checkpoint lacks {len(missing)} tensors this model and optimizer need{which}: "
                          f"{missing[:6]}")
     for key, value in _tensors(request).items():

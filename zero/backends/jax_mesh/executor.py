@@ -23,7 +23,7 @@ from zero.backends.jax_mesh.rules import check_rule, check_state, is_per_param
 from zero.plans.meta import param_metas
 from zero.plans.plan import Plan, check_plan
 
-__all__ = ["init", "update", "gather_state", "place_state", "state_bytes", "device_bytes", "Placed"]
+__all__ = ["init", "update", "gather_state", "place_state", "state_bytes", "device_bytes", "Placed", "auto_axes"]
 
 
 class Placed:
@@ -43,10 +43,10 @@ class Placed:
         if frozen:
             raise ValueError(f"the plan marks param {frozen[0]!r} frozen, but a mesh steps every leaf it is given: "
                              "plan the trainable leaves only, and pass only those")
-        self.plan, self.mesh, self.axis = plan, mesh, axis
+        self.plan, self.mesh, self.axis = plan, auto_axes(mesh), axis
         self.buffers = packing(plan)
-        self.sharded = NamedSharding(mesh, PartitionSpec(axis))
-        self.replicated = NamedSharding(mesh, PartitionSpec())
+        self.sharded = NamedSharding(self.mesh, PartitionSpec(axis))
+        self.replicated = NamedSharding(self.mesh, PartitionSpec())
 
     def check(self, tx: optax.GradientTransformation, params: Any) -> None:
         """``ValueError`` when ``params`` are not the plan's, or ``tx`` cannot be placed or stepped
@@ -103,6 +103,17 @@ class Placed:
     def view_of(self, params: Any) -> Any:
         """The buffers' abstract values, for ``jax.eval_shape``."""
         return buffer_shapes(self.buffers, params)
+
+
+def auto_axes(mesh: Mesh) -> Mesh:
+    """``mesh`` with its axes typed ``Auto``: `jax.make_mesh` types them ``Explicit`` by default, and
+    there an array's type carries its sharding, which the packing's slices and reshapes would have
+    to spell out; placed by the plan, the executor's arrays keep the shardings it gives them."""
+    types = getattr(mesh, "axis_types", None)
+    auto = getattr(jax.sharding, "AxisType", None)
+    if types is None or auto is None or all(t == auto.Auto for t in types):
+        return mesh
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(auto.Auto,) * len(mesh.axis_names))
 
 
 def init(tx: optax.GradientTransformation, params: Any, plan: Plan, mesh: Mesh, axis: str = "data") -> Any:

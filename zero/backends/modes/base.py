@@ -11,6 +11,7 @@ from torch.distributed.algorithms.join import JoinHook
 
 from zero.backends import comm
 from zero.backends.local_optimizer import local_groups
+from zero.backends.nonfinite import all_finite
 from zero.backends.rank_state import RankState
 from zero.backends.sync import ViewWatch
 from zero.functional import sharding
@@ -133,6 +134,32 @@ class Mode:
     def no_sync(self) -> contextlib.AbstractContextManager:
         """Backward passes inside only accumulate: for modes that reduce gradients themselves."""
         return no_accumulation()
+
+    # -- non-finite gradients (`zero.backends.nonfinite`) ----------------------------------------
+
+    checks_local_grads = False  # the gradients checked are this rank's own, before their reduction
+
+    def param_grad_pieces(self) -> list[tuple[int, torch.Tensor]]:
+        """``(param, gradient piece)`` of each piece of a param this rank steps, read from the
+        params' ``.grad`` (DDP's averaged gradients)."""
+        out = []
+        for h in self.holdings.held:
+            grad = self.params[h.param].grad
+            if grad is not None:
+                out.append((h.param, grad.reshape(-1)[h.start:h.end]))
+        return out
+
+    def grad_pieces(self) -> list[tuple[int, torch.Tensor]]:
+        """``(param, gradient piece)`` of each piece of a param this rank steps, averaged, as the step reads it."""
+        return self.param_grad_pieces()
+
+    def local_nonfinite(self) -> bool:
+        """Whether the gradients this rank checks hold NaN or inf (one pass over them)."""
+        return not all_finite([g for _, g in self.grad_pieces()])
+
+    def nonfinite_params(self) -> list[int]:
+        """The params whose averaged gradients, in the pieces this rank steps, hold NaN or inf."""
+        return sorted({i for i, g in self.grad_pieces() if not all_finite([g])})
 
     def join_hook(self, step: Callable[[], Any]) -> JoinHook:
         """What a rank that ran out of inputs does under ``Join``: by default it still steps the

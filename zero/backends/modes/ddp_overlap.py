@@ -17,6 +17,7 @@ from torch.distributed.algorithms.join import JoinHook
 from zero.backends import clipping, comm
 from zero.backends.modes.base import Begin
 from zero.backends.modes.whole import WholeParams
+from zero.backends.nonfinite import NonFinite, all_finite, message, where
 from zero.functional import sharding
 from zero.plans.ddp_buckets import ddp_bucket_partition
 from zero.plans.holdings import LocalTensor
@@ -33,7 +34,10 @@ class DDPOverlap(WholeParams):
     def tensor(self, t: LocalTensor) -> torch.Tensor:
         return self.stand_ins[t.param]
 
-    def attach(self, bucket_cap_mb: float, shard_buckets: bool) -> None:
+    nonfinite: NonFinite | None = None  # set by `attach`: the optimizer's handling of NaN and inf
+    _bad: set[int] = set()  # params whose reduced gradient held NaN or inf in this backward
+
+    def attach(self, bucket_cap_mb: float, shard_buckets: bool, nonfinite: NonFinite | None = None) -> None:
         """Own params by DDP's buckets (planned before the first backward) and step them inside the
         hook, with a local optimizer built for that ownership (`zero.backends.ddp_hooks`)."""
         if self.attached:
@@ -44,7 +48,7 @@ class DDPOverlap(WholeParams):
         self.state.replan(self.plan.with_partition(partition))
         self._build(metas)
         self.state.build(self.local_groups(), per_param=True)
-        self.attached = True
+        self.attached, self.nonfinite, self._bad = True, nonfinite, set()
         clipping.register(self, [p for p in self.params if p.requires_grad])
 
     def held_grads(self) -> None:
@@ -77,7 +81,11 @@ class DDPOverlap(WholeParams):
             return closure()
 
     def step_bucket(self, indices: list[int], grads: list[torch.Tensor]) -> None:
-        """Step the params of one reduced DDP bucket that this rank owns."""
+        """Step the params of one reduced DDP bucket that this rank owns. Every rank checks the
+        whole bucket for NaN and inf (it holds all of it), so every rank finds the same params."""
+        if self.nonfinite is not None and self.state.scaling is None and not comm.is_fake(self.group) \
+                and not all_finite(grads):
+            self._bad.update(i for i, g in zip(indices, grads) if not all_finite([g]))
         mine = [(self.stand_ins[i], g) for i, g in zip(indices, grads)
                 if i in self.stand_ins and self.params[i].requires_grad]
         if not mine:
@@ -103,6 +111,12 @@ class DDPOverlap(WholeParams):
         if not synced:
             self.sync.sync()
         self.state.stepped()
+        bad, self._bad = sorted(self._bad), set()
+        if bad:  # every rank alike: raised (or warned) after the buckets it could not hold back
+            text = message(self.state.steps, [self.plan.metas[i].name for i in bad], where(None, False),
+                           self.nonfinite.policy)
+            self.nonfinite.report(text.replace("nothing was stepped", "raised at the end of backward, its buckets "
+                                               "stepped already (overlap_with_ddp steps them as they arrive)"))
 
     def retrain(self, metas: list[ParamMeta]) -> None:
         raise ValueError("params were frozen or unfrozen after the comm hook was registered: with "

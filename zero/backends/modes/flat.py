@@ -22,6 +22,7 @@ from torch.distributed.algorithms.join import JoinHook
 from zero.backends import comm
 from zero.backends.consistency import wait_for
 from zero.backends.modes.base import Begin, Mode, no_accumulation
+from zero.backends.nonfinite import all_finite
 from zero.backends.rank_state import RankState
 from zero.backends.sync import ViewWatch
 from zero.plans.holdings import LocalTensor
@@ -60,6 +61,16 @@ class Gradients:
 
     def check_join(self) -> None:
         """``NotImplementedError`` if a rank that ran out of inputs cannot shadow these gradients."""
+
+    checks_local = False  # see `Mode.checks_local_grads`
+
+    def pieces(self, mode: FlatShards) -> list[tuple[int, torch.Tensor]]:
+        """See `Mode.grad_pieces` (by default: the params' ``.grad``, DDP's averages)."""
+        return mode.param_grad_pieces()
+
+    def local_nonfinite(self, mode: FlatShards) -> bool:
+        """See `Mode.local_nonfinite`."""
+        return not all_finite([g for _, g in self.pieces(mode)])
 
 
 class CopiedGradients(Gradients):
@@ -106,6 +117,16 @@ class FlatShards(Mode):
     @property
     def scaler_sees_grads(self) -> bool:
         return self.gradients.scaler_sees_grads
+
+    @property
+    def checks_local_grads(self) -> bool:
+        return self.gradients.checks_local
+
+    def grad_pieces(self) -> list[tuple[int, torch.Tensor]]:
+        return self.gradients.pieces(self)
+
+    def local_nonfinite(self) -> bool:
+        return self.gradients.local_nonfinite(self)
 
     def step(self, closure: Callable[[], float] | None, kwargs: dict, begin: Begin) -> Any:
         verify = begin()

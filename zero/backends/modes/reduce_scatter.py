@@ -41,6 +41,7 @@ from zero.backends.consistency import wait_for
 from zero.backends.local_optimizer import is_functional
 from zero.backends.modes.base import Begin
 from zero.backends.modes.flat import FlatShards, Gradients
+from zero.backends.nonfinite import l1_norm
 from zero.backends.rank_state import RankState
 from zero.plans.layout import IN_FLIGHT_BUCKETS, FlatLayout, reduction_units
 from zero.plans.meta import ParamMeta
@@ -61,6 +62,7 @@ class GradShards:
                  rank: int = 0, reduce_dtype: torch.dtype | None = None, find_unused: bool = False):
         self.params, self.metas, self.layout, self.outputs, self.group = list(params), metas, layout, outputs, group
         self.find_unused = find_unused  # DDP's find_unused_parameters: a param without a gradient counts as zeros
+        self._check = not comm.is_fake(group)  # a simulated rank's gradients hold no values to check
         self.whole = tuple(whole)
         self.owner, self.rank, self.world = owner, rank, layout.world_size
         self.units = reduction_units(layout, whole)
@@ -94,6 +96,7 @@ class GradShards:
         self._flagged = False  # find_unused: the params no rank reached found, this iteration
         self._settled = False  # every reduction waited for (`settle`) and no step since
         self._reached: set[int] = set()  # params some backward reached since zero_grad (find_unused)
+        self._norms: list[torch.Tensor] = []  # of each bucket of this rank's own gradients reduced, since the step
         self.unused_everywhere: set[int] = set()  # find_unused: params no backward reached on any rank
         self._new_round()
         with torch.no_grad():
@@ -175,6 +178,8 @@ class GradShards:
 
     def _start(self, u: int) -> None:
         bucket = self._buckets.pop(u)  # complete: every param of it added its gradient
+        if self._check:
+            self._norms.append(l1_norm(bucket))  # NaN or inf where this rank's own gradients hold one
         kind, k = self.units[u]
         if kind == "whole":  # summed into the owner's bucket, in place
             self._flight.append((u, comm.reduce_sum_to(bucket, self.owner[k], self.group), bucket, bucket))
@@ -303,6 +308,17 @@ class GradShards:
                           "leave them alone. Keep such params whole (a hybrid plan's whole=) for DDP's behaviour. "
                           "Said once.", stacklevel=2)
 
+    @property
+    def idle(self) -> bool:
+        """No reduction started and not landed, no bucket filling: the shards hold all there is."""
+        return not self._flight and not self._buckets and self._next == 0 and not any(self._seen)
+
+    def local_nonfinite(self) -> bool:
+        """Whether this rank's own gradients, in the buckets reduced since the last step, held
+        NaN or inf (read once a step: the next step's start afresh)."""
+        norms, self._norms = self._norms, []
+        return bool(norms) and not bool(torch.isfinite(torch.stack([n.double().cpu() for n in norms]).sum()))
+
     def wait(self, bi: int) -> None:
         """Wait for flat buffer ``bi``'s reductions (after `start_rest`); its shard is then the mean."""
         while any(self.units[u] == ("flat", bi) for u, *_ in self._flight):
@@ -422,6 +438,25 @@ class ReducedGradients(Gradients):
     def check_join(self) -> None:
         raise NotImplementedError("Join with reduce_scatter_grads=True: a joined rank would have to shadow "
                                   "the gradients' reductions too; use DDP + Join for uneven inputs")
+
+    checks_local = True  # each rank checks its own gradients as their buckets are reduced
+
+    def local_nonfinite(self, mode: FlatShards) -> bool:
+        return self.shards.local_nonfinite()
+
+    def pieces(self, mode: FlatShards) -> list[tuple[int, torch.Tensor]]:
+        """The averaged gradients this rank steps, by the pieces of params in them (reductions
+        still in flight waited for first; after the step they are where it took them)."""
+        if not self.shards.idle:
+            self.settle(mode)
+        held, out = mode.holdings, []
+        for h in held.held:
+            t = held.tensors[h.local]
+            if not t.whole:
+                out.append((h.param, mode.grads[t.buffer][h.offset:h.offset + h.end - h.start]))
+            elif h.param in self.kept:
+                out.append((h.param, self.kept[h.param].reshape(-1)[h.start:h.end]))
+        return out
 
 
 class ReduceScatteredShards(FlatShards):

@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import inspect
 import operator
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import optree
 import torch
 
 from zero.functional import sharding
@@ -32,8 +34,23 @@ from zero.functional.combine import chain
 from zero.functional.inject import inject_hyperparams
 from zero.functional.kernels.chains import Path, explain
 
-__all__ = ["Optimizer", "FunctionalOptimizer", "hyperparams_of", "with_group_hyperparams", "check_not_optax",
-           "split_state", "map_state_leaves", "state_leaves"]
+__all__ = ["Optimizer", "FunctionalOptimizer", "hyperparams_of", "with_group_hyperparams", "from_factory",
+           "rule_name", "check_not_optax", "split_state", "map_state_leaves", "state_leaves"]
+
+
+def rule_name(tx: GradientTransformation) -> str:
+    """What ``tx`` is, named as its factory is called (``zero.functional.adamw``,
+    ``zero.functional.contrib.muon``; an injected alias by the alias; others by their spec)."""
+    spec = getattr(tx, "spec", None)
+    if spec is None:
+        return "a zero.functional transformation built by hand"
+    source = spec.args.get("source") if spec.name == "inject_hyperparams" else None
+    factory = source[0] if source else spec.factory
+    if factory is None:
+        return f"zero.functional.{spec.name}"
+    module = getattr(factory, "__module__", "") or ""
+    where = "zero.functional.contrib" if ".contrib" in module else "zero.functional"
+    return f"{where}.{factory.__name__}" if module.startswith("zero.functional") else factory.__name__
 
 
 def hyperparams_of(tx: GradientTransformation) -> dict[str, float]:
@@ -66,11 +83,33 @@ def with_group_hyperparams(tx: Any, who: str = "tx") -> GradientTransformation:
 
 def _injected(factory: Any, args: dict) -> GradientTransformation:
     """``factory(**args)`` with its numeric arguments kept in the state, in float64 (which holds a
-    Python float exactly: torch keeps group settings as Python numbers). A mask (or Muon's
-    dimension numbers) is a function of the params, not a schedule of the step, and a block size
-    shapes the state: they stay fixed."""
+    Python float exactly: torch keeps group settings as Python numbers, and a float kept in the
+    params' dtype would round: bf16 makes ``b2=0.999`` 1.0). A mask (or Muon's dimension numbers)
+    is a function of the params, not a schedule of the step, and a block size shapes the state:
+    they stay fixed."""
     fixed = [k for k in args if "mask" in k or "dimension_numbers" in k or k == "block_size"]
     return inject_hyperparams(factory, static_args=fixed, hyperparam_dtype=torch.float64)(**args)
+
+
+def from_factory(factory: Any, kwargs: dict, who: str = "optimizer_class") -> GradientTransformation:
+    """``factory(**kwargs)`` in the form whose hyperparameters param groups set: the same
+    transformation, by the same route, as `with_group_hyperparams` makes of the built
+    ``factory(**kwargs)`` (a `zero.functional` alias is built, then rebuilt from its spec); a
+    factory of your own is injected with the same settings. So ``ZeroRedundancyOptimizer(params,
+    F.adamw, learning_rate=...)`` and ``ZeroRedundancyOptimizer(params, F.adamw(...))`` step alike."""
+    check_not_optax(factory, who)
+    signature = inspect.signature(factory)
+    try:
+        bound = signature.bind(**kwargs)
+    except TypeError as e:
+        raise TypeError(f"{who} {getattr(factory, '__name__', factory)!r}: {e}") from None
+    tx = factory(**kwargs)
+    if not isinstance(tx, GradientTransformation):
+        raise TypeError(f"{who} {factory!r} returned {type(tx).__name__}, not a GradientTransformation")
+    if tx.spec is not None and tx.spec.factory is not None:
+        return with_group_hyperparams(tx, who)
+    bound.apply_defaults()
+    return _injected(factory, dict(bound.arguments))
 
 
 _RATES = ("learning_rate", "lr")
@@ -247,11 +286,34 @@ def _check_names(group: dict, index: int) -> None:
                          "params as a dict by name, so each name must be unique in its group")
 
 
+def _guards(state: Any) -> list[Any]:
+    """The ``ApplyIfFiniteState`` nodes of a transformation's state."""
+    from zero.functional.transforms.conditionality import ApplyIfFiniteState
+
+    def is_guard(node: Any) -> bool:
+        return isinstance(node, ApplyIfFiniteState)
+
+    return [x for x in optree.tree_leaves(state, is_leaf=is_guard, none_is_leaf=True) if is_guard(x)]
+
+
+def _max_errors(tx: Any) -> int:
+    """The ``max_consecutive_errors`` of the first ``apply_if_finite`` in ``tx``'s spec (0 if none seen)."""
+    spec = getattr(tx, "spec", None)
+    if spec is None:
+        return 0
+    if spec.name == "apply_if_finite":
+        return int(spec.args["max_consecutive_errors"])
+    inner = [spec.args.get("inner"), *spec.links]
+    return next((m for m in map(_max_errors, inner) if m), 0)
+
+
 class _StatesBySet:
     """Transformation states keyed by the tuple of param indices stepped together."""
 
     def __init__(self, tx: GradientTransformation, per_param: bool = False):
         self.tx, self.per_param = tx, per_param
+        self.guarded: bool | None = None  # whether the states hold an apply_if_finite's (see guard_reports)
+        self.max_errors = _max_errors(tx)
         self.states: dict[tuple[int, ...], Any] = {}
         self._owner: dict[int, tuple[int, ...]] = {}
 
@@ -299,6 +361,22 @@ class _StatesBySet:
         if group is not None:
             _show_scheduled(self.states[idx], group)
 
+    def guard_reports(self) -> list[tuple[int, int, int]]:
+        """Per ``apply_if_finite`` in the states whose last step met NaN or inf: ``(consecutive,
+        total, applied)`` (``applied``: 1 when it gave up skipping and stepped). Empty where the
+        transformation has no ``apply_if_finite`` (found once, from the first state)."""
+        if self.guarded is None and self.states:
+            self.guarded = bool(_guards(next(iter(self.states.values()))))
+        if not self.guarded:
+            return []
+        out = []
+        for state in self.states.values():
+            for guard in _guards(state):
+                if not bool(guard.last_finite):
+                    consecutive = int(guard.notfinite_count)
+                    out.append((consecutive, int(guard.total_notfinite), int(consecutive > self.max_errors)))
+        return out
+
 
 class Optimizer(torch.optim.Optimizer):
     """A ``torch.optim.Optimizer`` that steps params with a `GradientTransformation`.
@@ -312,6 +390,8 @@ class Optimizer(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable, tx: GradientTransformation, *, per_param: bool = False):
         self._default_tx = with_group_hyperparams(tx)
+        self._steps = 0  # step() calls
+        self.skipped_steps = 0  # steps an apply_if_finite in the transformation skipped
         self._states: list[_StatesBySet] = []
         self._per_param = per_param  # see FunctionalOptimizer: params may step in changing sets
         if isinstance(params, torch.nn.Module):  # torch keeps the names of (name, param) pairs
@@ -348,7 +428,29 @@ class Optimizer(torch.optim.Optimizer):
                 if any(map(_SPARSE, grads)):
                     raise ValueError("zero.functional.Optimizer does not support sparse gradients")
                 states.step(idx, params, grads, group, self.names_of(k, idx))
+        self._steps += 1
+        self._report_guards()
         return loss
+
+    def _report_guards(self) -> None:
+        """An ``apply_if_finite`` that met NaN or inf in this step says so: a warning, and
+        `skipped_steps` counts the steps it skipped."""
+        reports = [r for states in self._states for r in states.guard_reports()]
+        if not reports:
+            return
+        consecutive, total, applied = max(reports)
+        if applied:
+            what = (f"stepped anyway: {consecutive} steps in a row held them, more than its max_consecutive_errors "
+                    "allows")
+        else:
+            self.skipped_steps += 1
+            what = f"skipped it ({consecutive} in a row, {total} in all; optimizer.skipped_steps counts them)"
+        warnings.warn(f"step {self._steps}: apply_if_finite found NaN or inf in the updates and {what}",
+                      RuntimeWarning, stacklevel=2)
+
+    def rule(self, k: int) -> GradientTransformation:
+        """The transformation group ``k`` steps with (as it runs: its hyperparameters injected)."""
+        return self._states[k].tx
 
     def names_of(self, k: int, idx: tuple[int, ...]) -> list[str] | None:
         """The names group ``k``'s params at ``idx`` have in the tree the transformation steps,
