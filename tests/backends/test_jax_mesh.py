@@ -179,7 +179,7 @@ def test_hybrid_rules_step_matrices_and_vectors_fed_back_on_jax_make_meshs_mesh(
     ``jax.make_mesh``'s mesh (``Explicit`` axes, JAX's default): equal to Optax unsharded. Before,
     the step failed there, at the first step or the second."""
     r = mesh_run["hybrid_fed_back"][name]
-    assert r["vectors"] == ["b1", "b2"] and r["axis_types"] == ["Explicit"]
+    assert r["vectors"] == ["b1", "b2"] and r["axis_types"] == ["AxisType.Explicit"]
     assert r["rel"] <= 1e-5, r["rel"]
 
 

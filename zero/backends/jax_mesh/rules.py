@@ -112,10 +112,15 @@ def _packed_twin(tx, twin, grads, flat: list[int], got: list[list]) -> None:
 
 
 def _run(tx, params, grads_per_step) -> list[Any]:
-    state, out = tx.init(params), []
-    for grads in grads_per_step:
+    """``tx``'s updates over the steps, jitted: run eagerly, each op of a rule compiles on its own
+    (Muon's Newton-Schulz: 6 s a check here, against 1 s as one program)."""
+    def step(grads, state, params):
         updates, state = tx.update(grads, state, params)
-        params = optax.apply_updates(params, updates)
+        return updates, state, optax.apply_updates(params, updates)
+
+    state, out, step = jax.jit(tx.init)(params), [], jax.jit(step)
+    for grads in grads_per_step:
+        updates, state, params = step(grads, state, params)
         out.append(updates)
     return out
 
