@@ -1,8 +1,10 @@
 """Saving and loading a sharded optimizer's checkpoint, three ways, in the same run.
 
 - ``zero_dcp``: zero's `zero.backends.checkpoint.save` / ``load`` (each rank writes and reads its
-  own pieces with ``torch.distributed.checkpoint``; a flat plan, so every rank holds 1/W);
-- ``zero_dcp_nosync``: the same without DCP's default fsync of each file (``torch.save`` does none);
+  own pieces with ``torch.distributed.checkpoint``; a flat plan, so every rank holds 1/W): every
+  piece hashed as it is written, every piece verified (each rank its share) before the load;
+- ``zero_dcp_unverified``: the same with DCP's own writer (no checksums) and ``load(verify=False)``;
+- ``zero_dcp_nosync``: that, without DCP's default fsync of each file (``torch.save`` does none);
 - ``zero_consolidate``: zero's ``consolidate_state_dict(to=0)`` + ``torch.save`` on rank 0;
   loading: every rank ``torch.load``s the file and ``load_state_dict``s it;
 - ``torch_consolidate``: the same with torch's ``ZeroRedundancyOptimizer``.
@@ -38,7 +40,7 @@ from zero.backends import ZeroRedundancyOptimizer as Zero
 from zero.backends import checkpoint
 from zero.tools.launch import run
 
-SYSTEMS = ("zero_dcp", "zero_dcp_nosync", "zero_consolidate", "torch_consolidate")
+SYSTEMS = ("zero_dcp", "zero_dcp_unverified", "zero_dcp_nosync", "zero_consolidate", "torch_consolidate")
 
 
 class PeakRSS:
@@ -85,9 +87,12 @@ def build(system: str, layers: int, width: int):
 
 
 def save(system: str, model, opt, path: str, rank: int) -> None:
+    if system == "zero_dcp":
+        checkpoint.save(path, model, opt)
+        return
     if system.startswith("zero_dcp"):
         # DCP fsyncs each file by default; torch.save (the consolidating systems) does not
-        sync = system == "zero_dcp"
+        sync = system == "zero_dcp_unverified"
         checkpoint.save(None, model, opt, storage_writer=dcp.FileSystemWriter(path, sync_files=sync))
         return
     opt.consolidate_state_dict(to=0)
@@ -97,7 +102,7 @@ def save(system: str, model, opt, path: str, rank: int) -> None:
 
 def load(system: str, model, opt, path: str) -> None:
     if system.startswith("zero_dcp"):
-        checkpoint.load(path, model, opt)
+        checkpoint.load(path, model, opt, verify=system == "zero_dcp")
         return
     saved = torch.load(path, weights_only=True)
     model.load_state_dict(saved["model"])

@@ -366,3 +366,25 @@ def formats_round_trip(rank: int, world_size: int, folder: str, modes: list[str]
                      "formats_agree": agree, "pieces": len(opt.rank_state.holdings.held),
                      "mode": type(opt.mode).__name__}
     return out
+
+
+def load_or_error(rank: int, world_size: int, path: str, strategy: str = "sorted_greedy") -> dict:
+    """Load ``path`` into a fresh run; the error if it is refused, and whether anything moved."""
+    import warnings
+
+    model, opt = build(strategy, False)
+    train(model, opt, 0, 1)
+    before = [p.detach().clone() for p in model.parameters()]
+    state = {k: v.clone() for st in opt.optim.state.values() for k, v in st.items() if isinstance(v, torch.Tensor)}
+    error, said = None, []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            checkpoint.load(path, model, opt)
+        except ValueError as e:
+            error = str(e)
+    said = [f"{w.category.__name__}: {w.message}" for w in caught if "checksum" in str(w.message)]
+    after = {k: v for st in opt.optim.state.values() for k, v in st.items() if isinstance(v, torch.Tensor)}
+    unchanged = all(torch.equal(a, b) for a, b in zip(model.parameters(), before)) and \
+        all(torch.equal(state[k], after[k]) for k in state)
+    return {"error": error, "unchanged": unchanged, "warnings": said}

@@ -341,12 +341,44 @@ def orbax_moves(folder: str) -> dict:
             errors[name] = "no error"
         except ValueError as err:
             errors[name] = f"ValueError: {err}"
+    errors["damaged"], errors["unverified"] = damaged_and_unverified(path, folder, tx, params, whole4)
     # the plan's bytes, less torch's per-param step (Optax keeps one count, replicated)
     own = [whole4.ranks[r].state_bytes - 4 * len(whole4.partition.params_of(r)) for r in range(4)]
     return {"rel": worst(jax.tree.map(np.asarray, p), jax.tree.map(np.asarray, alone)),
             "reads": [reads.get(r, 0) for r in range(4)], "own_bytes": own,
             "restored_bytes": restored_bytes, "device_bytes": jax_mesh.device_bytes(tx, params, whole4),
             "errors": errors, "siblings": sorted(n for n in os.listdir(folder) if n.startswith("orbax_ckpt."))}
+
+
+def damaged_and_unverified(path: str, folder: str, tx, params, plan) -> tuple[str, list[str]]:
+    """The checkpoint with 8 bytes of its largest data file changed (restore's error), and without
+    its checksums, as an older zero wrote it (restore's warnings)."""
+    import shutil
+    import warnings
+
+    from zero.backends.jax_mesh import checkpoint
+
+    bad, old = os.path.join(folder, "orbax_damaged"), os.path.join(folder, "orbax_old")
+    shutil.copytree(path, bad)
+    shutil.copytree(path, old)
+    files = [os.path.join(r, f) for r, _, fs in os.walk(os.path.join(bad, "state")) for f in fs if "/d/" in r + "/"]
+    biggest = max(files, key=os.path.getsize)
+    data = bytearray(open(biggest, "rb").read())
+    data[len(data) // 2:len(data) // 2 + 8] = bytes(255 - b for b in data[len(data) // 2:len(data) // 2 + 8])
+    open(biggest, "wb").write(bytes(data))
+    try:
+        checkpoint.restore(bad, tx, params, plan, mesh_of(4))
+        damaged = "no error"
+    except ValueError as err:
+        damaged = f"ValueError: {err}"
+    meta_path = os.path.join(old, "zero", "metadata")
+    meta = json.load(open(meta_path))
+    del meta["checksums"]
+    json.dump(meta, open(meta_path, "w"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        checkpoint.restore(old, tx, params, plan, mesh_of(4))
+    return damaged, [f"{w.category.__name__}: {w.message}" for w in caught if "checksums" in str(w.message)]
 
 
 def hybrid_orbax(folder: str) -> dict:

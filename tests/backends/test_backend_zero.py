@@ -153,15 +153,15 @@ def test_a_stopped_rank_is_named_after_the_heartbeat_bound():
 
 
 @pytest.mark.parametrize("case, words", [
-    ("groups", "differ in param groups (sizes and settings such as lr) at step (the number of param groups is 1 "
-               "here and 2 on rank 0)"),
-    ("lr", "differ in param groups (sizes and settings such as lr) at step (param group 0's lr is 0.01 here and "
-           "0.02 on rank 0)"),
+    ("groups", "differ at step() in param groups (sizes and settings such as lr): the number of param groups is 1 "
+               "here and 2 on rank 0; every rank must"),
+    ("lr", "differ at step() in param groups (sizes and settings such as lr): param group 0's lr is 0.01 here and "
+           "0.02 on rank 0; every rank must"),
     ("skipped_step", "rank 1 is in consolidate_state_dict but rank 0 is in step"),
-    ("consolidate_to", "differ in the call's argument (to=, or the new group) at consolidate_state_dict (1 here, "
-                       "0 on rank 0)"),
-    ("model", "differ in plan (params, groups, placement) at step (param 7 is '7 (3,) float32 in group 0, trainable' "
-              "here and '7 (4,) float32 in group 0, trainable' on rank 0)"),
+    ("consolidate_to", "differ at consolidate_state_dict() in the call's argument (to=, or the new group): 1 here, "
+                       "0 on rank 0; every rank must"),
+    ("model", "differ at step() in plan (params, groups, placement): param 7 is '7 (3,) float32 in group 0, "
+              "trainable' here and '7 (4,) float32 in group 0, trainable' on rank 0; every rank must"),
 ])
 def test_ranks_that_diverge_get_a_clear_error_instead_of_drifting(case, words):
     results = run_ranks(w.diverged, 2, case, pg_timeout=10, timeout=90)

@@ -7,6 +7,7 @@ same gradients, or to the uninterrupted run where it keeps master weights.
 
 import json
 import os
+import re
 
 import checkpoint_workers as cw
 import numpy as np
@@ -98,6 +99,112 @@ def test_a_rank_killed_mid_save_over_a_checkpoint_leaves_it_whole_and_the_next_s
     assert sorted(os.listdir(tmp_path)) == ["last"]
     rows = run_ranks(cw.dcp_leg, 2, "flat", path, None, 2, 6, timeout=120)
     _equal(_params(rows), pw.single_process(8))
+
+
+def _corrupt(path, at: float) -> None:
+    """8 bytes overwritten at ``at`` of the file (as rot, a bad disk or a stray write would)."""
+    data = bytearray(path.read_bytes())
+    pos = int(len(data) * at)
+    data[pos:pos + 8] = bytes(255 - b for b in data[pos:pos + 8])
+    path.write_bytes(bytes(data))
+
+
+def test_a_changed_byte_anywhere_in_a_data_file_is_refused_by_every_rank_before_anything_loads(tmp_path):
+    """8 bytes changed at 10, 35, 60 or 85% of one rank's .distcp file (each once, on a fresh
+    copy): every rank raises the same ValueError naming the file, the tensor and its piece, and
+    neither the model nor the optimizer changed. (Before checksums, all four loaded.)"""
+    import shutil
+
+    run_ranks(cw.dcp_leg, 2, "flat", None, str(tmp_path / "good"), 0, 4)
+    assert (tmp_path / "good" / ".zero-checksums.json").exists()
+    for at in (0.10, 0.35, 0.60, 0.85):
+        bad = tmp_path / f"bad{at}"
+        shutil.copytree(tmp_path / "good", bad)
+        _corrupt(bad / "__1_0.distcp", at)
+        rows = run_ranks(cw.load_or_error, 2, str(bad))
+        assert rows[0]["error"] == rows[1]["error"], "every rank says the same"
+        assert re.search(r"is damaged, so nothing was loaded: the checkpoint's '(model|optim)\.[\w.]+'( at offsets "
+                         r"\[[\d, ]+\])? \(bytes \d+\.\.\d+ of __1_0\.distcp\) does not match its checksum",
+                         rows[0]["error"]), (at, rows[0]["error"])
+        assert all(r["unchanged"] for r in rows), at
+
+
+def test_a_truncated_metadata_and_a_missing_or_short_data_file_are_value_errors_naming_the_file(tmp_path):
+    import shutil
+
+    run_ranks(cw.dcp_leg, 2, "flat", None, str(tmp_path / "good"), 0, 2)
+    cases = {}
+    for case in ("metadata", "missing", "short", "sidecar"):
+        shutil.copytree(tmp_path / "good", tmp_path / case)
+        cases[case] = tmp_path / case
+    meta = cases["metadata"] / ".metadata"
+    meta.write_bytes(meta.read_bytes()[:200])
+    (cases["missing"] / "__0_0.distcp").unlink()
+    short = cases["short"] / "__1_0.distcp"
+    short.write_bytes(short.read_bytes()[:1000])
+    (cases["sidecar"] / ".metadata").write_bytes((cases["sidecar"] / ".metadata").read_bytes() + b"\0")
+    want = {"metadata": r"\.metadata' does not match its checksum",
+            "missing": r"the data file '.*/missing/__0_0\.distcp' is missing",
+            "short": r"the data file '.*/short/__1_0\.distcp' is short: 1000 bytes where its pieces need \d+",
+            "sidecar": r"\.metadata' does not match its checksum"}
+    for case, pattern in want.items():
+        rows = run_ranks(cw.load_or_error, 2, str(cases[case]))
+        assert rows[0]["error"] == rows[1]["error"] and re.search(pattern, rows[0]["error"]), (case, rows[0]["error"])
+        assert all(r["unchanged"] for r in rows), case
+    (cases["metadata"] / ".zero-checksums.json").unlink()  # no hash to catch it: the pickle itself fails, named
+    rows = run_ranks(cw.load_or_error, 2, str(cases["metadata"]))
+    assert re.search(r"\.metadata' cannot be read \(UnpicklingError: .*\): it is truncated or damaged \(200 bytes\)",
+                     rows[0]["error"]), rows[0]["error"]
+
+
+def test_zero_checkpoint_verify_checks_every_piece_without_loading(tmp_path, capsys):
+    from zero.tools.cli import main
+
+    run_ranks(cw.dcp_leg, 2, "flat", None, str(tmp_path / "ck"), 0, 1)
+    assert main(["checkpoint", "verify", str(tmp_path / "ck")]) == 0
+    assert re.fullmatch(r".*/ck: \d+ pieces in 2 files match their checksums \(xxh3_64\)\n", capsys.readouterr().out)
+    _corrupt(tmp_path / "ck" / "__0_0.distcp", 0.5)
+    assert main(["checkpoint", "verify", str(tmp_path / "ck")]) == 1
+    out = capsys.readouterr().out
+    assert re.match(r"DAMAGED: the checkpoint's '.*' .*\(bytes \d+\.\.\d+ of __0_0\.distcp\) does not match its "
+                    r"checksum", out) and out.endswith("/ck: 1 problems found\n"), out
+    (tmp_path / "ck" / ".zero-checksums.json").unlink()
+    assert main(["checkpoint", "verify", str(tmp_path / "ck")]) == 0
+    assert "no checksums (saved by DCP or FSDP2 directly, or an older zero)" in capsys.readouterr().out
+
+
+def test_a_checkpoint_without_checksums_loads_with_a_warning_that_it_cannot_be_verified(tmp_path):
+    run_ranks(cw.dcp_leg, 2, "flat", None, str(tmp_path / "old"), 0, 2)
+    (tmp_path / "old" / ".zero-checksums.json").unlink()  # as an older zero, or FSDP2, saved it
+    for r in run_ranks(cw.load_or_error, 2, str(tmp_path / "old")):
+        assert r["error"] is None and not r["unchanged"]
+        assert r["warnings"] == [f"UnverifiedCheckpointWarning: the checkpoint at '{tmp_path / 'old'}' has no "
+                                 "checksums (saved by DCP or FSDP2 directly, or by an older zero): it loads, but its "
+                                 "bytes cannot be verified"]
+
+
+def test_a_consolidated_state_dict_carries_checksums_and_a_changed_byte_in_its_file_is_refused(one_rank, tmp_path):
+    """torch.save / torch.load check nothing: a byte changed in the saved file loads. The state
+    dict carries a hash of each tensor; loading checks them all first and names the tensor."""
+    model, opt = _one_rank_run(tmp_path)
+    opt.consolidate_state_dict(to=0)
+    sd = opt.state_dict()
+    assert set(sd["zero_checksums"]["4"]) == {"exp_avg", "exp_avg_sq", "step"} and "3" not in sd["state"]
+    torch.optim.AdamW(model.parameters(), lr=1e-2).load_state_dict(sd)  # a plain optimizer ignores them
+    torch.save(sd, tmp_path / "optim.pt")
+    data = bytearray((tmp_path / "optim.pt").read_bytes())
+    at = data.find(sd["state"][4]["exp_avg"].numpy().tobytes()[:64])  # inside param 4's exp_avg (3 is frozen)
+    data[at + 100:at + 108] = bytes(255 - b for b in data[at + 100:at + 108])
+    (tmp_path / "optim.pt").write_bytes(bytes(data))
+    damaged = torch.load(tmp_path / "optim.pt", weights_only=True)  # loads, silently
+    fresh_model, fresh = _one_rank_run(tmp_path)
+    before = {k: v.clone() for k, v in fresh.optim.state[next(iter(fresh.optim.state))].items()}
+    with pytest.raises(ValueError, match=r"the state dict's param 4's 'exp_avg' do not match their checksums "
+                                         r"\(1 tensors\)"):
+        fresh.load_state_dict(damaged)
+    after = fresh.optim.state[next(iter(fresh.optim.state))]
+    assert all(torch.equal(before[k], after[k]) for k in before), "nothing loaded"
+    fresh.load_state_dict({k: v for k, v in sd.items() if k != "zero_checksums"})  # torch's own dicts: as before
 
 
 def _one_rank_run(tmp_path, model=None, optimizer_class=torch.optim.AdamW, **kw):

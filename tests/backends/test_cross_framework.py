@@ -90,6 +90,7 @@ def _dcp(path, state: dict) -> None:
      r"torch's optimizer state 'max_exp_avg_sq' has no Optax counterpart"),
     ({"master": torch.ones(3)}, r"the checkpoint holds master weights"),
 ])
+@pytest.mark.filterwarnings("ignore::zero.backends.checksums.UnverifiedCheckpointWarning")  # dcp.save's own: none
 def test_convert_refuses_state_it_cannot_name(tmp_path, state, message):
     _dcp(tmp_path / "src", state)
     with pytest.raises(ValueError, match=message):
@@ -104,6 +105,7 @@ def test_convert_cli_needs_a_destination_and_a_format(tmp_path, capsys):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("rule", ["sgd", "functional", "fsdp2"])
+@pytest.mark.filterwarnings("ignore::zero.backends.checksums.UnverifiedCheckpointWarning")  # FSDP2's carry none
 def test_sgd_momentum_a_zero_functional_rule_and_fsdp2_convert_too(tmp_path, rule):
     """torch's SGD with momentum (``momentum_buffer`` -> ``0.trace``) and zero.functional's adamw
     (state saved under Optax's paths) on one rank, and AdamW under FSDP2 on 2 ranks (saved by

@@ -8,6 +8,7 @@ test runs the same saved plans on 4 gloo ranks with `ZeroRedundancyOptimizer`.
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -181,6 +182,16 @@ def test_hybrid_rules_step_matrices_and_vectors_fed_back_on_jax_make_meshs_mesh(
     r = mesh_run["hybrid_fed_back"][name]
     assert r["vectors"] == ["b1", "b2"] and r["axis_types"] == ["AxisType.Explicit"]
     assert r["rel"] <= 1e-5, r["rel"]
+
+
+def test_a_damaged_orbax_checkpoint_is_refused_and_one_without_checksums_restores_with_a_warning(mesh_run):
+    r = mesh_run["orbax"]["errors"]
+    assert re.match(r"ValueError: the checkpoint at '.*orbax_damaged' is damaged, so nothing was restored: the "
+                    r"checkpoint's state array 'n\d+\.b\d+', elements \d+\.\.\d+, does not match its checksum",
+                    r["damaged"]), r["damaged"]
+    assert len(r["unverified"]) == 1 and r["unverified"][0].startswith(
+        "UnverifiedCheckpointWarning: the checkpoint at") and "has no checksums (saved by an older zero)" in \
+        r["unverified"][0]
 
 
 def test_hybrid_muon_orthogonalises_each_matrix_once_on_its_owner(mesh_run):

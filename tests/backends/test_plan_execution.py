@@ -62,7 +62,7 @@ def test_every_strategy_and_weight_runs_from_a_reloaded_plan():
 def test_ranks_executing_different_plans_fail_in_the_first_step():
     results = run_ranks(w.different_plans, 2, pg_timeout=20, timeout=90)
     for r in results:
-        assert r["message"] and "differ in plan (params, groups, placement)" in r["message"], r
+        assert r["message"] and "in plan (params, groups, placement): " in r["message"], r
         assert "the plan's strategy is" in r["message"] and "'flat'" in r["message"], r["message"]
         assert not re.search(r"\d{7,}", r["message"]), "no checksum or fingerprint in the message"
 
@@ -284,10 +284,10 @@ def test_clipping_refuses_what_it_cannot_do_right():
 def test_the_collectives_recorded_in_a_step_are_the_plans_and_one_check_in():
     """zero.backends.comm.recording at 3 gloo ranks, every mode (whole params by rows or bucket
     views, flat, ZeRO-2, hybrid, hybrid ZeRO-2): a step's collectives, kind and bytes, are the
-    plan's footprint's and the ranks' check-in (48 bytes per rank), nothing else."""
+    plan's footprint's and the ranks' check-in (56 bytes per rank), nothing else."""
     for rank, r in enumerate(run_ranks(w.recorded_vs_plan, 3, timeout=180)):
         for mode, (made, predicted) in r.items():
-            assert [tuple(c) for c in made] == sorted([*map(tuple, predicted), ("all_gather_into", 48 * 3)]), \
+            assert [tuple(c) for c in made] == sorted([*map(tuple, predicted), ("all_gather_into", 56 * 3)]), \
                 (rank, mode)
         assert len(r["hybrid_zero2"][0]) > len(r["zero2"][0]) > len(r["flat"][0]) > len(r["whole_rows"][0])
 

@@ -115,3 +115,54 @@ def test_ranks_that_hold_nothing_or_only_padding_at_1024_ranks_to_the_byte():
 def test_a_simulated_job_needs_the_process_to_itself(one_rank):
     with pytest.raises(RuntimeError, match="already initialized"):
         simulate(preset("gpt2"), 8, 0)
+
+
+def gpt_metas(layers: int = 13, d: int = 256, vocab: int = 4096, context: int = 512) -> list:
+    """An 11.4M-param GPT (bench/muon_bench.py's blocks): where a user measured ZeRO-2 holding more
+    than ZeRO-1 (575 MiB after backward against 518) with 4M-element buckets."""
+    shapes = {"wte": (vocab, d), "wpe": (context, d), "ln_f.weight": (d,), "ln_f.bias": (d,)}
+    for i in range(layers):
+        for name, shape in {"ln_1.weight": (d,), "ln_1.bias": (d,), "qkv.weight": (3 * d, d), "qkv.bias": (3 * d,),
+                            "proj.weight": (d, d), "proj.bias": (d,), "ln_2.weight": (d,), "ln_2.bias": (d,),
+                            "fc.weight": (4 * d, d), "fc.bias": (4 * d,), "fc_proj.weight": (d, 4 * d),
+                            "fc_proj.bias": (d,)}.items():
+            shapes[f"h.{i}.{name}"] = shape
+    return zero.param_metas(shapes)
+
+
+@pytest.mark.parametrize("model, world", [("gpt", 2), ("llama-7b", 64)])
+def test_zero2_never_holds_more_than_zero1_by_default(model, world):
+    """The flat plan the optimizer makes by default (buckets sized from the model): at every
+    moment the footprint weighs (backward, step), ZeRO-2 holds no more than ZeRO-1 on its first
+    and last rank; and so does the step simulated (its measured peak). With 4M-element buckets the
+    GPT's ZeRO-2 held more at the end of backward."""
+    from zero.backends.options import default_plan
+    from zero.plans.layout import FLAT_BUCKET_NUMEL
+
+    metas = gpt_metas() if model == "gpt" else preset(model)
+    plan = default_plan(metas, world, "flat", None)
+    for rank in (0, world - 1):
+        one, two = plan.footprint(rank), plan.footprint(rank, reduce_scatter_grads=True)
+        assert all(two.by_phase[k] <= one.by_phase[k] for k in one.by_phase), (rank, one.by_phase, two.by_phase)
+    if model == "gpt":
+        old = zero.make_plan(metas, world, "flat", bucket_numel=FLAT_BUCKET_NUMEL)
+        assert old.footprint(0, reduce_scatter_grads=True).by_phase["backward"] > \
+            old.footprint(0).by_phase["backward"], "the user's case: 4M-element buckets held more"
+        runs = [simulate(metas, world, 0, strategy="flat", reduce_scatter_grads=rs) for rs in (False, True)]
+        assert runs[1].measured_peak_bytes <= runs[0].measured_peak_bytes, [r.as_dict() for r in runs]
+        assert [r.measured_peak_bytes for r in runs] == [r.predicted_peak_bytes for r in runs]
+
+
+def test_bucket_cap_mb_sizes_the_flat_buffers_as_ddp_names_it(one_rank):
+    from zero.backends import ZeroRedundancyOptimizer as Zero
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)])
+    opt = Zero(model.parameters(), torch.optim.Adam, strategy="flat", bucket_cap_mb=0.05, lr=1e-3)
+    assert opt.plan.bucket_numel == int(0.05 * 2**20) // 4  # the cap binds: 13,107 float32 elements
+    default = Zero(model.parameters(), torch.optim.Adam, strategy="flat", lr=1e-3)
+    assert default.plan.bucket_numel == 1_050_624 // 12  # the model's share binds: 1/12 of its elements
+    with pytest.raises(ValueError, match=r"bucket_cap_mb=0\.5 sizes the flat buffers of strategy='flat' .* a plan "
+                                         r"given decides its own"):
+        Zero(model.parameters(), torch.optim.Adam, plan=opt.plan, bucket_cap_mb=0.5, lr=1e-3)
+    with pytest.raises(ValueError, match=r"bucket_cap_mb must be a positive number of MiB, got -1"):
+        Zero(model.parameters(), torch.optim.Adam, strategy="flat", bucket_cap_mb=-1, lr=1e-3)

@@ -22,9 +22,11 @@ def test_accounting_for_a_small_model():
     assert (r0.state_bytes, r1.state_bytes) == (804 + 124, 484 + 404)
     assert r0.param_bytes == r1.param_bytes == 4 * 1210 + 2 * 30
     assert r0.grad_bytes == 4 * 210 + 60
-    # broadcast: rank 0 sends a (400 B) + h (60 B) and receives b + c (440 B).
-    assert r0.broadcast_bytes == (460, 440) and r1.broadcast_bytes == (440, 460)
-    # all_gather per (device, dtype): fp32 blocks of max(400, 440), bf16 blocks of max(60, 0).
+    # broadcast, as nccl-tests count: each of the 2 ranks' shards (460 B and 440 B) is one
+    # broadcast, which every rank counts whole.
+    assert r0.broadcast_bytes == r1.broadcast_bytes == (900, 900)
+    # all_gather per (device, dtype), (W - 1) / W of the buffer: fp32 blocks of max(400, 440),
+    # bf16 blocks of max(60, 0).
     assert r0.all_gather_bytes == r1.all_gather_bytes == (440 + 60, 440 + 60)
     assert plan.max_over_bound == 928 / max(804, 1816 / 2) and plan.max_over_mean == 928 / (1816 / 2)
 
@@ -239,3 +241,14 @@ def test_mesh_state_bytes_pads_each_dtype_row_to_its_busiest_rank():
     flat = make_plan(metas, 3, "flat")  # a flat buffer's slice is its padded shard, per dtype
     assert flat.mesh_state_bytes() == (sum(b.padded_numel // 3 * 2 * (2 if b.dtype == "bfloat16" else 4)
                                            for b in flat.flat.buffers),) * 3
+
+
+def test_collective_bytes_are_what_each_rank_sends_as_nccl_tests_count_them():
+    from zero.plans.accounting import bus_bytes
+
+    assert bus_bytes("all_gather_rows", 400, 4) == bus_bytes("reduce_scatter_sum", 400, 4) == 300
+    assert bus_bytes("all_reduce_sum", 400, 4) == 600
+    assert bus_bytes("broadcast_from", 400, 4) == bus_bytes("reduce_sum_to", 400, 4) == 400
+    assert bus_bytes("all_reduce", 400, 1) == bus_bytes("broadcast", 400, 1) == 0
+    with pytest.raises(ValueError, match=r"unknown collective 'alltoall'"):
+        bus_bytes("alltoall", 1, 2)

@@ -23,6 +23,20 @@ def test_plan_preset_and_json(tmp_path):
     assert plan.world_size == 64 and len(plan.metas) == 291
 
 
+def _gpt2_numels() -> list[int]:
+    from zero.plans.presets import preset
+
+    return [m.numel for m in preset("gpt2") if m.requires_grad]
+
+
+def test_plan_tables_fit_100_columns_with_their_unit_in_the_header():
+    for args in (("--preset", "llama-7b", "-w", "64"), ("--preset", "llama-7b", "-w", "64", "--compare"),
+                 ("--preset", "llama-7b", "-w", "1024", "--strategy", "flat", "--master-dtype", "float32")):
+        out = zero("plan", *args).stdout
+        assert max(map(len, out.splitlines())) <= 100, args
+        assert "MiB per rank" in out and out.count("MiB") == 1, args  # one unit, said once, in the title
+
+
 def test_plan_compare_lists_every_strategy():
     res = zero("plan", "--preset", "gpt2", "-w", "8", "--compare")
     for strategy in ("sorted_greedy", "greedy", "contiguous", "flat"):
@@ -91,7 +105,7 @@ def test_plan_counts_master_weights(tmp_path):
     shapes = tmp_path / "shapes.json"
     shapes.write_text(json.dumps({"w": {"shape": [300, 20], "dtype": "bfloat16"}}))
     out = zero("plan", "--shapes", str(shapes), "-w", "2", "--strategy", "flat", "--master-dtype", "float32").stdout
-    assert "float32 masters" in out and "masters MiB" in " ".join(out.split())
+    assert "float32 masters" in out and "masters" in out and "MiB per rank" in " ".join(out.split())
     res = zero("plan", "--shapes", str(shapes), "--master-dtype", "int8", check=False)
     assert res.returncode == 2 and "master_dtype must be a float dtype" in res.stderr, res.stderr
 
@@ -102,12 +116,20 @@ def test_simulate_prints_each_rank_and_writes_the_json(tmp_path):
     out = tmp_path / "sim.json"
     res = zero("simulate", "--preset", "gpt2", "-w", "8", "--strategy", "flat", "--reduce-scatter-grads",
                "--ranks", "0,7", "--json", str(out))
-    assert "rank 0 of 8" in res.stdout and "rank 7 of 8" in res.stdout and "collectives / step" in res.stdout
+    assert "rank 0 of 8" in res.stdout and "rank 7 of 8" in res.stdout and "GiB per rank" in res.stdout
+    assert "sent per step, zero's collectives" in res.stdout and "DDP's all-reduce" not in res.stdout  # ZeRO-2
+    assert max(map(len, res.stdout.splitlines())) <= 100
     runs = json.loads(out.read_text())
     assert [r["rank"] for r in runs] == [0, 7]
     for r in runs:
         assert r["measured_peak_bytes"] == pytest.approx(r["predicted_peak_bytes"], rel=0.03)
         assert r["collective_bytes"] == r["plan_collective_bytes"] > 0
+        assert r["ddp_allreduce_bytes"] == 0
         assert set(r["by_category"]) >= {"params", "grads", "state"}
+    zero1 = zero("simulate", "--preset", "gpt2", "-w", "8", "--ranks", "0", "--json", str(out))
+    grads = sum(4 * n for n in _gpt2_numels())
+    r = json.loads(out.read_text())[0]
+    assert r["ddp_allreduce_bytes"] == 2 * grads * 7 // 8  # all-reduce: 2 (W - 1) / W of the gradients
+    assert "sent per step, DDP's all-reduce" in zero1.stdout and "not simulated" in zero1.stdout
     bad = zero("simulate", "--preset", "gpt2", "-w", "8", "--ranks", "8", check=False)
     assert bad.returncode == 2 and "--ranks [8] are not ranks of a world of 8" in bad.stderr

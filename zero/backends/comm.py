@@ -19,6 +19,8 @@ import optree
 import torch
 import torch.distributed as dist
 
+from zero.plans.accounting import bus_bytes
+
 __all__ = ["Collective", "recording", "resolve_group", "is_fake", "group_rank", "group_size", "global_rank",
            "all_gather_object", "in_group", "device_for", "summed", "maxed", "all_gather_rows", "all_gather_into",
            "broadcast_from", "all_reduce_sum", "all_reduce_max", "reduce_scatter_sum", "reduce_sum_to", "new_subgroup",
@@ -38,6 +40,11 @@ class Collective:
     dtype: str
     group_size: int
     bytes: int
+
+    @property
+    def bus_bytes(self) -> int:
+        """What this rank sends (= receives) in it, as nccl-tests count (`zero.plans.accounting.bus_bytes`)."""
+        return bus_bytes(self.kind, self.bytes, self.group_size)
 
 
 _RECORDINGS: list[list[Collective]] = []

@@ -54,6 +54,7 @@ __all__ = ["Place", "Watch", "watch_of", "HEARTBEAT_S", "STOPPED_S", "wait_for",
 HEARTBEAT_S = 0.5  # how often each process bumps its heartbeat
 STOPPED_S = 10.0  # a rank whose heartbeat has not moved for this long while others wait is named
 _SPIN_S = 0.02  # a wait shorter than this posts nothing
+CARRIED = 1  # ints every check-in carries beside the agreed fields (see `check_in`)
 _POLL_S = 0.02
 
 
@@ -248,10 +249,15 @@ def check_in(what: str, fields: Mapping[str, int], group: Any, device: torch.dev
     time from ``place`` (where this rank is: `Place`), not after the group's timeout.
 
     ``carried``: ints each rank reports that need not agree (whether it found non-finite
-    gradients), riding in the same collective; ``verify()`` returns every rank's, by rank.
+    gradients), riding in the same collective; ``verify()`` returns every rank's, by rank. Every
+    check-in carries `CARRIED` of them (zeros where a call has none), so that ranks in different
+    calls still pair collectives of one size and get the error, not gloo's abort.
     """
+    carried = [*carried, *[0] * (CARRIED - len(carried))]
+    if len(carried) != CARRIED:
+        raise ValueError(f"a check-in carries {CARRIED} values, got {len(carried)}")
     if comm.is_fake(group):  # a simulated rank: no other rank to agree with, no data to compare
-        return lambda: [list(carried)]
+        return lambda: [carried]
     rank, size = comm.group_rank(group), comm.group_size(group)
     watch = watch_of(group) if place is not None else None
     values = [_CALLS[what], *fields.values()]
@@ -282,7 +288,7 @@ def check_in(what: str, fields: Mapping[str, int], group: Any, device: torch.dev
             everyone = comm.all_gather_object(list(describe()), group)
             odd = next((r for r, theirs in enumerate(everyone) if theirs != everyone[rank]), odd)
             detail = _first_difference(everyone[rank], everyone[odd], odd)
-        raise ValueError(f"rank {rank} and rank {odd} differ in {name} at {what} ({detail}): every rank must "
+        raise ValueError(f"rank {rank} and rank {odd} differ at {what}() in {name}: {detail}; every rank must "
                          "build the same optimizer and make the same calls")
 
     return verify

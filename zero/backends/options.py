@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from zero.plans.accounting import optimizer_state
-from zero.plans.layout import FLAT_BUCKET_NUMEL
+from zero.plans.layout import DDP_BUCKET_CAP_MB, default_bucket_numel
 from zero.plans.meta import ParamMeta, param_groups, param_metas
 from zero.plans.plan import PLAN_STRATEGIES, Plan, make_plan
 
@@ -18,15 +18,19 @@ __all__ = ["default_plan", "quantized_params", "check_blocks", "check_plan_argum
 
 
 def default_plan(metas: list[ParamMeta], world_size: int, strategy: str | None,
-                 master_dtype: torch.dtype | None, optimizer_class: Any = None, defaults: dict | None = None) -> Plan:
+                 master_dtype: torch.dtype | None, optimizer_class: Any = None, defaults: dict | None = None,
+                 bucket_cap_mb: float | None = None) -> Plan:
     """The plan ``strategy=`` names. A flat plan keeps whole the params the rule itself needs whole
     (`zero.functional.sharding.needs_whole`: Muon's matrices, Adafactor's factored ones ...): a
-    hybrid plan, which ``opt.plan`` shows (``flat + N whole``), instead of an error at the first step."""
+    hybrid plan, which ``opt.plan`` shows (``flat + N whole``), instead of an error at the first step.
+    Its buffers are sized from the model (`zero.plans.layout.default_bucket_numel`), at most
+    ``bucket_cap_mb`` MiB (DDP's 25 by default)."""
     master = None if master_dtype is None else str(master_dtype).removeprefix("torch.")
     optimizer = _low_bit_name(quantized_params(metas, optimizer_class, defaults or {})) or "adam"
     if strategy == "flat":
         whole = _needed_whole(metas, optimizer_class, defaults or {})
-        return make_plan(metas, world_size, "flat", bucket_numel=FLAT_BUCKET_NUMEL, master_dtype=master,
+        bucket = default_bucket_numel(metas, world_size, DDP_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb)
+        return make_plan(metas, world_size, "flat", bucket_numel=bucket, master_dtype=master,
                          whole=whole or None, optimizer=optimizer)
     return make_plan(metas, world_size, strategy or "sorted_greedy", master_dtype=master, optimizer=optimizer)
 
@@ -96,7 +100,11 @@ def check_blocks(plan: Plan, metas: list[ParamMeta], optimizer_class: Any, defau
                              "whose shards end at block edges, or pass strategy='flat' and let the optimizer make it")
 
 
-def check_plan_arguments(plan: Any, strategy: Any) -> None:
+def check_plan_arguments(plan: Any, strategy: Any, bucket_cap_mb: Any = None) -> None:
+    if bucket_cap_mb is not None and (strategy != "flat" or plan is not None):
+        raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} sizes the flat buffers of strategy='flat' (DDP's name); "
+                         + ("a plan given decides its own: make it with zero.make_plan(..., bucket_numel=...)"
+                            if plan is not None else f"strategy={strategy!r} has none"))
     if plan is not None and not isinstance(plan, Plan):
         raise TypeError(f"plan must be a zero.Plan (from zero.make_plan or Plan.from_json), got {type(plan).__name__}")
     if plan is not None and strategy is not None:

@@ -24,7 +24,8 @@ from torch import nn
 from zero.backends import comm
 from zero.backends.local_optimizer import state_nbytes
 from zero.backends.sync import ParamSync
-from zero.plans.footprint import Footprint, footprint
+from zero.plans.accounting import bus_bytes
+from zero.plans.footprint import Footprint, ddp_allreduce_bytes, footprint
 from zero.plans.meta import ParamMeta
 
 __all__ = ["RankRun", "simulate", "fake_group", "OPTIMIZER_CLASSES"]
@@ -45,6 +46,9 @@ class RankRun:
     by_category: dict[str, int]  # measured after the last step, read off the optimizer (see `_measured`)
     collectives: tuple[tuple[str, str, int, int], ...]  # (kind, dtype, group size, bytes), in the last step
     predicted: Footprint
+    # bytes each rank sends in DDP's all-reduce beside ZeRO-1 (no reduce_scatter_grads): from the
+    # plan, not simulated (no DDP runs here); 0 where zero reduces the gradients itself
+    ddp_allreduce_bytes: int = 0
 
     @property
     def predicted_peak_bytes(self) -> int:
@@ -52,11 +56,13 @@ class RankRun:
 
     @property
     def collective_bytes(self) -> int:
-        return sum(c[3] for c in self.collectives)
+        """Bytes this rank sent (= received) in the step's collectives, as nccl-tests count them."""
+        return sum(bus_bytes(kind, n, size) for kind, _, size, n in self.collectives)
 
     def as_dict(self) -> dict[str, Any]:
         """Per category: predicted and measured between steps; ``transient``: at the peak (measured:
-        the peak less what is held between steps)."""
+        the peak less what is held between steps). Collective bytes are what a rank sends (=
+        receives) in a step, as nccl-tests count them (`zero.plans.accounting.bus_bytes`)."""
         held = sum(self.by_category.values())
         by_category = {k: {"predicted": self.predicted.resident[k], "measured": self.by_category.get(k, 0)}
                        for k in self.predicted.resident if k != "transient"}
@@ -66,7 +72,7 @@ class RankRun:
                 "measured_peak_bytes": self.measured_peak_bytes, "peak_phase": self.predicted.phase,
                 "by_category": by_category,
                 "collective_bytes": self.collective_bytes, "plan_collective_bytes": self.predicted.collective_bytes,
-                "collectives": [list(c) for c in self.collectives]}
+                "ddp_allreduce_bytes": self.ddp_allreduce_bytes, "collectives": [list(c) for c in self.collectives]}
 
 
 @contextlib.contextmanager
@@ -91,7 +97,7 @@ def simulate(params: Callable[[], nn.Module] | Sequence[ParamMeta], world_size: 
     """Run ``rank`` of ``world_size`` under the fake process group: build the params (``params``: a
     function building the model, called under ``FakeTensorMode``, or parameter metadata; ``dtype``
     casts them), the plan (`zero.make_plan` with ``strategy``, the state of ``optimizer``,
-    ``master_dtype``; ``whole=``: a hybrid plan; flat plans in buckets of ``FLAT_BUCKET_NUMEL``),
+    ``master_dtype``; ``whole=``: a hybrid plan; flat plans in buckets sized as the optimizer's own),
     a `ZeroRedundancyOptimizer` executing it with ``torch.optim``'s rule, and two iterations."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
@@ -118,7 +124,8 @@ def simulate(params: Callable[[], nn.Module] | Sequence[ParamMeta], world_size: 
     predicted = footprint(plan, rank, reduce_scatter_grads=reduce_scatter_grads, bucket_view=parameters_as_bucket_view,
                           reduce_dtype=None if reduce_dtype is None else str(reduce_dtype).removeprefix("torch."))
     return RankRun(rank, world_size, peak, measured, tuple((c.kind, c.dtype, c.group_size, c.bytes)
-                                                           for c in collectives), predicted)
+                                                           for c in collectives), predicted,
+                   0 if reduce_scatter_grads else ddp_allreduce_bytes(plan))
 
 
 def _optimizer(name: str) -> tuple[type, dict]:
@@ -130,13 +137,14 @@ def _optimizer(name: str) -> tuple[type, dict]:
 
 def _plan(model: nn.Module, world_size: int, strategy: str, optimizer: str, master_dtype: torch.dtype | None,
           whole: Any) -> Any:
-    from zero.plans.layout import FLAT_BUCKET_NUMEL
+    from zero.plans.layout import default_bucket_numel
     from zero.plans.meta import param_metas
     from zero.plans.plan import make_plan
 
     master = None if master_dtype is None else str(master_dtype).removeprefix("torch.")
-    bucket = FLAT_BUCKET_NUMEL if strategy == "flat" else None
-    return make_plan(param_metas(model), world_size, strategy, optimizer=optimizer, bucket_numel=bucket,
+    metas = param_metas(model)
+    bucket = default_bucket_numel(metas, world_size) if strategy == "flat" else None  # as the optimizer sizes them
+    return make_plan(metas, world_size, strategy, optimizer=optimizer, bucket_numel=bucket,
                      master_dtype=master, whole=whole)
 
 

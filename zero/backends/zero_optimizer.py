@@ -76,7 +76,11 @@ class ZeroRedundancyOptimizer(TorchNames, Optimizer, Joinable):
         strategy: shorthand for ``plan=zero.make_plan(zero.param_metas(params), world_size,
             strategy)``; ``"sorted_greedy"`` (torch's) when neither is given. ``"flat"`` shards
             elements (DeepSpeed's ZeRO-1): balanced to the element, for element-wise rules, in
-            buffers of at most ``zero.plans.layout.FLAT_BUCKET_NUMEL`` elements.
+            buffers sized from the model (`zero.plans.layout.default_bucket_numel`: at most
+            ``bucket_cap_mb`` MiB, and small enough that ZeRO-2's buckets in flight never hold
+            more than ZeRO-1's whole gradients would).
+        bucket_cap_mb: with ``strategy="flat"``: the flat buffers' (ZeRO-2's buckets') largest
+            size in MiB (DDP's name and default, 25); the model's size may make them smaller.
         reduce_scatter_grads: average the gradients here, in place of DDP (flat plans only; ZeRO-2):
             each rank receives only its shards' gradients, by one reduce-scatter per flat buffer
             (the plan's ``bucket_numel``) that starts during backward, so an iteration moves 2x the
@@ -122,8 +126,8 @@ class ZeroRedundancyOptimizer(TorchNames, Optimizer, Joinable):
                  plan: Plan | None = None, strategy: str | None = None, sync_chunk_mb: float | None = None,
                  reduce_scatter_grads: bool = False, master_dtype: torch.dtype | str | None = None,
                  reduce_dtype: torch.dtype | str | None = None, find_unused_parameters: bool = False,
-                 nonfinite: str = "warn", **defaults: Any):
-        check_plan_arguments(plan, strategy)
+                 nonfinite: str = "warn", bucket_cap_mb: float | None = None, **defaults: Any):
+        check_plan_arguments(plan, strategy, bucket_cap_mb)
         self.nonfinite = NonFinite(nonfinite, overlap_with_ddp=bool(overlap_with_ddp))
         master_dtype = resolve_dtype(master_dtype, "master_dtype")
         reduce_dtype = resolve_dtype(reduce_dtype, "reduce_dtype")
@@ -143,7 +147,7 @@ class ZeroRedundancyOptimizer(TorchNames, Optimizer, Joinable):
         self.parameters_as_bucket_view = parameters_as_bucket_view
         metas = param_metas(self.param_groups)
         plan = plan if plan is not None else default_plan(metas, self.world_size, strategy, master_dtype,
-                                                          optimizer_class, defaults)
+                                                          optimizer_class, defaults, bucket_cap_mb)
         check_plan(plan, metas, self.world_size)
         check_blocks(plan, metas, optimizer_class, defaults)
         self.master_dtype = planned_master_dtype(plan.master_dtype, master_dtype)

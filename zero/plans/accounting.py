@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from zero.plans.checks import check_int
 from zero.plans.meta import ParamMeta, itemsize
 
-__all__ = ["OptimizerState", "OPTIMIZERS", "LOW_BIT_MIN_NUMEL", "optimizer_state", "state_bytes", "weights",
+__all__ = ["bus_bytes", "BUS_FACTORS",
+           "OptimizerState", "OPTIMIZERS", "LOW_BIT_MIN_NUMEL", "optimizer_state", "state_bytes", "weights",
            "sync_bytes", "check_master_dtype", "master_itemsize", "state_itemsize"]
 
 
@@ -205,19 +206,44 @@ def weights(metas: Sequence[ParamMeta], weight: Weight = "numel",
     raise ValueError(f"unknown weight {weight!r}; use 'numel', 'state_bytes', 'step_flops' or a callable")
 
 
-def sync_bytes(shard_bytes: Sequence[int], collective: str) -> list[tuple[int, int]]:
-    """(sent, received) bytes per rank for one parameter sync after the local step.
+# Bytes each rank sends (and receives) in one collective, as nccl-tests count them for their bus
+# bandwidth: the buffer's bytes times a factor of the group's size W (ring algorithms). Every
+# figure of collective traffic zero prints (`zero plan`, `zero simulate`, `Footprint`, the
+# recorder's `bus_bytes`) is in this unit.
+# kind: (times the buffer, whether by (W - 1) / W as a ring moves it)
+BUS_FACTORS = {"all_gather": (1, True), "reduce_scatter": (1, True), "all_reduce": (2, True),
+               "broadcast": (1, False), "reduce": (1, False)}
 
-    ``"broadcast"``: each rank sends its shard to every peer and receives every other shard
-    (the logical volume, as with torch's per-rank broadcasts). ``"all_gather"``: a ring
-    all-gather of equal blocks, so every shard is padded to the largest one and each rank both
-    sends and receives ``(W - 1)`` blocks.
+
+def bus_bytes(kind: str, buffer_bytes: int, world: int) -> int:
+    """Bytes each rank sends (= receives) in collective ``kind`` over a buffer of ``buffer_bytes``
+    (the whole buffer: an all-gather's output, a reduce-scatter's input) in a group of ``world``:
+    all-gather and reduce-scatter ``(W - 1) / W`` of it, all-reduce ``2 (W - 1) / W``, broadcast
+    and reduce all of it (nccl-tests' bus bytes); nothing in a group of one. ``kind`` may be a
+    `zero.backends.comm` function's name (``all_gather_rows``, ``reduce_sum_to`` ...)."""
+    base = next((k for k in sorted(BUS_FACTORS, key=len, reverse=True) if kind.startswith(k)), None)
+    if base is None:
+        raise ValueError(f"unknown collective {kind!r}; known: {sorted(BUS_FACTORS)}")
+    if world <= 1:
+        return 0
+    times, ring = BUS_FACTORS[base]
+    return times * buffer_bytes * (world - 1) // world if ring else times * buffer_bytes
+
+
+def sync_bytes(shard_bytes: Sequence[int], collective: str) -> list[tuple[int, int]]:
+    """(sent, received) bytes per rank for one parameter sync after the local step, in
+    `bus_bytes`' unit (equal under ring algorithms).
+
+    ``"broadcast"``: one broadcast per rank of its shard, each counting its whole buffer: every
+    rank sends and receives the sum of the shards. ``"all_gather"``: a ring all-gather of equal
+    blocks, so every shard is padded to the largest one and each rank sends and receives
+    ``(W - 1)`` blocks.
     """
     w = len(shard_bytes)
-    total = sum(shard_bytes)
     if collective == "broadcast":
-        return [((w - 1) * b, total - b) for b in shard_bytes]
+        per_rank = sum(bus_bytes("broadcast", b, w) for b in shard_bytes)
+        return [(per_rank, per_rank)] * w
     if collective == "all_gather":
-        block = max(shard_bytes, default=0)
-        return [((w - 1) * block, (w - 1) * block)] * w
+        per_rank = bus_bytes("all_gather", w * max(shard_bytes, default=0), w)
+        return [(per_rank, per_rank)] * w
     raise ValueError(f"unknown collective {collective!r}; use 'broadcast' or 'all_gather'")

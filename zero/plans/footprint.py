@@ -24,10 +24,13 @@ process group and compares. The categories:
   their shard's dtype, and the rule's own temporaries (torch's for-loop step:
   `OptimizerState.step_temps` of the tensor it steps, ``step_temps_held`` of the one before).
 
-Collectives are counted as the bytes of the tensor this rank hands each one, per step: the params'
+Collectives are listed with the bytes of the buffer this rank hands each one, per step: the params'
 sync (each flat buffer's all-gather; a whole-param sync's rows and direct broadcasts) and, with
-``reduce_scatter_grads``, each bucket's reduce-scatter and each whole param's reduce. The ranks'
-check-in and what a sharded rule asks for itself (a global norm) are not counted.
+``reduce_scatter_grads``, each bucket's reduce-scatter and each whole param's reduce; their total,
+``collective_bytes``, is what a rank sends (= receives), as nccl-tests count it
+(`zero.plans.accounting.bus_bytes`). The ranks' check-in and what a sharded rule asks for itself
+(a global norm) are not counted; DDP's all-reduce beside a plan without ``reduce_scatter_grads``
+is `ddp_allreduce_bytes`.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from zero.plans.accounting import master_itemsize, optimizer_state, state_itemsize
+from zero.plans.accounting import bus_bytes, master_itemsize, optimizer_state, state_itemsize
 from zero.plans.holdings import holdings
 from zero.plans.layout import IN_FLIGHT_BUCKETS, SyncRows, bucket_views, param_sync_rows, reduction_units
 from zero.plans.meta import itemsize
@@ -44,7 +47,7 @@ from zero.plans.meta import itemsize
 if TYPE_CHECKING:
     from zero.plans.plan import Plan
 
-__all__ = ["Footprint", "footprint", "CATEGORIES", "SYNC_CHUNK_BYTES"]
+__all__ = ["Footprint", "footprint", "ddp_allreduce_bytes", "CATEGORIES", "SYNC_CHUNK_BYTES"]
 
 CATEGORIES = ("params", "sync_rows", "masters", "state", "grads", "transient")
 SYNC_CHUNK_BYTES = 16 * 2**20  # the scratch a copying sync uses by default (``sync_chunk_mb=16``)
@@ -58,7 +61,7 @@ class Footprint:
     "backward" or "step"); ``peak``: their sum; ``resident``: what stays
     between steps (nothing transient); ``collectives``: (kind, bytes) of every collective the
     rank makes in a step, sorted, as `zero.backends.comm.recording` names them. Under a real
-    group the executor adds one check-in per step (``all_gather_into`` of 48 bytes per rank:
+    group the executor adds one check-in per step (``all_gather_into`` of 56 bytes per rank:
     `zero.backends.consistency`), which steps aside under torch's fake group; a rule that asks
     whole-model questions (a global norm) adds its all-reduces.
     """
@@ -68,6 +71,8 @@ class Footprint:
     at_peak: dict[str, int]
     resident: dict[str, int]
     collectives: tuple[tuple[str, int], ...]
+    world: int = 1
+    by_phase: dict[str, int] | None = None  # the total at each moment the peak is sought in ("backward", "step")
 
     @property
     def peak(self) -> int:
@@ -75,7 +80,9 @@ class Footprint:
 
     @property
     def collective_bytes(self) -> int:
-        return sum(n for _, n in self.collectives)
+        """Bytes this rank sends (= receives) in its collectives of a step, as nccl-tests count
+        them (`zero.plans.accounting.bus_bytes`)."""
+        return sum(bus_bytes(kind, n, self.world) for kind, n in self.collectives)
 
 
 def footprint(plan: Plan, rank: int, *, reduce_scatter_grads: bool = False, reduce_dtype: str | None = None,
@@ -103,7 +110,15 @@ def footprint(plan: Plan, rank: int, *, reduce_scatter_grads: bool = False, redu
     grads, transient = moments[phase]
     return Footprint(rank, phase, {**static, "grads": grads, "transient": transient},
                      {**static, "grads": resident, "transient": 0},
-                     _collectives(plan, rows, reduce_scatter_grads, reduce))
+                     _collectives(plan, rows, reduce_scatter_grads, reduce), plan.world_size,
+                     {k: sum(static.values()) + sum(v) for k, v in moments.items()})
+
+
+def ddp_allreduce_bytes(plan: Plan) -> int:
+    """Bytes each rank sends in DDP's all-reduce of every trainable gradient, in a step of a plan
+    run without ``reduce_scatter_grads`` (ZeRO-1 beside DDP): not the executor's, and not
+    simulated, but part of the iteration's traffic (`zero.plans.accounting.bus_bytes`)."""
+    return bus_bytes("all_reduce", sum(m.nbytes for m in plan.metas if m.requires_grad), plan.world_size)
 
 
 def _rows(plan: Plan, bucket_view: bool | None, chunk_bytes: int) -> tuple[SyncRows, ...]:

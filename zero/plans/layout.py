@@ -17,6 +17,7 @@ from zero.plans.partition import Partition, check_metas, check_rank, check_world
 __all__ = ["ALIGN_BYTES", "Bucket", "BucketLayout", "bucket_views", "split_bucket", "Piece", "row_chunks",
            "row_padding", "SyncRows", "sync_rows", "param_sync_rows", "DIRECT_NUMEL", "PAD_LIMIT",
            "IN_FLIGHT_BUCKETS", "reduction_units", "Segment", "ShardPiece", "FlatBuffer", "FLAT_BUCKET_NUMEL",
+           "DDP_BUCKET_CAP_MB", "default_bucket_numel",
            "FlatLayout", "flat_layout"]
 
 
@@ -263,6 +264,22 @@ class ShardPiece:
 
 
 FLAT_BUCKET_NUMEL = 1 << 22  # 16 MiB of float32 per flat buffer: DDP's 25 MiB buckets, rounded
+DDP_BUCKET_CAP_MB = 25.0  # DDP's bucket_cap_mb default
+
+
+def default_bucket_numel(metas: Sequence[ParamMeta], world_size: int = 2, cap_mb: float = DDP_BUCKET_CAP_MB) -> int:
+    """The flat buffers' size `ZeroRedundancyOptimizer` gives a model (``strategy="flat"``): at most
+    ``cap_mb`` MiB of its widest trainable dtype (DDP's cap, ``bucket_cap_mb``), and small enough
+    that ZeRO-2's buckets filling and in flight (``IN_FLIGHT_BUCKETS + 1``) hold at most half of
+    the gradient it does not keep (``(W - 1) / W`` of it): then its shards and buckets stay under
+    ZeRO-1's whole gradients. With big buckets on a small model ZeRO-2 held more than ZeRO-1."""
+    if not isinstance(cap_mb, (int, float)) or isinstance(cap_mb, bool) or not cap_mb > 0:
+        raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got {cap_mb!r}")
+    trainable = [m for m in metas if m.requires_grad] or list(metas)
+    widest = max((itemsize(m.dtype) for m in trainable), default=4)
+    total, w = sum(m.numel for m in trainable), max(world_size, 2)
+    share = -(-total * (w - 1) // (2 * w * (IN_FLIGHT_BUCKETS + 1)))
+    return max(1, min(int(cap_mb * 2**20) // widest, share))
 
 
 @dataclass(frozen=True)

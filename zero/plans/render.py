@@ -23,48 +23,50 @@ def strategy(plan) -> str:
 
 
 def plan_table(plan, max_rows: int = 16):
+    """Per rank, in MiB: what it holds (masters, optimizer state; in all under ZeRO-1 and ZeRO-2),
+    its flat shards' padding, and what it sends per step (the params' sync as the executor runs
+    it, as nccl-tests count bytes: `zero.plans.accounting.bus_bytes`)."""
     from rich.table import Table
 
     masters = f", {plan.master_dtype} masters" if plan.master_dtype else ""
     t = Table(title=f"{strategy(plan)} on {plan.world_size} ranks, weight={plan.weight}, "
                     f"optimizer={plan.optimizer}{masters}: busiest rank / mean {plan.max_over_mean:.4f}, "
-                    f"/ best possible {plan.max_over_bound:.4f}, "
-                    f"fingerprint {plan.fingerprint}")
-    for col in ("rank", "params", "numel", "load", "masters MiB", "state MiB", "total MiB",
-                "total, grads sharded MiB", "padding MiB", "bcast sent/recv MiB", "all_gather sent/recv MiB"):
+                    f"/ best possible {plan.max_over_bound:.4f}, fingerprint {plan.fingerprint}; "
+                    "MiB per rank")
+    for col in ("rank", "params", "load", "masters", "state", "ZeRO-1", "ZeRO-2", "padding", "sent"):
         t.add_column(col, justify="right")
     ranks = plan.ranks
     shown = ranks if len(ranks) <= max_rows else ranks[: max_rows // 2] + (None,) + ranks[-(max_rows // 2):]
     for r in shown:
         if r is None:
-            t.add_row(*["..."] * 11)
+            t.add_row(*["..."] * 9)
             continue
-        t.add_row(str(r.rank), str(r.params), f"{r.numel:,}", f"{r.load:,}", mib(r.master_bytes), mib(r.state_bytes),
+        t.add_row(str(r.rank), str(r.params), f"{r.load:,}", mib(r.master_bytes), mib(r.state_bytes),
                   mib(r.total_bytes), mib(r.total_bytes_grads_sharded), mib(r.padding_bytes),
-                  f"{mib(r.broadcast_bytes[0])} / {mib(r.broadcast_bytes[1])}",
-                  f"{mib(r.all_gather_bytes[0])} / {mib(r.all_gather_bytes[1])}")
-    t.caption = "busiest rank: " + ", ".join(f"{name} {mib(n)} MiB" for name, n in plan.stage_bytes().items())
+                  mib(plan.footprint(r.rank).collective_bytes))
+    t.caption = ("ZeRO-1 / ZeRO-2: params, gradients (whole / sharded), masters and state; sent: the params' sync "
+                 "in a step, bytes each rank sends (nccl-tests' count; DDP's all-reduce not included). Busiest "
+                 "rank: " + ", ".join(f"{name} {mib(n)}" for name, n in plan.stage_bytes().items()))
     if plan.flat is None or plan.hybrid:  # a mesh shards evenly: every device holds the busiest rank's rows
         t.caption += (f"; on a JAX mesh (zero.backends.jax_mesh) every device holds "
-                      f"{mib(plan.mesh_state_bytes()[0])} MiB of optimizer state, rows padded to the busiest rank's")
+                      f"{mib(plan.mesh_state_bytes()[0])} of optimizer state, rows padded to the busiest rank's")
     return t
 
 
 def compare_table(plans: Sequence):
-    """One row per plan: the figures that tell strategies apart."""
+    """One row per plan: the figures that tell strategies apart (MiB; sent: as `plan_table`)."""
     from rich.table import Table
 
     first = plans[0]
-    t = Table(title=f"{len(first.metas)} tensors on {first.world_size} ranks, optimizer={first.optimizer}")
-    for col in ("strategy", "weight", "max/mean", "max/best possible", "max state MiB", "min state MiB",
-                "max bcast sent MiB", "all_gather sent MiB", "padding MiB", "fingerprint"):
-        t.add_column(col, justify="right")
+    t = Table(title=f"{len(first.metas)} tensors on {first.world_size} ranks, optimizer={first.optimizer}; MiB per "
+                    "rank")
+    for col in ("strategy", "weight", "max/mean", "max/best", "max state", "max sent", "fingerprint"):
+        t.add_column(col, justify="right", no_wrap=True)
     for p in plans:
-        states = [r.state_bytes for r in p.ranks]
+        sent = max(p.footprint(r).collective_bytes for r in {0, p.world_size - 1})
         t.add_row(strategy(p), p.weight, f"{p.max_over_mean:.4f}", f"{p.max_over_bound:.4f}",
-                  mib(max(states)), mib(min(states)),
-                  mib(max(r.broadcast_bytes[0] for r in p.ranks)), mib(p.ranks[0].all_gather_bytes[0]),
-                  mib(p.ranks[0].padding_bytes), p.fingerprint)
+                  mib(max(r.state_bytes for r in p.ranks)), mib(sent), p.fingerprint[:8])
+    t.caption = "sent: the params' sync in a step, bytes each rank sends (nccl-tests' count)"
     return t
 
 
@@ -101,7 +103,7 @@ def _cut(what: str, shown: int, total: int, extra: str = "") -> str | None:
             f"or zero plan --diff A B --rows {total}")
 
 
-def render(renderable, width: int = 160) -> str:
+def render(renderable, width: int = 100) -> str:
     from rich.console import Console
 
     # force_jupyter=False: in a notebook rich would also display the table as HTML, then the caller prints the text

@@ -138,16 +138,22 @@ def _print(runs: list[Any], args: argparse.Namespace) -> None:
     for r in runs:
         d = r.as_dict()
         table = Table(title=f"rank {r.rank} of {r.world_size}: peak in {d['peak_phase']}, measured "
-                            f"{_gib(r.measured_peak_bytes)} vs predicted {_gib(r.predicted_peak_bytes)} "
+                            f"{_gib(r.measured_peak_bytes)} vs predicted {_gib(r.predicted_peak_bytes)} GiB "
                             f"({(r.measured_peak_bytes / max(r.predicted_peak_bytes, 1) - 1):+.2%})")
-        for col in ("category", "predicted", "measured"):
-            table.add_column(col, justify="left" if col == "category" else "right")
+        for col in ("GiB per rank", "predicted", "measured"):
+            table.add_column(col, justify="left" if col.startswith("GiB") else "right")
         for name, pair in d["by_category"].items():
             table.add_row(name, _gib(pair["predicted"]), "-" if pair["measured"] is None else _gib(pair["measured"]))
         table.add_row("peak", _gib(r.predicted_peak_bytes), _gib(r.measured_peak_bytes))
-        table.add_row("collectives / step", _gib(d["plan_collective_bytes"]), _gib(d["collective_bytes"]))
-        print(render(table))
+        table.add_row("sent per step, zero's collectives", _gib(d["plan_collective_bytes"]),
+                      _gib(d["collective_bytes"]))
+        if d["ddp_allreduce_bytes"]:
+            table.add_row("sent per step, DDP's all-reduce", _gib(d["ddp_allreduce_bytes"]), "not simulated")
+            table.add_row("sent per step, in all", _gib(d["plan_collective_bytes"] + d["ddp_allreduce_bytes"]), "-")
+        table.caption = ("sent: the bytes each rank sends (= receives) in a step, as nccl-tests count them: "
+                         "all-gather and reduce-scatter (W-1)/W of the buffer, all-reduce 2(W-1)/W, broadcast all")
+        print(render(table, width=100))
 
 
 def _gib(n: int) -> str:
-    return f"{n / 2**30:.3f} GiB"
+    return f"{n / 2**30:.3f}"

@@ -29,6 +29,7 @@ import torch
 
 from zero.backends import comm
 from zero.backends.checkpoint.dcp_pieces import functional_leaves, held_elements, load_functional
+from zero.backends.checkpoint.integrity import STATE_DICT_KEY, state_dict_checksums, verify_state_dict
 from zero.backends.local_optimizer import check_state_keys, is_functional, is_per_element
 from zero.backends.rank_state import RankState
 from zero.plans.checks import check_int
@@ -65,10 +66,12 @@ def _local_form(state: RankState) -> dict:
 def to_global(state: RankState, local_dicts: Sequence[dict]) -> dict[str, Any]:
     """The global state dict out of every rank's local one (`gather`), each cut as the plan says."""
     if local_dicts and "pieces" in local_dicts[0]:
-        per_param = _joined_leaves(local_dicts, state.params)
-        return _global_dict(per_param, state.param_groups)
-    held = [state.holdings_of(r) for r in range(state.world_size)]
-    return merge(local_dicts, held, state.param_groups, state.per_element_keys())
+        out = _global_dict(_joined_leaves(local_dicts, state.params), state.param_groups)
+    else:
+        held = [state.holdings_of(r) for r in range(state.world_size)]
+        out = merge(local_dicts, held, state.param_groups, state.per_element_keys())
+    out[STATE_DICT_KEY] = state_dict_checksums(out["state"])  # checked by `load` (plain optimizers ignore it)
+    return out
 
 
 def _joined_leaves(local_dicts: Sequence[dict], params: Sequence[torch.Tensor]) -> dict[int, dict]:
@@ -94,9 +97,12 @@ def _joined_leaves(local_dicts: Sequence[dict], params: Sequence[torch.Tensor]) 
 
 def load(state: RankState, saved: dict[str, Any]) -> None:
     """Load a global state dict (ours at any world size and plan, torch's, a plain optimizer's):
-    this rank's part of it into its local optimizer, which places each tensor where it keeps it."""
+    this rank's part of it into its local optimizer, which places each tensor where it keeps it.
+    Ours carries a checksum per tensor (``"zero_checksums"``), checked first: a changed byte is a
+    ``ValueError`` naming the param and key, before anything is loaded."""
     functional = is_functional(state.optim)
     check_compatible(saved, state.params, [len(g["params"]) for g in state.param_groups], functional)
+    verify_state_dict(saved, lambda i: state.plan.metas[i].name)
     check_state_keys(saved, state.optim)
     if functional and "tx_states" not in saved:
         names = [f"param {i}" for i in range(len(state.params))]

@@ -61,8 +61,17 @@ class _DcpSource:
     """A DCP checkpoint read key by key: its params (by the param groups' FQNs) and their state."""
 
     def __init__(self, path: str | os.PathLike):
+        from zero.backends.checkpoint import integrity
+
         self.path = os.fspath(path)
-        self.md = read_metadata(self.path).state_dict_metadata
+        metadata = read_metadata(self.path)
+        errors = integrity.verify(self.path, metadata)
+        if errors:
+            raise ValueError(f"the checkpoint at {self.path!r} is damaged, so nothing was converted: "
+                             + "; ".join(errors[:4]))
+        if not integrity.has_checksums(self.path):
+            integrity.warn_unverified(self.path)
+        self.md = metadata.state_dict_metadata
         model = sorted(k.removeprefix("model.") for k in self.md if k.startswith("model."))
         stated = [f for f in model if any(k.startswith(f"optim.state.{f}.") for k in self.md)]
         self.fqns = stated or model  # the params with optimizer state (all, for a rule that keeps none)
@@ -107,7 +116,7 @@ def to_orbax(src: str | os.PathLike, dst: str | os.PathLike) -> dict:
     out per param); returns its metadata. Written beside ``dst`` and swapped into place."""
     import orbax.checkpoint as ocp
 
-    from zero.backends.jax_mesh.checkpoint import FORMAT, write_replacing
+    from zero.backends.jax_mesh.checkpoint import FORMAT, checksums, write_replacing
 
     source = _DcpSource(src)
     names = sorted({n for f in source.fqns for n in source.state[f]})
@@ -122,7 +131,7 @@ def to_orbax(src: str | os.PathLike, dst: str | os.PathLike) -> dict:
     shared = sorted(set(paths.values()) - set(per_param))
     nodes = [{"path": p, "per_param": True} for p in per_param] + [{"path": p, "per_param": False} for p in shared]
     meta = {"format": FORMAT, "layout": "params", "names": source.fqns, "shapes": [], "dtypes": [], "plan": None,
-            "nodes": nodes, "has_params": True}
+            "nodes": nodes, "has_params": True, "checksums": {}}
 
     def write(tmp: str) -> None:
         pytree = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
@@ -142,9 +151,11 @@ def to_orbax(src: str | os.PathLike, dst: str | os.PathLike) -> dict:
                 nodes[j].setdefault("params", []).append(i)  # a node may hold some params only (Muon's: matrices)
                 item[f"n{j}"] = value
             pytree.save(os.path.join(tmp, f"p{i}"), ocp.args.PyTreeSave(item))
+            meta["checksums"].update(checksums(f"p{i}", item))
         if shared:  # Orbax refuses an empty item
-            pytree.save(os.path.join(tmp, "shared"), ocp.args.PyTreeSave(
-                {f"s{j}": shared_values[n["path"]] for j, n in enumerate(nodes) if not n["per_param"]}))
+            values = {f"s{j}": shared_values[n["path"]] for j, n in enumerate(nodes) if not n["per_param"]}
+            pytree.save(os.path.join(tmp, "shared"), ocp.args.PyTreeSave(values))
+            meta["checksums"].update(checksums("shared", values))
         ocp.Checkpointer(ocp.JsonCheckpointHandler()).save(os.path.join(tmp, "zero"), ocp.args.JsonSave(meta))
 
     write_replacing(dst, write)
@@ -166,11 +177,12 @@ def to_dcp(src: str | os.PathLike, dst: str | os.PathLike, *, names: str = "torc
     under torch's names (``names="torch"``: for ``torch.optim.Adam`` / ``AdamW`` / ``SGD``) or
     Optax's paths (``"optax"``: for the `zero.functional` rule). The param groups' settings are
     not in it (a mesh run has no torch hyperparameters): the optimizer keeps its own."""
-    from zero.backends.jax_mesh.checkpoint import Source, read_meta, write_replacing
+    from zero.backends.jax_mesh.checkpoint import Source, check, read_meta, write_replacing
 
     if names not in ("torch", "optax"):
         raise ValueError(f"names must be 'torch' or 'optax', got {names!r}")
     meta = read_meta(src)
+    check(src, meta)
     source = Source(src, meta)
     if not meta.get("has_params"):
         raise ValueError(f"the Orbax checkpoint at {os.fspath(src)!r} holds no params (save it with "
@@ -213,9 +225,11 @@ def _write_dcp(path: str, entries: dict, source: Any, meta: dict) -> None:
         def resolve_data(self, write_item):  # the tensor, read now: one at a time
             return value(entries[write_item.index.fqn][2])
 
+    from zero.backends.checkpoint.integrity import ChecksumWriter
+
     placeholders = {k: torch.empty((), dtype=dtype).expand(shape) for k, (shape, dtype, _) in entries.items()}
     with _one_process():
-        dcp.save(placeholders, checkpoint_id=path, planner=Lazy(), no_dist=True)
+        dcp.save(placeholders, checkpoint_id=path, planner=Lazy(), no_dist=True, storage_writer=ChecksumWriter(path))
 
 
 def orbax_entries(meta: dict) -> Iterator[dict]:

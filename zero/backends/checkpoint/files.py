@@ -15,8 +15,10 @@ import torch
 from torch import nn
 
 from zero.backends import comm
+from zero.backends.checkpoint import integrity
 from zero.backends.checkpoint.dcp import get_state_dict, resolve_options, set_state_dict, unwrap_post_local_sgd
 from zero.backends.checkpoint.dcp_pieces import quiet
+from zero.backends.checkpoint.integrity import ChecksumWriter
 from zero.backends.checkpoint.torch_state import from_torch, loading, saved_by
 from zero.backends.precision import MASTER_KEY
 
@@ -43,6 +45,8 @@ def save(checkpoint_id: Any, model: nn.Module, optimizer: Any, *, masters: bool 
         group = comm.twin_group(inner.process_group) if async_save else inner.process_group
         final = None if checkpoint_id is None or "storage_writer" in dcp_kwargs else os.fspath(checkpoint_id)
         target = checkpoint_id if final is None else _staging(final, group)
+        if final is not None:  # zero's writer: DCP's, each piece hashed (`integrity`)
+            dcp_kwargs["storage_writer"] = ChecksumWriter(target)
         if not async_save:
             metadata = dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=target,
                                 process_group=group, **dcp_kwargs)
@@ -122,17 +126,23 @@ def _published_when_done(future: Any, staging: str, final: str, rank: int) -> An
     return done
 
 
-def load(checkpoint_id: Any, model: nn.Module, optimizer: Any, *, options: Any = None) -> None:
+def load(checkpoint_id: Any, model: nn.Module, optimizer: Any, *, options: Any = None, verify: bool = True) -> None:
     """Load a checkpoint `save` (or FSDP2, or ``dcp.save`` of `get_state_dict`'s dicts) wrote,
     at any world size and plan. Call on every rank.
 
-    It is checked first: an unfinished save, a tensor whose chunks do not cover it, an FQN of
-    another model (missing, extra or reshaped) or state of another optimizer is a ``ValueError``
-    naming it. Master weights absent from the checkpoint start again from the loaded params."""
+    It is checked first, before anything is loaded, with the same ``ValueError`` on every rank: a
+    changed byte (its checksum: `zero.backends.checkpoint.integrity`, each rank hashing its share),
+    a damaged ``.metadata``, a missing or short data file, an unfinished save, a tensor whose chunks
+    do not cover it, an FQN of another model (missing, extra or reshaped) or state of another
+    optimizer, each named. A checkpoint without checksums (FSDP2's, an older zero's) loads with a
+    warning. ``verify=False`` skips the data files' checks (not the others). Master weights absent
+    from the checkpoint start again from the loaded params."""
     import torch.distributed.checkpoint as dcp
 
     metadata = read_metadata(checkpoint_id)
     inner = unwrap_post_local_sgd(optimizer)[0]
+    if verify:
+        _verified(checkpoint_id, metadata, inner.process_group)
     with quiet():
         model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
         if _missing(metadata, {"model": model_sd, "optim": optim_sd}, masters_only=True):
@@ -144,11 +154,38 @@ def load(checkpoint_id: Any, model: nn.Module, optimizer: Any, *, options: Any =
         # every tensor is there (checked above); settings absent (a checkpoint converted from a JAX
         # run has no torch hyperparameters) keep the optimizer's own
         partial = any(k not in metadata.state_dict_metadata for k in _flat(request))
-        dcp.load(request, checkpoint_id=checkpoint_id, planner=dcp.DefaultLoadPlanner(allow_partial_load=partial),
-                 process_group=inner.process_group)
+        _dcp_load(dcp, request, checkpoint_id, dcp.DefaultLoadPlanner(allow_partial_load=partial), inner.process_group)
         if translated is not None:
             translated.finish()
         set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options)
+
+
+def _verified(path: Any, metadata: Any, group: Any) -> None:
+    """Each rank checks its share of the checkpoint's pieces; every rank raises the same
+    ``ValueError`` if any is wrong (`integrity.verify`), before anything is loaded."""
+    share = (comm.group_rank(group), comm.group_size(group)) if comm.in_group(group) else (0, 1)
+    errors = integrity.verify(path, metadata, share)
+    if share[1] > 1:
+        errors = sorted({e for got in comm.all_gather_object(errors, group) for e in got})
+    if errors:
+        more = f" (and {len(errors) - 4} more)" if len(errors) > 4 else ""
+        raise ValueError(f"the checkpoint at {os.fspath(path)!r} is damaged, so nothing was loaded: "
+                         + "; ".join(errors[:4]) + more)
+    if not integrity.has_checksums(path):
+        integrity.warn_unverified(path)
+
+
+def _dcp_load(dcp: Any, request: dict, path: Any, planner: Any, group: Any) -> None:
+    """``dcp.load``, its ``CheckpointException`` (a ``BaseException``, raised with every rank's
+    traceback) a ``ValueError`` naming the checkpoint and each rank's failure."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.load(request, checkpoint_id=path, planner=planner, process_group=group)
+    except CheckpointException as e:
+        failures = getattr(e, "failures", {}) or {}
+        said = "; ".join(f"rank {r}: {type(f).__name__}: {f}" for r, f in sorted(failures.items())) or str(e)
+        raise ValueError(f"loading the checkpoint at {os.fspath(path)!r} failed ({said})") from None
 
 
 def _whose(metadata: Any, path: Any, optimizer: Any) -> str:
@@ -156,9 +193,8 @@ def _whose(metadata: Any, path: Any, optimizer: Any) -> str:
 
 
 def read_metadata(checkpoint_id: Any) -> Any:
-    """DCP's metadata of a checkpoint directory; a ``ValueError`` when its save did not finish."""
-    from torch.distributed.checkpoint import FileSystemReader
-
+    """DCP's metadata of a checkpoint directory; a ``ValueError`` when its save did not finish, or
+    when ``.metadata`` is truncated, unreadable or changed since the save (`integrity.read_metadata`)."""
     path = os.fspath(checkpoint_id)
     if not os.path.isdir(path):
         aside = sorted(glob.glob(f"{glob.escape(path)}.replaced-*"))
@@ -169,7 +205,7 @@ def read_metadata(checkpoint_id: Any) -> Any:
         written = sorted(f for f in os.listdir(path) if not f.startswith("."))
         raise ValueError(f"the checkpoint at {path!r} is incomplete: it has no .metadata (written last, once every "
                          f"rank has written its data), so its save did not finish; data files present: {written}")
-    return FileSystemReader(path).read_metadata()
+    return integrity.read_metadata(path)
 
 
 def _flat(request: dict) -> dict[str, Any]:

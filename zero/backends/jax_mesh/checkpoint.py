@@ -35,13 +35,14 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
+from zero.backends.checksums import digest, warn_unverified
 from zero.backends.jax_mesh.buffers import Buffer, packing
 from zero.backends.jax_mesh.executor import Placed
 from zero.backends.jax_mesh.hybrid import HybridState, WholeParams, masked
 from zero.backends.jax_mesh.rules import is_per_param
 from zero.plans.plan import Plan
 
-__all__ = ["FORMAT", "save", "restore", "read_meta", "dotted", "Source"]
+__all__ = ["FORMAT", "save", "restore", "read_meta", "dotted", "Source", "checksums", "verify", "check"]
 
 FORMAT = "zero.jax_mesh/1"
 
@@ -85,10 +86,65 @@ def save(path: str | os.PathLike, state: Any, plan: Plan, mesh: Mesh, axis: str 
             "has_params": params is not None}
     if plan.hybrid:
         meta["whole"] = _whole_items(state.whole, placed.whole_params(tx, params), params, items, nodes)
+    saved_params = dict(zip(names, jax.tree.leaves(params))) if params is not None else {}
+    meta["checksums"] = {**checksums("state", items), **checksums("params", saved_params)}
     composite = {"state": ocp_args().PyTreeSave(items), "zero": ocp_args().JsonSave(meta)}
     if params is not None:
-        composite["params"] = ocp_args().PyTreeSave(dict(zip(names, jax.tree.leaves(params))))
+        composite["params"] = ocp_args().PyTreeSave(saved_params)
     write_replacing(path, lambda tmp: _checkpointer().save(tmp, ocp_args().Composite(**composite)))
+
+
+def checksums(item: str, arrays: dict) -> dict[str, list[list]]:
+    """Per array of Orbax item ``item`` (``"item/key"``), the hash of each piece as written: each
+    device's slice of a sharded buffer, the whole of anything else, as ``[start, stop, hash]`` over
+    its flattened elements (`zero.backends.checksums`)."""
+    out = {}
+    for key, arr in arrays.items():
+        pieces: dict[tuple[int, int], str] = {}
+        sharded = isinstance(arr, jax.Array) and np.ndim(arr) == 1 and not arr.sharding.is_fully_replicated
+        for shard in arr.addressable_shards if sharded else ():
+            part = shard.index[0]
+            span = (part.start or 0, arr.shape[0] if part.stop is None else part.stop)
+            if span not in pieces:  # a slice held by several devices is written once
+                pieces[span] = digest(np.ascontiguousarray(np.asarray(shard.data)))
+        if not pieces:
+            data = np.ascontiguousarray(np.asarray(arr))
+            pieces[0, int(data.size)] = digest(data)
+        out[f"{item}/{key}"] = [[start, stop, h] for (start, stop), h in sorted(pieces.items())]
+    return out
+
+
+def verify(path: str | os.PathLike, meta: dict | None = None) -> list[str]:
+    """What is wrong with an Orbax checkpoint of zero's (empty: nothing): every piece `checksums`
+    hashed read back and hashed again; an array that cannot be read, named. ``[]`` for a checkpoint
+    without checksums (see `restore`)."""
+    meta = read_meta(path) if meta is None else meta
+    source, errors = Source(path, meta), []
+    for name, pieces in (meta.get("checksums") or {}).items():
+        item, key = name.split("/", 1)
+        try:
+            arr = source.array(item, key)
+            for start, stop, want in pieces:
+                whole = arr.rank == 0 or (start == 0 and stop == int(np.prod(arr.shape, dtype=np.int64)))
+                data = np.asarray((arr if whole else arr[start:stop]).read().result())
+                if digest(np.ascontiguousarray(data)) != want:
+                    errors.append(f"the checkpoint's {item} array {key!r}, elements {start}..{stop}, does not match "
+                                  "its checksum: it was changed or damaged after it was saved")
+        except Exception as e:  # noqa: BLE001 - whatever tensorstore says of a damaged store, named
+            errors.append(f"the checkpoint's {item} array {key!r} cannot be read ({type(e).__name__}: {e})")
+    return errors
+
+
+def check(path: str | os.PathLike, meta: dict) -> None:
+    """``ValueError`` naming what `verify` finds, before anything is restored; a warning for a
+    checkpoint without checksums (an older zero's)."""
+    errors = verify(path, meta)
+    if errors:
+        more = f" (and {len(errors) - 4} more)" if len(errors) > 4 else ""
+        raise ValueError(f"the checkpoint at {os.fspath(path)!r} is damaged, so nothing was restored: "
+                         + "; ".join(errors[:4]) + more)
+    if "checksums" not in meta:
+        warn_unverified(path, "saved by an older zero")
 
 
 def _flat_items(state: Any, placed: Placed) -> tuple[dict, list[dict]]:
@@ -293,12 +349,15 @@ def restore(path: str | os.PathLike, tx: optax.GradientTransformation, params: A
     its own slice, or its own whole params' state. ``params`` gives the tree (and the values, when
     the checkpoint holds none); the saved ones come back replicated.
 
-    A ``ValueError`` names what does not fit: a param missing or reshaped, a state node ``tx``
-    needs that the checkpoint lacks, another dtype. ``reads``, a dict, receives the bytes of
+    A ``ValueError`` names what does not fit: a piece whose bytes changed since the save (every
+    piece carries a checksum, checked first: `verify`), a param missing or reshaped, a state node
+    ``tx`` needs that the checkpoint lacks, another dtype. ``reads``, a dict, receives the bytes of
     per-param state each position along ``axis`` read."""
     placed = Placed(plan, mesh, axis)
     placed.check(tx, params)
-    source = Source(path, read_meta(path))
+    meta = read_meta(path)
+    check(path, meta)
+    source = Source(path, meta)
     mapping = _match_params(source.meta, plan)
     reads = {} if reads is None else reads
     per_buffer = _per_buffer(placed.buffers)
