@@ -341,7 +341,8 @@ def orbax_moves(folder: str) -> dict:
             errors[name] = "no error"
         except ValueError as err:
             errors[name] = f"ValueError: {err}"
-    errors["damaged"], errors["unverified"] = damaged_and_unverified(path, folder, tx, params, whole4)
+    errors["damaged"], errors["mismatch"], errors["unverified"] = damaged_and_unverified(path, folder, tx, params,
+                                                                                          whole4)
     # the plan's bytes, less torch's per-param step (Optax keeps one count, replicated)
     own = [whole4.ranks[r].state_bytes - 4 * len(whole4.partition.params_of(r)) for r in range(4)]
     return {"rel": worst(jax.tree.map(np.asarray, p), jax.tree.map(np.asarray, alone)),
@@ -350,9 +351,11 @@ def orbax_moves(folder: str) -> dict:
             "errors": errors, "siblings": sorted(n for n in os.listdir(folder) if n.startswith("orbax_ckpt."))}
 
 
-def damaged_and_unverified(path: str, folder: str, tx, params, plan) -> tuple[str, list[str]]:
-    """The checkpoint with 8 bytes of its largest data file changed (restore's error), and without
-    its checksums, as an older zero wrote it (restore's warnings)."""
+def damaged_and_unverified(path: str, folder: str, tx, params, plan) -> tuple[str, str, list[str]]:
+    """The checkpoint with 8 bytes of its largest data files changed (restore's error: tensorstore's
+    own check of its files may see it first), with one piece's recorded checksum not the data's
+    (zero's check: data changed where tensorstore would not see it), and without its checksums, as
+    an older zero wrote it (restore's warnings)."""
     import shutil
     import warnings
 
@@ -362,15 +365,22 @@ def damaged_and_unverified(path: str, folder: str, tx, params, plan) -> tuple[st
     shutil.copytree(path, bad)
     shutil.copytree(path, old)
     files = [os.path.join(r, f) for r, _, fs in os.walk(os.path.join(bad, "state")) for f in fs if "/d/" in r + "/"]
-    biggest = max(files, key=os.path.getsize)
-    data = bytearray(open(biggest, "rb").read())
-    data[len(data) // 2:len(data) // 2 + 8] = bytes(255 - b for b in data[len(data) // 2:len(data) // 2 + 8])
-    open(biggest, "wb").write(bytes(data))
-    try:
-        checkpoint.restore(bad, tx, params, plan, mesh_of(4))
-        damaged = "no error"
-    except ValueError as err:
-        damaged = f"ValueError: {err}"
+    # the largest size: the state's data; Orbax may keep two files of it (its merged and its
+    # per-process copy), and which one a restore reads is Orbax's choice, so damage both
+    largest = max(map(os.path.getsize, files))
+    for biggest in (f for f in files if os.path.getsize(f) == largest):
+        data = bytearray(open(biggest, "rb").read())
+        data[len(data) // 2:len(data) // 2 + 8] = bytes(255 - b for b in data[len(data) // 2:len(data) // 2 + 8])
+        open(biggest, "wb").write(bytes(data))
+    damaged = _restore_error(checkpoint, bad, tx, params, plan)
+    tampered = os.path.join(folder, "orbax_tampered")
+    shutil.copytree(path, tampered)
+    meta_path = os.path.join(tampered, "zero", "metadata")
+    meta = json.load(open(meta_path))
+    piece = next(p for name, ps in sorted(meta["checksums"].items()) if name.startswith("state/") for p in ps)
+    piece[2] = format(int(piece[2], 16) ^ 1, "016x")
+    json.dump(meta, open(meta_path, "w"))
+    mismatch = _restore_error(checkpoint, tampered, tx, params, plan)
     meta_path = os.path.join(old, "zero", "metadata")
     meta = json.load(open(meta_path))
     del meta["checksums"]
@@ -378,7 +388,15 @@ def damaged_and_unverified(path: str, folder: str, tx, params, plan) -> tuple[st
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         checkpoint.restore(old, tx, params, plan, mesh_of(4))
-    return damaged, [f"{w.category.__name__}: {w.message}" for w in caught if "checksums" in str(w.message)]
+    return damaged, mismatch, [f"{w.category.__name__}: {w.message}" for w in caught if "checksums" in str(w.message)]
+
+
+def _restore_error(checkpoint, path: str, tx, params, plan) -> str:
+    try:
+        checkpoint.restore(path, tx, params, plan, mesh_of(4))
+        return "no error"
+    except ValueError as err:
+        return f"ValueError: {err}"
 
 
 def hybrid_orbax(folder: str) -> dict:

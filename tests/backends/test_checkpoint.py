@@ -35,6 +35,16 @@ def test_a_checkpoint_resumes_at_other_world_sizes_and_plans_to_the_bit(tmp_path
     _equal(_params(rows), pw.single_process(12))
 
 
+def _within_one_rounding(got, want):
+    """bf16 params at most one bf16 step apart, in at most 1 element of 200: masters restarted from
+    the bf16 params would leave a rounding's difference in a large share of the elements."""
+    for a, b in zip(got, want):
+        a, b = np.asarray(a), np.asarray(b)
+        ulp = np.spacing(np.abs(b).astype(np.float32)) * 2.0**16  # bf16 keeps 8 of fp32's 24 bits
+        assert np.all(np.abs(a - b) <= ulp), "beyond one bf16 rounding"
+        assert np.count_nonzero(a != b) <= max(1, b.size // 200), f"{np.count_nonzero(a != b)} of {b.size} differ"
+
+
 @pytest.mark.parametrize("rule", ["adamw", "lamb"])
 def test_master_weights_travel_in_the_checkpoint(tmp_path, rule):
     """bf16 params on fp32 masters: had the masters restarted from the bf16 params on load, the
@@ -42,7 +52,10 @@ def test_master_weights_travel_in_the_checkpoint(tmp_path, rule):
     run_ranks(cw.dcp_leg, 3, "flat", None, str(tmp_path / "a"), 0, 4, True, rule, timeout=120)
     resumed = run_ranks(cw.dcp_leg, 2, "sorted_greedy", str(tmp_path / "a"), None, 4, 4, True, rule, timeout=120)
     whole = run_ranks(cw.dcp_leg, 2, "flat", None, None, 0, 8, True, rule, timeout=120)
-    _equal(_params(resumed), _params(whole))
+    if rule == "adamw":
+        _equal(_params(resumed), _params(whole))
+    else:  # LAMB's per-tensor norms sum in another order on 3 and 2 ranks: a rare bf16 rounding flips
+        _within_one_rounding(_params(resumed), _params(whole))
     assert any(k.endswith(".master") for k in checkpoint_keys(tmp_path / "a"))
 
 

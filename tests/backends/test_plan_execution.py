@@ -126,7 +126,8 @@ def test_flat_plans_refuse_optax_code():
 @pytest.mark.usefixtures("one_rank")
 def test_flat_plan_errors_after_construction():
     ps = _params()
-    opt = Zero(ps, torch.optim.AdamW, strategy="flat", lr=0.1)
+    # one buffer for every param (a model this small gets a buffer per param by default)
+    opt = Zero(ps, torch.optim.AdamW, plan=zero.make_plan(zero.param_metas(ps), 1, "flat"), lr=0.1)
     with pytest.raises(ValueError, match="cannot extend a flat plan"):
         opt.add_param_group({"params": [nn.Parameter(torch.ones(2))]})
     for p in ps:

@@ -111,12 +111,6 @@ def test_ranks_that_hold_nothing_or_only_padding_at_1024_ranks_to_the_byte():
             assert run.collective_bytes == run.predicted.collective_bytes > 0, (name, rank)
 
 
-# Last in the module: `one_rank` keeps its default group until the module ends.
-def test_a_simulated_job_needs_the_process_to_itself(one_rank):
-    with pytest.raises(RuntimeError, match="already initialized"):
-        simulate(preset("gpt2"), 8, 0)
-
-
 def gpt_metas(layers: int = 13, d: int = 256, vocab: int = 4096, context: int = 512) -> list:
     """An 11.4M-param GPT (bench/muon_bench.py's blocks): where a user measured ZeRO-2 holding more
     than ZeRO-1 (575 MiB after backward against 518) with 4M-element buckets."""
@@ -151,6 +145,12 @@ def test_zero2_never_holds_more_than_zero1_by_default(model, world):
         runs = [simulate(metas, world, 0, strategy="flat", reduce_scatter_grads=rs) for rs in (False, True)]
         assert runs[1].measured_peak_bytes <= runs[0].measured_peak_bytes, [r.as_dict() for r in runs]
         assert [r.measured_peak_bytes for r in runs] == [r.predicted_peak_bytes for r in runs]
+
+
+# Last in the module: `one_rank` keeps its default group until the module ends.
+def test_a_simulated_job_needs_the_process_to_itself(one_rank):
+    with pytest.raises(RuntimeError, match="already initialized"):
+        simulate(preset("gpt2"), 8, 0)
 
 
 def test_bucket_cap_mb_sizes_the_flat_buffers_as_ddp_names_it(one_rank):

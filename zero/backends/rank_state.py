@@ -27,6 +27,8 @@ from zero.plans.plan import Plan
 
 __all__ = ["RankState"]
 
+_NOT_SETTINGS = ("params", "param_names")
+
 # groups (this rank's tensors, one dict per param group), per_param -> the local optimizer
 MakeOptimizer = Callable[[list[dict], bool], torch.optim.Optimizer]
 
@@ -110,6 +112,19 @@ class RankState:
         wrote into its groups while stepping (as torch's ZeRO does after each step)."""
         self.steps += 1
         self.pull()
+
+    def settings(self) -> list[dict]:
+        """The local optimizer's group settings now, to run one step in pieces (`rewind`)."""
+        return [{k: v for k, v in g.items() if k not in _NOT_SETTINGS} for g in self.optim.param_groups]
+
+    def rewind(self, settings: list[dict]) -> None:
+        """Put back the group settings taken before a step's first piece: a step run buffer by
+        buffer then writes its groups once (an optimizer that counts its steps in a group counts
+        one per step, not one per buffer)."""
+        for group, saved in zip(self.optim.param_groups, settings):
+            for key in [k for k in group if k not in saved and k not in _NOT_SETTINGS]:
+                del group[key]
+            group.update(saved)
 
     # -- the local step ------------------------------------------------------------------------
 

@@ -105,7 +105,8 @@ class ViewWatch:
     compare: the watch steps aside."""
 
     def __init__(self, params: Sequence[torch.Tensor], indices: Sequence[int], fake: bool = False):
-        self.params, self.indices, self.fake = params, list(indices), fake
+        # in the params' order, so that the error names the first param moved
+        self.params, self.indices, self.fake = params, sorted(indices), fake
         self.pointers = [] if fake else [params[i].data_ptr() for i in self.indices]
 
     def joined(self, other: ViewWatch) -> ViewWatch:

@@ -29,10 +29,11 @@ def plan_table(plan, max_rows: int = 16):
     from rich.table import Table
 
     masters = f", {plan.master_dtype} masters" if plan.master_dtype else ""
-    t = Table(title=f"{strategy(plan)} on {plan.world_size} ranks, weight={plan.weight}, "
-                    f"optimizer={plan.optimizer}{masters}: busiest rank / mean {plan.max_over_mean:.4f}, "
-                    f"/ best possible {plan.max_over_bound:.4f}, fingerprint {plan.fingerprint}; "
-                    "MiB per rank")
+    title = (f"{strategy(plan)} on {plan.world_size} ranks, weight={plan.weight}, optimizer={plan.optimizer}"
+             f"{masters}; MiB per rank\nbusiest rank / mean {plan.max_over_mean:.4f}, / best possible "
+             f"{plan.max_over_bound:.4f}, fingerprint {plan.fingerprint}")
+    # as wide as the title's longest line, so that a narrow table never breaks a figure from its label
+    t = Table(title=title, min_width=max(map(len, title.splitlines())))
     for col in ("rank", "params", "load", "masters", "state", "ZeRO-1", "ZeRO-2", "padding", "sent"):
         t.add_column(col, justify="right")
     ranks = plan.ranks

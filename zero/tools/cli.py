@@ -162,8 +162,9 @@ def _checkpoint(args: argparse.Namespace) -> int:
     tensors = [r for r in rows if r["kind"] == "tensor"]
     table = Table(title=f"{args.path}: {len(tensors)} tensors, {sum(r['bytes'] for r in tensors) / 2**20:.2f} MiB, "
                         f"{len(rows) - len(tensors)} other entries")
-    for col in ("key", "shape", "dtype", "bytes", "chunks", "complete"):
-        table.add_column(col, justify="left" if col in ("key", "chunks") else "right")
+    _key_column(table, tensors[:args.rows])
+    for col in ("shape", "dtype", "bytes", "chunks", "complete"):
+        table.add_column(col, justify="left" if col == "chunks" else "right")
     for r in tensors[:args.rows]:
         chunks = ", ".join(f"{tuple(c['offsets'])}+{tuple(c['sizes'])} in {c['file']}" for c in r["chunks"][:3])
         more = f" (+{len(r['chunks']) - 3})" if len(r["chunks"]) > 3 else ""
@@ -173,6 +174,12 @@ def _checkpoint(args: argparse.Namespace) -> int:
     if len(tensors) > args.rows:
         print(f"... {len(tensors) - args.rows} more tensors (--rows, or --json for all)")
     return 0
+
+
+def _key_column(table, rows) -> None:
+    """The key column, wide enough for its keys (up to 60 columns): a key is what a user searches for, so the
+    other columns wrap first."""
+    table.add_column("key", no_wrap=True, min_width=min(60, max((len(r["key"]) for r in rows), default=3)))
 
 
 def _verify(path: Path) -> int:
@@ -231,8 +238,9 @@ def _show_orbax(args: argparse.Namespace, render, Table) -> int:
     mib = sum(r["bytes"] for r in rows) / 2**20
     table = Table(title=f"{args.path}: Orbax (zero.backends.jax_mesh), {len(meta['names'])} params, state "
                         f"{[n['path'] for n in meta['nodes']]} {saved}, {mib:.2f} MiB")
-    for col in ("key", "shape", "dtype", "bytes"):
-        table.add_column(col, justify="left" if col == "key" else "right")
+    _key_column(table, rows[:args.rows])
+    for col in ("shape", "dtype", "bytes"):
+        table.add_column(col, justify="right")
     for r in rows[:args.rows]:
         table.add_row(r["key"], str(tuple(r["shape"])), r["dtype"], str(r["bytes"]))
     print(render(table))

@@ -485,8 +485,11 @@ class ReduceScatteredShards(FlatShards):
         self.gradients.ddp_watch.remove()
         try:
             shards.start_rest()
+            settings = state.settings()
             for k in range(len(self.shards)):
                 shards.wait(k)
+                if k:
+                    state.rewind(settings)
                 state.run(self.rules, grads=self.use_reduced_grads(state.masters.dtype, only=k))
                 if k == 0:
                     verify()
