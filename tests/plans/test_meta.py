@@ -151,3 +151,11 @@ def test_gc_paused_restores_the_collector(enabled):
         assert gc.isenabled() is enabled
     finally:
         gc.enable()
+
+
+def test_metadata_pickles_as_built():
+    """Sent to another process (a simulation's, a pool's) it arrives whole, numel and nbytes derived."""
+    import pickle
+
+    metas = param_metas({"w": (3, 4), "b": (5,)})
+    assert pickle.loads(pickle.dumps(metas)) == metas and pickle.loads(pickle.dumps(metas[0])).nbytes == 48

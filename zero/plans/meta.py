@@ -73,6 +73,9 @@ class ParamMeta(_Fields):
         return (f"ParamMeta(name={self.name!r}, shape={self.shape!r}, dtype={self.dtype!r}, "
                 f"device={self.device!r}, group={self.group!r}, requires_grad={self.requires_grad!r})")
 
+    def __getnewargs__(self) -> tuple:  # pickled as built: numel and nbytes are derived again
+        return self.name, self.shape, self.dtype, self.device, self.group, self.requires_grad
+
     def _replace(self, **changes: Any) -> ParamMeta:  # through __new__, so numel/nbytes follow
         return ParamMeta(**{**self.to_dict(), **changes})
 
