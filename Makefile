@@ -23,7 +23,7 @@ demo: $(STAMP)
 	$(BIN)/python -m zero demo
 
 test: $(STAMP) lint
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=30
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=30
 
 # Optax's own test modules against zero.functional, with the Rosenbrock convergence runs `make test` leaves out.
 test-optax: $(STAMP)

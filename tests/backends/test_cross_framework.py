@@ -30,6 +30,10 @@ def rel(a, b) -> float:
                for x, y in zip(a, b))
 
 
+# the module on one worker under -n 2: its fixture runs the JAX side once
+pytestmark = pytest.mark.xdist_group("cross_framework")
+
+
 @pytest.fixture(scope="module")
 def moves(tmp_path_factory) -> dict:
     folder = tmp_path_factory.mktemp("cross")

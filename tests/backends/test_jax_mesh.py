@@ -34,6 +34,10 @@ def twin_plans() -> list[str]:
             zero.make_plan(metas, 4, "sorted_greedy").to_json()]
 
 
+# the module on one worker under -n 2: its fixture runs the JAX side once
+pytestmark = pytest.mark.xdist_group("jax_mesh")
+
+
 @pytest.fixture(scope="module")
 def mesh_run(tmp_path_factory) -> dict:
     plans = tmp_path_factory.mktemp("jax_mesh") / "plans.json"

@@ -11,7 +11,9 @@ from zero.backends.simulate import fake_group, simulate
 from zero.plans.layout import IN_FLIGHT_BUCKETS
 from zero.plans.presets import preset
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # torch's own, about fake tensors
+# the module on one worker under -n 2: its one-rank group must outlive none of its simulations
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),  # torch's own, about fake tensors
+              pytest.mark.xdist_group("simulate")]
 
 
 def matrices(meta):

@@ -4,11 +4,22 @@ import jax
 import numpy as np
 import optax
 import optree
+import pytest
 import torch
 
 import zero.functional as F
 
 jax.config.update("jax_enable_x64", True)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def x64():
+    """JAX in float64 for a module's f64 cases, whatever ran before it in this process (a test that
+    turned x64 off, on a worker of its own under -n 2); its setting back after."""
+    before = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    yield
+    jax.config.update("jax_enable_x64", before)
 
 SHAPES = {"w": (5, 7), "b": (7,), "nested": [(3,), (2, 2, 3)], "scalar": ()}
 

@@ -9,7 +9,7 @@ import jax  # noqa: E402
 import optax  # noqa: E402
 import torch  # noqa: E402
 from helpers import assert_trees_close  # noqa: E402
-from optax_parity import random_tree, run_both, to_jax, to_torch  # noqa: E402
+from optax_parity import random_tree, run_both, to_jax, to_torch, x64  # noqa: E402, F401 (x64: a module fixture)
 
 import zero.functional as F  # noqa: E402
 

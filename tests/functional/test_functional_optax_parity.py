@@ -8,7 +8,7 @@ pytest.importorskip("optax", reason="parity with Optax needs the zero[jax] extra
 import optax  # noqa: E402
 from alias_cases import ALIASES, LR, MORE_ALIASES, build  # noqa: E402
 from helpers import assert_trees_close  # noqa: E402
-from optax_parity import random_tree, run_both  # noqa: E402
+from optax_parity import random_tree, run_both, x64  # noqa: E402, F401 (x64: a module fixture)
 
 import zero.functional as F  # noqa: E402
 
