@@ -133,10 +133,13 @@ def test_a_rank_that_skips_step_in_a_loop_is_named_on_every_rank_at_once(mode, w
 
 def test_a_rank_dying_in_backward_is_named_where_zero_owns_the_gradient_collectives():
     results = run_ranks(w.dies_in_backward, 3, pg_timeout=60, timeout=90, allow_exit=(2,))
-    for r in results[:2]:
+    for rank, r in enumerate(results[:2]):
         assert r["error"] == "RuntimeError" and r["iteration"] == 2 and r["seconds"] < 5, r
-        assert r["message"].startswith(f"rank {results.index(r)} (of 3) waited for the gradients' reduce-scatter and "
-                                       "the collective failed; rank 2 did not answer"), r["message"]
+        # the dead rank 2 named; the other live rank too when it had already ended on its own error
+        # (and so stopped answering) by the time this rank looked, as on 2 busy cores
+        other = 1 - rank
+        assert re.match(rf"rank {rank} \(of 3\) waited for the gradients' reduce-scatter and the collective failed; "
+                        rf"rank ({other}, )?2 did not answer", r["message"]), r["message"]
 
 
 def test_gradient_accumulation_under_ddp_meets_and_goes_on():
