@@ -30,11 +30,12 @@ def rel(a, b) -> float:
                for x, y in zip(a, b))
 
 
-# the module on one worker under -n 2: its fixture runs the JAX side once
+# the module on one worker under -n 2, its fixture once per session: a worker may run other
+# modules' tests between this module's, and a module fixture would run the JAX side again
 pytestmark = pytest.mark.xdist_group("cross_framework")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def moves(tmp_path_factory) -> dict:
     folder = tmp_path_factory.mktemp("cross")
     torch_at20 = run_ranks(w.train_save_continue, 2, str(folder / "dcp10"), timeout=240)[0]

@@ -34,11 +34,12 @@ def twin_plans() -> list[str]:
             zero.make_plan(metas, 4, "sorted_greedy").to_json()]
 
 
-# the module on one worker under -n 2: its fixture runs the JAX side once
+# the module on one worker under -n 2, its fixture once per session: a worker may run other
+# modules' tests between this module's, and a module fixture would run the JAX side again
 pytestmark = pytest.mark.xdist_group("jax_mesh")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def mesh_run(tmp_path_factory) -> dict:
     plans = tmp_path_factory.mktemp("jax_mesh") / "plans.json"
     plans.write_text(json.dumps(twin_plans()))
