@@ -36,7 +36,8 @@ def twin_plans() -> list[str]:
 
 # the module on one worker under -n 2, its fixture once per session: a worker may run other
 # modules' tests between this module's, and a module fixture would run the JAX side again
-pytestmark = pytest.mark.xdist_group("jax_mesh")
+# (its first test's bound covers the JAX side: about 200 s on 2 cores beside another worker)
+pytestmark = [pytest.mark.xdist_group("jax_mesh"), pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="session")
@@ -45,7 +46,7 @@ def mesh_run(tmp_path_factory) -> dict:
     plans.write_text(json.dumps(twin_plans()))
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
     out = subprocess.run([sys.executable, str(HERE / "jax_mesh_checks.py"), str(plans)], capture_output=True,
-                         text=True, env=env, timeout=240)
+                         text=True, env=env, timeout=540)
     assert out.returncode == 0, out.stderr[-4000:]
     return json.loads(out.stdout)
 
