@@ -151,6 +151,8 @@ def train(system: str, rank: int, world_size: int, layers: int, width: int, step
 
 def worker(rank: int, world_size: int, systems: list[str], layers: int, width: int, steps: int) -> dict:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    # DeepSpeed asks its launcher's variables even with a process group already made
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world_size))
     out = {}
     for system in systems:
         with warnings.catch_warnings(), contextlib.redirect_stdout(open(os.devnull, "w")):
