@@ -43,3 +43,22 @@ def pytest_collection_modifyitems(items):
         seconds = LONG_NOTEBOOKS.get(item.path.name) if item.path.suffix == ".ipynb" else None
         if seconds:
             item.add_marker(pytest.mark.timeout(seconds))
+
+
+
+def pytest_configure(config):
+    """Refuse to run a module's tests on two workers when its marks say one: under pytest 9.2 and
+    pytest-xdist 3.8, --dist loadgroup ignores every xdist_group mark (pytest-dev/pytest-xdist#1386),
+    and the session fixtures of the grouped modules (the JAX mesh's subprocess, the simulations)
+    would run once per worker, 200 s each."""
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    if config.getoption("dist", "no") != "loadgroup":
+        return
+    pytest_v, xdist_v = Version(version("pytest")), Version(version("pytest-xdist"))
+    if pytest_v >= Version("9.2.0.dev0") and xdist_v <= Version("3.8.0"):
+        raise pytest.UsageError(
+            f"pytest {pytest_v} with pytest-xdist {xdist_v} does not group tests under --dist loadgroup "
+            "(pytest-dev/pytest-xdist#1386): install the project's dev extra (pytest<9.2)")
