@@ -2,14 +2,22 @@ import datetime
 import os
 import sys
 
-import pytest
-from hypothesis import HealthCheck, settings
+# One thread per process, before torch starts its pool: two pytest workers, the notebooks' kernels,
+# the docs' commands and the ranks share the machine's cores, and torch's default (a thread per core
+# in every process) oversubscribes them: with it a notebook took 303 s beside the suite, with one
+# thread 27 s. The child processes inherit it; a value already set is kept.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
 
 # CI machines are slow and shared: no per-example deadlines, fewer examples than a local deep run.
 settings.register_profile("ci", deadline=None, max_examples=60,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("deep", deadline=None, max_examples=1000)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture(scope="module")
