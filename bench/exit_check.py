@@ -9,6 +9,10 @@ non-zero exit (SIGABRT: ``terminate called without an active exception``).
 
     python bench/exit_check.py --runs 100 --ranks 3 --kind zero
     python bench/exit_check.py --runs 100 --ranks 3 --kind plain
+    python bench/exit_check.py --runs 100 --ranks 3 --kind zero --destroy
+
+``--destroy``: each rank calls ``dist.destroy_process_group()`` after its save, as torch asks of
+every script (the mitigation: the gloo worker threads end while the interpreter is whole).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import tempfile
 import time
 
 
-def worker(kind: str, load: str | None, save: str, steps: int) -> None:
+def worker(kind: str, load: str | None, save: str, steps: int, destroy: bool) -> None:
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -61,13 +65,17 @@ def worker(kind: str, load: str | None, save: str, steps: int) -> None:
         opt.step()
     saver(save)
     print(f"rank {dist.get_rank()} done", flush=True)
+    if destroy:
+        dist.destroy_process_group()
 
 
-def launch(kind: str, ranks: int, load: str | None, save: str) -> subprocess.CompletedProcess:
+def launch(kind: str, ranks: int, load: str | None, save: str, destroy: bool) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", "--master_port=0",
            "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0", __file__, "--worker", "--kind", kind, "--save", save]
     if load:
         cmd += ["--load", load]
+    if destroy:
+        cmd.append("--destroy")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
 
@@ -78,27 +86,30 @@ def main() -> int:
     ap.add_argument("--ranks", type=int, default=3)
     ap.add_argument("--kind", choices=("zero", "plain"), default="zero")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--destroy", action="store_true", help="destroy the process group before exit")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--load", help=argparse.SUPPRESS)
     ap.add_argument("--save", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        worker(args.kind, args.load, args.save, args.steps)
+        worker(args.kind, args.load, args.save, args.steps, args.destroy)
         return 0
     root = tempfile.mkdtemp(prefix="zero-exit-check-")
     try:
-        first = launch(args.kind, args.ranks, None, os.path.join(root, "start"))
+        first = launch(args.kind, args.ranks, None, os.path.join(root, "start"), args.destroy)
         if first.returncode:
             print(first.stderr[-3000:])
             return 1
         failed, start = [], time.perf_counter()
         for run in range(args.runs):
-            out = launch(args.kind, args.ranks, os.path.join(root, "start"), os.path.join(root, f"run{run}"))
+            out = launch(args.kind, args.ranks, os.path.join(root, "start"), os.path.join(root, f"run{run}"),
+                         args.destroy)
             aborted = "terminate called" in out.stderr
             if out.returncode or aborted:
                 failed.append((run, out.returncode, aborted))
             shutil.rmtree(os.path.join(root, f"run{run}"), ignore_errors=True)
-        print(f"{args.kind}: {args.runs} runs of {args.ranks} ranks under torchrun, each resuming a checkpoint, "
+        kind = f"{args.kind}{' --destroy' if args.destroy else ''}"
+        print(f"{kind}: {args.runs} runs of {args.ranks} ranks under torchrun, each resuming a checkpoint, "
               f"{args.steps} steps, a save, a plain exit: {len(failed)} failed "
               f"({time.perf_counter() - start:.0f} s)")
         for run, rc, aborted in failed:

@@ -1,6 +1,8 @@
 import datetime
 import os
+import shutil
 import sys
+import tempfile
 
 # One thread per process, before torch starts its pool: two pytest workers, the notebooks' kernels,
 # the docs' commands and the ranks share the machine's cores, and torch's default (a thread per core
@@ -53,16 +55,21 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.timeout(seconds))
 
 
-
 def pytest_configure(config):
-    """Refuse to run a module's tests on two workers when its marks say one: under pytest 9.2 and
-    pytest-xdist 3.8, --dist loadgroup ignores every xdist_group mark (pytest-dev/pytest-xdist#1386),
-    and the session fixtures of the grouped modules (the JAX mesh's subprocess, the simulations)
-    would run once per worker, 200 s each."""
+    """The session's store of simulated ranks (`zero.backends.simulate`). And: refuse to run a
+    module's tests on two workers when its marks say one: under pytest 9.2 and pytest-xdist 3.8,
+    --dist loadgroup ignores every xdist_group mark (pytest-dev/pytest-xdist#1386), and the
+    session fixtures of the grouped modules (the JAX mesh's subprocess, the simulations) would run
+    once per worker, 200 s each."""
     from importlib.metadata import version
 
     from packaging.version import Version
 
+    if not hasattr(config, "workerinput") and not os.environ.get("ZERO_SIMULATE_CACHE"):
+        # one store of simulated ranks for the session, its workers and their children (notebooks,
+        # the docs' commands): a rank the notebook, the tests and the docs each simulate runs once
+        config.zero_simulate_cache = tempfile.mkdtemp(prefix="zero-simulate-")
+        os.environ["ZERO_SIMULATE_CACHE"] = config.zero_simulate_cache
     if config.getoption("dist", "no") != "loadgroup":
         return
     pytest_v, xdist_v = Version(version("pytest")), Version(version("pytest-xdist"))
@@ -70,3 +77,9 @@ def pytest_configure(config):
         raise pytest.UsageError(
             f"pytest {pytest_v} with pytest-xdist {xdist_v} does not group tests under --dist loadgroup "
             "(pytest-dev/pytest-xdist#1386): install the project's dev extra (pytest<9.2)")
+
+
+def pytest_unconfigure(config):
+    folder = getattr(config, "zero_simulate_cache", None)
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)

@@ -149,6 +149,31 @@ def test_zero2_never_holds_more_than_zero1_by_default(model, world):
         assert [r.measured_peak_bytes for r in runs] == [r.predicted_peak_bytes for r in runs]
 
 
+def test_a_run_kept_under_zero_simulate_cache_is_read_back_and_only_for_the_same_inputs(tmp_path, monkeypatch):
+    """The store the suite shares (tests/conftest.py): the same inputs are read back equal, with the
+    run itself never called; another rank, option or ``whole=`` selection runs; a model built by a
+    function is never kept; a damaged file is run again and replaced."""
+    import zero.backends.simulate as sim
+
+    monkeypatch.setenv("ZERO_SIMULATE_CACHE", str(tmp_path))
+    metas, hybrid = gpt_metas()[:9], dict(strategy="flat", whole=lambda m: len(m.shape) == 2)
+    first = simulate(metas, 4, 3, **hybrid)
+    ran = []
+    real_run = sim._run
+    monkeypatch.setattr(sim, "_run", lambda *a, **k: ran.append(a[1:3]) or real_run(*a, **k))
+    assert simulate(metas, 4, 3, strategy="flat", whole=[m.name for m in metas if len(m.shape) == 2]) == first
+    assert ran == []  # the same params kept whole, named instead of tested: read back
+    simulate(metas, 4, 2, **hybrid)
+    simulate(metas, 4, 3, strategy="flat")
+    simulate(metas, 4, 3, master_dtype=F32, **hybrid)
+    assert ran == [(4, 2), (4, 3), (4, 3)] and len(list(tmp_path.glob("*.pkl"))) == 4
+    simulate(lambda: torch.nn.Linear(8, 8), 2, 1)
+    assert len(list(tmp_path.glob("*.pkl"))) == 4  # a function's model: not kept
+    for path in tmp_path.glob("*.pkl"):
+        path.write_bytes(b"damaged")
+    assert simulate(metas, 4, 3, **hybrid) == first and len(ran) == 5
+
+
 # Last in the module: `one_rank` keeps its default group until the module ends.
 def test_a_simulated_job_needs_the_process_to_itself(one_rank):
     with pytest.raises(RuntimeError, match="already initialized"):

@@ -7,11 +7,22 @@ seconds. The params are fake tensors (from the model's own constructor, or from 
 their gradients are made by autograd one param at a time, in reverse order, as backward makes
 them (the model's input is not needed, and no activation is counted). Two iterations run, so the
 second backward meets the optimizer state the first step made: the steady state's peak.
+
+With ``ZERO_SIMULATE_CACHE`` naming a directory, a run from metadata is kept there, keyed by its
+inputs, zero's source and torch's version, and the same run asked again (by another process too:
+a notebook, ``zero simulate``) is read back instead of run again. The test suite shares one per
+session; nothing is kept without it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
+import os
+import pathlib
+import pickle
+import tempfile
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -81,13 +92,17 @@ def fake_group(rank: int, world_size: int) -> Iterator[Any]:
     (a default group already set up is a ``RuntimeError``: a simulation takes the process)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    if dist.is_initialized():
-        raise RuntimeError("a default process group is already initialized: simulate in a process of its own")
+    _require_no_group()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield dist.group.WORLD
     finally:
         dist.destroy_process_group()
+
+
+def _require_no_group() -> None:
+    if dist.is_initialized():
+        raise RuntimeError("a default process group is already initialized: simulate in a process of its own")
 
 
 def simulate(params: Callable[[], nn.Module] | Sequence[ParamMeta], world_size: int, rank: int, *,
@@ -98,18 +113,35 @@ def simulate(params: Callable[[], nn.Module] | Sequence[ParamMeta], world_size: 
     function building the model, called under ``FakeTensorMode``, or parameter metadata; ``dtype``
     casts them), the plan (`zero.make_plan` with ``strategy``, the state of ``optimizer``,
     ``master_dtype``; ``whole=``: a hybrid plan; flat plans in buckets sized as the optimizer's own),
-    a `ZeroRedundancyOptimizer` executing it with ``torch.optim``'s rule, and two iterations."""
+    a `ZeroRedundancyOptimizer` executing it with ``torch.optim``'s rule, and two iterations.
+    Runs from metadata are kept under ``ZERO_SIMULATE_CACHE`` when it is set (see the module)."""
+    cls, settings = _optimizer(optimizer)
+    _require_no_group()
+    options = dict(optimizer=optimizer, strategy=strategy, master_dtype=master_dtype, whole=whole, dtype=dtype,
+                   reduce_scatter_grads=reduce_scatter_grads, reduce_dtype=reduce_dtype,
+                   parameters_as_bucket_view=parameters_as_bucket_view)
+    key = _cache_key(params, world_size, rank, options)
+    run = _cache_read(key)
+    if run is None:
+        run = _run(params, world_size, rank, cls, settings, **options)
+        _cache_write(key, run)
+    return run
+
+
+def _run(params: Callable[[], nn.Module] | Sequence[ParamMeta], world_size: int, rank: int, cls: type,
+         settings: dict, *, optimizer: str, strategy: str, master_dtype: torch.dtype | None,
+         reduce_scatter_grads: bool, reduce_dtype: torch.dtype | None, whole: Any,
+         parameters_as_bucket_view: bool | None, dtype: torch.dtype | None) -> RankRun:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from zero.backends.zero_optimizer import ZeroRedundancyOptimizer
 
-    cls, settings = _optimizer(optimizer)
     with fake_group(rank, world_size), FakeTensorMode(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", "Accessing the data pointer of FakeTensor")  # inside torch's own
         model = _model(params, dtype)
         plan = _plan(model, world_size, strategy, optimizer, master_dtype, whole)
-        tracker = MemTracker()
+        tracker = _tracker(MemTracker)
         tracker.track_external(model)
         with tracker:
             opt = ZeroRedundancyOptimizer(model.parameters(), cls, plan=plan,
@@ -126,6 +158,70 @@ def simulate(params: Callable[[], nn.Module] | Sequence[ParamMeta], world_size: 
     return RankRun(rank, world_size, peak, measured, tuple((c.kind, c.dtype, c.group_size, c.bytes)
                                                            for c in collectives), predicted,
                    0 if reduce_scatter_grads else ddp_allreduce_bytes(plan))
+
+
+def _tracker(mem_tracker: type) -> Any:
+    """torch's ``MemTracker``, without its re-reading of the whole optimizer state after every
+    ``optimizer.step()``: a pipelined ZeRO-2 step calls its local optimizer once per bucket, which made
+    that re-reading buckets x state tensors, a fifth of a 1,024-rank run. It only re-labels tensors
+    the step made, which the tracker already counted under the optimizer's label as they were made
+    (its pre-step hook sets it), so the peaks are the same to the byte (tests/backends/test_simulate.py)."""
+
+    class Tracker(mem_tracker):
+        def _track_optimizer_states(self, reftype: Any, optimizer: Any) -> None:
+            pass
+
+    return Tracker()
+
+
+def _cache_key(params: Any, world_size: int, rank: int, options: dict) -> str | None:
+    """What a run depends on, hashed: None where it cannot be named (no cache set; a model built by a
+    function, whose code is not a value; a ``whole=`` that `make_plan` will refuse)."""
+    if not os.environ.get("ZERO_SIMULATE_CACHE") or callable(params):
+        return None
+    from zero.plans.accounting import optimizer_state
+    from zero.plans.hybrid import resolve_whole
+
+    metas = tuple(params)
+    whole = options["whole"]
+    if whole is not None:
+        if options["strategy"] != "flat":
+            return None
+        whole = resolve_whole(metas, whole, optimizer_state(options["optimizer"]))  # a function: what it picks
+    inputs = (metas, world_size, rank, sorted({**options, "whole": whole}.items()), _source_digest())
+    return hashlib.sha256(repr(inputs).encode()).hexdigest()
+
+
+@functools.cache
+def _source_digest() -> str:
+    """zero's own source and torch's version: a run kept by other code is never read back."""
+    digest = hashlib.sha256(torch.__version__.encode())
+    for path in sorted(pathlib.Path(__file__).parents[1].rglob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def _cache_read(key: str | None) -> RankRun | None:
+    path = None if key is None else pathlib.Path(os.environ["ZERO_SIMULATE_CACHE"], f"{key}.pkl")
+    if path is None or not path.is_file():
+        return None
+    try:
+        run = pickle.loads(path.read_bytes())
+    except Exception:  # a file another version or a killed writer left: run again, and replace it
+        return None
+    return run if isinstance(run, RankRun) else None
+
+
+def _cache_write(key: str | None, run: RankRun) -> None:
+    """Written whole or not at all (a temporary file renamed): two processes may write one key."""
+    if key is None:
+        return
+    folder = pathlib.Path(os.environ["ZERO_SIMULATE_CACHE"])
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
+    with os.fdopen(fd, "wb") as f:
+        f.write(pickle.dumps(run))
+    os.replace(tmp, folder / f"{key}.pkl")
 
 
 def _optimizer(name: str) -> tuple[type, dict]:
