@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import DistStoreError
 
-from zero.backends import comm
+from zero.backends import at_exit, comm
 from zero.plans.checks import checksum
 from zero.plans.diff import plan_facts
 
@@ -201,6 +201,7 @@ def watch_of(group: Any) -> Watch | None:
         return None
     key = (tuple(dist.get_process_group_ranks(group)), id(store))  # a new init brings a new store
     if key not in _WATCHES:
+        at_exit.end_group_at_exit()
         _WATCHES[key] = Watch(group, store) if len(key[0]) > 1 else None
     return _WATCHES[key]
 
