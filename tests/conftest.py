@@ -46,13 +46,20 @@ def _rank_pools():
 
 # Notebooks that simulate 1,024-rank jobs run longer than one test's 300 s bound allows on 2 busy cores.
 LONG_NOTEBOOKS = {"zero_at_scale.ipynb": 900}
+# Notebooks on the worker of a group of tests: zero_at_scale simulates ranks test_simulate simulates
+# too, and one after the other the second reads them from the session's store (ZERO_SIMULATE_CACHE)
+NOTEBOOK_GROUPS = {"zero_at_scale.ipynb": "simulate"}
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups
 def pytest_collection_modifyitems(items):
     for item in items:
-        seconds = LONG_NOTEBOOKS.get(item.path.name) if item.path.suffix == ".ipynb" else None
-        if seconds:
-            item.add_marker(pytest.mark.timeout(seconds))
+        if item.path.suffix != ".ipynb":
+            continue
+        if item.path.name in LONG_NOTEBOOKS:
+            item.add_marker(pytest.mark.timeout(LONG_NOTEBOOKS[item.path.name]))
+        if item.path.name in NOTEBOOK_GROUPS:
+            item.add_marker(pytest.mark.xdist_group(NOTEBOOK_GROUPS[item.path.name]))
 
 
 def pytest_configure(config):

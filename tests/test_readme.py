@@ -47,7 +47,14 @@ def test_example_runs(page, i, code):
         exec(compile(textwrap.dedent(code), str(page), "exec"), {})  # a block in a list item is indented
 
 
-@pytest.mark.parametrize("page", [p for p in PAGES if commands(p)], ids=lambda p: p.stem)
+def _command_pages() -> list:
+    """The pages with commands; at-scale's on test_simulate's worker, where the rank it simulates
+    has been simulated already (the session's ZERO_SIMULATE_CACHE; tests/conftest.py)."""
+    return [pytest.param(p, id=p.stem, marks=[pytest.mark.xdist_group("simulate")] if p.stem == "at-scale" else [])
+            for p in PAGES if commands(p)]
+
+
+@pytest.mark.parametrize("page", _command_pages())
 def test_every_command_line_is_run_here_or_elsewhere(page, tmp_path):
     lines = commands(page)
     zero_lines = [c for c in lines if c.startswith(".venv/bin/zero ")]
@@ -55,7 +62,7 @@ def test_every_command_line_is_run_here_or_elsewhere(page, tmp_path):
     for line in zero_lines:  # in order: later lines read what earlier ones saved
         args = line.removeprefix(".venv/bin/zero ").split()
         if args[0] == "bench":
-            args += ["--args", "--presets gpt2 --worlds 2"]  # the same command on a smaller model
+            args += ["--args", "--presets gpt2 --worlds 2 --metas gpt2"]  # the same command on a smaller model
         res = subprocess.run([sys.executable, "-m", "zero", *args], capture_output=True, text=True, cwd=tmp_path)
         assert res.returncode == 0, f"{line}: {res.stderr[-1500:]}"
 
