@@ -63,20 +63,22 @@ def pytest_collection_modifyitems(items):
 
 
 def pytest_configure(config):
-    """The session's store of simulated ranks (`zero.backends.simulate`). And: refuse to run a
-    module's tests on two workers when its marks say one: under pytest 9.2 and pytest-xdist 3.8,
-    --dist loadgroup ignores every xdist_group mark (pytest-dev/pytest-xdist#1386), and the
-    session fixtures of the grouped modules (the JAX mesh's subprocess, the simulations) would run
-    once per worker, 200 s each."""
+    _refuse_ungrouped_workers(config)
+    if not hasattr(config, "workerinput") and not os.environ.get("ZERO_SIMULATE_CACHE"):
+        # one store of simulated ranks (`zero.backends.simulate`) for the session, its workers and
+        # their children (notebooks, the docs' commands): a rank they each simulate runs once
+        config.zero_simulate_cache = tempfile.mkdtemp(prefix="zero-simulate-")
+        os.environ["ZERO_SIMULATE_CACHE"] = config.zero_simulate_cache
+
+
+def _refuse_ungrouped_workers(config):
+    """Under pytest 9.2 and pytest-xdist 3.8, --dist loadgroup ignores every xdist_group mark
+    (pytest-dev/pytest-xdist#1386): the session fixtures of the grouped modules (the JAX mesh's
+    subprocess, the simulations) would run once per worker, 200 s each."""
     from importlib.metadata import version
 
     from packaging.version import Version
 
-    if not hasattr(config, "workerinput") and not os.environ.get("ZERO_SIMULATE_CACHE"):
-        # one store of simulated ranks for the session, its workers and their children (notebooks,
-        # the docs' commands): a rank the notebook, the tests and the docs each simulate runs once
-        config.zero_simulate_cache = tempfile.mkdtemp(prefix="zero-simulate-")
-        os.environ["ZERO_SIMULATE_CACHE"] = config.zero_simulate_cache
     if config.getoption("dist", "no") != "loadgroup":
         return
     pytest_v, xdist_v = Version(version("pytest")), Version(version("pytest-xdist"))

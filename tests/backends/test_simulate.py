@@ -149,6 +149,25 @@ def test_zero2_never_holds_more_than_zero1_by_default(model, world):
         assert [r.measured_peak_bytes for r in runs] == [r.predicted_peak_bytes for r in runs]
 
 
+def test_the_tracker_without_its_per_step_state_reading_measures_what_torchs_own_does(monkeypatch):
+    """simulate's tracker skips MemTracker's re-reading of the optimizer state after each local step
+    (once per bucket under pipelined ZeRO-2): on several buckets, a hybrid and a whole-param plan,
+    every figure equals torch's own tracker's."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    import zero.backends.simulate as sim
+
+    monkeypatch.delenv("ZERO_SIMULATE_CACHE", raising=False)
+    metas = gpt_metas()
+    cases = [dict(strategy="flat", reduce_scatter_grads=True, master_dtype=F32, reduce_dtype=F32),
+             dict(strategy="flat", whole=lambda m: len(m.shape) == 2, reduce_scatter_grads=True),
+             dict(master_dtype=F32)]
+    ours = [simulate(metas, 4, 3, **case) for case in cases]
+    monkeypatch.setattr(sim, "_tracker", MemTracker)
+    assert [simulate(metas, 4, 3, **case) for case in cases] == ours
+    assert len([c for c in ours[0].collectives if c[0] == "reduce_scatter_sum"]) > 1  # several buckets stepped
+
+
 def test_a_run_kept_under_zero_simulate_cache_is_read_back_and_only_for_the_same_inputs(tmp_path, monkeypatch):
     """The store the suite shares (tests/conftest.py): the same inputs are read back equal, with the
     run itself never called; another rank, option or ``whole=`` selection runs; a model built by a

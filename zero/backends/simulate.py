@@ -133,7 +133,6 @@ def _run(params: Callable[[], nn.Module] | Sequence[ParamMeta], world_size: int,
          reduce_scatter_grads: bool, reduce_dtype: torch.dtype | None, whole: Any,
          parameters_as_bucket_view: bool | None, dtype: torch.dtype | None) -> RankRun:
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.mem_tracker import MemTracker
 
     from zero.backends.zero_optimizer import ZeroRedundancyOptimizer
 
@@ -141,7 +140,7 @@ def _run(params: Callable[[], nn.Module] | Sequence[ParamMeta], world_size: int,
         warnings.filterwarnings("ignore", "Accessing the data pointer of FakeTensor")  # inside torch's own
         model = _model(params, dtype)
         plan = _plan(model, world_size, strategy, optimizer, master_dtype, whole)
-        tracker = _tracker(MemTracker)
+        tracker = _tracker()
         tracker.track_external(model)
         with tracker:
             opt = ZeroRedundancyOptimizer(model.parameters(), cls, plan=plan,
@@ -160,14 +159,15 @@ def _run(params: Callable[[], nn.Module] | Sequence[ParamMeta], world_size: int,
                    0 if reduce_scatter_grads else ddp_allreduce_bytes(plan))
 
 
-def _tracker(mem_tracker: type) -> Any:
+def _tracker() -> Any:
     """torch's ``MemTracker``, without its re-reading of the whole optimizer state after every
     ``optimizer.step()``: a pipelined ZeRO-2 step calls its local optimizer once per bucket, which made
     that re-reading buckets x state tensors, a fifth of a 1,024-rank run. It only re-labels tensors
     the step made, which the tracker already counted under the optimizer's label as they were made
-    (its pre-step hook sets it), so the peaks are the same to the byte (tests/backends/test_simulate.py)."""
+    (its pre-step hook sets it): the runs are the same to the byte (tests/backends/test_simulate.py)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
 
-    class Tracker(mem_tracker):
+    class Tracker(MemTracker):
         def _track_optimizer_states(self, reftype: Any, optimizer: Any) -> None:
             pass
 
