@@ -169,6 +169,23 @@ def run_scheduler(repeat: int) -> None:
         Console().print(f"{path}: {t * 1e3:.2f} ms/step")
 
 
+def run_schedule(repeat: int, elements: int) -> None:
+    """``Optimizer(adamw(...))`` on 200 float32 tensors: a constant learning rate, Optax's schedule
+    (evaluated each step) and a ``LambdaLR`` moving the group's lr, interleaved (issue #52's rows)."""
+    params = make_params(elements, 200)
+    grads = [torch.randn_like(p) for p in params]
+    schedule = F.warmup_cosine_decay_schedule(1e-4, 1e-3, 10, 10_000)
+    makers = {"constant": lambda ps: F.Optimizer(ps, F.adamw(1e-3, weight_decay=0.1)),
+              "schedule": lambda ps: F.Optimizer(ps, F.adamw(schedule, weight_decay=0.1))}
+    steps = {"adamw(1e-3)": scheduled_step(params, grads, makers["constant"], False),
+             "adamw(warmup_cosine_decay_schedule)": scheduled_step(params, grads, makers["schedule"], False),
+             "adamw(1e-3), LambdaLR": scheduled_step(params, grads, makers["constant"], True)}
+    results = interleaved(steps, repeat)
+    constant = results["adamw(1e-3)"]
+    for path, t in results.items():
+        Console().print(f"{path}: {t * 1e3:.3f} ms/step, {t / constant:.2f}x the constant one")
+
+
 def run_python(repeat: int) -> None:
     """SGD (momentum 0.9) and Adam on 200 float32 tensors, 2M elements: the kernel is short here,
     so what a fused step adds around it in Python shows (issue #39's row)."""
@@ -199,11 +216,16 @@ def main() -> None:
                     help="every rule x {200 uneven tensors, 2,000 small ones} x every path (issue #15's table)")
     ap.add_argument("--scheduler", action="store_true",
                     help="Adam on 2,000 small tensors with and without an lr scheduler stepping every step")
+    ap.add_argument("--schedule", action="store_true",
+                    help="AdamW on 200 tensors (--elements in all): constant, scheduled, LambdaLR")
     ap.add_argument("--python", action="store_true",
                     help="SGD and Adam on 200 tensors, 2M elements: the fused path's per-step Python")
     args = ap.parse_args()
     if args.python:
         run_python(args.repeat)
+        return
+    if args.schedule:
+        run_schedule(args.repeat, int(args.elements))
         return
     if args.scheduler:
         run_scheduler(args.repeat)

@@ -188,3 +188,35 @@ def test_a_name_that_is_not_there_is_an_attribute_error_naming_it():
             "except AttributeError as e: print(e)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert "module 'zero.backends' has no attribute 'no_such_thing'" in out.stdout
+
+
+def every_import(path: pathlib.Path) -> set[str]:
+    """The modules ``path`` imports at any level, inside functions and ``if TYPE_CHECKING:`` too."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            out.add(node.module)
+    return out
+
+
+def test_the_plans_import_each_other_without_a_circle():
+    # the plan is a value: what executes it (footprint, holdings, a mesh's padding) reads its fields
+    # (plan_fields), and the plan's table may then show what they say, with no way back
+    names = {f"zero.plans.{p.stem}": p for p in pathlib.Path("zero/plans").glob("*.py") if p.stem != "__init__"}
+    graph = {name: {m for m in every_import(path) if m in names} for name, path in names.items()}
+    done, path = set(), []
+
+    def visit(name):
+        if name in path:
+            raise AssertionError(f"an import circle in zero.plans: {' -> '.join(path[path.index(name):] + [name])}")
+        if name not in done:
+            path.append(name)
+            for other in sorted(graph[name]):
+                visit(other)
+            path.pop()
+            done.add(name)
+
+    for name in sorted(graph):
+        visit(name)

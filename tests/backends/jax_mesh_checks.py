@@ -23,6 +23,7 @@ from jax_mesh_twin import STEPS, grads, initial  # noqa: E402
 import zero  # noqa: E402
 from zero.backends import jax_mesh  # noqa: E402
 from zero.backends.jax_mesh import executor  # noqa: E402
+from zero.plans.mesh_padding import mesh_state_bytes  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 SHAPES = {"b1": (33,), "b2": (5,), "emb": (100, 16), "w1": (16, 33), "w2": (33, 5)}  # 2331 elements, uneven
@@ -85,7 +86,7 @@ def parity(rule: str, kind: str, dtype) -> dict:
     buffers = jax_mesh.packing(plan)
     return {"rel": rel, "state_rel": worst(gathered, ref_state), "bytes": jax_mesh.state_bytes(state, mesh),
             "init_bytes": placed_bytes, "plan_bytes": [r.state_bytes for r in plan.ranks],
-            "mesh_bytes": list(plan.mesh_state_bytes()),
+            "mesh_bytes": list(mesh_state_bytes(plan)),
             "scalar_bytes": [zero.plans.accounting.optimizer_state(accounting).scalar_bytes
                              * (len(buffers) if kind == "flat" else len(plan.partition.params_of(r)))
                              for r in range(8)],
@@ -301,7 +302,7 @@ def hybrid(name: str) -> dict:
     return {"rel": rel, "whole": owners, "branch_dots": branch_dots(text),
             "dots": len(re.findall(r"= \S+ dot\(", text)), "unsharded_dots": len(re.findall(r"= \S+ dot\(", unsharded)),
             "bytes": jax_mesh.state_bytes(state, mesh), "device_bytes": jax_mesh.device_bytes(tx, params, plan),
-            "mesh_bytes": list(plan.mesh_state_bytes()),
+            "mesh_bytes": list(mesh_state_bytes(plan)),
             "own_bytes": list(step._whole.nbytes()), "compiles_after_first": sum(compiles[1:]),
             "collectives": collectives(step, *args)}
 

@@ -17,6 +17,7 @@ import zero.functional as zf
 from zero.backends import ZeroRedundancyOptimizer as Zero
 from zero.backends import comm
 from zero.backends.local_optimizer import state_nbytes
+from zero.plans.footprint import footprint
 from zero.plans.plan import PLAN_STRATEGIES
 
 RULES = {
@@ -267,7 +268,7 @@ def recorded_vs_plan(rank: int, world_size: int) -> dict:
                     set_grads(model, ddp_grads(list(model.parameters()), step, rank, world_size))
                 opt.step()
                 opt.zero_grad()
-        predicted = plan.footprint(rank, reduce_scatter_grads=rs, bucket_view=view).collectives
+        predicted = footprint(plan, rank, reduce_scatter_grads=rs, bucket_view=view).collectives
         out[name] = (sorted((c.kind, c.bytes) for c in made), [list(c) for c in predicted])
     return out
 

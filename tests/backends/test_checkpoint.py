@@ -441,7 +441,7 @@ def test_a_functional_state_dict_handed_over_is_copied_in(one_rank, tmp_path):
     leaf, per-param and shared, is copied in."""
     import zero.functional as zf
     from zero.backends import checkpoint
-    from zero.functional.adapters.optimizer import state_leaves
+    from zero.functional.adapters.state_tree import state_leaves
 
     tx = zf.chain(zf.clip_by_global_norm(1.0), zf.adamw(1e-2, weight_decay=0.1))
     model, opt = _one_rank_run(tmp_path, optimizer_class=tx)

@@ -8,6 +8,7 @@ import torch
 
 import zero
 from zero.backends.simulate import fake_group, simulate
+from zero.plans.footprint import executed_stage_bytes, footprint
 from zero.plans.layout import IN_FLIGHT_BUCKETS
 from zero.plans.presets import preset
 
@@ -84,10 +85,10 @@ def test_the_checks_that_read_data_step_aside_only_under_a_fake_group():
 def test_the_executed_stage_rows_are_the_peaks():
     plan = zero.make_plan(preset("llama-7b"), 64, "flat", optimizer="adamw", master_dtype="float32",
                           bucket_numel=1 << 22)
-    rows, executed = plan.stage_bytes(), plan.stage_bytes(executed=True)
+    rows, executed = plan.stage_bytes(), executed_stage_bytes(plan)
     first, second = list(rows)[1:3]
-    assert executed[first] == max(plan.footprint(r).peak for r in range(64)) > rows[first]
-    assert executed[second] == max(plan.footprint(r, reduce_scatter_grads=True).peak for r in range(64)) > rows[second]
+    assert executed[first] == max(footprint(plan, r).peak for r in range(64)) > rows[first]
+    assert executed[second] == max(footprint(plan, r, reduce_scatter_grads=True).peak for r in range(64)) > rows[second]
 
 
 def test_ranks_that_hold_nothing_or_only_padding_at_1024_ranks_to_the_byte():
@@ -138,12 +139,12 @@ def test_zero2_never_holds_more_than_zero1_by_default(model, world):
     metas = gpt_metas() if model == "gpt" else preset(model)
     plan = default_plan(metas, world, "flat", None)
     for rank in (0, world - 1):
-        one, two = plan.footprint(rank), plan.footprint(rank, reduce_scatter_grads=True)
+        one, two = footprint(plan, rank), footprint(plan, rank, reduce_scatter_grads=True)
         assert all(two.by_phase[k] <= one.by_phase[k] for k in one.by_phase), (rank, one.by_phase, two.by_phase)
     if model == "gpt":
         old = zero.make_plan(metas, world, "flat", bucket_numel=FLAT_BUCKET_NUMEL)
-        assert old.footprint(0, reduce_scatter_grads=True).by_phase["backward"] > \
-            old.footprint(0).by_phase["backward"], "the user's case: 4M-element buckets held more"
+        assert footprint(old, 0, reduce_scatter_grads=True).by_phase["backward"] > \
+            footprint(old, 0).by_phase["backward"], "the user's case: 4M-element buckets held more"
         runs = [simulate(metas, world, 0, strategy="flat", reduce_scatter_grads=rs) for rs in (False, True)]
         assert runs[1].measured_peak_bytes <= runs[0].measured_peak_bytes, [r.as_dict() for r in runs]
         assert [r.measured_peak_bytes for r in runs] == [r.predicted_peak_bytes for r in runs]

@@ -6,6 +6,7 @@ import re
 import pytest
 
 from zero import ParamMeta, assign_ddp_buckets, ddp_buckets, flat_layout, make_plan, param_metas, partition
+from zero.plans.mesh_padding import mesh_state_bytes
 from zero.plans.plan import Plan
 from zero.plans.presets import preset
 
@@ -237,9 +238,9 @@ def test_mesh_state_bytes_pads_each_dtype_row_to_its_busiest_rank():
     plan = make_plan(metas, 3, "contiguous")
     assert plan.partition.owner == (0, 0, 1, 2)
     assert [r.state_bytes for r in plan.ranks] == [40 + 80 + 8, 2400 + 4, 84 + 4]
-    assert plan.mesh_state_bytes() == (84 + 2400,) * 3
+    assert mesh_state_bytes(plan) == (84 + 2400,) * 3
     flat = make_plan(metas, 3, "flat")  # a flat buffer's slice is its padded shard, per dtype
-    assert flat.mesh_state_bytes() == (sum(b.padded_numel // 3 * 2 * (2 if b.dtype == "bfloat16" else 4)
+    assert mesh_state_bytes(flat) == (sum(b.padded_numel // 3 * 2 * (2 if b.dtype == "bfloat16" else 4)
                                            for b in flat.flat.buffers),) * 3
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from zero.functional import GradientTransformation, Optimizer
-from zero.functional.adapters.optimizer import check_not_optax, from_factory
+from zero.functional.adapters.group_settings import check_not_optax, from_factory
 from zero.plans.holdings import Holdings, LocalTensor
 
 __all__ = ["make_local_optimizer", "local_groups", "copy_hyperparams", "is_functional", "check_state_keys",
@@ -30,7 +30,7 @@ def make_local_optimizer(optimizer_class: Any, groups: list[dict], defaults: dic
     ``optimizer_class`` is a ``torch.optim.Optimizer`` subclass (built with ``**defaults``), a
     `GradientTransformation` (``defaults`` must be empty), or a factory such as
     ``zero.functional.adam``, built with ``**defaults`` into exactly what the built
-    transformation gives (`zero.functional.adapters.optimizer.from_factory`), so each group's
+    transformation gives (`zero.functional.adapters.group_settings.from_factory`), so each group's
     values (``lr`` for ``learning_rate``) and lr schedulers reach it. ``per_param``: a transformation steps the
     params in changing sets (see `zero.functional.FunctionalOptimizer`).
     """

@@ -162,7 +162,7 @@ from zero.functional.adapters.optax_bridge import from_optax_state
 from zero.functional.adapters.optax_bridge import to_optax_state
 from zero.functional.adapters.optimizer import FunctionalOptimizer
 from zero.functional.adapters.optimizer import Optimizer
-from zero.functional.adapters.optimizer import split_state
+from zero.functional.adapters.state_tree import split_state
 from zero.functional.adapters.torch_rules import from_torch
 from zero.functional.kernels.chains import Path
 from zero.functional.kernels.chains import explain

@@ -46,7 +46,15 @@ class Spec(NamedTuple):
     links: tuple = ()  # the transformations it runs in turn: a chain's, an alias's chain's
 
 
-class GradientTransformation(NamedTuple):
+class _Fields(NamedTuple):
+    init: Callable[[Any], Any]
+    update: Callable[..., tuple[Any, Any]]
+    inplace: Callable[[list, list, Any], Any] | None = None
+    spec: Spec | None = None
+    scaled: Callable[[float], Callable[..., tuple[Any, Any]]] | None = None
+
+
+class GradientTransformation(_Fields):
     """``init(params) -> state`` and ``update(updates, state, params=None) -> (updates, state)``.
 
     ``update`` is pure and defines the rule. ``inplace``, when set, is a faster way to take the
@@ -57,13 +65,19 @@ class GradientTransformation(NamedTuple):
     nonzero number ``c`` to an ``update`` whose updates come out multiplied by ``c``: `chain`
     runs a link followed by ``scale(c)`` (or a constant learning rate) as that one update, which
     saves a pass over the updates.
+
+    ``inplace``, ``spec`` and ``scaled`` describe ``init`` and ``update``, so ``_replace`` of
+    either of those drops them unless it sets them too: ``sgd(0.1)._replace(update=f)`` steps
+    through ``f`` (a transformation built by hand), never through the fused SGD its spec names.
     """
 
-    init: Callable[[Any], Any]
-    update: Callable[..., tuple[Any, Any]]
-    inplace: Callable[[list, list, Any], Any] | None = None
-    spec: Spec | None = None
-    scaled: Callable[[float], Callable[..., tuple[Any, Any]]] | None = None
+    __slots__ = ()
+
+    def _replace(self, **changes: Any) -> GradientTransformation:
+        if "init" in changes or "update" in changes:
+            for derived in ("inplace", "spec", "scaled"):
+                changes.setdefault(derived, None)
+        return super()._replace(**changes)
 
 
 def takes_extra_args(tx: GradientTransformation) -> bool:
@@ -97,7 +111,7 @@ def with_extra_args_support(tx: GradientTransformation) -> GradientTransformatio
     def update(updates, state, params=None, **extra_args):
         return tx.update(updates, state, params)
 
-    return tx._replace(update=update)
+    return tx._replace(update=update, inplace=tx.inplace, spec=tx.spec, scaled=tx.scaled)  # the same rule
 
 
 def as_dtype(value: Any, name: str = "dtype") -> torch.dtype | None:
@@ -176,6 +190,8 @@ def count_zero() -> torch.Tensor:
 def count_inc(count: torch.Tensor) -> torch.Tensor:
     """``count + 1``, saturating at the int32 maximum (Optax's ``safe_increment``). Tensor maths
     throughout, so a compiled update does not specialize on the count (or recompile each step)."""
+    if type(count) is torch.Tensor and count.device.type == "cpu" and not traced():  # eager: one small tensor
+        return torch.tensor(min(int(count) + 1, _INT32_MAX), dtype=torch.int32)
     count = torch.as_tensor(count)
     return torch.where(count < _INT32_MAX, count + 1, count).to(torch.int32)
 

@@ -10,6 +10,7 @@ from zero.functional.base import (
 )
 from zero.functional.foreach import traced
 from zero.functional.kernels.chains import fuse
+from zero.functional.kernels.knobs import fusing
 
 __all__ = ['chain', 'named_chain']
 
@@ -46,7 +47,7 @@ def chain(*transformations: GradientTransformation) -> GradientTransformation:
 
     # traced (an inject_hyperparams update building its chain under torch.compile or torch.func):
     # no in-place kernel is wanted, and matching one would read the traced hyperparameters
-    inplace = None if traced() else fuse(transformations)
+    inplace = None if traced() or not fusing() else fuse(transformations)
     return GradientTransformation(init, update, inplace, Spec("chain", {}, links=transformations))
 
 

@@ -22,13 +22,12 @@ from zero.functional.base import (
     as_dtype,
     count_inc,
     count_zero,
-    step_in_place,
     tree_leaves,
     update_with,
 )
 from zero.functional.foreach import traced
+from zero.functional.kernels.builds import Builds
 from zero.functional.kernels.chains import described, explain
-from zero.functional.kernels.steps import keep_placement
 
 __all__ = ["InjectHyperparamsState", "InjectStatefulHyperparamsState", "WrappedScheduleState", "WrappedSchedule",
            "inject_hyperparams"]
@@ -156,8 +155,10 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation],
     keeps them in float64 and shows them as param-group keys, so torch's lr schedulers drive them.
 
     Extra args of ``update`` go to the stateful schedules and to the inner transformation if it
-    takes them. The inner transformation is rebuilt only when the values change (the last few are
-    kept), so a run with fixed hyperparameters builds it once and keeps its fused kernel.
+    takes them. The in-place step (what `zero.functional.Optimizer` runs) builds the inner
+    transformation once and its kernel reads each step's values when called, so a scheduler's new
+    learning rate costs no rebuild (`zero.functional.kernels.builds`); the pure ``update`` builds
+    it for each set of values (the last few kept), as Optax's does under ``jit``.
     """
     static = {static_args} if isinstance(static_args, str) else set(static_args)
     signature = inspect.signature(inner_factory)
@@ -170,63 +171,55 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation],
     def wrapped(*args, **kwargs) -> GradientTransformation:
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
-        scheduled, numeric, fixed = _split(bound.arguments, static)
-
-        @functools.lru_cache(maxsize=4)
-        def inner(values: tuple[tuple[str, Any], ...]) -> GradientTransformation:
-            return inner_factory(**fixed, **dict(values))
-
-        def build(hyperparams: dict) -> GradientTransformation:
-            if traced() or any(v.requires_grad for v in hyperparams.values()):
-                return inner_factory(**fixed, **hyperparams)  # tensors: differentiated, swept or compiled
-            return inner(tuple((k, v.item()) for k, v in hyperparams.items()))
-
-        last: dict[int, GradientTransformation] = {}  # per param list: the inner transformation it last stepped
-
-        def build_for(params: Any, hyperparams: dict) -> GradientTransformation:
-            tx, key = build(hyperparams), _first_id(params)
-            if last.get(key, tx) is not tx:
-                keep_placement(last[key], tx)  # new values (a scheduler): keep what the kernel has checked
-            last[key] = tx
-            return tx
-
-        def current(state, params, extra_args):
-            dtype = hyperparam_dtype or _params_dtype(params)
-            hp = {k: _as_hyperparam(v, dtype) for k, v in state.hyperparams.items()}
-            hp.update({k: _scheduled(f(state.hyperparams_states[k], **extra_args), dtype)
-                       for k, f in scheduled.items()})
-            schedule_states = {k: f.update(state.hyperparams_states[k], **extra_args) for k, f in scheduled.items()}
-            return hp, schedule_states
-
-        def init(params):
-            dtype = hyperparam_dtype or _params_dtype(params)
-            schedule_states = {k: f.init() for k, f in scheduled.items()}
-            hp = {k: _as_hyperparam(v, dtype) for k, v in numeric.items()}
-            hp.update({k: _scheduled(f(schedule_states[k]), dtype) for k, f in scheduled.items()})
-            return InjectStatefulHyperparamsState(count_zero(), hp, schedule_states, build(hp).init(params))
-
-        def update(updates, state, params=None, **extra_args):
-            hp, schedule_states = current(state, params, extra_args)
-            updates, inner_state = update_with(build(hp), updates, state.inner_state, params, extra_args)
-            return updates, InjectStatefulHyperparamsState(count_inc(state.count), hp, schedule_states, inner_state)
-
-        def inplace(params, grads, state):
-            hp, schedule_states = current(state, params, {})
-            inner_state = step_in_place(build_for(params, hp), params, grads, state.inner_state)
-            return InjectStatefulHyperparamsState(count_inc(state.count), hp, schedule_states, inner_state)
-
-        initial = {k: _initial(v) for k, v in numeric.items()}
-        initial.update({k: _initial(f(f.init())) for k, f in scheduled.items()})
-
-        def describe(params):
-            inner_tx = build({k: torch.tensor(v) for k, v in initial.items()})
-            return explain(inner_tx, params).after("inject_hyperparams: read from the state each step")
-
-        return GradientTransformation(init, update, described(inplace, describe),
-                                      Spec("inject_hyperparams", {"hyperparams": initial,
+        injected = _Injected(inner_factory, *_split(bound.arguments, static), hyperparam_dtype)
+        inplace = described(lambda params, grads, state: injected.inplace(params, grads, state), injected.describe)
+        return GradientTransformation(injected.init, injected.update, inplace,
+                                      Spec("inject_hyperparams", {"hyperparams": injected.initial,
                                                                   "source": (inner_factory, dict(bound.arguments))}))
 
     return wrapped
+
+
+class _Injected:
+    """One `inject_hyperparams` transformation: its schedules, its first values and the inner
+    transformation's builds (`Builds`: per set of values for ``update``, once for ``inplace``)."""
+
+    def __init__(self, factory: Callable[..., GradientTransformation], scheduled: dict, numeric: dict, fixed: dict,
+                 dtype: torch.dtype | None):
+        self.scheduled, self.numeric, self.dtype = scheduled, numeric, dtype
+        self.builds = Builds(factory, fixed)
+        self.initial = {k: _initial(v) for k, v in numeric.items()}
+        self.initial.update({k: _initial(f(f.init())) for k, f in scheduled.items()})
+
+    def current(self, state: InjectStatefulHyperparamsState, params: Any, extra_args: dict) -> tuple[dict, dict]:
+        """This step's hyperparameters (the state's, the schedules' new values) and schedule states."""
+        dtype = self.dtype or _params_dtype(params)
+        hp = {k: _as_hyperparam(v, dtype) for k, v in state.hyperparams.items()}
+        hp.update({k: _scheduled(f(state.hyperparams_states[k], **extra_args), dtype)
+                   for k, f in self.scheduled.items()})
+        schedule_states = {k: f.update(state.hyperparams_states[k], **extra_args) for k, f in self.scheduled.items()}
+        return hp, schedule_states
+
+    def init(self, params: Any) -> InjectStatefulHyperparamsState:
+        dtype = self.dtype or _params_dtype(params)
+        schedule_states = {k: f.init() for k, f in self.scheduled.items()}
+        hp = {k: _as_hyperparam(v, dtype) for k, v in self.numeric.items()}
+        hp.update({k: _scheduled(f(schedule_states[k]), dtype) for k, f in self.scheduled.items()})
+        return InjectStatefulHyperparamsState(count_zero(), hp, schedule_states, self.builds.init(params, hp))
+
+    def update(self, updates: Any, state: InjectStatefulHyperparamsState, params: Any = None, **extra_args: Any):
+        hp, schedule_states = self.current(state, params, extra_args)
+        updates, inner = update_with(self.builds.full(hp), updates, state.inner_state, params, extra_args)
+        return updates, InjectStatefulHyperparamsState(count_inc(state.count), hp, schedule_states, inner)
+
+    def inplace(self, params: Any, grads: Any, state: InjectStatefulHyperparamsState) -> InjectStatefulHyperparamsState:
+        hp, schedule_states = self.current(state, params, {})
+        inner = self.builds.step(params, grads, state.inner_state, hp)
+        return InjectStatefulHyperparamsState(count_inc(state.count), hp, schedule_states, inner)
+
+    def describe(self, params: Any) -> Any:
+        inner_tx = self.builds.full({k: torch.tensor(v) for k, v in self.initial.items()})
+        return explain(inner_tx, params).after("inject_hyperparams: read from the state each step")
 
 
 def _initial(value: Any) -> Any:
@@ -236,13 +229,3 @@ def _initial(value: Any) -> Any:
         return value if traced() else float(value.detach())
     return float(value)
 
-
-def _first_id(params: Any) -> int:
-    """An identity of a param tree that lasts from step to step (its first param's), read without
-    flattening a list or a dict by name, as `zero.functional.Optimizer` steps them (0 when empty)."""
-    if isinstance(params, dict) and params:
-        return id(next(iter(params.values())))
-    if isinstance(params, list) and params and isinstance(params[0], torch.Tensor):
-        return id(params[0])
-    leaves = tree_leaves(params)
-    return id(leaves[0]) if leaves else 0

@@ -45,7 +45,7 @@ from zero.plans.layout import IN_FLIGHT_BUCKETS, SyncRows, bucket_views, param_s
 from zero.plans.meta import itemsize
 
 if TYPE_CHECKING:
-    from zero.plans.plan import Plan
+    from zero.plans.plan_fields import PlanFields as Plan  # the fields are all this module reads
 
 __all__ = ["Footprint", "footprint", "ddp_allreduce_bytes", "CATEGORIES", "SYNC_CHUNK_BYTES"]
 
@@ -112,6 +112,18 @@ def footprint(plan: Plan, rank: int, *, reduce_scatter_grads: bool = False, redu
                      {**static, "grads": resident, "transient": 0},
                      _collectives(plan, rows, reduce_scatter_grads, reduce), plan.world_size,
                      {k: sum(static.values()) + sum(v) for k, v in moments.items()})
+
+
+def executed_stage_bytes(plan: Plan) -> dict[str, int | None]:
+    """``plan.stage_bytes()`` with the ZeRO-1 and ZeRO-2 rows the peak the executor reaches
+    running the plan (`footprint`: params' storage and padding, buckets, the step's temporaries),
+    ZeRO-2's for a flat plan only (``reduce_scatter_grads`` needs one; else the row is None)."""
+    rows: dict[str, int | None] = dict(plan.stage_bytes())
+    keys = list(rows)
+    rows[keys[1]] = max(footprint(plan, r).peak for r in range(plan.world_size))
+    rows[keys[2]] = max(footprint(plan, r, reduce_scatter_grads=True).peak
+                        for r in range(plan.world_size)) if plan.flat is not None else None
+    return rows
 
 
 def ddp_allreduce_bytes(plan: Plan) -> int:

@@ -21,7 +21,7 @@ from zero.plans.chunks import Held, param_chunks
 from zero.plans.partition import check_rank
 
 if TYPE_CHECKING:
-    from zero.plans.plan import Plan
+    from zero.plans.plan_fields import PlanFields as Plan  # the fields are all this module reads
 
 __all__ = ["LocalTensor", "Holdings", "holdings"]
 

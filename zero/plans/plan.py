@@ -15,12 +15,13 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from zero.plans.accounting import check_master_dtype, optimizer_state, state_bytes, weights
-from zero.plans.cost import RankCost, flat_costs, partition_costs, stage_bytes
+from zero.plans.accounting import check_master_dtype, optimizer_state, weights
+from zero.plans.cost import flat_costs, partition_costs, stage_bytes
 from zero.plans.hybrid import Whole, hybrid_placement, resolve_whole
-from zero.plans.layout import FlatLayout, flat_layout
+from zero.plans.layout import flat_layout
 from zero.plans.meta import ParamMeta, gc_paused
 from zero.plans.partition import STRATEGIES, Partition, check_metas, partition
+from zero.plans.plan_fields import PlanFields
 
 __all__ = ["Plan", "make_plan", "check_plan", "PLAN_STRATEGIES", "WEIGHTS"]
 
@@ -30,76 +31,18 @@ _FORMAT = 2  # 2: metas hashed as names + a table of rows (plans saved by format
 
 
 @dataclass(frozen=True)
-class Plan:
-    """The plan for one model on ``world_size`` ranks; see `make_plan`."""
+class Plan(PlanFields):
+    """The plan for one model on ``world_size`` ranks (see `make_plan`): its fields
+    (`zero.plans.plan_fields.PlanFields`, what executors read), JSON, table and plot. What an
+    executor holds running it is a function of the plan: `zero.plans.footprint.footprint` for
+    `ZeroRedundancyOptimizer`, `zero.plans.mesh_padding.mesh_state_bytes` for a JAX mesh."""
 
-    metas: tuple[ParamMeta, ...]
-    world_size: int
-    strategy: str
-    weight: str
-    optimizer: str
-    alignment: int
-    bucket_numel: int | None  # flat buffers' cap (None: one per group, device and dtype)
-    partition: Partition | None  # None for "flat" (but a hybrid's: its whole params, owner -1 for the rest)
-    flat: FlatLayout | None  # only for "flat"
-    ranks: tuple[RankCost, ...]
-    max_over_mean: float  # the busiest rank's load / the mean load
-    max_over_bound: float  # the busiest rank's load / the best any plan could do (see make_plan)
-    fingerprint: str
-    master_dtype: str | None = None  # the optimizer steps copies of 16-bit params in this dtype
-    whole: tuple[int, ...] = ()  # a hybrid plan's params kept whole (by `partition`); the rest are in `flat`
-
-    @property
-    def hybrid(self) -> bool:
-        """A flat plan that keeps some params whole (`zero.plans.hybrid`)."""
-        return bool(self.whole)
-
-    def stage_bytes(self, executed: bool = False) -> dict[str, int]:
+    def stage_bytes(self) -> dict[str, int]:
         """The busiest rank's bytes with nothing sharded, as planned (ZeRO-1), with gradients
         reduce-scattered (ZeRO-2) and with params sharded too (FSDP): the ZeRO paper's Figure 1
-        from metadata, its model states (see `zero.plans.cost.stage_bytes`). ``executed``: the
-        ZeRO-1 and ZeRO-2 rows are instead the peak the executor reaches running this plan
-        (`footprint`: params' storage and padding, buckets, the step's temporaries), ZeRO-2's for
-        a flat plan only (``reduce_scatter_grads`` needs one; else the row is None)."""
-        rows = stage_bytes(self.ranks)
-        if executed:
-            keys = list(rows)
-            rows[keys[1]] = max(self.footprint(r).peak for r in range(self.world_size))
-            rows[keys[2]] = max(self.footprint(r, reduce_scatter_grads=True).peak
-                                for r in range(self.world_size)) if self.flat is not None else None
-        return rows
-
-    def mesh_state_bytes(self) -> tuple[int, ...]:
-        """The optimizer state each device of a JAX mesh holds executing this plan
-        (`zero.backends.jax_mesh`), padding included. A mesh shards arrays evenly: a flat
-        buffer's slice is its padded shard, and the rows of whole params (one per dtype) are each
-        as long as the busiest rank's, on every device. ``ranks[r].state_bytes`` counts rank
-        ``r``'s own, as torch ranks hold it. Per-param scalars (torch's ``step``) are left out:
-        Optax keeps one count, replicated. For an element-wise rule this is what
-        `zero.backends.jax_mesh.state_bytes` measures; under a hybrid plan the rule's own scalars
-        ride in the rows too (`zero.backends.jax_mesh.device_bytes` counts them from the rule)."""
-        spec = optimizer_state(self.optimizer)
-
-        def own(i: int) -> int:
-            m = self.metas[i]
-            return state_bytes(m, spec, self.master_dtype) - spec.scalar_bytes if m.requires_grad else 0
-
-        flat = 0
-        for b in self.flat.buffers if self.flat is not None else ():
-            flat += b.padded_numel // self.world_size * (own(b.params[0]) // self.metas[b.params[0]].numel)
-        whole = self.whole if self.flat is not None else range(len(self.metas))
-        rows: dict[str, list[int]] = {}
-        for i in whole:
-            rows.setdefault(self.metas[i].dtype, [0] * self.world_size)[self.partition.owner[i]] += own(i)
-        return (flat + sum(max(r) for r in rows.values()),) * self.world_size
-
-    def footprint(self, rank: int, **mode):
-        """What ``rank`` holds at its peak and moves per step executing this plan in ``mode``
-        (`ZeroRedundancyOptimizer`'s ``reduce_scatter_grads=``, ``reduce_dtype=``, ...): see
-        `zero.plans.footprint.footprint`."""
-        from zero.plans.footprint import footprint
-
-        return footprint(self, rank, **mode)
+        from metadata, its model states (see `zero.plans.cost.stage_bytes`). The peak the
+        executor reaches running this plan is `zero.plans.footprint.executed_stage_bytes`."""
+        return stage_bytes(self.ranks)
 
     def with_partition(self, part: Partition) -> Plan:
         """This plan's params placed by another whole-param ``part`` (e.g. `ddp_bucket_partition`),
@@ -202,24 +145,32 @@ def make_plan(metas: Sequence[ParamMeta], world_size: int, strategy: str = "sort
     if callable(weight) and strategy == "flat" and not keep:
         raise ValueError("a flat plan splits elements evenly and takes no weight function (a hybrid plan, with "
                          "whole=, balances its whole params by one)")
-    if keep:
-        part, flat, ranks, mean, bound = hybrid_placement(metas, keep, world_size, weight, spec, alignment,
-                                                          bucket_numel, master_dtype)
-    elif strategy == "flat":
-        part, flat = None, flat_layout(metas, world_size, alignment, bucket_numel, spec.block_for)
-        ranks = flat_costs(metas, flat, spec, master_dtype)
-        mean = bound = sum(r.load for r in ranks) / world_size
-    else:
-        ws = weights(metas, weight, spec, master_dtype)
-        part, flat = partition(metas, world_size, strategy, weight, spec, master_dtype=master_dtype), None
-        ranks = partition_costs(metas, part, spec, master_dtype)
-        mean = sum(ws) / world_size
-        bound = max(max(ws), mean)  # whole tensors: no rank can hold less than the largest one
+    part, flat, ranks, mean, bound = _placement(metas, world_size, strategy, weight, spec, alignment, bucket_numel,
+                                                master_dtype, keep)
     busiest = max(r.load for r in ranks)
-    weight = "custom" if callable(weight) else weight
-    plan = Plan(metas, world_size, strategy, weight, str(optimizer).lower(), alignment, bucket_numel, part, flat,
-                ranks, busiest / mean if mean else 1.0, busiest / bound if bound else 1.0, "", master_dtype, keep)
+    plan = Plan(metas=metas, world_size=world_size, strategy=strategy, weight="custom" if callable(weight) else weight,
+                optimizer=str(optimizer).lower(), alignment=alignment, bucket_numel=bucket_numel, partition=part,
+                flat=flat, ranks=ranks, max_over_mean=busiest / mean if mean else 1.0,
+                max_over_bound=busiest / bound if bound else 1.0, fingerprint="", master_dtype=master_dtype,
+                whole=keep)
     return dataclasses.replace(plan, fingerprint=_fingerprint(plan))
+
+
+def _placement(metas: tuple[ParamMeta, ...], world_size: int, strategy: str, weight, spec, alignment: int,
+               bucket_numel: int | None, master_dtype: str | None, keep: tuple[int, ...]) -> tuple:
+    """``(partition, flat layout, rank costs, mean load, best possible load)`` of a plan's kind."""
+    if keep:
+        return hybrid_placement(metas, keep, world_size, weight, spec, alignment, bucket_numel, master_dtype)
+    if strategy == "flat":
+        flat = flat_layout(metas, world_size, alignment, bucket_numel, spec.block_for)
+        ranks = flat_costs(metas, flat, spec, master_dtype)
+        mean = sum(r.load for r in ranks) / world_size
+        return None, flat, ranks, mean, mean
+    ws = weights(metas, weight, spec, master_dtype)
+    part = partition(metas, world_size, strategy, weight, spec, master_dtype=master_dtype)
+    mean = sum(ws) / world_size
+    # whole tensors: no rank can hold less than the largest one
+    return part, None, partition_costs(metas, part, spec, master_dtype), mean, max(max(ws), mean)
 
 
 def check_plan(plan: Plan, metas: Sequence[ParamMeta], world_size: int) -> None:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from zero.plans.footprint import footprint
+from zero.plans.mesh_padding import mesh_state_bytes
+
 __all__ = ["plan_table", "compare_table", "diff_table", "render", "mib"]
 
 
@@ -44,13 +47,13 @@ def plan_table(plan, max_rows: int = 16):
             continue
         t.add_row(str(r.rank), str(r.params), f"{r.load:,}", mib(r.master_bytes), mib(r.state_bytes),
                   mib(r.total_bytes), mib(r.total_bytes_grads_sharded), mib(r.padding_bytes),
-                  mib(plan.footprint(r.rank).collective_bytes))
+                  mib(footprint(plan, r.rank).collective_bytes))
     t.caption = ("ZeRO-1 / ZeRO-2: params, gradients (whole / sharded), masters and state; sent: the params' sync "
                  "in a step, bytes each rank sends (nccl-tests' count; DDP's all-reduce not included). Busiest "
                  "rank: " + ", ".join(f"{name} {mib(n)}" for name, n in plan.stage_bytes().items()))
     if plan.flat is None or plan.hybrid:  # a mesh shards evenly: every device holds the busiest rank's rows
         t.caption += (f"; on a JAX mesh (zero.backends.jax_mesh) every device holds "
-                      f"{mib(plan.mesh_state_bytes()[0])} of optimizer state, rows padded to the busiest rank's")
+                      f"{mib(mesh_state_bytes(plan)[0])} of optimizer state, rows padded to the busiest rank's")
     return t
 
 
@@ -64,7 +67,7 @@ def compare_table(plans: Sequence):
     for col in ("strategy", "weight", "max/mean", "max/best", "max state", "max sent", "fingerprint"):
         t.add_column(col, justify="right", no_wrap=True)
     for p in plans:
-        sent = max(p.footprint(r).collective_bytes for r in {0, p.world_size - 1})
+        sent = max(footprint(p, r).collective_bytes for r in {0, p.world_size - 1})
         t.add_row(strategy(p), p.weight, f"{p.max_over_mean:.4f}", f"{p.max_over_bound:.4f}",
                   mib(max(r.state_bytes for r in p.ranks)), mib(sent), p.fingerprint[:8])
     t.caption = "sent: the params' sync in a step, bytes each rank sends (nccl-tests' count)"

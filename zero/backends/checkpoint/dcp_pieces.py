@@ -21,7 +21,7 @@ from zero.backends import comm
 from zero.backends.local_optimizer import initial_state, is_per_element
 from zero.backends.precision import MASTER_KEY
 from zero.backends.rank_state import RankState
-from zero.functional.adapters.optimizer import map_state_leaves, state_leaves
+from zero.functional.adapters.state_tree import map_state_leaves, state_leaves
 from zero.plans.chunks import Held, range_boxes
 
 __all__ = ["quiet", "torch_entries", "functional_entries", "functional_leaves", "held_elements", "saved_shape",

@@ -118,7 +118,7 @@ def _read_setting(metadata: Any, path: str | os.PathLike, name: str) -> Any:
 def loading(optimizer: Any) -> str:
     """The rule a sharded optimizer steps with, named as it was built."""
     from zero.backends.local_optimizer import is_functional
-    from zero.functional.adapters.optimizer import rule_name
+    from zero.functional.adapters.group_settings import rule_name
 
     optim = optimizer.rank_state.optim
     if is_functional(optim):

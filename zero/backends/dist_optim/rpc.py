@@ -22,7 +22,7 @@ import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 
 from zero.functional import FunctionalOptimizer, GradientTransformation, from_torch
-from zero.functional.adapters.optimizer import check_not_optax
+from zero.functional.adapters.group_settings import check_not_optax
 
 __all__ = ["DistributedOptimizer", "local_transformation"]
 

@@ -19,7 +19,6 @@ torch's rules): then the earlier set's state is split (`split_state`) and each p
 
 from __future__ import annotations
 
-import inspect
 import operator
 import warnings
 from collections.abc import Callable, Iterable
@@ -29,253 +28,18 @@ import optree
 import torch
 
 from zero.functional import sharding
+from zero.functional.adapters.group_settings import (
+    check_group_settings,
+    hyperparams_of,
+    show_scheduled,
+    sync_hyperparams,
+    with_group_hyperparams,
+)
+from zero.functional.adapters.state_tree import as_tree, split_state
 from zero.functional.base import GradientTransformation, inplace_step, tree_map
-from zero.functional.combine import chain
-from zero.functional.inject import inject_hyperparams
 from zero.functional.kernels.chains import Path, explain
 
-__all__ = ["Optimizer", "FunctionalOptimizer", "hyperparams_of", "with_group_hyperparams", "from_factory",
-           "rule_name", "check_not_optax", "split_state", "map_state_leaves", "state_leaves"]
-
-
-def rule_name(tx: GradientTransformation) -> str:
-    """What ``tx`` is, named as its factory is called (``zero.functional.adamw``,
-    ``zero.functional.contrib.muon``; an injected alias by the alias; others by their spec)."""
-    spec = getattr(tx, "spec", None)
-    if spec is None:
-        return "a zero.functional transformation built by hand"
-    source = spec.args.get("source") if spec.name == "inject_hyperparams" else None
-    factory = source[0] if source else spec.factory
-    if factory is None:
-        return f"zero.functional.{spec.name}"
-    module = getattr(factory, "__module__", "") or ""
-    where = "zero.functional.contrib" if ".contrib" in module else "zero.functional"
-    return f"{where}.{factory.__name__}" if module.startswith("zero.functional") else factory.__name__
-
-
-def hyperparams_of(tx: GradientTransformation) -> dict[str, float]:
-    """The torch-group view (``lr`` ...) of the hyperparameters ``tx`` keeps in its state
-    (those of `inject_hyperparams`, read from its spec; none for other transformations)."""
-    spec = getattr(tx, "spec", None)
-    if spec is None or spec.name not in ("inject_hyperparams", "from_optax"):
-        return {}
-    return {_group_key(k): v for k, v in spec.args["hyperparams"].items()}
-
-
-def with_group_hyperparams(tx: Any, who: str = "tx") -> GradientTransformation:
-    """``tx`` in the form whose hyperparameters param groups and lr schedulers can set.
-
-    An alias (``zero.functional.sgd(0.1)`` ...) is rebuilt under `inject_hyperparams` with the
-    same arguments, so it steps the same; a transformation that already keeps its hyperparameters
-    in its state is returned as it is, and so is one that has none to offer. An Optax object is a
-    ``TypeError`` saying to wrap it with `from_optax`.
-    """
-    check_not_optax(tx, who)
-    if not hasattr(tx, "init") or not hasattr(tx, "update"):
-        raise TypeError(f"{who} must be a zero.functional GradientTransformation, got {type(tx).__name__}")
-    spec = getattr(tx, "spec", None)
-    if spec is not None and spec.factory is not None:
-        return _injected(spec.factory, spec.args)
-    if spec is not None and spec.name == "chain":
-        return _chain_with_group_hyperparams(tx, who)
-    return tx
-
-
-def _injected(factory: Any, args: dict) -> GradientTransformation:
-    """``factory(**args)`` with its numeric arguments kept in the state, in float64 (which holds a
-    Python float exactly: torch keeps group settings as Python numbers, and a float kept in the
-    params' dtype would round: bf16 makes ``b2=0.999`` 1.0). A mask (or Muon's dimension numbers)
-    is a function of the params, not a schedule of the step, and a block size shapes the state:
-    they stay fixed."""
-    fixed = [k for k in args if "mask" in k or "dimension_numbers" in k or k == "block_size"]
-    return inject_hyperparams(factory, static_args=fixed, hyperparam_dtype=torch.float64)(**args)
-
-
-def from_factory(factory: Any, kwargs: dict, who: str = "optimizer_class") -> GradientTransformation:
-    """``factory(**kwargs)`` in the form whose hyperparameters param groups set: the same
-    transformation, by the same route, as `with_group_hyperparams` makes of the built
-    ``factory(**kwargs)`` (a `zero.functional` alias is built, then rebuilt from its spec); a
-    factory of your own is injected with the same settings. So ``ZeroRedundancyOptimizer(params,
-    F.adamw, learning_rate=...)`` and ``ZeroRedundancyOptimizer(params, F.adamw(...))`` step alike."""
-    check_not_optax(factory, who)
-    signature = inspect.signature(factory)
-    try:
-        bound = signature.bind(**kwargs)
-    except TypeError as e:
-        raise TypeError(f"{who} {getattr(factory, '__name__', factory)!r}: {e}") from None
-    tx = factory(**kwargs)
-    if not isinstance(tx, GradientTransformation):
-        raise TypeError(f"{who} {factory!r} returned {type(tx).__name__}, not a GradientTransformation")
-    if tx.spec is not None and tx.spec.factory is not None:
-        return with_group_hyperparams(tx, who)
-    bound.apply_defaults()
-    return _injected(factory, dict(bound.arguments))
-
-
-_RATES = ("learning_rate", "lr")
-
-
-def _chain_with_group_hyperparams(tx: GradientTransformation, who: str) -> GradientTransformation:
-    """A chain whose one link has a learning rate (an alias, `from_torch`, `inject_hyperparams`,
-    in nested chains too) rebuilt so that link's hyperparameters are the group's (``lr`` ...), as
-    ``inject_hyperparams(lambda learning_rate: chain(..., adamw(learning_rate), ...))`` would:
-    torch's lr schedulers then drive it. Several such links: a ``ValueError`` saying how to choose."""
-    rated = _rated_links(tx.spec.links, ())
-    if not rated:
-        return tx
-    if len(rated) > 1:
-        names = ", ".join(f"link {'.'.join(map(str, path))} ({name})" for path, name, _, _ in rated)
-        raise ValueError(f"{who} is a chain with a learning rate in more than one link ({names}), so a param "
-                         "group's lr cannot say which it sets; name the one a scheduler drives yourself: inject_"
-                         "hyperparams(lambda learning_rate: chain(..., adamw(learning_rate), ...))(learning_rate=...)")
-    path, _, factory, args = rated[0]
-
-    def rebuilt(**hyperparams: Any) -> GradientTransformation:
-        return _with_link(tx, path, factory(**hyperparams))
-
-    rebuilt.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
-        [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY) for k in args])
-    rebuilt.__name__ = f"chain around {factory.__name__}"
-    return _injected(rebuilt, args)
-
-
-def _rated_links(links: tuple, at: tuple[int, ...]) -> list[tuple[tuple[int, ...], str, Any, dict]]:
-    """``(path, name, factory, args)`` of each link that can be rebuilt with a learning rate."""
-    out = []
-    for i, link in enumerate(links):
-        spec = getattr(link, "spec", None)
-        if spec is None:
-            continue
-        source = (spec.factory, spec.args) if spec.factory is not None else spec.args.get("source")
-        if source is not None and any(k in source[1] for k in _RATES):
-            name = spec.name if spec.factory is not None else f"inject_hyperparams({source[0].__name__})"
-            out.append((at + (i,), name, *source))
-        elif spec.name == "chain":
-            out += _rated_links(spec.links, at + (i,))
-    return out
-
-
-def _with_link(tx: GradientTransformation, path: tuple[int, ...], link: Any) -> GradientTransformation:
-    """The chain ``tx`` with the link at ``path`` (through nested chains) replaced by ``link``."""
-    links = list(tx.spec.links)
-    links[path[0]] = link if len(path) == 1 else _with_link(links[path[0]], path[1:], link)
-    return chain(*links)
-
-
-def check_not_optax(obj: Any, who: str) -> None:
-    """``TypeError`` for an Optax transformation or factory where a zero.functional one is needed."""
-    module = getattr(obj, "__module__", "") or ""
-    if module.split(".")[0] != "optax" and type(obj).__module__.split(".")[0] != "optax":
-        return
-    if hasattr(obj, "init") and hasattr(obj, "update"):
-        raise TypeError(f"{who} is an Optax transformation ({type(obj).__name__}), which steps JAX arrays: "
-                        f"wrap it as zero.functional.from_optax({who}) to run it on torch tensors")
-    name = getattr(obj, "__name__", "factory")
-    raise TypeError(f"{who} is Optax's {name}, which builds transformations of JAX arrays: pass "
-                    f"zero.functional.from_optax(optax.{name}(...)), or zero.functional's own {name} if it has one")
-
-
-def _group_key(name: str) -> str:
-    return "lr" if name == "learning_rate" else name
-
-
-def _check_group_settings(group: dict, known: dict, index: int) -> None:
-    """A group setting that looks like a hyperparameter the transformation does not keep would be
-    ignored: that is an error, naming it (other keys, e.g. a group's name, are left alone)."""
-    ignored = sorted(k for k, v in group.items() if k not in ("params", "tx") and k not in known
-                     and _looks_like_hyperparameter(v))
-    if ignored:
-        offer = f"its hyperparameters are {sorted(known)}" if known else "it keeps none in its state"
-        raise ValueError(f"param group {index} sets {ignored}, which its transformation would ignore: {offer}. "
-                         "Build it with zero.functional.inject_hyperparams(factory)(...) (or an alias, or "
-                         "optax.inject_hyperparams inside from_optax) to make a setting per group")
-
-
-def _looks_like_hyperparameter(value: Any) -> bool:
-    if isinstance(value, (list, tuple)):
-        return bool(value) and all(_looks_like_hyperparameter(v) for v in value)
-    return isinstance(value, (bool, int, float, torch.Tensor))
-
-
-def _sync_hyperparams(state: Any, group: dict) -> Any:
-    """Copy the group's values (set by the user or an lr scheduler) into an injected state:
-    ours (floats) or Optax's through `from_optax` (0-d tensors, kept in their dtype)."""
-    hyperparams = getattr(state, "hyperparams", None)
-    if not isinstance(hyperparams, dict) or not hasattr(state, "_replace"):
-        return state
-    for k in getattr(state, "hyperparams_states", None) or {}:  # each step's value comes from its schedule
-        key = _group_key(k)
-        if key in group and float(group[key]) != float(hyperparams[k]):
-            raise ValueError(f"the param group's {key!r} was set to {group[key]!r}, but {k} follows the "
-                             f"transformation's own schedule (now {float(hyperparams[k])!r}), which would ignore "
-                             f"it: give {k} as a number to let torch's lr schedulers (or you) set it, or drop them")
-    hp = {k: _like(v, group.get(_group_key(k), v)) for k, v in hyperparams.items()}
-    return state._replace(hyperparams=hp)
-
-
-def _show_scheduled(state: Any, group: dict) -> None:
-    """After a step, a scheduled hyperparameter's value in its group (``lr`` as it is now)."""
-    for k in getattr(state, "hyperparams_states", None) or {}:
-        if _group_key(k) in group:
-            group[_group_key(k)] = float(state.hyperparams[k])
-
-
-def _like(old: Any, value: Any) -> Any:
-    if isinstance(old, torch.Tensor):
-        return torch.as_tensor(value, dtype=old.dtype, device=old.device)
-    return float(value)
-
-
-def split_state(state: Any, n: int, parts: list[list[int]]) -> list[Any]:
-    """Cut the state of a transformation initialised on ``n`` params into one state per part.
-
-    Per-param entries are the lists of length ``n`` (a state mirrors the params list it was made
-    for); everything else (step counts, hyperparameters) is copied into every part, tensors cloned
-    so that the parts step independently. Meaningful only for rules that treat params alone.
-    """
-    def cut(node: Any, part: list[int]) -> Any:
-        if isinstance(node, list) and len(node) == n:
-            return [node[i] for i in part]
-        if isinstance(node, tuple):
-            items = [cut(x, part) for x in node]
-            return type(node)(*items) if hasattr(node, "_fields") else tuple(items)
-        if isinstance(node, dict):
-            return {k: cut(v, part) for k, v in node.items()}
-        return node.clone() if isinstance(node, torch.Tensor) else node
-    return [cut(state, part) for part in parts]
-
-
-def map_state_leaves(state: Any, n: int, fn: Any, names: list[str] | None = None) -> Any:
-    """``state`` (of a transformation initialised on ``n`` params) with each leaf replaced by
-    ``fn(key, position, leaf)``: ``key`` is the leaf's path, dotted (NamedTuple fields by name);
-    ``position`` the index of the param a per-param leaf belongs to (the lists of length ``n``,
-    as `split_state` reads them, or with ``names`` the dicts by those names), None for leaves the
-    params share (counts, hyperparameters)."""
-    def walk(node: Any, path: tuple[str, ...], pos: int | None) -> Any:
-        if isinstance(node, list) and len(node) == n and pos is None:
-            return [walk(x, path, i) for i, x in enumerate(node)]
-        if names is not None and isinstance(node, dict) and pos is None and set(node) == set(names):
-            return {k: walk(x, path, names.index(k)) for k, x in node.items()}
-        if isinstance(node, tuple) and hasattr(node, "_fields"):
-            return type(node)(*[walk(x, path + (f,), pos) for f, x in zip(node._fields, node)])
-        if isinstance(node, (tuple, list)):
-            return type(node)(walk(x, path + (str(i),), pos) for i, x in enumerate(node))
-        if isinstance(node, dict):
-            return {k: walk(x, path + (str(k),), pos) for k, x in node.items()}
-        return fn(".".join(path) or "state", pos, node)
-    return walk(state, (), None)
-
-
-def state_leaves(state: Any, n: int, names: list[str] | None = None) -> list[tuple[str, int | None, Any]]:
-    """``(key, position, leaf)`` of every leaf of ``state``, as `map_state_leaves` names them."""
-    out: list[tuple[str, int | None, Any]] = []
-    map_state_leaves(state, n, lambda key, pos, leaf: out.append((key, pos, leaf)), names)
-    return out
-
-
-def as_tree(params: list, names: list[str] | None) -> Any:
-    """The tree a transformation steps: the list of params, or a dict by name when named."""
-    return params if names is None else dict(zip(names, params))
+__all__ = ["Optimizer", "FunctionalOptimizer"]
 
 
 def _check_names(group: dict, index: int) -> None:
@@ -353,13 +117,13 @@ class _StatesBySet:
             state = self.tx.init(as_tree(params, names))
             self._owner.update(dict.fromkeys(idx, idx))
         if group is not None:
-            state = _sync_hyperparams(state, group)
+            state = sync_hyperparams(state, group)
         # the leaves reach the transformation in the tree's order (a dict's sorted by name)
         tree = as_tree(params, names)
         with sharding.stepping(tree):
             self.states[idx] = inplace_step(self.tx, tree, as_tree(grads, names), state, leaves=params)
         if group is not None:
-            _show_scheduled(self.states[idx], group)
+            show_scheduled(self.states[idx], group)
 
     def guard_reports(self) -> list[tuple[int, int, int]]:
         """Per ``apply_if_finite`` in the states whose last step met NaN or inf: ``(consecutive,
@@ -402,7 +166,7 @@ class Optimizer(torch.optim.Optimizer):
         param_group = dict(param_group)
         tx = with_group_hyperparams(param_group.pop("tx", self._default_tx), "a param group's 'tx'")
         known = hyperparams_of(tx)
-        _check_group_settings(param_group, known, len(self.param_groups))
+        check_group_settings(param_group, known, len(self.param_groups))
         for key, value in known.items():
             param_group.setdefault(key, value)
         super().add_param_group(param_group)  # torch reads names off (name, param) pairs

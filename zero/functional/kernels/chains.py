@@ -21,6 +21,7 @@ import torch
 
 from zero.functional.base import GradientTransformation, Spec, step_in_place
 from zero.functional.kernels.fused import match
+from zero.functional.kernels.knobs import matching, now
 from zero.functional.kernels.steps import Lists, laid_out_alike
 
 __all__ = ["Path", "fuse", "explain", "described"]
@@ -90,8 +91,9 @@ def fuse(links: Sequence[GradientTransformation]) -> Any:
         return None
     clip = None
     if specs and specs[0][1].name == "clip_by_global_norm":
-        clip = float(specs.pop(0)[1].args["max_norm"])
-    kernel = match(specs)
+        clip = specs.pop(0)[1].args["max_norm"]  # read at each call: a knob may move it
+    with matching():
+        kernel = match(specs)
     if kernel is not None:
         return _kernel_step(kernel, [path for path, _ in flat], clip)
     if len(specs) == 1 and flat[specs[0][0]][1].inplace is not None:
@@ -125,7 +127,7 @@ def _kernel_step(kernel: Any, paths: list[tuple[int, ...]], clip: float | None) 
     @torch.no_grad()
     def inplace(params: Any, grads: Any, state: tuple) -> tuple | None:
         links = tuple(_at(state, path) for path in paths)
-        new = kernel(Lists(params, grads, clip), links)
+        new = kernel(Lists(params, grads, None if clip is None else float(now(clip))), links)
         if new is None:
             return None
         for path, old, value in zip(paths, links, new):
@@ -146,7 +148,7 @@ def _kernel_step(kernel: Any, paths: list[tuple[int, ...]], clip: float | None) 
             notes.append("a weight-decay mask: one call per decay")
         return Path(kernel.kernel_name, kernel.calls(lists), "; ".join(notes) or "the chain spells the kernel's rule")
 
-    inplace.kernel = kernel  # its placement is kept across rebuilds: see steps.keep_placement
+    inplace.kernel = kernel  # marks a kernel step: its numbers are read through knobs.now
     return described(inplace, describe)
 
 
@@ -154,7 +156,7 @@ def _link_step(path: tuple[int, ...], tx: GradientTransformation, clip: float | 
     """A chain whose one real link (beside identities and a leading clip) steps in place."""
     @torch.no_grad()
     def inplace(params: Any, grads: Any, state: tuple) -> tuple:
-        lists = Lists(params, grads, clip)
+        lists = Lists(params, grads, None if clip is None else float(now(clip)))
         clipped = lists.treedef.unflatten(lists.clipped(grad_scale_ok=False)[0])
         return _replaced(state, path, step_in_place(tx, params, clipped, _at(state, path)))
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from zero.functional.base import Spec, count_inc
+from zero.functional.kernels.knobs import now
 from zero.functional.kernels.lowbit import LOWBIT_KERNELS
 from zero.functional.kernels.matching import decayed_rule, maximize_and_decay, plain_adam, take, take_decay
 from zero.functional.kernels.multi_tensor import FOREACH_KERNELS
@@ -73,8 +74,8 @@ def _adam_kernel(specs: list[tuple[int, Spec]]) -> KernelStep | None:
             device = params[idx[0]].device
             step = torch.tensor(float(count), device=device)
             kernel(pick(params), pick(grads), pick(mu), pick(nu), pick(nu_max) if amsgrad else [],
-                   [step] * len(idx), amsgrad=amsgrad, lr=rate, beta1=hyper["b1"], beta2=hyper["b2"],
-                   weight_decay=weight_decay, eps=hyper["eps"], maximize=maximize,
+                   [step] * len(idx), amsgrad=amsgrad, lr=rate, beta1=now(hyper["b1"]), beta2=now(hyper["b2"]),
+                   weight_decay=weight_decay, eps=now(hyper["eps"]), maximize=maximize,
                    grad_scale=None if scale is None else scale.to(device))
         new = list(state)
         new[core_at] = adam._replace(count=count)
@@ -119,8 +120,8 @@ def _sgd_kernel(specs: list[tuple[int, Spec]]) -> KernelStep | None:
         for idx, weight_decay in by_decay(groups, lists.decays(decay)):
             pick = picker(idx, len(params))
             torch._fused_sgd_(pick(params), pick(grads), pick(buffers) if momentum else [],
-                              weight_decay=weight_decay, momentum=mom["momentum"], lr=rate,
-                              dampening=mom["dampening"], nesterov=mom["nesterov"], maximize=maximize,
+                              weight_decay=weight_decay, momentum=now(mom["momentum"]), lr=rate,
+                              dampening=now(mom["dampening"]), nesterov=mom["nesterov"], maximize=maximize,
                               is_first_step=first,
                               grad_scale=None if scale is None else scale.to(params[idx[0]].device))
         new = list(state)
@@ -155,8 +156,9 @@ def _adagrad_kernel(specs: list[tuple[int, Spec]]) -> KernelStep | None:
             pick = picker(idx, len(params))
             device = params[idx[0]].device
             step = torch.tensor(float(count), device=device)
-            torch._fused_adagrad_(pick(params), pick(grads), pick(sums), [step] * len(idx), lr=hyper["lr"],
-                                  lr_decay=hyper["lr_decay"], weight_decay=weight_decay, eps=eps, maximize=maximize,
+            torch._fused_adagrad_(pick(params), pick(grads), pick(sums), [step] * len(idx), lr=now(hyper["lr"]),
+                                  lr_decay=now(hyper["lr_decay"]), weight_decay=now(weight_decay), eps=now(eps),
+                                  maximize=maximize,
                                   grad_scale=None if scale is None else scale.to(device))
         new = list(state)
         new[lr_at] = state[lr_at]._replace(count=count)

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from zero.functional.base import Spec, count_inc
+from zero.functional.kernels.knobs import now
 from zero.functional.kernels.matching import decayed_rule, take
 from zero.functional.kernels.steps import KernelStep, Lists, advanced, by_decay, marked, rate_of
 from zero.functional.quantize import CHUNK_NUMEL, Quantized, advance, direction
@@ -45,7 +46,7 @@ def _lowbit_kernel(specs: list[tuple[int, Spec]]) -> KernelStep | None:
         for idx, weight_decay in by_decay([list(range(len(params)))], lists.decays(decay)):
             for i in idx:
                 _step_one(params[i], grads[i], mu[i], nu[i], int(count), rate, weight_decay, decoupled,
-                          (b1, b2, eps, bits, block))
+                          (now(b1), now(b2), now(eps), bits, block))
         new = list(state)
         new[core_at] = adam._replace(count=count)
         new[lr_at] = advanced(learning_rate, state[lr_at])

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from zero.functional.base import Spec, count_inc
+from zero.functional.kernels.knobs import now
 from zero.functional.kernels.matching import decayed_rule, lr_rule, maximize_and_decay, take
 from zero.functional.kernels.steps import KernelStep, Lists, advanced, by_decay, marked, rate_of
 
@@ -52,8 +53,10 @@ def _rmsprop_kernel(specs: list[tuple[int, Spec]]) -> KernelStep | None:
         grads = lists.clipped(grad_scale_ok=False)[0]
         steps = [torch.zeros(())] * len(params)  # counted by torch's implementation, read by no rule here
         _TORCH_RMSPROP.rmsprop(params, grads, square, mean, buffers, steps, foreach=True, maximize=maximize,
-                               lr=rate_of(learning_rate, state[lr_at]), alpha=hyper["decay"], eps=hyper["eps"],
-                               weight_decay=weight_decay, momentum=momentum[1].args["decay"] if momentum else 0.0,
+                               lr=rate_of(learning_rate, state[lr_at]), alpha=now(hyper["decay"]),
+                               eps=now(hyper["eps"]),
+                               weight_decay=now(weight_decay),
+                               momentum=now(momentum[1].args["decay"]) if momentum else 0.0,
                                centered=centered)
         new = list(state)
         new[lr_at] = advanced(learning_rate, state[lr_at])
@@ -78,9 +81,9 @@ def _adamax_kernel(specs: list[tuple[int, Spec]]) -> KernelStep | None:
         mu, nu = moments
         grads = lists.clipped(grad_scale_ok=False)[0]
         steps = _per_param(adamax.count, len(params), scalar_dtype())  # torch increments each
-        _TORCH_ADAMAX.adamax(params, grads, mu, nu, steps, foreach=True, maximize=maximize, eps=hyper["eps"],
-                             beta1=hyper["b1"], beta2=hyper["b2"], lr=rate_of(learning_rate, state[lr_at]),
-                             weight_decay=weight_decay)
+        _TORCH_ADAMAX.adamax(params, grads, mu, nu, steps, foreach=True, maximize=maximize, eps=now(hyper["eps"]),
+                             beta1=now(hyper["b1"]), beta2=now(hyper["b2"]), lr=rate_of(learning_rate, state[lr_at]),
+                             weight_decay=now(weight_decay))
         new = list(state)
         new[core_at] = adamax._replace(count=count_inc(adamax.count))
         new[lr_at] = advanced(learning_rate, state[lr_at])
@@ -106,7 +109,8 @@ def _adadelta_kernel(specs: list[tuple[int, Spec]]) -> KernelStep | None:
         grads = lists.clipped(grad_scale_ok=False)[0]
         steps = [torch.zeros(())] * len(params)  # counted by torch, read by no rule here
         _TORCH_ADADELTA.adadelta(params, grads, e_g, e_x, steps, foreach=True, lr=rate_of(learning_rate, state[lr_at]),
-                                 rho=hyper["rho"], eps=hyper["eps"], weight_decay=weight_decay, maximize=maximize)
+                                 rho=now(hyper["rho"]), eps=now(hyper["eps"]), weight_decay=now(weight_decay),
+                                 maximize=maximize)
         new = list(state)
         new[lr_at] = advanced(learning_rate, state[lr_at])
         return tuple(new)
@@ -138,10 +142,10 @@ def _nadam_radam_kernel(specs: list[tuple[int, Spec]]) -> KernelStep | None:
         rate = rate_of(learning_rate, state[lr_at])
         if nadam:
             products = _per_param(core_state.mu_product, len(params), core_state.mu_product.dtype)
-            _TORCH_NADAM.nadam(params, grads, mu, nu, products, steps, lr=rate, **options)
+            _TORCH_NADAM.nadam(params, grads, mu, nu, products, steps, lr=rate, **_read(options))
             core_state = core_state._replace(mu_product=products[0].clone())
         else:
-            _TORCH_RADAM.radam(params, grads, mu, nu, steps, lr=rate, **options)
+            _TORCH_RADAM.radam(params, grads, mu, nu, steps, lr=rate, **_read(options))
         new = list(state)
         new[core_at] = core_state._replace(count=count_inc(core_state.count))
         new[lr_at] = advanced(learning_rate, state[lr_at])
@@ -169,8 +173,8 @@ def _rprop_kernel(specs: list[tuple[int, Spec]]) -> KernelStep | None:
             return None
         grads = lists.clipped(grad_scale_ok=False)[0]
         steps = [torch.zeros(())] * len(params)  # counted by torch, read by no rule here
-        _TORCH_RPROP.rprop(params, grads, prevs, sizes, steps, foreach=True, maximize=maximize, step_size_min=lo,
-                           step_size_max=hi, etaminus=eta_minus, etaplus=eta_plus)
+        _TORCH_RPROP.rprop(params, grads, prevs, sizes, steps, foreach=True, maximize=maximize, step_size_min=now(lo),
+                           step_size_max=now(hi), etaminus=now(eta_minus), etaplus=now(eta_plus))
         return state  # prevs and step sizes were updated in place, as torch keeps them
 
     return marked(inplace, "torch.optim.rprop.rprop(foreach=True)", None, grad_scale=False)
@@ -185,7 +189,7 @@ def _lion_kernel(specs: list[tuple[int, Spec]]) -> KernelStep | None:
     if rule is None or rule[0] or (rule[1][0] and not rule[2]):  # maximize, or a decay before the sign: pure
         return None
     _, decay, _, core_at, core_spec, lr_at, learning_rate = rule
-    b1, b2 = core_spec.args["b1"], core_spec.args["b2"]
+    lion_b1, lion_b2 = core_spec.args["b1"], core_spec.args["b2"]
 
     @torch.no_grad()
     def inplace(lists: Lists, state: tuple) -> tuple | None:
@@ -195,7 +199,7 @@ def _lion_kernel(specs: list[tuple[int, Spec]]) -> KernelStep | None:
         if groups is None:
             return None
         grads = lists.clipped(grad_scale_ok=False)[0]
-        rate = rate_of(learning_rate, state[lr_at])
+        rate, b1, b2 = rate_of(learning_rate, state[lr_at]), now(lion_b1), now(lion_b2)
         for idx, weight_decay in by_decay(groups, lists.decays(decay)):
             p, g, m = ([xs[i] for i in idx] for xs in (params, grads, mu))
             u = torch._foreach_mul(m, b1)
@@ -212,6 +216,11 @@ def _lion_kernel(specs: list[tuple[int, Spec]]) -> KernelStep | None:
         return tuple(new)
 
     return marked(inplace, "torch._foreach_* (Lion in place)", decay, grad_scale=False)
+
+
+def _read(options: dict) -> dict:
+    """Keyword arguments for torch's implementation at this call's values (see `knobs.now`)."""
+    return {k: now(v) for k, v in options.items()}
 
 
 def _checked_moments(inplace: Any, lists: Lists, core_state: Any) -> tuple[list, list] | None:

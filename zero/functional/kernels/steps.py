@@ -12,9 +12,10 @@ import optree
 import torch
 
 from zero.functional import sharding
-from zero.functional.base import GradientTransformation, count_inc
+from zero.functional.base import count_inc
+from zero.functional.kernels.knobs import now
 
-__all__ = ["KernelStep", "Lists", "Placement", "keep_placement", "by_decay", "by_device_and_dtype", "picker",
+__all__ = ["KernelStep", "Lists", "Placement", "by_decay", "by_device_and_dtype", "picker",
            "marked", "rate_of", "advanced"]
 
 KernelStep = Callable[["Lists", tuple], Any]
@@ -39,7 +40,7 @@ class Lists:
     def decays(self, decay: tuple[float, Any]) -> list[float]:
         """Each leaf's weight decay: the rate where the decay's mask (resolved on the grads, as
         `masked` does) is True, 0 elsewhere."""
-        rate, mask = decay
+        rate, mask = now(decay[0]), decay[1]
         if mask is None:
             return [rate] * len(self.params)
         flags = optree.tree_broadcast_prefix(mask(self.tree) if callable(mask) else mask, self.tree)
@@ -68,21 +69,6 @@ class Lists:
             torch._foreach_div_(grads, norm.to(grads[0].dtype))
             torch._foreach_mul_(grads, self.clip)
         return self.grads, None
-
-
-def keep_placement(old: GradientTransformation, new: GradientTransformation) -> None:
-    """Give ``new``'s kernel the placement ``old``'s kernel has checked, when both have one.
-
-    A learning-rate scheduler changes a hyperparameter at every step, and `inject_hyperparams`
-    then steps with a transformation built for the new values. Its kernel would check every
-    tensor's dtype and device again (milliseconds for thousands of tensors); the placement is
-    only a record of tensors already checked, so the new kernel may take over the one of the
-    kernel that last stepped the same params (`inject_hyperparams` keeps that kernel per param
-    list, so param groups that share a transformation at different learning rates keep one each).
-    """
-    old_kernel, new_kernel = getattr(old.inplace, "kernel", None), getattr(new.inplace, "kernel", None)
-    if hasattr(old_kernel, "placement") and hasattr(new_kernel, "placement"):
-        new_kernel.placement = old_kernel.placement
 
 
 class Placement:
@@ -179,7 +165,7 @@ def marked(inplace: Any, kernel: str, decay: tuple[float, Any] | None, grad_scal
     """Mark a kernel step for `zero.functional.explain`: the kernel it calls and how many calls a
     step makes (``decay`` given: one per (device, dtype, decay); else torch's multi-tensor
     implementation, one call), and give it the placement it checks tensors with."""
-    inplace.placement = Placement()  # read at each call: see keep_placement
+    inplace.placement = Placement()
     inplace.kernel_name, inplace.grad_scale = kernel, grad_scale
     inplace.masked = decay is not None and decay[1] is not None
 
@@ -194,7 +180,7 @@ def marked(inplace: Any, kernel: str, decay: tuple[float, Any] | None, grad_scal
 
 def rate_of(learning_rate: Any, lr_state: Any) -> float:
     """The learning rate of this step: the number, or the schedule at the lr link's count."""
-    return float(learning_rate(lr_state.count) if callable(learning_rate) else learning_rate)
+    return float(learning_rate(lr_state.count) if callable(learning_rate) else now(learning_rate))
 
 
 def advanced(learning_rate: Any, lr_state: Any) -> Any:

@@ -1,0 +1,41 @@
+"""A plan's fields (`PlanFields`): the data `zero.plans.plan.Plan` is, and what the modules that
+execute a plan (`footprint`, `holdings`, `mesh_padding`) read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from zero.plans.cost import RankCost
+from zero.plans.layout import FlatLayout
+from zero.plans.meta import ParamMeta
+from zero.plans.partition import Partition
+
+__all__ = ["PlanFields"]
+
+
+@dataclass(frozen=True)
+class PlanFields:
+    """What a plan is, as data: its inputs, placement and costs (`zero.plans.plan.Plan` adds its
+    JSON, table and plot). The modules that say what executing a plan takes read these fields
+    only, so they depend on the plan's data, never on how it prints."""
+
+    metas: tuple[ParamMeta, ...]
+    world_size: int
+    strategy: str
+    weight: str
+    optimizer: str
+    alignment: int
+    bucket_numel: int | None  # flat buffers' cap (None: one per group, device and dtype)
+    partition: Partition | None  # None for "flat" (but a hybrid's: its whole params, owner -1 for the rest)
+    flat: FlatLayout | None  # only for "flat"
+    ranks: tuple[RankCost, ...]
+    max_over_mean: float  # the busiest rank's load / the mean load
+    max_over_bound: float  # the busiest rank's load / the best any plan could do (see make_plan)
+    fingerprint: str
+    master_dtype: str | None = None  # the optimizer steps copies of 16-bit params in this dtype
+    whole: tuple[int, ...] = ()  # a hybrid plan's params kept whole (by `partition`); the rest are in `flat`
+
+    @property
+    def hybrid(self) -> bool:
+        """A flat plan that keeps some params whole (`zero.plans.hybrid`)."""
+        return bool(self.whole)
