@@ -150,7 +150,7 @@ def test_restore_reads_ranges_of_orbax_arrays_in_either_zarr_version(tmp_path, z
     """Orbax writes zarr v2 arrays by default and zarr v3 when asked; a restore reads pieces of either."""
     import orbax.checkpoint as ocp
 
-    from zero.backends.jax_mesh.checkpoint import Source
+    from zero.backends.orbax_format import Source
 
     ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_zarr3=zarr3)).save(
         tmp_path / "state", ocp.args.PyTreeSave({"x": np.arange(10.0, dtype=np.float32)}))

@@ -2,7 +2,7 @@
 
 XXH3-64 (``xxhash``): 14 GB/s a core here, so verifying costs a fraction of the read it guards.
 Neither torch nor jax is imported here: DCP's writer (`zero.backends.checkpoint.integrity`) and
-the JAX mesh's Orbax checkpoints (`zero.backends.jax_mesh.checkpoint`) share it.
+the Orbax checkpoints (`zero.backends.orbax_format`) share it.
 """
 
 from __future__ import annotations

@@ -185,7 +185,7 @@ def _key_column(table, rows) -> None:
 def _verify(path: Path) -> int:
     """Every piece of the checkpoint at ``path`` against its checksum: 0 when all match, 1 if not."""
     if (path / "zero" / "metadata").exists():
-        from zero.backends.jax_mesh import checkpoint as orbax  # jax loads only here
+        from zero.backends import orbax_format as orbax  # jax loads only here
 
         meta = orbax.read_meta(path)
         errors, sums = orbax.verify(path, meta), meta.get("checksums")

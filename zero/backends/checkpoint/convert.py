@@ -116,7 +116,7 @@ def to_orbax(src: str | os.PathLike, dst: str | os.PathLike) -> dict:
     out per param); returns its metadata. Written beside ``dst`` and swapped into place."""
     import orbax.checkpoint as ocp
 
-    from zero.backends.jax_mesh.checkpoint import FORMAT, checksums, write_replacing
+    from zero.backends.orbax_format import FORMAT, checksums, write_replacing
 
     source = _DcpSource(src)
     names = sorted({n for f in source.fqns for n in source.state[f]})
@@ -177,7 +177,7 @@ def to_dcp(src: str | os.PathLike, dst: str | os.PathLike, *, names: str = "torc
     under torch's names (``names="torch"``: for ``torch.optim.Adam`` / ``AdamW`` / ``SGD``) or
     Optax's paths (``"optax"``: for the `zero.functional` rule). The param groups' settings are
     not in it (a mesh run has no torch hyperparameters): the optimizer keeps its own."""
-    from zero.backends.jax_mesh.checkpoint import Source, check, read_meta, write_replacing
+    from zero.backends.orbax_format import Source, check, read_meta, write_replacing
 
     if names not in ("torch", "optax"):
         raise ValueError(f"names must be 'torch' or 'optax', got {names!r}")
