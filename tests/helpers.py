@@ -164,6 +164,17 @@ def side_by_side(runs: Sequence[tuple], grads: Callable[[int], list] | None, ste
     return largest
 
 
+
+def train(model: nn.Module, opt: Any, steps: Sequence[int], *, grads: Callable[[int], list] | None = None,
+          loss: Callable[[nn.Module, int], torch.Tensor] | None = None, scheduler: Any = None) -> list[torch.Tensor]:
+    """One run of `side_by_side`: ``opt`` steps ``model`` for each ``k`` of ``steps``, on ``grads(k)``
+    (`fixed_grads` of the params when neither is given) or a backward pass of ``loss(model, k)``;
+    ``scheduler`` steps after each. Returns detached copies of the params after."""
+    if grads is None and loss is None:
+        grads = lambda k: fixed_grads(list(model.parameters()), k)  # noqa: E731
+    side_by_side([(model, opt, scheduler)], grads, steps, loss=loss)
+    return [p.detach().clone() for p in model.parameters()]
+
 # -- closeness --------------------------------------------------------------------------------
 
 def worst(a: nn.Module | Sequence[torch.Tensor], b: nn.Module | Sequence[torch.Tensor]) -> float:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from helpers import fixed_grads, groups_of, make_model, side_by_side
+from helpers import fixed_grads, groups_of, make_model, side_by_side, train
 from plan_workers import RULES as PLAN_RULES
 
 import zero.functional as zf
@@ -27,11 +27,6 @@ def build(strategy: str, masters: bool, rule: str = "adamw"):
     return model, opt
 
 
-def train(model, opt, start: int, steps: int) -> None:
-    """``steps`` steps from ``start`` on `fixed_grads` (the same on every rank, at any world size)."""
-    side_by_side([(model, opt)], lambda k: fixed_grads(list(model.parameters()), k), range(start, start + steps))
-
-
 def dcp_leg(rank: int, world_size: int, strategy: str, load_from: str | None, save_to: str | None,
             start: int, steps: int, masters: bool = False, rule: str = "adamw", async_save: bool = False) -> dict:
     """Train ``steps`` steps from ``start`` under ``strategy``, resuming from the sharded checkpoint
@@ -40,10 +35,10 @@ def dcp_leg(rank: int, world_size: int, strategy: str, load_from: str | None, sa
     model, opt = build(strategy, masters, rule)
     if load_from:
         checkpoint.load(load_from, model, opt)
-    train(model, opt, start, steps)
+    train(model, opt, range(start, start + steps))
     if save_to and async_save:
         future = checkpoint.save(save_to, model, opt, async_save=True)
-        train(model, opt, start + steps, 1)  # moves the params and state on while the save runs
+        train(model, opt, range(start + steps, start + steps + 1))  # moves the params and state on while the save runs
         future.result()
     elif save_to:
         checkpoint.save(save_to, model, opt)
@@ -93,7 +88,7 @@ def plain_leg(checkpoint_file: str, start: int, steps: int) -> list[torch.Tensor
     model = make_model("plan")
     opt = torch.optim.AdamW(groups_of(model), lr=1e-2, weight_decay=0.1)
     set_state_dict(model, opt, model_state_dict=saved["model"], optim_state_dict=saved["optim"])
-    train(model, opt, start, steps)
+    train(model, opt, range(start, start + steps))
     return [p.detach().clone() for p in model.parameters()]
 
 
@@ -101,7 +96,7 @@ def held_views(rank: int, world_size: int, strategy: str) -> dict:
     """What `get_state_dict` hands DCP on this rank: bytes, and whether each is a view of the
     optimizer's own state (nothing copied), against the plan's count for this rank."""
     model, opt = build(strategy, True)
-    train(model, opt, 0, 2)
+    train(model, opt, range(2))
     own = {v.untyped_storage().data_ptr() for st in opt.optim.state.values() for v in st.values()
            if isinstance(v, torch.Tensor) and v.dim() > 0}
     own |= {m.untyped_storage().data_ptr() for g in opt.optim.param_groups for m in g["params"]}
@@ -133,7 +128,7 @@ def killed_save(rank: int, world_size: int, load_from: str, save_to: str) -> str
 
     model, opt = build("flat", False)
     checkpoint.load(load_from, model, opt)
-    train(model, opt, 4, 1)
+    train(model, opt, range(4, 5))
 
     class Dying(dcp.FileSystemWriter):
         def write_data(self, plan, planner):
@@ -156,7 +151,7 @@ def killed_save_over(rank: int, world_size: int, path: str) -> str:
 
     model, opt = build("flat", False)
     checkpoint.load(path, model, opt)
-    train(model, opt, 4, 1)
+    train(model, opt, range(4, 5))
     write = dcp.FileSystemWriter.write_data
 
     def dying(self, plan, planner):
@@ -226,7 +221,7 @@ def one_process(rule: str, steps: int) -> list[torch.Tensor]:
         opt = optimizer_class(groups_of(model), **kwargs)
     else:
         opt = zf.Optimizer(groups_of(model, False), optimizer_class)
-    train(model, opt, 0, steps)
+    train(model, opt, range(steps))
     return [p.detach().clone() for p in model.parameters()]
 
 
@@ -241,7 +236,7 @@ def local_sgd_leg(rank: int, world_size: int, load_from: str | None, save_to: st
     if load_from:
         checkpoint.load(load_from, model, opt)
     resumed_at = opt.averager.step
-    train(model, opt, start, steps)
+    train(model, opt, range(start, start + steps))
     if save_to:
         checkpoint.save(save_to, model, opt)
     return {"params": [p.detach().double().numpy().copy() for p in model.parameters()], "resumed_at": resumed_at,
@@ -373,7 +368,7 @@ def load_or_error(rank: int, world_size: int, path: str, strategy: str = "sorted
     import warnings
 
     model, opt = build(strategy, False)
-    train(model, opt, 0, 1)
+    train(model, opt, range(1))
     before = [p.detach().clone() for p in model.parameters()]
     state = {k: v.clone() for st in opt.optim.state.values() for k, v in st.items() if isinstance(v, torch.Tensor)}
     error, said = None, []

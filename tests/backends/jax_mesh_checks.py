@@ -57,8 +57,8 @@ def worst(a, b) -> float:
                for x, y in ((np.asarray(x, np.float64), np.asarray(y, np.float64)) for x, y in pairs))
 
 
-def collectives(step, *args) -> dict[str, int]:
-    text = step._jitted.lower(*args).compile().as_text()
+def collectives(step, grads, state, params) -> dict[str, int]:
+    text = step.compiled_text(grads, state, params)
     return {op: len(re.findall(rf"= \S+ {op}(-start)?\(", text)) for op in ("all-gather", "all-reduce")}
 
 
@@ -95,8 +95,7 @@ def parity(rule: str, kind: str, dtype) -> dict:
             "state_whole": sum(x.nbytes for x in jax.tree.leaves(gathered)),
             "itemsize": np.dtype(np.float32 if dtype == "mixed" else dtype).itemsize,
             "compiles_after_first": sum(compiles[1:]),
-            "collectives": collectives(step, jax.device_put(g, step._placed.replicated), state,
-                                       jax.device_put(ours, step._placed.replicated))}
+            "collectives": collectives(step, g, state, ours)}
 
 
 def two_executors(plan_texts: list[str]) -> list[dict]:
@@ -294,8 +293,7 @@ def hybrid(name: str) -> dict:
         compiles.append(len(COMPILES) - before)
         ref, ref_state = ref_step(g, ref_state, ref)
         rel = max(rel, worst(ours, ref))
-    args = (jax.device_put(g, step._placed.replicated), state, jax.device_put(ours, step._placed.replicated))
-    text = step._jitted.lower(*args).compile().as_text()
+    text = step.compiled_text(g, state, ours)
     unsharded = ref_step.lower(g, ref_state, ref).compile().as_text()  # compiled already: read, not rebuilt
     names = list(MATRICES)
     owners = {names[i]: plan.partition.owner[i] for i in plan.whole}
@@ -303,8 +301,8 @@ def hybrid(name: str) -> dict:
             "dots": len(re.findall(r"= \S+ dot\(", text)), "unsharded_dots": len(re.findall(r"= \S+ dot\(", unsharded)),
             "bytes": jax_mesh.state_bytes(state, mesh), "device_bytes": jax_mesh.device_bytes(tx, params, plan),
             "mesh_bytes": list(mesh_state_bytes(plan)),
-            "own_bytes": list(step._whole.nbytes()), "compiles_after_first": sum(compiles[1:]),
-            "collectives": collectives(step, *args)}
+            "own_bytes": list(step.whole.nbytes()), "compiles_after_first": sum(compiles[1:]),
+            "collectives": collectives(step, g, state, ours)}
 
 
 def orbax_moves(folder: str) -> dict:

@@ -5,7 +5,7 @@ import io
 
 import pytest
 import torch
-from helpers import assert_params_close, side_by_side
+from helpers import assert_params_close, train
 from torch import nn
 
 import zero.functional as F
@@ -18,11 +18,10 @@ def model_and_data(seed=0, dtype=torch.float64):
     return model, data
 
 
-def train(model, opt, data, scheduler=None):
-    """The shared training loop, on the regression data, one run; its params after."""
-    side_by_side([(model, opt, scheduler)], None, range(len(data)),
+def fit(model, opt, data, scheduler=None):
+    """The shared training loop (`tests.helpers.train`) on the regression data, one run; its params after."""
+    return train(model, opt, range(len(data)), scheduler=scheduler,
                  loss=lambda m, k: nn.functional.mse_loss(m(data[k][0]), data[k][1]))
-    return [p.detach().clone() for p in model.parameters()]
 
 
 @pytest.mark.parametrize("name, opts", [
@@ -31,8 +30,8 @@ def train(model, opt, data, scheduler=None):
 def test_optimizer_equals_torch_optim(name, opts):
     m1, data = model_and_data()
     m2, _ = model_and_data()
-    ref = train(m1, getattr(torch.optim, name)(m1.parameters(), **opts), data)
-    ours = train(m2, F.Optimizer(m2.parameters(), F.from_torch(getattr(torch.optim, name), **opts)), data)
+    ref = fit(m1, getattr(torch.optim, name)(m1.parameters(), **opts), data)
+    ours = fit(m2, F.Optimizer(m2.parameters(), F.from_torch(getattr(torch.optim, name), **opts)), data)
     for a, b in zip(ours, ref):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
 
@@ -124,8 +123,8 @@ def test_fused_kernel_path_equals_torch_single_tensor_rule(case, monkeypatch):
     m2, _ = model_and_data()
     ref_opt = make_ref(list(m1.parameters()))
     ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lr_lambda) if lr_lambda else None
-    ref = train(m1, ref_opt, data, ref_sched)
-    ours = train(m2, F.Optimizer(m2.parameters(), make()), data)
+    ref = fit(m1, ref_opt, data, ref_sched)
+    ours = fit(m2, F.Optimizer(m2.parameters(), make()), data)
     assert len(calls) == len(data), "the fused kernel ran once per step"
     for a, b in zip(ours, ref):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
@@ -143,10 +142,10 @@ def test_lr_scheduler_drives_group_lr():
     m1, data = model_and_data()
     m2, _ = model_and_data()
     ref_opt = torch.optim.Adam(m1.parameters(), lr=0.05)
-    ref = train(m1, ref_opt, data, torch.optim.lr_scheduler.StepLR(ref_opt, 5, gamma=0.5))
+    ref = fit(m1, ref_opt, data, torch.optim.lr_scheduler.StepLR(ref_opt, 5, gamma=0.5))
     opt = F.Optimizer(m2.parameters(), F.from_torch(torch.optim.Adam, lr=0.05))
     assert opt.param_groups[0]["lr"] == 0.05
-    ours = train(m2, opt, data, torch.optim.lr_scheduler.StepLR(opt, 5, gamma=0.5))
+    ours = fit(m2, opt, data, torch.optim.lr_scheduler.StepLR(opt, 5, gamma=0.5))
     assert opt.param_groups[0]["lr"] == pytest.approx(0.05 * 0.5**5)
     for a, b in zip(ours, ref):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
@@ -180,7 +179,7 @@ def test_state_dict_round_trip_mid_run_continues_identically():
     m1, data = model_and_data()
     m2, _ = model_and_data()
     opt1 = F.Optimizer(m1.parameters(), F.inject_hyperparams(F.adam)(learning_rate=0.02))
-    train(m1, opt1, data[:10])
+    fit(m1, opt1, data[:10])
     buf = io.BytesIO()
     torch.save(opt1.state_dict(), buf)
     with torch.no_grad():
@@ -190,7 +189,7 @@ def test_state_dict_round_trip_mid_run_continues_identically():
     buf.seek(0)
     opt2.load_state_dict(torch.load(buf, weights_only=False))
     assert opt2.param_groups[0]["lr"] == 0.02
-    a, b = train(m1, opt1, data[10:]), train(m2, opt2, data[10:])
+    a, b = fit(m1, opt1, data[10:]), fit(m2, opt2, data[10:])
     for x, y in zip(a, b):
         assert torch.equal(x, y)
 
@@ -310,7 +309,7 @@ def test_a_scheduler_keeps_the_kernels_checked_placement(make, monkeypatch):
     monkeypatch.setattr(steps, "_groups", lambda lists: checks.append(1) or groups(lists))
     model, data = model_and_data()
     opt = F.Optimizer(model.parameters(), make())
-    train(model, opt, data[:10], torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 / (1 + step)))
+    fit(model, opt, data[:10], torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 / (1 + step)))
     assert len(checks) == 1, "the tensors' dtypes and devices were checked once, at the first step"
 
 
@@ -325,7 +324,7 @@ def test_param_groups_sharing_a_rule_at_two_lrs_keep_a_placement_each(scheduled,
     opt = F.Optimizer([{"params": model[0].parameters()}, {"params": model[2].parameters(), "lr": 0.01}],
                       F.from_torch(torch.optim.Adam, lr=0.05))
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 / (1 + step)) if scheduled else None
-    train(model, opt, data[:10], scheduler)
+    fit(model, opt, data[:10], scheduler)
     assert len(checks) == 2, "one check per param group, at its first step"
 
 

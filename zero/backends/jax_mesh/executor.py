@@ -158,18 +158,22 @@ def update(tx: optax.GradientTransformation, plan: Plan, mesh: Mesh, axis: str =
 
 
 class _Step:
-    """The jitted step of `update`, compiled on the first call (it needs the params' tree)."""
+    """The jitted step of `update`, compiled on the first call (it needs the params' tree).
+
+    ``whole``: a hybrid plan's whole params as the first call placed them (`WholeParams`: what
+    each device owns of them, ``nbytes()``), None before it or for a plan without whole params;
+    `compiled_text` the program a step runs."""
 
     def __init__(self, tx: optax.GradientTransformation, placed: Placed):
-        self._tx, self._placed, self._jitted, self._treedef, self._whole = tx, placed, None, None, None
+        self._tx, self._placed, self._jitted, self._treedef, self.whole = tx, placed, None, None, None
 
     def __call__(self, grads: Any, state: Any, params: Any) -> tuple[Any, Any]:
         treedef = jax.tree.structure(params)
         if self._jitted is None:
             self._placed.check(self._tx, params)
-            self._whole = self._placed.whole_params(self._tx, params)
+            self.whole = self._placed.whole_params(self._tx, params)
             self._jitted = jax.jit(self._step, donate_argnums=1, out_shardings=(
-                self._placed.replicated, self._placed.shardings(self._tx, params, self._whole)))
+                self._placed.replicated, self._placed.shardings(self._tx, params, self.whole)))
             self._treedef = treedef
         elif treedef != self._treedef:
             raise ValueError(f"these params are another tree than the first step's: {treedef} against {self._treedef}")
@@ -178,18 +182,27 @@ class _Step:
         replicated = self._placed.replicated  # the sharding every step's params come back with: one compile
         return self._jitted(jax.device_put(grads, replicated), state, jax.device_put(params, replicated))
 
+    def compiled_text(self, grads: Any, state: Any, params: Any) -> str:
+        """The compiled program a step with these arguments runs (XLA's HLO text, where its
+        collectives can be read); after the first step, which compiled it."""
+        if self._jitted is None:
+            raise ValueError("the step is compiled at its first call: take one step before reading its program")
+        replicated = self._placed.replicated
+        lowered = self._jitted.lower(jax.device_put(grads, replicated), state, jax.device_put(params, replicated))
+        return lowered.compile().as_text()
+
     def _step(self, grads, state, params):
         leaves, treedef = jax.tree.flatten(params)
-        flat_state = state if self._whole is None else state.flat
-        if self._whole is not None:  # the owners' whole params first, the flat buffers then fill in theirs
-            leaves, rows = self._whole.step(grads, state.whole, params)
+        flat_state = state if self.whole is None else state.flat
+        if self.whole is not None:  # the owners' whole params first, the flat buffers then fill in theirs
+            leaves, rows = self.whole.step(grads, state.whole, params)
         view = self._placed.pack(leaves)
         updates, flat_state = self._tx.update(self._placed.pack(treedef.flatten_up_to(grads)), flat_state, view)
         stepped = optax.apply_updates(view, updates)
         # gathered whole before they are cut into params: one all-gather a buffer, then local slices
         gathered = [jax.lax.with_sharding_constraint(b, self._placed.replicated) for b in stepped]
         new = treedef.unflatten(unpack(gathered, self._placed.buffers, leaves))
-        return new, (flat_state if self._whole is None else HybridState(flat_state, rows))
+        return new, (flat_state if self.whole is None else HybridState(flat_state, rows))
 
 
 def gather_state(state: Any, tx: optax.GradientTransformation, params: Any, plan: Plan, mesh: Mesh,
