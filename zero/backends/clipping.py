@@ -62,7 +62,7 @@ def clip_grad_norm_(mode: Any, max_norm: float, norm_type: float = 2.0, error_if
     if held is None:  # the params' .grad are DDP's averaged gradients, whole on every rank
         return _torch("clip_grad_norm_")(_trainable(mode), max_norm, norm_type, error_if_nonfinite, foreach)
     tensors, grads = [t for t, _ in held], [g for _, g in held]
-    with sharding.installed(mode.rules), sharding.stepping(tensors):
+    with sharding.installed(mode.sharding), sharding.stepping(tensors):
         total = sharding.total_norm(grads, norm_type)
     if error_if_nonfinite and not bool(torch.isfinite(total)):
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is {float(total)}, so they cannot "

@@ -63,7 +63,7 @@ class Masters:
     def __init__(self, dtype: torch.dtype | None, check: bool = True):
         self.dtype, self.check = dtype, check  # check: whether tensors changed outside (see _retake_changed)
         self._pairs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(master) -> (master, its tensor)
-        self._rules: tuple[sharding.Sharding, int, sharding.Sharding] | None = None  # (given, masters, keyed)
+        self._keyed: tuple[sharding.Sharding, int, sharding.Sharding] | None = None  # (given, masters, keyed)
         self._warned = False
 
     def wrap(self, groups: list[dict], frozen: set[int]) -> list[dict]:
@@ -137,18 +137,18 @@ class Masters:
         for master, _ in pairs:
             master.grad = None
 
-    def rules(self, rules: sharding.Sharding) -> sharding.Sharding:
-        """``rules`` (keyed by the stepped tensors) keyed by their masters too, whole tensors in the
+    def keyed(self, given: sharding.Sharding) -> sharding.Sharding:
+        """``given`` (keyed by the stepped tensors) keyed by their masters too, whole tensors in the
         master dtype: a global norm is then the one the masters' gradients have."""
         if not self._pairs:
-            return rules
-        # Held by reference, not id: a mode's rules rebuilt after retrain could reuse a freed id.
-        if self._rules is None or self._rules[0] is not rules or self._rules[1] != len(self._pairs):
-            pieces = dict(rules.pieces)
-            pieces.update({k: rules.pieces[id(s)] for k, (_, s) in self._pairs.items() if id(s) in rules.pieces})
-            dtypes = tuple(torch.promote_types(d, self.dtype) for d in rules.dtypes)
-            self._rules = (rules, len(self._pairs), dataclasses.replace(rules, pieces=pieces, dtypes=dtypes))
-        return self._rules[2]
+            return given
+        # Held by reference, not id: a mode's sharding rebuilt after retrain could reuse a freed id.
+        if self._keyed is None or self._keyed[0] is not given or self._keyed[1] != len(self._pairs):
+            pieces = dict(given.pieces)
+            pieces.update({k: given.pieces[id(s)] for k, (_, s) in self._pairs.items() if id(s) in given.pieces})
+            dtypes = tuple(torch.promote_types(d, self.dtype) for d in given.dtypes)
+            self._keyed = (given, len(self._pairs), dataclasses.replace(given, pieces=pieces, dtypes=dtypes))
+        return self._keyed[2]
 
     def nbytes(self) -> int:
         """Bytes of master copies held (what the plan's ``master_bytes`` predicts)."""

@@ -58,7 +58,7 @@ class RankState:
         self.make_optimizer, self.masters = make_optimizer, Masters(master_dtype, check=not comm.is_fake(group))
         self.optim: torch.optim.Optimizer | None = None
         self.steps = 0
-        self.rules: sharding.Sharding | None = None  # what the executor's steps answer rules with
+        self.sharding: sharding.Sharding | None = None  # answers a rule's whole-tensor questions
         self.scaling: Scaling | None = None
         self.agreed_found_inf: torch.Tensor | None = None
         self.skipping = False  # every rank agreed to skip this step (non-finite gradients, nonfinite="skip")
@@ -128,8 +128,8 @@ class RankState:
 
     # -- the local step ------------------------------------------------------------------------
 
-    def run(self, rules: sharding.Sharding, closure: Any = None, grads: dict | None = None, **kwargs: Any) -> Any:
-        """One step of the local optimizer; ``rules`` answer a `zero.functional` rule's questions
+    def run(self, sharded: sharding.Sharding, closure: Any = None, grads: dict | None = None, **kwargs: Any) -> Any:
+        """One step of the local optimizer; ``sharded`` answers a `zero.functional` rule's questions
         about whole tensors (global norms ...), since the local tensors are pieces of the model.
 
         With masters, the gradients are cast up into them first (after the closure, which makes
@@ -140,10 +140,10 @@ class RankState:
             with torch.enable_grad():
                 loss, closure = closure(), None
         pairs = self.masters.grads_in(self.optim, grads or {})
-        if self.skipping or not self._finite(rules):
+        if self.skipping or not self._finite(sharded):
             self.masters.release(pairs)
             return loss
-        installed = sharding.installed(self.masters.rules(rules)) if is_functional(self.optim) \
+        installed = sharding.installed(self.masters.keyed(sharded)) if is_functional(self.optim) \
             else contextlib.nullcontext()
         try:
             with installed:
@@ -161,17 +161,17 @@ class RankState:
         """The executor's `sharding.Sharding` installed, outside a step: a `zero.functional` state
         started to load a checkpoint into is laid out as a step would lay it out (a low-bit rule's
         quantized or full-precision moments, decided by the whole params)."""
-        if self.rules is None or not is_functional(self.optim):
+        if self.sharding is None or not is_functional(self.optim):
             return contextlib.nullcontext()
-        return sharding.installed(self.masters.rules(self.rules))
+        return sharding.installed(self.masters.keyed(self.sharding))
 
-    def _finite(self, rules: sharding.Sharding) -> bool:
+    def _finite(self, sharded: sharding.Sharding) -> bool:
         """Without a loss scale, True; with one, unscale what steps and agree that it is finite."""
         if self.scaling is None:
             return True
         grads = [p.grad for g in self.optim.param_groups for p in g["params"] if p.grad is not None]
         device = next((p.device for g in self.optim.param_groups for p in g["params"]), torch.device("cpu"))
-        return self.scaling.unscale_and_agree(grads, rules.reduce, device)
+        return self.scaling.unscale_and_agree(grads, sharded.reduce, device)
 
     @contextlib.contextmanager
     def scaled(self, scaling: Scaling | None) -> Iterator[None]:

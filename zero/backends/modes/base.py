@@ -74,7 +74,7 @@ class Mode:
         named = self.plan.flat is None or self.plan.hybrid
         return local_groups(self.state.param_groups, self.holdings, self.tensor, named)
 
-    def build_rules(self, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    def build_sharding(self, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
                     reduce_max: Callable[[torch.Tensor], torch.Tensor] | None = None,
                     every_group: bool = True) -> sharding.Sharding:
         """What `zero.functional.sharding` needs to answer whole-tensor questions in a step: the
@@ -91,11 +91,11 @@ class Mode:
         device = self.state.device
         reduce = reduce or comm.summed(self.group, device)
         reduce_max = reduce_max or comm.maxed(self.group, device)
-        rules = sharding.Sharding(pieces, tuple(p.dtype for p in params), reduce, reduce_max, every_group=every_group,
+        made = sharding.Sharding(pieces, tuple(p.dtype for p in params), reduce, reduce_max, every_group=every_group,
                                   whole_params=whole, names=() if whole else tuple(m.name for m in self.plan.metas),
                                   numels=tuple(p.numel() for p in params), shapes=tuple(tuple(p.shape) for p in params))
-        self.state.rules = rules  # a state started outside a step (to load a checkpoint into) asks them too
-        return rules
+        self.state.sharding = made  # a state started outside a step (to load a checkpoint into) asks it too
+        return made
 
     def step(self, closure: Callable[[], float] | None, kwargs: dict, begin: Begin) -> Any:
         """One optimizer step: the gradients of what this rank steps, the local step, the sync."""

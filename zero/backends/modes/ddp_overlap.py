@@ -56,16 +56,16 @@ class DDPOverlap(WholeParams):
         raise ValueError("overlap_with_ddp=True steps each DDP bucket inside backward, so the step has used the "
                          "gradients before they can be clipped: use overlap_with_ddp=False to clip")
 
-    def _rules(self) -> sharding.Sharding:
+    def _made_sharding(self) -> sharding.Sharding:
         """The stand-ins (made here: after the sync has placed the params' storage, which they
-        share), and rules that refuse whole-model quantities (one bucket steps at a time)."""
+        share), and a sharding that refuses whole-model quantities (one bucket steps at a time)."""
         self.stand_ins = {i: self.params[i].detach() for i in self.plan.partition.params_of(self.rank)}
 
         def refuse(t: torch.Tensor) -> torch.Tensor:
             raise ValueError("this rule needs the whole model's gradients (a global norm, a finiteness check ...), "
                              "but overlap_with_ddp=True steps one DDP bucket at a time: use overlap_with_ddp=False")
 
-        return self.build_rules(refuse, refuse, every_group=False)
+        return self.build_sharding(refuse, refuse, every_group=False)
 
     def step(self, closure: Callable[[], float] | None, kwargs: dict, begin: Begin) -> Any:
         """The step ran inside backward: only a closure (which runs backward) is left."""
@@ -93,7 +93,7 @@ class DDPOverlap(WholeParams):
         for stand_in, g in mine:
             stand_in.grad = g.view_as(stand_in)
         try:
-            self.state.run(self.rules)
+            self.state.run(self.sharding)
         finally:
             for stand_in, _ in mine:
                 stand_in.grad = None

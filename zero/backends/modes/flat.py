@@ -97,7 +97,7 @@ class FlatShards(Mode):
         self.wide: dict[int, torch.Tensor] = {}  # see take_grads
         self.storage = ViewWatch(self.params, [i for b in self.layout.buffers for i in b.params],
                                  comm.is_fake(self.group))
-        self.rules = self.build_rules()
+        self.sharding = self.build_sharding()
         self.gradients = gradients(self) if gradients is not None else CopiedGradients()
 
     def _allocate(self, buf: FlatBuffer) -> torch.Tensor:
@@ -136,7 +136,7 @@ class FlatShards(Mode):
                 loss = closure()
         try:
             self.take_grads(self.state.masters.dtype)
-            out = self.state.run(self.rules, grads=self.wide, **kwargs)
+            out = self.state.run(self.sharding, grads=self.wide, **kwargs)
         finally:
             self.clear_grads()
         verify()  # before any param moves: ranks that diverged get a ValueError, not mismatched collectives

@@ -490,7 +490,7 @@ class ReduceScatteredShards(FlatShards):
                 shards.wait(k)
                 if k:
                     state.rewind(settings)
-                state.run(self.rules, grads=self.use_reduced_grads(state.masters.dtype, only=k))
+                state.run(self.sharding, grads=self.use_reduced_grads(state.masters.dtype, only=k))
                 if k == 0:
                     verify()
                 works += self.start_sync(k)

@@ -31,25 +31,25 @@ class WholeParams(Mode):
         self._build(metas)
 
     def _build(self, metas: list[ParamMeta]) -> None:
-        """(Re)build the sync and the rules for the plan and the current trainable params."""
+        """(Re)build the sync and the sharding for the plan and the current trainable params."""
         if self.sync is not None:
             self.sync.release()
         layout = bucket_views(metas, self.plan.partition)
         self.sync = ParamSync(self.params, layout, self.rank, self.group, self.bucket_view, self.chunk_bytes)
         self.storage = self.sync.watch
         self.trainable = [m.requires_grad for m in metas]
-        self.rules = self._rules()
+        self.sharding = self._made_sharding()
 
-    def _rules(self) -> sharding.Sharding:
-        """Each owned param is the whole of itself; rules over the whole model sum over the ranks."""
-        return self.build_rules()
+    def _made_sharding(self) -> sharding.Sharding:
+        """Each owned param is the whole of itself; quantities over the whole model sum over the ranks."""
+        return self.build_sharding()
 
     def tensor(self, t: LocalTensor):
         return self.params[t.param]
 
     def step(self, closure: Callable[[], float] | None, kwargs: dict, begin: Begin) -> Any:
         verify = begin()
-        loss = self.state.run(self.rules, closure, **kwargs)
+        loss = self.state.run(self.sharding, closure, **kwargs)
         verify()  # before any param moves: ranks that diverged get a ValueError, not mismatched collectives
         self.state.stepped()
         self.sync.sync()

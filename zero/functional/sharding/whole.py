@@ -1,0 +1,112 @@
+"""Rules that need whole tensors (Newton-Schulz, factored moments): the check that a step holds
+them whole (`whole_tensors`, `cut_tensors`), the probe that asks a rule which it needs
+(`needs_whole`, on meta tensors), and the step's whole tensors by name (`whole_tree`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextvars import ContextVar
+from typing import Any
+
+import optree
+import torch
+
+from zero.functional.sharding.context import (
+    LEAVES,
+    SHARDING,
+    Pieces,
+    Sharding,
+    current,
+    name_of,
+    sharded,
+    stepping_whole,
+    whole_piece,
+)
+
+__all__ = ["whole_tensors", "needs_whole", "cut_tensors", "whole_tree"]
+
+
+_PROBE: ContextVar[set[int] | None] = ContextVar("zero_whole_probe", default=None)  # see needs_whole
+
+
+def whole_tensors(leaves: Sequence[torch.Tensor], what: str,
+                  needs: Callable[[tuple[int, ...]], bool] | None = None) -> None:
+    """``ValueError`` unless every leaf is a whole tensor in its own shape: for rules that read a
+    tensor's shape or all its elements at once (Newton-Schulz, factored moments, per-tensor
+    state), which a rank stepping pieces of tensors (a flat plan) cannot run.
+
+    ``needs(shape)``: only tensors of such shapes must be whole; the rule treats the others
+    element by element, so their pieces in a 1-D shard step as they would whole (Adafactor's
+    vectors, beside the matrices it factors; a hybrid plan keeps those whole).
+    """
+    probe = current(_PROBE)
+    if probe is not None:  # needs_whole is asking, on whole meta tensors: record, do not check
+        probe.update(id(leaf) for leaf in leaves if needs is None or needs(tuple(leaf.shape)))
+        return
+    shapes = current(SHARDING).shapes if current(SHARDING) is not None else ()
+    for pieces_of in cut_tensors(leaves, what) or ():  # None: every rank steps whole tensors, or no step
+        cut = [t for t in pieces_of if needs is None or not shapes or needs(shapes[t])]
+        if cut:
+            shape = f" of shape {shapes[cut[0]]}" if shapes else ""
+            raise ValueError(f"{what} needs each tensor whole, but this sharded step holds pieces of param "
+                             f"{name_of(cut[0])}{shape} (a flat plan): keep it whole (zero.make_plan(..., 'flat', "
+                             "whole=...): a hybrid plan), or use a whole-param plan")
+
+
+def needs_whole(tx: Any, params: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> list[str]:
+    """The params (by name) ``tx`` needs whole, asked of the rule itself: one ``init`` and
+    ``update`` on ``meta`` tensors of these shapes and dtypes, recording what its
+    `whole_tensors` checks ask for (Muon's matrices, Adafactor's factored ones, SM3's, NovoGrad's
+    every tensor) instead of checking: what a flat plan must keep whole to run it (a hybrid plan).
+
+    A chain that cannot run on meta tensors (a link reads data: ``clip_by_global_norm`` compares
+    its norm) is asked link by link; a link that cannot is taken to step element by element, and
+    the step still checks it (a ``ValueError`` naming the param it was given in pieces)."""
+    tree = {name: torch.empty(shape, dtype=dtype, device="meta") for name, (shape, dtype) in params.items()}
+    asked = _asked(tx, tree)
+    return [name for name in params if name in asked]
+
+
+def _asked(tx: Any, tree: dict[str, torch.Tensor]) -> set[str]:
+    grads = {name: torch.empty_like(t) for name, t in tree.items()}
+    index = {id(t): name for pair in (tree, grads) for name, t in pair.items()}
+    asked: set[int] = set()
+    token = _PROBE.set(asked)
+    try:
+        tx.update(grads, tx.init(tree), tree)
+        return {index[i] for i in asked if i in index}
+    except Exception:  # noqa: BLE001 - a link that reads data: ask its links, or take it as element-wise
+        links = getattr(getattr(tx, "spec", None), "links", ())
+        return set().union(*(_asked(link, tree) for link in links)) if links else set()
+    finally:
+        _PROBE.reset(token)
+
+
+def cut_tensors(leaves: Sequence[torch.Tensor], what: str = "which tensors a leaf holds pieces of"
+                ) -> list[tuple[int, ...]] | None:
+    """Per leaf, the whole tensors it holds pieces of (empty for a whole tensor in its own
+    shape); None when every rank steps whole tensors, or outside a step (a transformation's
+    init: the step checks). ``what`` names the asker in errors."""
+    if stepping_whole() or current(LEAVES) is None:
+        return None
+    sharding, pieces = sharded(leaves, what)
+    return [() if whole_piece(sharding, pc) and pc.lengths[0] == leaf.numel() and _own_shape(sharding, pc, leaf)
+            else pc.tensors for leaf, pc in zip(leaves, pieces)]
+
+
+def whole_tree() -> tuple[dict[str, torch.Tensor], list[int]]:
+    """The step's whole tensors as a dict by name, each an empty ``meta`` tensor of its shape and
+    dtype (for a rule's function of the params' tree, asked about the whole tensors), and which
+    tensor each of the dict's leaves is, in ``tree_leaves`` order."""
+    sharding = current(SHARDING)
+    names = sharding.names if sharding is not None else ()
+    if not names or len(set(names)) != len(names) or not sharding.shapes:
+        raise ValueError("this sharded step does not know its tensors' names and shapes (or two share a name)")
+    meta = [torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in zip(sharding.shapes, sharding.dtypes)]
+    tree = dict(zip(names, meta))
+    at = {id(x): t for t, x in enumerate(meta)}
+    return tree, [at[id(x)] for x in optree.tree_leaves(tree)]
+
+
+def _own_shape(sharding: Sharding, pc: Pieces, leaf: torch.Tensor) -> bool:
+    return not sharding.shapes or tuple(leaf.shape) == tuple(sharding.shapes[pc.tensors[0]])
