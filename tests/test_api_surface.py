@@ -50,9 +50,10 @@ PUBLIC = {
         "scale_by_muon", "scale_by_shape",
     ),
     "zero.backends": (
-        "DistributedOptimizer", "HierarchicalModelAverager", "PeriodicModelAverager", "PostLocalSGDOptimizer",
-        "RankState", "ShardedGradScaler", "ZeroRedundancyOptimizer", "average_parameters", "get_state_dict",
-        "hook_with_zero_step", "hook_with_zero_step_interleaved", "register_post_local_sgd_hook", "set_state_dict",
+        "DistributedOptimizer", "HierarchicalModelAverager", "Int8Reducer", "MeanReducer", "PeriodicModelAverager",
+        "PostLocalSGDOptimizer", "RankState", "ShardedGradScaler", "ZeroRedundancyOptimizer", "average_parameters",
+        "get_state_dict", "hook_with_zero_step", "hook_with_zero_step_interleaved", "register_post_local_sgd_hook",
+        "set_state_dict",
     ),
     "zero.backends.checkpoint": (
         "describe", "get_state_dict", "load", "model_fqns", "read_metadata", "save", "set_state_dict",

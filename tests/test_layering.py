@@ -157,7 +157,8 @@ def test_nothing_inside_zero_functional_imports_its_package_root():
 
 def test_every_functional_folder_says_what_goes_in_it():
     folders = [p for p in pathlib.Path("zero/functional").iterdir() if p.is_dir() and p.name != "__pycache__"]
-    assert {p.name for p in folders} == {"transforms", "schedules", "aliases", "contrib", "kernels", "adapters", "sharding"}
+    assert {p.name for p in folders} == {"transforms", "schedules", "aliases", "contrib", "kernels", "adapters",
+                                         "sharding"}
     root_doc = ast.get_docstring(ast.parse(pathlib.Path("zero/functional/__init__.py").read_text()))
     for folder in folders:
         doc = ast.get_docstring(ast.parse((folder / "__init__.py").read_text()))

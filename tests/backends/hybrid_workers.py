@@ -7,8 +7,7 @@ import contextlib
 
 import torch
 import torch.distributed as dist
-from checkpoint_workers import train
-from helpers import CountingCalls, fixed_grads, groups_of, make_model, same_on_every_rank, set_grads, worst
+from helpers import CountingCalls, fixed_grads, groups_of, make_model, same_on_every_rank, set_grads, train, worst
 from helpers import side_by_side as side_by_side_steps
 from muon_workers import side_by_side
 
@@ -101,7 +100,7 @@ def adamw_leg(rank: int, world_size: int, load_from: str | None, save_to: str, s
         saved = torch.load(load_from, weights_only=True)
         model.load_state_dict(saved["model"])
         opt.load_state_dict(saved["optim"])
-    train(model, opt, start, steps)
+    train(model, opt, range(start, start + steps))
     if not save_to.endswith(".pt"):
         checkpoint.save(save_to, model, opt)
     else:

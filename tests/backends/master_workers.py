@@ -125,7 +125,8 @@ def reduce_scattered(rank: int, world_size: int, reduce_dtype, steps: int = 6, m
         ref.step(_reference_grads(ref_m, step, rank, world_size, micro, reduce_dtype or BF16))
     worst = max(_rel(a, b.float()) for a, b in zip(ours_m.parameters(), ref_m.parameters()))
     equal = all(torch.equal(a, b) for a, b in zip(ours_m.parameters(), ref_m.parameters()))
-    return {"worst": worst, "equal": equal, "grad_dtypes": sorted({str(g.dtype) for g in ours.mode.grads})}
+    shard_grads = ours.mode.gradients.source.outputs
+    return {"worst": worst, "equal": equal, "grad_dtypes": sorted({str(g.dtype) for g in shard_grads})}
 
 
 def _reference_grads(model: nn.Module, step: int, rank: int, world_size: int, micro: int, dtype) -> list:

@@ -192,22 +192,22 @@ def gradient_memory(rank: int, world_size: int, no_sync: bool) -> dict:
     this rank holds after each backward (params' grads and whole-size buckets; the shards apart)."""
     from torch import nn
 
-    from zero.backends.modes.reduce_scatter import IN_FLIGHT
+    from zero.backends.grads.engine import IN_FLIGHT
 
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(32)])
     plan = zero.make_plan(zero.param_metas(model), world_size, "flat", bucket_numel=1 << 18)
     opt = Zero(model.parameters(), torch.optim.AdamW, plan=plan, reduce_scatter_grads=True, lr=1e-3)
-    shards, held = opt.mode.gradients.shards, []
+    shards, held = opt.mode.gradients.source, []
     for m in range(2):
         x = torch.randn(8, 512, generator=torch.Generator().manual_seed(10 * rank + m))
         with opt.no_sync() if no_sync and m == 0 else contextlib.nullcontext():
             model(x).square().mean().backward()
-        held.append(sum(p.grad.nbytes for p in model.parameters() if p.grad is not None) + shards.held_bytes())
+        held.append(sum(p.grad.nbytes for p in model.parameters() if p.grad is not None) + shards.engine.held_bytes())
     opt.step()
     return {"held": held, "param_bytes": sum(p.nbytes for p in model.parameters()),
             "bucket_bytes": max(b.padded_numel for b in plan.flat.buffers) * 4, "in_flight": IN_FLIGHT,
-            "shard_bytes": sum(g.nbytes for g in opt.mode.grads)}
+            "shard_bytes": sum(g.nbytes for g in shards.outputs)}
 
 
 def clip_vs_ddp(rank: int, world_size: int, how: str, norm_type: float = 2.0, hybrid: bool = False,

@@ -6,6 +6,8 @@ live, one line each:
 - ``zero_optimizer``: `ZeroRedundancyOptimizer`, the wiring plan -> mode -> rank state.
 - ``rank_state``: `RankState`, what a rank holds (its holdings, local optimizer, masters) and its local step.
 - ``modes/``: one executor per way of running a plan (live buffers, gradients, syncs); a new mode goes there.
+- ``grads/``: ZeRO-2's gradients reduced during backward (a source over a bucket engine, DDP's unused-param
+  protocol); ``comm.Reducer`` the collective a bucket takes (`MeanReducer`; ``int8_reducer``: `Int8Reducer`).
 - ``checkpoint/``: the state formats, each written once over a rank's holdings; a new format goes there.
 - ``comm``: the collectives; ``sync``: the params' sync after a step; ``local_optimizer``: what a rank steps with.
 - ``consistency``: every rank in the same call, alive (check-ins, heartbeats, naming the rank that stopped).
@@ -30,12 +32,16 @@ _LAZY = {  # name -> module: loaded on first access, so zero.backends.jax_mesh n
     "register_post_local_sgd_hook": "zero.backends.dist_optim.post_localsgd",
     "DistributedOptimizer": "zero.backends.dist_optim.rpc",
     "RankState": "zero.backends.rank_state",
+    "MeanReducer": "zero.backends.comm",
+    "Int8Reducer": "zero.backends.int8_reducer",
     "ZeroRedundancyOptimizer": "zero.backends.zero_optimizer",
 }
 
 __all__ = [
     "DistributedOptimizer",
     "HierarchicalModelAverager",
+    "Int8Reducer",
+    "MeanReducer",
     "PeriodicModelAverager",
     "PostLocalSGDOptimizer",
     "RankState",

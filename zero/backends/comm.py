@@ -23,8 +23,8 @@ from zero.plans.accounting import bus_bytes
 
 __all__ = ["Collective", "recording", "resolve_group", "is_fake", "group_rank", "group_size", "global_rank",
            "all_gather_object", "in_group", "device_for", "summed", "maxed", "all_gather_rows", "all_gather_into",
-           "broadcast_from", "all_reduce_sum", "all_reduce_max", "reduce_scatter_sum", "reduce_sum_to", "new_subgroup",
-           "twin_group", "send_tree", "recv_tree"]
+           "broadcast_from", "all_reduce_sum", "all_reduce_max", "reduce_scatter_sum", "reduce_sum_to", "all_to_all",
+           "new_subgroup", "twin_group", "send_tree", "recv_tree", "Reducer", "MeanReducer"]
 
 # torch 2.13 renamed all_gather_into_tensor; keep working on the 2.x releases before it.
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -167,6 +167,56 @@ def reduce_sum_to(tensor: torch.Tensor, owner: int, group: Any) -> Any:
     undefined); returns the work to ``wait()`` on."""
     _record("reduce_sum_to", tensor, group)
     return dist.reduce(tensor, dst=global_rank(group, owner), op=dist.ReduceOp.SUM, group=group, async_op=True)
+
+
+def all_to_all(output: torch.Tensor, chunks: torch.Tensor, group: Any) -> Any:
+    """Start sending chunk ``r`` of ``chunks`` (``[world_size * n]``) to group rank ``r``, receiving
+    each rank's chunk for this rank into ``output`` in rank order; returns the work to ``wait()`` on."""
+    _record("all_to_all", chunks, group)
+    return dist.all_to_all_single(output, chunks, group=group, async_op=True)
+
+
+class Reducer:
+    """How a bucket of gradients becomes this rank's shard of their mean over the ranks (ZeRO-2's
+    reduce-scatter). The gradient source calls ``start`` when a bucket is complete, waits on what it
+    returns (``wait()``, through `zero.backends.consistency.wait_for`), then ``finish``:
+
+    - ``start(into, bucket, group)``: start reducing ``bucket`` (``[world_size * n]`` elements, in
+      the order of the ranks' shards) so that ``into`` (``[n]``) can hold this rank's shard;
+    - ``finish(pending, into, out, world)``: after the wait, the mean: written into ``out`` when
+      ``into is out`` (the shard's first reduction since it was zeroed), else added into ``out``;
+    - ``collectives(numel, dtype, world)``: the ``(kind, bytes)`` of each collective ``start``
+      makes for a bucket of ``numel`` elements of ``dtype`` (a name), as the collective recorder
+      records them: what the plan's footprint counts (`zero.plans.footprint`).
+
+    `MeanReducer` is the plain sum-then-mean; `zero.backends.int8_reducer.Int8Reducer` sends int8
+    codes. Pass one as ``ZeroRedundancyOptimizer(..., reduce_scatter_grads=True, reducer=...)``.
+    """
+
+    def start(self, into: torch.Tensor, bucket: torch.Tensor, group: Any) -> Any:
+        raise NotImplementedError
+
+    def finish(self, pending: Any, into: torch.Tensor, out: torch.Tensor, world: int) -> None:
+        raise NotImplementedError
+
+    def collectives(self, numel: int, dtype: str, world: int) -> list[tuple[str, int]]:
+        raise NotImplementedError
+
+
+class MeanReducer(Reducer):
+    """One reduce-scatter of the bucket in its own dtype, summed, then divided by the ranks."""
+
+    def start(self, into: torch.Tensor, bucket: torch.Tensor, group: Any) -> Any:
+        return reduce_scatter_sum(into, bucket, group)
+
+    def finish(self, pending: Any, into: torch.Tensor, out: torch.Tensor, world: int) -> None:
+        if into is out:
+            out.div_(world)
+        else:
+            out.add_(into, alpha=1 / world)
+
+    def collectives(self, numel: int, dtype: str, world: int) -> list[tuple[str, int]]:
+        return [("reduce_scatter_sum", numel * torch.empty(0, dtype=getattr(torch, dtype)).element_size())]
 
 
 def new_subgroup(parent: Any, blocks: tuple[tuple[int, ...], ...]) -> Any:

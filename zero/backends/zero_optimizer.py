@@ -109,6 +109,11 @@ class ZeroRedundancyOptimizer(TorchNames, Optimizer, Joinable):
             per iteration finds the params no rank reached: a whole param keeps no gradient (its
             owner skips it, as torch does); one in a flat shard steps with a zero gradient (a
             warning names it). Off: such a param is a ``ValueError`` naming it.
+        reducer: with ``reduce_scatter_grads`` only: how each bucket's gradients become this rank's
+            shard of their mean, a `zero.backends.comm.Reducer`: by default `MeanReducer` (one
+            reduce-scatter, then the mean); `zero.backends.Int8Reducer` sends int8 codes, one scale
+            per block (ZeRO++'s qgZ), a quarter of the bytes. The plan's footprint takes the same
+            reducer (`zero.plans.footprint.footprint(plan, rank, reducer=...)`).
         **defaults: hyperparameters for the local optimizer (``lr=...``).
 
     Attributes: ``plan`` (the `zero.Plan` executed), ``rank_state`` (the `RankState`: what this
@@ -126,7 +131,8 @@ class ZeroRedundancyOptimizer(TorchNames, Optimizer, Joinable):
                  plan: Plan | None = None, strategy: str | None = None, sync_chunk_mb: float | None = None,
                  reduce_scatter_grads: bool = False, master_dtype: torch.dtype | str | None = None,
                  reduce_dtype: torch.dtype | str | None = None, find_unused_parameters: bool = False,
-                 nonfinite: str = "warn", bucket_cap_mb: float | None = None, **defaults: Any):
+                 nonfinite: str = "warn", bucket_cap_mb: float | None = None, reducer: comm.Reducer | None = None,
+                 **defaults: Any):
         check_plan_arguments(plan, strategy, bucket_cap_mb)
         self.nonfinite = NonFinite(nonfinite, overlap_with_ddp=bool(overlap_with_ddp))
         master_dtype = resolve_dtype(master_dtype, "master_dtype")
@@ -158,7 +164,7 @@ class ZeroRedundancyOptimizer(TorchNames, Optimizer, Joinable):
         self.mode: Mode = make_mode(self.rank_state, metas, optimizer_class=optimizer_class, defaults=defaults,
                                     overlap_with_ddp=bool(overlap_with_ddp), reduce_scatter_grads=reduce_scatter_grads,
                                     reduce_dtype=reduce_dtype, bucket_view=parameters_as_bucket_view,
-                                    find_unused_parameters=bool(find_unused_parameters),
+                                    find_unused_parameters=bool(find_unused_parameters), reducer=reducer,
                                     chunk_bytes=int((sync_chunk_mb or 16) * 2**20))
         self.rank_state.build(self.mode.local_groups(), per_param=bool(overlap_with_ddp))
         me = weakref.ref(self)

@@ -2,9 +2,11 @@
 
 metadata (`meta`) -> ownership (`partition`) or element shards (`layout.flat_layout`) -> bucket
 and sync layouts (`layout`), DDP buckets (`ddp_buckets`), what each rank's local optimizer sees
-(`shards`) -> what it all costs (`accounting`, `cost`) -> one printable, saveable `Plan` (`plan`)
--> what each rank holds under it (`holdings`: the seam every executor and state format reads,
-with `chunks`' boxes of each param for sharded checkpoints).
+(`shards`) -> what it all costs (`accounting`, `cost`; each rule's cost model in `costs/`, a
+registry) -> one printable, saveable `Plan` (`plan`, its fields `plan_fields`) -> what each rank
+holds under it (`holdings`: the seam every executor and state format reads, with `chunks`' boxes
+of each param for sharded checkpoints), what the executor's peak is (`footprint`) and a JAX
+mesh's padding (`mesh_padding`).
 `averaging_schedule` is post-local SGD's schedule; `presets` are shape lists of known models.
 The public names are re-exported by the package root: ``zero.make_plan``, ``zero.partition`` ...
 """

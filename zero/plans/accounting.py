@@ -1,24 +1,17 @@
 """What parameters cost: optimizer-state bytes, partition weights, and bytes on the wire.
 
-The per-optimizer figures are those of `torch.optim`'s default (non-fused, non-capturable)
-implementations: ``slots`` state tensors shaped like the parameter (in its dtype) plus
-``scalar_bytes`` of per-parameter scalars (Adam's float32 ``step`` tensor). State exists only for
-trainable parameters, because torch creates it lazily on the first gradient.
-
-Low-bit rules (``"adamw8bit"``, ``"adamw4bit"``: `zero.functional.contrib.adamw_8bit`, torchao's
-``AdamW8bit``) keep each moment block-wise quantized: one byte (8-bit) or half a byte (4-bit) a
-element plus one float32 scale a block, for params of at least ``min_numel`` elements that
-divide into blocks; smaller ones keep full-precision moments. ``"adamw8bit/128"`` names another
-block size.
+Each rule's state and step are its cost model's (`zero.plans.costs`: element-wise, Newton-Schulz
+matrices, low-bit; ``OPTIMIZERS`` by name, ``"adamw8bit/128"`` a low-bit one with another block
+size). State exists only for trainable parameters, because torch creates it lazily on the first
+gradient.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from zero.plans.checks import check_int
+from zero.plans.costs import COSTS, LOW_BIT_MIN_NUMEL, RuleCost, cost_of
 from zero.plans.meta import ParamMeta, itemsize
 
 __all__ = ["bus_bytes", "BUS_FACTORS",
@@ -26,112 +19,10 @@ __all__ = ["bus_bytes", "BUS_FACTORS",
            "sync_bytes", "check_master_dtype", "master_itemsize", "state_itemsize"]
 
 
-@dataclass(frozen=True)
-class OptimizerState:
-    """State an optimizer keeps per parameter: ``slots`` param-shaped tensors + scalars, and
-    the work of its step.
-
-    A rule that orthogonalises matrices (Muon) has ``ns_steps`` > 0: each 2-D parameter (a
-    matrix, as `zero.functional.contrib.muon` routes them) holds ``matrix_slots`` tensors and
-    costs Newton-Schulz matmuls; the others take the elementwise rule of ``slots``.
-    """
-
-    slots: int
-    scalar_bytes: int = 0
-    matrix_slots: int | None = None  # slots of a matrix, when they differ (Muon: its momentum)
-    ns_steps: int = 0  # Newton-Schulz steps per matrix and step (0: an elementwise rule)
-    # Temporaries torch's for-loop step makes at once, in tensors the size of the one it steps
-    # (Adam's ``exp_avg_sq.sqrt()`` and its quotient, and a coupled decay's ``grad.add(param)``),
-    # and those of the tensor before it still alive meanwhile (Adam's ``denom``, until reassigned).
-    step_temps: int = 2
-    step_temps_held: int = 1
-    # Block-wise quantized moments (torchao's): ``bits`` per element (0: full precision) and one
-    # float32 scale per ``block_size`` elements, for params with ``min_numel`` elements or more.
-    bits: int = 0
-    block_size: int = 0
-    min_numel: int = 0
-    # The step takes at most this many elements of a tensor at a time (0: all of it), its
-    # temporaries in float32: zero's low-bit step goes by chunks of 2^16 (zero.functional.quantize).
-    step_chunk: int = 0
-
-    def block_for(self, meta: ParamMeta) -> int:
-        """The quantization block of ``meta``'s moments, or 0 when they keep full precision
-        (frozen, fewer than ``min_numel`` elements, or not a whole number of blocks): decided by
-        the whole param's size, so no plan can change it."""
-        return self.block_size if self.quantizes(meta.numel) and meta.requires_grad else 0
-
-    def quantizes(self, numel: int) -> bool:
-        """Whether a param of ``numel`` elements gets quantized moments (torchao's rule)."""
-        return self.bits > 0 and numel >= self.min_numel and numel % self.block_size == 0
-
-    def moments_bytes(self, numel: int, itemsize: int, block: int = 0) -> int:
-        """Bytes of the ``slots`` moments of ``numel`` elements: quantized in blocks of ``block``
-        (codes and float32 scales), or full precision at ``itemsize`` bytes (``block`` 0)."""
-        if not block:
-            return self.slots * numel * itemsize
-        return self.slots * (numel * self.bits // 8 + numel // block * 4)
-
-    def is_matrix(self, meta: ParamMeta) -> bool:
-        """Whether ``meta`` is a matrix this rule orthogonalises."""
-        return self.ns_steps > 0 and len(meta.shape) == 2
-
-    def slots_for(self, meta: ParamMeta) -> int:
-        """Param-shaped state tensors ``meta`` holds when trainable."""
-        return self.matrix_slots if self.matrix_slots is not None and self.is_matrix(meta) else self.slots
-
-    def bytes_for(self, meta: ParamMeta) -> int:
-        return self.slots_for(meta) * meta.nbytes + self.scalar_bytes if meta.requires_grad else 0
-
-    def step_flops(self, meta: ParamMeta) -> int:
-        """Floating-point operations of one step of ``meta`` (0 when frozen): its elements for an
-        elementwise rule; for a matrix orthogonalised, ``ns_steps`` quintic steps on it in the
-        orientation whose Gram matrix is the smaller (``m <= n``): ``X X^T`` (2 m^2 n), its
-        square (2 m^3) and the product with ``X`` (2 m^2 n), plus its elements."""
-        if not meta.requires_grad:
-            return 0
-        if not self.is_matrix(meta):
-            return meta.numel
-        m, n = sorted(meta.shape)
-        return self.ns_steps * (4 * m * m * n + 2 * m**3) + meta.numel
-
-
-OPTIMIZERS: dict[str, OptimizerState] = {
-    "sgd": OptimizerState(0, step_temps=1, step_temps_held=0),
-    "sgd_momentum": OptimizerState(1, step_temps=2, step_temps_held=0),
-    "adam": OptimizerState(2, 4, step_temps=3),
-    "adamw": OptimizerState(2, 4),
-    "adam_amsgrad": OptimizerState(3, 4),
-    "nadam": OptimizerState(2, 8),  # step and mu_product
-    "radam": OptimizerState(2, 4),
-    "adamax": OptimizerState(2, 4),
-    "adagrad": OptimizerState(1, 4),
-    "adadelta": OptimizerState(2, 4),
-    "rmsprop": OptimizerState(1, 4),
-    "rprop": OptimizerState(2, 4),
-    "lion": OptimizerState(1),
-    "lamb": OptimizerState(2, 4),
-    # zero.functional.contrib.muon: a momentum per matrix (5 Newton-Schulz steps); AdamW for the rest
-    "muon": OptimizerState(2, 4, matrix_slots=1, ns_steps=5),
-}
-LOW_BIT_MIN_NUMEL = 4096  # torchao's (after bitsandbytes'): smaller params keep full-precision moments
-# zero.functional.contrib's low-bit Adam (torchao's maps and blocks): a 0-d count per state, no per-param scalars
-for _name, _bits, _block in (("adam8bit", 8, 256), ("adamw8bit", 8, 256), ("adam4bit", 4, 128), ("adamw4bit", 4, 128)):
-    # its step's temporaries: about ten float32s an element of a chunk (MemTracker on the in-place step)
-    OPTIMIZERS[_name] = OptimizerState(2, 0, bits=_bits, block_size=_block, min_numel=LOW_BIT_MIN_NUMEL,
-                                       step_temps=10, step_temps_held=0, step_chunk=1 << 16)
-
-
-def optimizer_state(optimizer: str | OptimizerState) -> OptimizerState:
-    """Look up an optimizer's state shape by name (see ``OPTIMIZERS``)."""
-    if isinstance(optimizer, OptimizerState):
-        return optimizer
-    key = str(optimizer).lower()
-    name, _, block = key.partition("/")
-    if name not in OPTIMIZERS or block and not (OPTIMIZERS[name].bits and block.isdigit() and int(block) > 0
-                                                and int(block) % 2 == 0):
-        raise ValueError(f"unknown optimizer {optimizer!r}; known: {', '.join(sorted(OPTIMIZERS))} (a low-bit one "
-                         "with another even block size as 'adamw8bit/128')")
-    return dataclasses.replace(OPTIMIZERS[name], block_size=int(block)) if block else OPTIMIZERS[name]
+# The cost models live in `zero.plans.costs`, one per family; these are their names here.
+OptimizerState = RuleCost  # a rule's cost model (the protocol every family answers)
+OPTIMIZERS: dict[str, RuleCost] = COSTS
+optimizer_state = cost_of
 
 
 def state_bytes(meta: ParamMeta, optimizer: str | OptimizerState = "adam", master_dtype: str | None = None) -> int:
@@ -139,10 +30,7 @@ def state_bytes(meta: ParamMeta, optimizer: str | OptimizerState = "adam", maste
     master dtype when the optimizer steps master copies."""
     if not meta.requires_grad:
         return 0
-    spec = optimizer_state(optimizer)
-    if spec.bits:
-        return spec.moments_bytes(meta.numel, state_itemsize(meta.dtype, master_dtype), spec.block_for(meta))
-    return spec.slots_for(meta) * meta.numel * state_itemsize(meta.dtype, master_dtype) + spec.scalar_bytes
+    return cost_of(optimizer).state_bytes(meta, state_itemsize(meta.dtype, master_dtype))
 
 
 # Float dtypes by precision: a master copy must be at least as precise as its param.
@@ -188,7 +76,7 @@ def weights(metas: Sequence[ParamMeta], weight: Weight = "numel",
     frozen parameters weigh nothing. When no
     parameter has state (plain SGD), ``"state_bytes"`` balances trainable elements instead, since
     any placement is then equally good for memory and compute is what is left to balance.
-    ``"step_flops"`` counts the work of its step (`OptimizerState.step_flops`: its elements,
+    ``"step_flops"`` counts the work of its step (`zero.plans.costs.RuleCost.step_flops`: its elements,
     or for Muon's matrices their Newton-Schulz matmuls), so ranks finish their steps together.
     A callable maps each `ParamMeta` to a non-negative int.
     """
@@ -199,7 +87,7 @@ def weights(metas: Sequence[ParamMeta], weight: Weight = "numel",
               (m.numel * master_itemsize(m.dtype, master_dtype) if m.requires_grad else 0) for m in metas]
         return ws if any(ws) else [m.numel if m.requires_grad else 0 for m in metas]
     if weight == "step_flops":
-        spec = optimizer_state(optimizer)
+        spec = cost_of(optimizer)
         return [spec.step_flops(m) for m in metas]
     if callable(weight):
         return [check_int(f"weight({m.name!r})", weight(m)) for m in metas]
@@ -212,13 +100,13 @@ def weights(metas: Sequence[ParamMeta], weight: Weight = "numel",
 # recorder's `bus_bytes`) is in this unit.
 # kind: (times the buffer, whether by (W - 1) / W as a ring moves it)
 BUS_FACTORS = {"all_gather": (1, True), "reduce_scatter": (1, True), "all_reduce": (2, True),
-               "broadcast": (1, False), "reduce": (1, False)}
+               "all_to_all": (1, True), "broadcast": (1, False), "reduce": (1, False)}
 
 
 def bus_bytes(kind: str, buffer_bytes: int, world: int) -> int:
     """Bytes each rank sends (= receives) in collective ``kind`` over a buffer of ``buffer_bytes``
     (the whole buffer: an all-gather's output, a reduce-scatter's input) in a group of ``world``:
-    all-gather and reduce-scatter ``(W - 1) / W`` of it, all-reduce ``2 (W - 1) / W``, broadcast
+    all-gather, reduce-scatter and all-to-all ``(W - 1) / W`` of it, all-reduce ``2 (W - 1) / W``, broadcast
     and reduce all of it (nccl-tests' bus bytes); nothing in a group of one. ``kind`` may be a
     `zero.backends.comm` function's name (``all_gather_rows``, ``reduce_sum_to`` ...)."""
     base = next((k for k in sorted(BUS_FACTORS, key=len, reverse=True) if kind.startswith(k)), None)

@@ -81,8 +81,7 @@ def flat_costs(metas, flat: FlatLayout, spec, master_dtype: str | None = None) -
                 pieces[s.rank] += 1
                 numel[s.rank] += s.end - s.start
     # State tensors (and master copies) are shaped like the padded shard, one set per buffer, on every rank alike.
-    state = sum(spec.moments_bytes(b.shard_numel, state_itemsize(b.dtype, master_dtype), b.block) if spec.bits
-                else spec.slots * b.shard_numel * state_itemsize(b.dtype, master_dtype) + spec.scalar_bytes
+    state = sum(spec.shard_state_bytes(b.shard_numel, state_itemsize(b.dtype, master_dtype), b.block)
                 for b in flat.buffers)
     masters = sum(b.shard_numel * master_itemsize(b.dtype, master_dtype) for b in flat.buffers)
     grad_shard = sum(b.shard_numel * itemsize(b.dtype) for b in flat.buffers)

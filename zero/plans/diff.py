@@ -70,11 +70,9 @@ def diff_plans(a: Plan, b: Plan) -> PlanDiff:
             changed.append(meta.name)
         if not meta.requires_grad:
             continue
-        block = spec.block_for(meta)  # a low-bit rule's quantized moments: codes and a scale a block
-        per_element = spec.slots_for(meta) * itemsize(meta.dtype) if not block else 0
         for src, dst, count in _overlaps(before, after):
             if src != dst:
-                moves[(src, dst)] += count * per_element if not block else spec.moments_bytes(count, 0, block)
+                moves[(src, dst)] += spec.moved_bytes(meta, count, itemsize(meta.dtype))
         held = {r for r, _, _ in before}
         for dst in {r for r, _, _ in after} - held:
             if spec.scalar_bytes:

@@ -22,7 +22,7 @@ process group and compares. The categories:
   plan's order (`zero.plans.layout.reduction_units`). In the step: the
   masters' gradients cast up (unless reduced in the master dtype), reduced gradients cast to
   their shard's dtype, and the rule's own temporaries (torch's for-loop step:
-  `OptimizerState.step_temps` of the tensor it steps, ``step_temps_held`` of the one before).
+  `zero.plans.costs.RuleCost.step_temps` of the tensor it steps, ``step_temps_held`` of the one before).
 
 Collectives are listed with the bytes of the buffer this rank hands each one, per step: the params'
 sync (each flat buffer's all-gather; a whole-param sync's rows and direct broadcasts) and, with
@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from zero.plans.accounting import bus_bytes, master_itemsize, optimizer_state, state_itemsize
 from zero.plans.holdings import holdings
@@ -86,10 +86,15 @@ class Footprint:
 
 
 def footprint(plan: Plan, rank: int, *, reduce_scatter_grads: bool = False, reduce_dtype: str | None = None,
-              bucket_view: bool | None = None, sync_chunk_bytes: int = SYNC_CHUNK_BYTES) -> Footprint:
+              bucket_view: bool | None = None, sync_chunk_bytes: int = SYNC_CHUNK_BYTES,
+              reducer: Any = None) -> Footprint:
     """What ``rank`` holds and moves executing ``plan`` with these `ZeroRedundancyOptimizer` options
     (``reduce_dtype`` a dtype name; None: the params'). The peak is the larger of backward's and
-    the local step's, in steady state (the optimizer state exists from the first step on)."""
+    the local step's, in steady state (the optimizer state exists from the first step on).
+
+    ``reducer`` (a `zero.backends.comm.Reducer`; None: the plain reduce-scatter) says the
+    collectives each bucket's reduction makes (``reducer.collectives``); its own scratch memory
+    (an int8 reducer's codes) is not in the peak, which counts the buckets as the plain one holds them."""
     metas, flat = plan.metas, plan.flat
     reduce = None if reduce_dtype is None else str(reduce_dtype).removeprefix("torch.")
     rows = _rows(plan, bucket_view, sync_chunk_bytes)
@@ -110,7 +115,7 @@ def footprint(plan: Plan, rank: int, *, reduce_scatter_grads: bool = False, redu
     grads, transient = moments[phase]
     return Footprint(rank, phase, {**static, "grads": grads, "transient": transient},
                      {**static, "grads": resident, "transient": 0},
-                     _collectives(plan, rows, reduce_scatter_grads, reduce), plan.world_size,
+                     _collectives(plan, rows, reduce_scatter_grads, reduce, reducer), plan.world_size,
                      {k: sum(static.values()) + sum(v) for k, v in moments.items()})
 
 
@@ -207,7 +212,7 @@ def _kept_whole(plan: Plan, rank: int, reduce: str | None) -> int:
 
 def _step_temporaries(plan: Plan, rank: int, reduce_scattered: bool, reduce: str | None) -> int:
     """Bytes the step makes and drops: masters' gradients cast up, reduced gradients cast to their
-    shard's dtype, and the rule's own: `OptimizerState.step_temps` of the tensor it steps and
+    shard's dtype, and the rule's own: `zero.plans.costs.RuleCost.step_temps` of the tensor it steps and
     ``step_temps_held`` of the one before it (in the local optimizer's order, within a group)."""
     held, master = holdings(plan, rank), plan.master_dtype
     spec = optimizer_state(plan.optimizer)
@@ -227,15 +232,17 @@ def _step_temporaries(plan: Plan, rank: int, reduce_scattered: bool, reduce: str
     return casts + rule
 
 
-def _collectives(plan: Plan, rows: Sequence[SyncRows], reduce_scattered: bool,
-                 reduce: str | None) -> tuple[tuple[str, int], ...]:
+def _collectives(plan: Plan, rows: Sequence[SyncRows], reduce_scattered: bool, reduce: str | None,
+                 reducer: Any = None) -> tuple[tuple[str, int], ...]:
     out = []
     for r in rows:
         out += [("all_gather_rows", r.chunk * len(r.pieces) * itemsize(r.dtype))] * (len(r.pieces[0]) if r.chunk else 0)
         out += [("broadcast_from", plan.metas[i].nbytes) for _, i in r.direct]
     for b in plan.flat.buffers if plan.flat else ():
         out.append(("all_gather_rows", b.padded_numel * itemsize(b.dtype)))
-        if reduce_scattered:
+        if reduce_scattered and reducer is not None:
+            out += [tuple(c) for c in reducer.collectives(b.padded_numel, reduce or b.dtype, plan.world_size)]
+        elif reduce_scattered:
             out.append(("reduce_scatter_sum", b.padded_numel * itemsize(reduce or b.dtype)))
     if reduce_scattered:
         out += [("reduce_sum_to", plan.metas[i].numel * itemsize(reduce or plan.metas[i].dtype)) for i in plan.whole]

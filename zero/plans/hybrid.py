@@ -15,8 +15,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
 
-from zero.plans.accounting import OptimizerState, Weight, weights
+from zero.plans.accounting import Weight, weights
 from zero.plans.cost import RankCost, flat_costs, partition_costs
+from zero.plans.costs import RuleCost
 from zero.plans.layout import FlatLayout, flat_layout
 from zero.plans.meta import ParamMeta
 from zero.plans.partition import Partition, partition
@@ -26,7 +27,7 @@ __all__ = ["Whole", "resolve_whole", "hybrid_placement"]
 Whole = Collection[str] | Callable[[ParamMeta], bool] | None
 
 
-def resolve_whole(metas: Sequence[ParamMeta], whole: Whole, spec: OptimizerState) -> tuple[int, ...]:
+def resolve_whole(metas: Sequence[ParamMeta], whole: Whole, spec: RuleCost) -> tuple[int, ...]:
     """The indices of the trainable params to keep whole: ``whole`` names them or is a test of a
     `ParamMeta`; ``None``: what the optimizer needs whole (Muon's matrices), else none.
 
@@ -34,7 +35,7 @@ def resolve_whole(metas: Sequence[ParamMeta], whole: Whole, spec: OptimizerState
     route by name), so the step checks it: a rule handed pieces of a tensor it needs whole is a
     ``ValueError`` naming the param (`zero.functional.sharding.whole_tensors`)."""
     if whole is None:
-        return tuple(i for i, m in enumerate(metas) if m.requires_grad and spec.is_matrix(m))
+        return tuple(i for i, m in enumerate(metas) if spec.whole(m))
     if callable(whole):
         return tuple(i for i, m in enumerate(metas) if m.requires_grad and _test(whole, m))
     return tuple(_named(metas, whole))
@@ -71,7 +72,7 @@ def _only(metas: Sequence[ParamMeta], indices: Collection[int], keep: bool) -> l
 
 
 def hybrid_placement(metas: Sequence[ParamMeta], keep: tuple[int, ...], world_size: int, weight: Weight,
-                     spec: OptimizerState, alignment: int, bucket_numel: int | None,
+                     spec: RuleCost, alignment: int, bucket_numel: int | None,
                      master_dtype: str | None) -> tuple[Partition, FlatLayout, tuple[RankCost, ...], float, float]:
     """The whole params' partition (``"balanced"`` by ``weight``; owner -1 for the others), the
     flat layout of the rest, each rank's costs summed over both, and the mean and best possible

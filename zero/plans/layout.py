@@ -319,7 +319,7 @@ def flat_layout(metas: Sequence[ParamMeta], world_size: int, alignment: int = 1,
     a buffer of its own): gradients reduce-scatter per buffer, so smaller buffers start sooner.
 
     ``block_of(meta)``: the quantization block of a param's optimizer state, 0 for none
-    (`zero.plans.accounting.OptimizerState.block_for`). Params with a block get buffers of their
+    (`zero.plans.costs.RuleCost.block_for`). Params with a block get buffers of their
     own (one per block size), whose shards are a multiple of the block: each param's numel is one
     too, so every param starts at a block edge of its buffer and is cut only at its own block
     edges, whatever the world size. The padding this costs is in ``padding``.

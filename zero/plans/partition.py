@@ -25,8 +25,9 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from zero.plans.accounting import OptimizerState, Weight, weights
+from zero.plans.accounting import Weight, weights
 from zero.plans.checks import check_int
+from zero.plans.costs import RuleCost
 from zero.plans.meta import ParamMeta
 
 __all__ = ["Partition", "partition", "STRATEGIES", "check_metas", "check_world_size"]
@@ -56,7 +57,7 @@ class Partition:
 
 
 def partition(metas: Sequence[ParamMeta], world_size: int, strategy: str = "sorted_greedy",
-              weight: Weight = "numel", optimizer: str | OptimizerState = "adam", *,
+              weight: Weight = "numel", optimizer: str | RuleCost = "adam", *,
               master_dtype: str | None = None) -> Partition:
     """Assign every parameter in ``metas`` to one of ``world_size`` ranks.
 

@@ -125,7 +125,7 @@ def _plan(args: argparse.Namespace) -> int:
         return 0
     metas = load_metas(args)
     if args.compare:
-        matrices = optimizer_state(args.optimizer).ns_steps > 0  # Muon: whole matrices, and work to balance
+        matrices = optimizer_state(args.optimizer).keeps_whole  # Muon: whole matrices, and work to balance
         weights = ("numel", "state_bytes", "step_flops") if matrices else ("numel", "state_bytes")
         plans = [make_plan(metas, args.world_size, s, w, args.optimizer, args.alignment,
                            master_dtype=args.master_dtype)

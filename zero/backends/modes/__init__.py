@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from zero._lazy import module_getattr
+from zero.backends.comm import Reducer
 from zero.backends.local_optimizer import check_shardable
 from zero.backends.modes.base import Mode
 from zero.backends.modes.ddp_overlap import DDPOverlap
@@ -45,7 +46,7 @@ __all__ = ["Mode", "WholeParams", "FlatShards", "HybridShards", "HybridReduceSca
 def make_mode(state: RankState, metas: list[ParamMeta], *, optimizer_class: Any, overlap_with_ddp: bool,
               reduce_scatter_grads: bool, bucket_view: bool | None, chunk_bytes: int,
               reduce_dtype: torch.dtype | None = None, defaults: dict | None = None,
-              find_unused_parameters: bool = False) -> Mode:
+              find_unused_parameters: bool = False, reducer: Any = None) -> Mode:
     """The mode that executes the rank state's plan with these options (``ValueError`` for
     combinations that cannot run)."""
     plan = state.plan
@@ -57,17 +58,25 @@ def make_mode(state: RankState, metas: list[ParamMeta], *, optimizer_class: Any,
         raise ValueError(f"reduce_dtype={reduce_dtype} is the dtype of the gradients' reduce-scatter, which runs "
                          "only with reduce_scatter_grads=True (with DDP, DDP reduces in the params' dtype; use a "
                          "DDP comm hook to change it): pass reduce_scatter_grads=True and a flat plan, or drop it")
+    if reducer is not None and not reduce_scatter_grads:
+        raise ValueError(f"reducer={reducer!r} reduces the gradients' buckets, which zero reduces only with "
+                         "reduce_scatter_grads=True (with DDP, DDP reduces them; use a DDP comm hook): pass "
+                         "reduce_scatter_grads=True and a flat plan, or drop it")
+    if reducer is not None and not isinstance(reducer, Reducer):
+        raise TypeError(f"reducer must be a zero.backends.comm.Reducer (MeanReducer, Int8Reducer ...), got "
+                        f"{type(reducer).__name__}")
     if plan.flat is not None:
         check_shardable(optimizer_class, defaults or {})
         if overlap_with_ddp:
             raise ValueError("overlap_with_ddp=True steps whole params as DDP's buckets arrive: use a "
                              "whole-param plan (flat plans reduce-scatter instead: reduce_scatter_grads=True)")
         if plan.hybrid and reduce_scatter_grads:
-            return HybridReduceScattered(state, metas, bucket_view, chunk_bytes, reduce_dtype, find_unused_parameters)
+            return HybridReduceScattered(state, metas, bucket_view, chunk_bytes, reduce_dtype, find_unused_parameters,
+                                         reducer)
         if plan.hybrid:
             return HybridShards(state, metas, bucket_view, chunk_bytes)
         if reduce_scatter_grads:
-            return ReduceScatteredShards(state, metas, reduce_dtype, find_unused_parameters)
+            return ReduceScatteredShards(state, metas, reduce_dtype, find_unused_parameters, reducer)
         return FlatShards(state, metas)
     if reduce_scatter_grads:
         raise ValueError("reduce_scatter_grads=True needs a flat plan (strategy='flat'): whole-param plans "

@@ -37,6 +37,7 @@ class Gradients:
     ``Join`` mean for them (one object per mode, chosen by it; it keeps no reference to the mode)."""
 
     scaler_sees_grads = True  # the params' .grad are the gradients stepped, as a GradScaler reads them
+    outputs: list[torch.Tensor] | None = None  # the shards' gradients where these gradients own them (reduced)
 
     def take(self, mode: FlatShards, master_dtype: torch.dtype | None) -> dict[int, torch.Tensor]:
         """Give each of ``mode``'s shards (and whole params) the gradient it steps with; returns
@@ -92,13 +93,14 @@ class FlatShards(Mode):
         self.flats = [self._allocate(b) for b in self.layout.buffers]
         self.shards = [f[self.rank * b.shard_numel:(self.rank + 1) * b.shard_numel].detach()
                        for f, b in zip(self.flats, self.layout.buffers)]
-        self._grads = [torch.zeros_like(s) for s in self.shards]
         self._pieces = [b.pieces(self.rank) for b in self.layout.buffers]
         self.wide: dict[int, torch.Tensor] = {}  # see take_grads
         self.storage = ViewWatch(self.params, [i for b in self.layout.buffers for i in b.params],
                                  comm.is_fake(self.group))
         self.sharding = self.build_sharding()
         self.gradients = gradients(self) if gradients is not None else CopiedGradients()
+        # the shards' gradients: copies of DDP's pieces live here; reduced ones where they land (the source's)
+        self._grads = [torch.zeros_like(s) for s in self.shards] if self.gradients.outputs is None else []
 
     def _allocate(self, buf: FlatBuffer) -> torch.Tensor:
         example = self.params[buf.params[0]]
@@ -193,12 +195,13 @@ class FlatShards(Mode):
                 torch._foreach_copy_([grad[p.offset:p.offset + p.end - p.start] for p in pieces], src)
             shard.grad = grad
 
-    def use_reduced_grads(self, master_dtype: torch.dtype | None, only: int | None = None) -> dict[int, torch.Tensor]:
-        """Step the shards (or shard ``only``) with their reduce-scattered gradients. A gradient in
+    def use_reduced_grads(self, master_dtype: torch.dtype | None, grads: list[torch.Tensor],
+                          only: int | None = None) -> dict[int, torch.Tensor]:
+        """Step the shards (or shard ``only``) with their reduce-scattered ``grads``. A gradient in
         another dtype than its shard's (``reduce_dtype``) goes to the shard's master as it is when
         it has the master's dtype (returned, by ``id(shard)``), else is cast to the shard's."""
         wide = {}
-        for k, (shard, grad) in enumerate(zip(self.shards, self._grads)):
+        for k, (shard, grad) in enumerate(zip(self.shards, grads)):
             if only is not None and k != only:
                 shard.grad = None
             elif grad.dtype == shard.dtype:
@@ -211,12 +214,9 @@ class FlatShards(Mode):
 
     @property
     def grads(self) -> list[torch.Tensor]:
-        """Each shard's gradient tensor, where a reduce-scatter writes it."""
-        return self._grads
-
-    def widen_grads(self, dtype: torch.dtype) -> None:
-        """Keep the shards' gradients in ``dtype`` (a reduce-scatter's ``reduce_dtype``)."""
-        self._grads = [torch.zeros_like(g, dtype=dtype) for g in self._grads]
+        """Each shard's gradient tensor: the copies' (DDP's pieces), or where the reductions land."""
+        outputs = self.gradients.outputs
+        return self._grads if outputs is None else outputs
 
     def clear_grads(self) -> None:
         """After a step: the shards hold no gradient, and the wider ones kept for masters go."""

@@ -9,12 +9,13 @@ by their owners' rows (`ParamSync`) and the shards by one all-gather per buffer.
 With ``reduce_scatter_grads=True`` (`HybridReduceScattered`) the shards' gradients are
 reduce-scattered during backward as under a flat plan, and each whole param's gradient is
 summed into its owner by one reduce, also during backward, as soon as it is made; the other
-ranks then drop it (`zero.backends.modes.reduce_scatter.GradShards`).
+ranks then drop it (`zero.backends.grads.GradientSource`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -50,6 +51,6 @@ class HybridReduceScattered(HybridShards):
     """A hybrid plan with ``reduce_scatter_grads=True``: no DDP; the gradients are `ReducedGradients`."""
 
     def __init__(self, state: RankState, metas: list[ParamMeta], bucket_view: bool | None, chunk_bytes: int,
-                 reduce_dtype: torch.dtype | None = None, find_unused: bool = False):
+                 reduce_dtype: torch.dtype | None = None, find_unused: bool = False, reducer: Any = None):
         super().__init__(state, metas, bucket_view, chunk_bytes,
-                         lambda mode: ReducedGradients(mode, reduce_dtype, find_unused))
+                         lambda mode: ReducedGradients(mode, reduce_dtype, find_unused, reducer))

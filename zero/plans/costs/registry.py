@@ -1,0 +1,55 @@
+"""The registry: a rule's name (what ``make_plan(..., optimizer=...)`` takes) -> its cost model.
+
+A new rule adds one line here (its family's model, with its numbers); a new family, a module
+beside `base` answering `RuleCost`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from zero.plans.costs.base import Elementwise, RuleCost
+from zero.plans.costs.lowbit import LOW_BIT_MIN_NUMEL, LowBit
+from zero.plans.costs.newton_schulz import NewtonSchulz
+
+__all__ = ["COSTS", "cost_of"]
+
+# the figures of torch.optim's default (for-loop) implementations: state tensors, per-param scalars
+COSTS: dict[str, RuleCost] = {
+    "sgd": Elementwise(0, step_temps=1, step_temps_held=0),
+    "sgd_momentum": Elementwise(1, step_temps=2, step_temps_held=0),
+    "adam": Elementwise(2, 4, step_temps=3),
+    "adamw": Elementwise(2, 4),
+    "adam_amsgrad": Elementwise(3, 4),
+    "nadam": Elementwise(2, 8),  # step and mu_product
+    "radam": Elementwise(2, 4),
+    "adamax": Elementwise(2, 4),
+    "adagrad": Elementwise(1, 4),
+    "adadelta": Elementwise(2, 4),
+    "rmsprop": Elementwise(1, 4),
+    "rprop": Elementwise(2, 4),
+    "lion": Elementwise(1),
+    "lamb": Elementwise(2, 4),
+    # zero.functional.contrib.muon: a momentum per matrix (5 Newton-Schulz steps); AdamW for the rest
+    "muon": NewtonSchulz(2, 4, matrix_slots=1, ns_steps=5),
+}
+# zero.functional.contrib's low-bit Adam (torchao's maps and blocks): a 0-d count per state, no per-param
+# scalars; its step's temporaries about ten float32s an element of a chunk of 2^16 (MemTracker on the step)
+for _name, _bits, _block in (("adam8bit", 8, 256), ("adamw8bit", 8, 256), ("adam4bit", 4, 128), ("adamw4bit", 4, 128)):
+    COSTS[_name] = LowBit(2, 0, step_temps=10, step_temps_held=0, step_chunk=1 << 16, bits=_bits, block_size=_block,
+                          min_numel=LOW_BIT_MIN_NUMEL)
+
+
+def cost_of(rule: str | RuleCost) -> RuleCost:
+    """The cost model of a rule by name (see `COSTS`; a low-bit one with another even block size
+    as ``"adamw8bit/128"``), or the model itself."""
+    if isinstance(rule, RuleCost):
+        return rule
+    key = str(rule).lower()
+    name, _, block = key.partition("/")
+    known = COSTS.get(name)
+    if known is None or block and not (isinstance(known, LowBit) and block.isdigit() and int(block) > 0
+                                       and int(block) % 2 == 0):
+        raise ValueError(f"unknown optimizer {rule!r}; known: {', '.join(sorted(COSTS))} (a low-bit one "
+                         "with another even block size as 'adamw8bit/128')")
+    return dataclasses.replace(known, block_size=int(block)) if block else known
