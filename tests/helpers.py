@@ -2,7 +2,7 @@
 gradients they feed, the loop that steps optimizers side by side, the collectives counter, and
 the checks that params are close.
 
-Ranks run in the library's own pools (`zero.tools.launch.Pool`): one pool per world size for the
+Ranks run in the library's own pools (`zero.tools.pool.Pool`): one pool per world size for the
 session, its processes and gloo group reused from test to test, each run with a hard timeout;
 runs that let a rank die, use another backend or another group timeout get fresh processes
 (`zero.tools.launch.run`), as every run does with ``ZERO_TEST_FRESH_RANKS=1``. The per-rank
@@ -26,14 +26,15 @@ from torch import nn
 from zero.backends import comm
 from zero.tools import launch
 from zero.tools.launch import free_port
+from zero.tools.pool import Pool
 
 __all__ = ["run_ranks", "close_pools", "free_port", "MODELS", "Net", "make_model", "groups_of", "ddp_grads",
            "fixed_grads", "set_grads", "side_by_side", "worst", "assert_params_close", "assert_trees_close", "digest",
-           "same_on_every_rank", "broadcast", "patched", "CountingCalls", "CommCounter"]
+           "same_on_every_rank", "broadcast", "patched", "CountingCalls", "CommCounter", "train", "mode_name"]
 
 # -- ranks ------------------------------------------------------------------------------------
 
-_POOLS: dict[int, launch.Pool] = {}
+_POOLS: dict[int, Pool] = {}
 POOL_RUNS = 60  # a pool's processes are started again after this many runs (what tests leave behind)
 
 
@@ -53,7 +54,7 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 240, p
     if pool is None or pool.runs >= POOL_RUNS:
         if pool is not None:
             pool.close()
-        pool = _POOLS[world_size] = launch.Pool(world_size)
+        pool = _POOLS[world_size] = Pool(world_size)
     out = pool.run(fn, *args, timeout=timeout, threads=threads)
     if os.environ.get("ZERO_POOL_LOG") and not pool.alive:
         with open(os.environ["ZERO_POOL_LOG"], "a") as f:
@@ -174,6 +175,17 @@ def train(model: nn.Module, opt: Any, steps: Sequence[int], *, grads: Callable[[
         grads = lambda k: fixed_grads(list(model.parameters()), k)  # noqa: E731
     side_by_side([(model, opt, scheduler)], grads, steps, loss=loss)
     return [p.detach().clone() for p in model.parameters()]
+
+
+def mode_name(opt: Any) -> str:
+    """What executes ``opt``'s plan: the mode's class, then ``hybrid`` when it keeps whole params
+    synced by their owners' rows, and ``reduced`` when zero reduces its gradients (``reduce_scatter_grads``)."""
+    mode, parts = opt.mode, [type(opt.mode).__name__]
+    if getattr(mode, "rows", None) is not None:
+        parts.append("hybrid")
+    if getattr(getattr(mode, "gradients", None), "outputs", None) is not None and parts[0] == "FlatShards":
+        parts.append("reduced")
+    return " ".join(parts)
 
 # -- closeness --------------------------------------------------------------------------------
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from helpers import fixed_grads, groups_of, make_model, side_by_side, train
+from helpers import fixed_grads, groups_of, make_model, mode_name, side_by_side, train
 from plan_workers import RULES as PLAN_RULES
 
 import zero.functional as zf
@@ -359,7 +359,7 @@ def formats_round_trip(rank: int, world_size: int, folder: str, modes: list[str]
         agree = again["param_groups"] == saved["param_groups"] and _same(again["state"], saved["state"])
         out[mode] = {"consolidated": _same(_local_state(via_dict), want), "dcp": _same(_local_state(via_dcp), want),
                      "formats_agree": agree, "pieces": len(opt.rank_state.holdings.held),
-                     "mode": type(opt.mode).__name__}
+                     "mode": mode_name(opt)}
     return out
 
 

@@ -7,7 +7,17 @@ import contextlib
 
 import torch
 import torch.distributed as dist
-from helpers import CountingCalls, fixed_grads, groups_of, make_model, same_on_every_rank, set_grads, train, worst
+from helpers import (
+    CountingCalls,
+    fixed_grads,
+    groups_of,
+    make_model,
+    mode_name,
+    same_on_every_rank,
+    set_grads,
+    train,
+    worst,
+)
 from helpers import side_by_side as side_by_side_steps
 from muon_workers import side_by_side
 
@@ -70,7 +80,7 @@ def rule_vs_one_process(rank: int, world_size: int, rule: str, steps: int = 20) 
     dist.all_gather_object(counts, calls)
     return {"worst": largest, "same": same_on_every_rank(ours_m), "calls": calls, "owned_matrices": len(owned),
             "all_calls": counts, "whole": len(plan.whole), "buffers": len(plan.flat.buffers),
-            "mode": type(ours.mode).__name__}
+            "mode": mode_name(ours)}
 
 
 def refused(rank: int, world_size: int, rule: str, whole) -> str:
@@ -210,7 +220,7 @@ def reduce_scattered_vs_ddp(rank: int, world_size: int, rules: list[str], steps:
             ours.zero_grad()
             _iteration(ddp, ref, ddp.no_sync, step, rank, micro)
             largest = max(largest, worst(ours_m, ref_m))
-        out[rule] = {"worst": largest, "only_owners_keep_whole_grads": kept, "mode": type(ours.mode).__name__,
+        out[rule] = {"worst": largest, "only_owners_keep_whole_grads": kept, "mode": mode_name(ours),
                      "reduces": reduces, "whole": len(plan.whole)}
     return out
 

@@ -501,5 +501,5 @@ def test_both_formats_round_trip_every_mode_over_the_same_holdings(tmp_path):
         for mode, r in row.items():
             assert r["consolidated"] and r["dcp"] and r["formats_agree"], (rank, mode, r)
     assert {r["mode"] for r in rows[0].values()} == {"WholeParams", "FlatShards", "ReduceScatteredShards",
-                                                     "HybridShards", "HybridReduceScattered", "DDPOverlap"}
+                                                     "FlatShards hybrid", "FlatShards hybrid reduced", "DDPOverlap"}
     assert all(r["pieces"] > 0 for row in rows for r in row.values())

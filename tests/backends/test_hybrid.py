@@ -1,12 +1,12 @@
 """Hybrid plans: a flat plan that keeps some params whole (`zero.plans.hybrid`), executed by
-`zero.backends.modes.HybridShards`, for the rules that need tensors whole."""
+`zero.backends.modes.FlatShards` under a hybrid plan, for the rules that need tensors whole."""
 
 import hybrid_workers as hw
 import numpy as np
 import plan_workers as pw
 import pytest
 import torch
-from helpers import fixed_grads, groups_of, make_model, run_ranks
+from helpers import fixed_grads, groups_of, make_model, mode_name, run_ranks
 from torch import nn
 
 import zero
@@ -119,7 +119,7 @@ def test_whole_tensor_rules_under_hybrid_plans_equal_one_process(world_size, rul
         if rule == "muon_by_name":
             continue
         per_rank = [r[rule] for r in results]
-        assert all(r["mode"] == "HybridShards" for r in per_rank)
+        assert all(r["mode"] == "FlatShards hybrid" for r in per_rank)
         assert max(r["worst"] for r in per_rank) <= 1e-9, (rule, [r["worst"] for r in per_rank])
         assert all(r["same"] for r in per_rank), rule
         assert per_rank[0]["whole"] > 0 and (rule == "novograd") == (per_rank[0]["buffers"] == 0), rule
@@ -220,7 +220,7 @@ def test_reduce_scattered_gradients_under_hybrid_plans_equal_ddp():
     results = run_ranks(hw.reduce_scattered_vs_ddp, 3, rules, 6, 2)
     for rule in rules:
         per_rank = [r[rule] for r in results]
-        assert all(r["mode"] == "HybridReduceScattered" for r in per_rank)
+        assert all(r["mode"] == "FlatShards hybrid reduced" for r in per_rank)
         assert max(r["worst"] for r in per_rank) <= 1e-9, (rule, [r["worst"] for r in per_rank])
         assert all(r["only_owners_keep_whole_grads"] for r in per_rank), rule
         assert all(r["reduces"] == [r["whole"]] * 6 for r in per_rank), rule
@@ -264,9 +264,9 @@ def test_bf16_params_step_on_fp32_masters_under_a_hybrid_plan():
             opt.step()
         assert (opt.masters.nbytes(), state_nbytes(opt.optim)) == (plan.ranks[0].master_bytes,
                                                                    plan.ranks[0].state_bytes)
-        return [p.detach().clone() for p in model.parameters()], type(opt.mode).__name__
+        return [p.detach().clone() for p in model.parameters()], mode_name(opt)
 
     hybrid, mode = run("flat", whole=hw.matrices)
     whole, _ = run("balanced")
-    assert mode == "HybridShards"
+    assert mode == "FlatShards hybrid"
     assert all(torch.equal(a, b) for a, b in zip(hybrid, whole))

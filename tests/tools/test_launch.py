@@ -1,11 +1,13 @@
-"""zero.tools.launch.run: results come back from ranks that have exited, tensors included."""
+"""zero.tools.launch.run and zero.tools.pool.Pool: results come back from ranks that have exited,
+tensors included; a pool keeps its ranks between runs."""
 
 import launch_workers as lw
 import pytest
 import torch
 from launch_workers import heartbeat_stopped, many_tensors, tensors
 
-from zero.tools.launch import Pool, free_port, run
+from zero.tools.launch import free_port, run
+from zero.tools.pool import Pool
 
 
 @pytest.mark.timeout(120)
@@ -76,12 +78,12 @@ def test_a_fast_ranks_end_of_run_that_comes_before_a_slow_ranks_result_is_counte
     import pickle
     import queue
 
-    from zero.tools import launch
+    from zero.tools import pool as pooling
 
     pool = Pool(2)
     pool._results = queue.Queue()
-    for item in [(7, 1, True, pickle.dumps("one")), (7, 1, launch._SETTLED, None), (7, 0, True, pickle.dumps("zero")),
-                 (7, 0, launch._SETTLED, None)]:
+    for item in [(7, 1, True, pickle.dumps("one")), (7, 1, pooling._SETTLED, None), (7, 0, True, pickle.dumps("zero")),
+                 (7, 0, pooling._SETTLED, None)]:
         pool._results.put(item)
     assert pool._collect(lw.tensors, 7, timeout=5) == ["zero", "one"]
     assert pool._settled(7, timeout=1), pool.unsettled

@@ -183,7 +183,7 @@ def stop_watches() -> None:
 
 def forget_places() -> None:
     """Delete the places this process posted (`Watch.post`), for a process that goes on to run
-    another job on the same group (`zero.tools.launch.Pool`): a place left from the last one
+    another job on the same group (`zero.tools.pool.Pool`): a place left from the last one
     must not be read as where this rank is now."""
     for watch in _WATCHES.values():
         if watch is not None:

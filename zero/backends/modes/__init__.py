@@ -4,12 +4,12 @@
   syncs by all-gathering rows of packed params, or broadcasts.
 - `FlatShards` (flat plans): steps a 1-D shard per flat buffer, its gradient the pieces of the
   params' gradients copied in; syncs by one all-gather per buffer.
-- `ReduceScatteredShards` (flat plans, ``reduce_scatter_grads=True``): the shards' gradients are
-  reduce-scattered during backward, in place of DDP (`ReducedGradients`); the step is pipelined
-  buffer by buffer.
-- `HybridShards` (hybrid plans: flat, with some params whole): the whole params stepped by their
-  owners and synced by rows, the rest as `FlatShards`; `HybridReduceScattered` with
-  ``reduce_scatter_grads=True`` (each whole param's gradient reduced into its owner).
+  Under a hybrid plan (flat, with some params whole) it also steps the whole params it owns and
+  syncs them by their owners' rows. With ``reduce_scatter_grads=True`` its gradients are
+  `ReducedGradients` (`zero.backends.grads`: reduce-scattered during backward, in place of DDP,
+  each whole param's summed into its owner).
+- `ReduceScatteredShards` (flat plans without whole params, ``reduce_scatter_grads=True``): the
+  step of an element-wise torch rule pipelined buffer by buffer with the sync.
 - `DDPOverlap` (whole-param plans by DDP's buckets, ``overlap_with_ddp=True``): steps each
   bucket's owned params inside DDP's comm hook; syncs at the end of backward.
 
@@ -33,14 +33,12 @@ from zero.backends.local_optimizer import check_shardable
 from zero.backends.modes.base import Mode
 from zero.backends.modes.ddp_overlap import DDPOverlap
 from zero.backends.modes.flat import FlatShards
-from zero.backends.modes.hybrid import HybridReduceScattered, HybridShards
-from zero.backends.modes.reduce_scatter import ReduceScatteredShards
+from zero.backends.modes.reduce_scatter import ReducedGradients, ReduceScatteredShards
 from zero.backends.modes.whole import WholeParams
 from zero.backends.rank_state import RankState
 from zero.plans.meta import ParamMeta
 
-__all__ = ["Mode", "WholeParams", "FlatShards", "HybridShards", "HybridReduceScattered", "ReduceScatteredShards",
-           "DDPOverlap", "make_mode"]
+__all__ = ["Mode", "WholeParams", "FlatShards", "ReduceScatteredShards", "DDPOverlap", "make_mode"]
 
 
 def make_mode(state: RankState, metas: list[ParamMeta], *, optimizer_class: Any, overlap_with_ddp: bool,
@@ -70,14 +68,11 @@ def make_mode(state: RankState, metas: list[ParamMeta], *, optimizer_class: Any,
         if overlap_with_ddp:
             raise ValueError("overlap_with_ddp=True steps whole params as DDP's buckets arrive: use a "
                              "whole-param plan (flat plans reduce-scatter instead: reduce_scatter_grads=True)")
-        if plan.hybrid and reduce_scatter_grads:
-            return HybridReduceScattered(state, metas, bucket_view, chunk_bytes, reduce_dtype, find_unused_parameters,
-                                         reducer)
-        if plan.hybrid:
-            return HybridShards(state, metas, bucket_view, chunk_bytes)
-        if reduce_scatter_grads:
+        if reduce_scatter_grads and not plan.hybrid:
             return ReduceScatteredShards(state, metas, reduce_dtype, find_unused_parameters, reducer)
-        return FlatShards(state, metas)
+        reduced = (lambda mode: ReducedGradients(mode, reduce_dtype, find_unused_parameters, reducer)) \
+            if reduce_scatter_grads else None
+        return FlatShards(state, metas, bucket_view, chunk_bytes, gradients=reduced)
     if reduce_scatter_grads:
         raise ValueError("reduce_scatter_grads=True needs a flat plan (strategy='flat'): whole-param plans "
                          "leave every rank the full gradients, as DDP does")

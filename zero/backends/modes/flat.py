@@ -24,9 +24,9 @@ from zero.backends.consistency import wait_for
 from zero.backends.modes.base import Begin, Mode, no_accumulation
 from zero.backends.nonfinite import all_finite
 from zero.backends.rank_state import RankState
-from zero.backends.sync import ViewWatch
+from zero.backends.sync import ParamSync, ViewWatch
 from zero.plans.holdings import LocalTensor
-from zero.plans.layout import FlatBuffer
+from zero.plans.layout import FlatBuffer, bucket_views
 from zero.plans.meta import ParamMeta
 
 __all__ = ["FlatShards", "Gradients", "CopiedGradients"]
@@ -84,11 +84,19 @@ class CopiedGradients(Gradients):
 
 
 class FlatShards(Mode):
-    """The flat buffers of the plan's layout, this rank's shard of each, and their sync."""
+    """The flat buffers of the plan's layout, this rank's shard of each, and their sync; under a
+    hybrid plan (`zero.plans.hybrid`) also the whole params, stepped by their owners and synced by
+    their owners' rows (``rows``, a `ParamSync` over bucket views of the plan's partition, which
+    holds the whole params only): per param group the local optimizer steps this rank's whole
+    params, then its shards (`zero.plans.holdings`; a rule routing by rank, as Muon does, sends the
+    matrices to Newton-Schulz and the 1-D shards to AdamW). With ``reduce_scatter_grads`` each
+    whole param's gradient is summed into its owner during backward (`zero.backends.grads`)."""
 
-    def __init__(self, state: RankState, metas: list[ParamMeta],
-                 gradients: Callable[[FlatShards], Gradients] | None = None):
+    def __init__(self, state: RankState, metas: list[ParamMeta], bucket_view: bool | None = None,
+                 chunk_bytes: int = 16 * 2**20, gradients: Callable[[FlatShards], Gradients] | None = None):
         super().__init__(state)
+        self.rows = ParamSync(state.params, bucket_views(metas, state.plan.partition), state.rank,
+                              state.process_group, bucket_view, chunk_bytes) if state.plan.hybrid else None
         self.metas, self.layout = metas, self.plan.flat
         self.flats = [self._allocate(b) for b in self.layout.buffers]
         self.shards = [f[self.rank * b.shard_numel:(self.rank + 1) * b.shard_numel].detach()
@@ -97,6 +105,8 @@ class FlatShards(Mode):
         self.wide: dict[int, torch.Tensor] = {}  # see take_grads
         self.storage = ViewWatch(self.params, [i for b in self.layout.buffers for i in b.params],
                                  comm.is_fake(self.group))
+        if self.rows is not None:
+            self.storage = self.storage.joined(self.rows.watch)
         self.sharding = self.build_sharding()
         self.gradients = gradients(self) if gradients is not None else CopiedGradients()
         # the shards' gradients: copies of DDP's pieces live here; reduced ones where they land (the source's)
@@ -227,7 +237,10 @@ class FlatShards(Mode):
 
     @torch.no_grad()
     def sync(self) -> None:
-        """One all-gather per buffer: every rank's shard into every replica, in place."""
+        """The whole params by their owners' rows, then one all-gather per buffer: every rank's
+        shard into every replica, in place."""
+        if self.rows is not None:
+            self.rows.sync()
         for k in range(len(self.flats)):
             for work in self.start_sync(k):
                 wait_for(work, self.group, "the params' all-gather")

@@ -158,7 +158,8 @@ class ReduceScatteredShards(FlatShards):
 
     def __init__(self, state: RankState, metas: list[ParamMeta], reduce_dtype: torch.dtype | None = None,
                  find_unused: bool = False, reducer: comm.Reducer | None = None):
-        super().__init__(state, metas, lambda mode: ReducedGradients(mode, reduce_dtype, find_unused, reducer))
+        super().__init__(state, metas, gradients=lambda mode: ReducedGradients(mode, reduce_dtype, find_unused,
+                                                                               reducer))
 
     def step(self, closure: Callable[[], float] | None, kwargs: dict, begin: Begin) -> Any:
         state = self.state
