@@ -34,22 +34,27 @@ __all__ = ["FlatShards", "Gradients", "CopiedGradients"]
 
 class Gradients:
     """Where a flat mode's shards get their gradients, and what ``zero_grad``, ``no_sync`` and
-    ``Join`` mean for them (one object per mode, chosen by it; it keeps no reference to the mode)."""
+    ``Join`` mean for them (one object per mode, chosen by it). It is never handed the mode: it
+    says what it holds (`settled`), and the mode puts the gradients where it steps them.
+
+    This base is DDP's: the params' ``.grad`` hold the averaged gradients on every rank, and the
+    mode copies the pieces of them that fall in its shards."""
 
     scaler_sees_grads = True  # the params' .grad are the gradients stepped, as a GradScaler reads them
+    checks_local = False  # see `Mode.checks_local_grads`
     outputs: list[torch.Tensor] | None = None  # the shards' gradients where these gradients own them (reduced)
 
-    def take(self, mode: FlatShards, master_dtype: torch.dtype | None) -> dict[int, torch.Tensor]:
-        """Give each of ``mode``'s shards (and whole params) the gradient it steps with; returns
-        the gradients kept wider than their tensor's dtype, for its master (by ``id(tensor)``)."""
-        raise NotImplementedError
-
-    def reduced(self, mode: FlatShards) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-        """See `Mode.held_grads`: None where the params' ``.grad`` hold DDP's averaged gradients."""
+    def settled(self) -> tuple[list[torch.Tensor], dict[int, torch.Tensor]] | None:
+        """Every reduction waited for: each shard's mean gradient and each owned whole param's
+        (flat), or None where DDP's are on the params."""
         return None
 
-    def clear(self, mode: FlatShards) -> None:
-        """After a step: what the gradients leave on the params (by default, DDP's: untouched)."""
+    def current(self) -> tuple[list[torch.Tensor], dict[int, torch.Tensor]] | None:
+        """What `settled` gives, without ending anything a finished iteration left (None: DDP's)."""
+        return None
+
+    def end(self) -> None:
+        """After a step (its gradients taken), or an error."""
 
     def start_pending(self) -> None:
         """See `Mode.start_reductions` (nothing to start where DDP reduces)."""
@@ -63,24 +68,13 @@ class Gradients:
     def check_join(self) -> None:
         """``NotImplementedError`` if a rank that ran out of inputs cannot shadow these gradients."""
 
-    checks_local = False  # see `Mode.checks_local_grads`
-
-    def pieces(self, mode: FlatShards) -> list[tuple[int, torch.Tensor]]:
-        """See `Mode.grad_pieces` (by default: the params' ``.grad``, DDP's averages)."""
-        return mode.param_grad_pieces()
-
-    def local_nonfinite(self, mode: FlatShards) -> bool:
-        """See `Mode.local_nonfinite`."""
-        return not all_finite([g for _, g in self.pieces(mode)])
+    def local_nonfinite(self) -> bool | None:
+        """Whether this rank's own gradients held NaN or inf, where these gradients check them
+        as they are reduced; None: check the pieces the rank steps."""
+        return None
 
 
-class CopiedGradients(Gradients):
-    """The params' gradients, averaged by DDP on every rank: each shard gets copies of the pieces
-    of them that fall in it; whole params (a hybrid plan's) step with their own."""
-
-    def take(self, mode: FlatShards, master_dtype: torch.dtype | None) -> dict[int, torch.Tensor]:
-        mode.load_grads()
-        return {}
+CopiedGradients = Gradients  # DDP's, copied piece by piece into the shards
 
 
 class FlatShards(Mode):
@@ -135,10 +129,24 @@ class FlatShards(Mode):
         return self.gradients.checks_local
 
     def grad_pieces(self) -> list[tuple[int, torch.Tensor]]:
-        return self.gradients.pieces(self)
+        """The averaged gradients this rank steps, by the pieces of params in them: DDP's on the
+        params, or the reduced ones (reductions in flight waited for first)."""
+        got = self.gradients.current()
+        if got is None:
+            return self.param_grad_pieces()
+        outputs, kept = got
+        out = []
+        for h in self.holdings.held:
+            t = self.holdings.tensors[h.local]
+            if not t.whole:
+                out.append((h.param, outputs[t.buffer][h.offset:h.offset + h.end - h.start]))
+            elif h.param in kept:
+                out.append((h.param, kept[h.param].reshape(-1)[h.start:h.end]))
+        return out
 
     def local_nonfinite(self) -> bool:
-        return self.gradients.local_nonfinite(self)
+        found = self.gradients.local_nonfinite()
+        return not all_finite([g for _, g in self.grad_pieces()]) if found is None else found
 
     def step(self, closure: Callable[[], float] | None, kwargs: dict, begin: Begin) -> Any:
         verify = begin()
@@ -157,15 +165,35 @@ class FlatShards(Mode):
         return loss if loss is not None else out
 
     def take_grads(self, master_dtype: torch.dtype | None) -> None:
-        """Give each shard its gradient (``self.wide``: those kept wider than their shard's
-        dtype, for its master)."""
-        self.wide = self.gradients.take(self, master_dtype)
+        """Give each shard (and owned whole param) its gradient (``self.wide``: those kept wider
+        than their tensor's dtype, for its master)."""
+        got = self.gradients.settled()
+        if got is None:
+            self.load_grads()
+            self.wide = {}
+            return
+        self.gradients.end()
+        outputs, kept = got
+        self.wide = self.use_reduced_grads(master_dtype, outputs)
+        for i, grad in kept.items():  # as their .grad until the step ends, or straight to their masters
+            p = self.params[i]
+            grad = grad.view_as(p)
+            if grad.dtype == p.dtype:
+                p.grad = grad
+            elif grad.dtype == master_dtype:
+                self.wide[id(p)] = grad
+            else:
+                p.grad = grad.to(p.dtype)
 
     def zero_grad(self, default: Callable[[], None]) -> None:
         self.gradients.zero_grad(default)
 
     def held_grads(self) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-        return self.gradients.reduced(self)
+        got = self.gradients.settled()
+        if got is None:
+            return None
+        outputs, kept = got
+        return [*zip(self.shards, outputs), *((self.params[i], g) for i, g in kept.items())]
 
     def start_reductions(self) -> None:
         self.gradients.start_pending()
@@ -233,7 +261,9 @@ class FlatShards(Mode):
         for shard in self.shards:
             shard.grad = None
         self.wide = {}
-        self.gradients.clear(self)
+        if self.gradients.outputs is not None:  # whole params' means stay kept until zero_grad, as DDP's .grad
+            for i in self.plan.whole:
+                self.params[i].grad = None
 
     @torch.no_grad()
     def sync(self) -> None:

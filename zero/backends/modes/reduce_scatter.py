@@ -72,40 +72,15 @@ class ReducedGradients(Gradients):
     def start_pending(self) -> None:
         self.source.start_pending()
 
-    def settle(self, mode: FlatShards) -> None:
-        """Every reduction of the iteration waited for: the shards hold their means, each whole
-        param's owner its mean (`GradientSource.settle`)."""
+    def settled(self) -> tuple[list[torch.Tensor], dict[int, torch.Tensor]]:
+        """Every reduction of the iteration waited for (`GradientSource.settle`): the shards'
+        means and the owned whole params' (clipped in place, or taken by the step)."""
         self.ddp_watch.remove()
         self.source.settle()
+        return self.source.outputs, self.kept
 
-    def reduced(self, mode: FlatShards) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The gradients this rank steps, settled, each beside the tensor it steps: the shards'
-        and its whole params' (`zero.backends.clipping` clips them)."""
-        self.settle(mode)
-        return [*zip(mode.shards, self.source.outputs), *((mode.params[i], g) for i, g in self.kept.items())]
-
-    def take(self, mode: FlatShards, master_dtype: torch.dtype | None) -> dict[int, torch.Tensor]:
-        """The shards' means, then the whole params' this rank owns (as their ``.grad`` until the
-        step ends, or straight to their masters when in the masters' dtype)."""
-        self.settle(mode)
-        self.source.end_iteration()
-        wide = mode.use_reduced_grads(master_dtype, self.source.outputs)
-        for i, grad in self.kept.items():
-            p = mode.params[i]
-            grad = grad.view_as(p)
-            if grad.dtype == p.dtype:
-                p.grad = grad
-            elif grad.dtype == master_dtype:  # straight to the master, as the shards' (use_reduced_grads)
-                wide[id(p)] = grad
-            else:
-                p.grad = grad.to(p.dtype)
-        return wide
-
-    def clear(self, mode: FlatShards) -> None:
-        """After the step: the whole params hold no ``.grad`` (their means stay kept until
-        ``zero_grad``, as the shards' do, so a backward without it accumulates, as DDP's would)."""
-        for i in self.whole:
-            mode.params[i].grad = None
+    def current(self) -> tuple[list[torch.Tensor], dict[int, torch.Tensor]]:
+        return self.settled() if not self.source.idle else (self.source.outputs, self.kept)
 
     def end(self) -> None:
         """After a step that took the shards' gradients itself (pipelined), or an error."""
@@ -131,22 +106,8 @@ class ReducedGradients(Gradients):
 
     checks_local = True  # each rank checks its own gradients as their buckets are reduced
 
-    def local_nonfinite(self, mode: FlatShards) -> bool:
+    def local_nonfinite(self) -> bool:
         return self.source.engine.local_nonfinite()
-
-    def pieces(self, mode: FlatShards) -> list[tuple[int, torch.Tensor]]:
-        """The averaged gradients this rank steps, by the pieces of params in them (reductions
-        still in flight waited for first; after the step they are where it took them)."""
-        if not self.source.idle:
-            self.settle(mode)
-        held, out = mode.holdings, []
-        for h in held.held:
-            t = held.tensors[h.local]
-            if not t.whole:
-                out.append((h.param, self.source.outputs[t.buffer][h.offset:h.offset + h.end - h.start]))
-            elif h.param in self.kept:
-                out.append((h.param, self.kept[h.param].reshape(-1)[h.start:h.end]))
-        return out
 
 
 class ReduceScatteredShards(FlatShards):
