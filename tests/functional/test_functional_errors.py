@@ -290,3 +290,12 @@ def test_a_scheduled_learning_rate_shows_in_the_group_and_refuses_a_torch_schedu
     p.grad = torch.ones(3)
     with pytest.raises(ValueError, match=r"'lr' was set to 0\.04.*follows the transformation's own schedule"):
         opt.step()
+
+
+def test_a_gradient_that_is_none_where_the_params_hold_a_tensor_is_named():
+    """Same leaf paths, one of them None (a param without a gradient): the error names where, not
+    'missing nothing; unexpected nothing'."""
+    tx = F.adam(1e-3)
+    params = {"a": torch.zeros(2), "b": torch.zeros(3)}
+    with pytest.raises(ValueError, match=r"None where the other holds a tensor at \['b'\]"):
+        tx.update({"a": torch.zeros(2), "b": None}, tx.init(params), params)

@@ -156,6 +156,13 @@ def check_structure(updates: Any, reference: Any, what: str = "the params") -> N
         return
     mine, theirs = set(_paths(updates)), set(_paths(reference))
     missing, extra = sorted(theirs - mine, key=str)[:5], sorted(mine - theirs, key=str)[:5]
+    if not missing and not extra:  # the same paths: a leaf is None on one side (a param without a gradient)
+        pairs = zip(_paths(updates), optree.tree_leaves(updates, none_is_leaf=True),
+                    optree.tree_leaves(reference, none_is_leaf=True))
+        nones = [path for path, u, r in pairs if (u is None) != (r is None)][:5]
+        raise ValueError(f"the updates (gradients) do not have the structure of {what}: None where the other "
+                         f"holds a tensor at {', '.join(nones) or 'a node of another type'} (a param without a "
+                         "gradient: give it one, or leave it out of the params)")
     raise ValueError(f"the updates (gradients) do not have the structure of {what}: missing "
                      f"{', '.join(missing) or 'nothing'}; unexpected {', '.join(extra) or 'nothing'} "
                      "(leaf paths; the state was made by init from the params)")
