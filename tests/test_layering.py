@@ -191,22 +191,12 @@ def test_a_name_that_is_not_there_is_an_attribute_error_naming_it():
     assert "module 'zero.backends' has no attribute 'no_such_thing'" in out.stdout
 
 
-def every_import(path: pathlib.Path) -> set[str]:
-    """The modules ``path`` imports at any level, inside functions and ``if TYPE_CHECKING:`` too."""
-    out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            out.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            out.add(node.module)
-    return out
-
-
 def test_the_plans_import_each_other_without_a_circle():
     # the plan is a value: what executes it (footprint, holdings, a mesh's padding) reads its fields
     # (plan_fields), and the plan's table may then show what they say, with no way back
     names = {f"zero.plans.{p.stem}": p for p in pathlib.Path("zero/plans").glob("*.py") if p.stem != "__init__"}
-    graph = {name: {m for m in every_import(path) if m in names} for name, path in names.items()}
+    # every import counts: module level, inside functions, under TYPE_CHECKING
+    graph = {name: {m for m, _ in imports(path) if m in names} for name, path in names.items()}
     done, path = set(), []
 
     def visit(name):

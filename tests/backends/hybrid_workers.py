@@ -216,7 +216,7 @@ def reduce_scattered_vs_ddp(rank: int, world_size: int, rules: list[str], steps:
             kept &= all(params[i].grad is None for i in plan.whole)  # after backward: no rank holds one
             ours.step()
             mine = {i for i in plan.whole if plan.partition.owner[i] == rank}
-            kept &= set(ours.mode.gradients.kept) == mine  # the owner only keeps its mean
+            kept &= set(ours.mode.gradients.source.kept) == mine  # the owner only keeps its mean
             ours.zero_grad()
             _iteration(ddp, ref, ddp.no_sync, step, rank, micro)
             largest = max(largest, worst(ours_m, ref_m))

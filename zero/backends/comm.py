@@ -185,9 +185,9 @@ class Reducer:
       the order of the ranks' shards) so that ``into`` (``[n]``) can hold this rank's shard;
     - ``finish(pending, into, out, world)``: after the wait, the mean: written into ``out`` when
       ``into is out`` (the shard's first reduction since it was zeroed), else added into ``out``;
-    - ``collectives(numel, dtype, world)``: the ``(kind, bytes)`` of each collective ``start``
-      makes for a bucket of ``numel`` elements of ``dtype`` (a name), as the collective recorder
-      records them: what the plan's footprint counts (`zero.plans.footprint`).
+    - ``spec``: its name in the plan (`zero.plans.reduction`), whose ``reduction_collectives``
+      say the ``(kind, bytes)`` of each collective ``start`` makes, as the recorder records them:
+      what the plan's footprint counts (`footprint(plan, rank, reducer=...)` takes either).
 
     `MeanReducer` is the plain sum-then-mean; `zero.backends.int8_reducer.Int8Reducer` sends int8
     codes. Pass one as ``ZeroRedundancyOptimizer(..., reduce_scatter_grads=True, reducer=...)``.
@@ -199,12 +199,13 @@ class Reducer:
     def finish(self, pending: Any, into: torch.Tensor, out: torch.Tensor, world: int) -> None:
         raise NotImplementedError
 
-    def collectives(self, numel: int, dtype: str, world: int) -> list[tuple[str, int]]:
-        raise NotImplementedError
+    spec: str = ""
 
 
 class MeanReducer(Reducer):
     """One reduce-scatter of the bucket in its own dtype, summed, then divided by the ranks."""
+
+    spec = "mean"
 
     def start(self, into: torch.Tensor, bucket: torch.Tensor, group: Any) -> Any:
         return reduce_scatter_sum(into, bucket, group)
@@ -214,9 +215,6 @@ class MeanReducer(Reducer):
             out.div_(world)
         else:
             out.add_(into, alpha=1 / world)
-
-    def collectives(self, numel: int, dtype: str, world: int) -> list[tuple[str, int]]:
-        return [("reduce_scatter_sum", numel * torch.empty(0, dtype=getattr(torch, dtype)).element_size())]
 
 
 def new_subgroup(parent: Any, blocks: tuple[tuple[int, ...], ...]) -> Any:

@@ -33,6 +33,7 @@ class Int8Reducer(comm.Reducer):
         if isinstance(block, bool) or not isinstance(block, int) or block < 1:
             raise ValueError(f"Int8Reducer(block={block!r}): the block is a number of elements, an int >= 1")
         self.block = block
+        self.spec = f"int8/{block}"  # the plan's name for it (`zero.plans.reduction`)
 
     def __repr__(self) -> str:
         return f"Int8Reducer(block={self.block})"
@@ -57,10 +58,6 @@ class Int8Reducer(comm.Reducer):
             out.copy_(total / world)
         else:
             out.add_(total.to(out.dtype), alpha=1 / world)
-
-    def collectives(self, numel: int, dtype: str, world: int) -> list[tuple[str, int]]:
-        blocks = math.ceil(numel // world / self.block)
-        return [("all_to_all", world * blocks * self.block), ("all_to_all", world * blocks * 4)]
 
 
 class _Pending:

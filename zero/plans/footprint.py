@@ -43,6 +43,7 @@ from zero.plans.accounting import bus_bytes, master_itemsize, optimizer_state, s
 from zero.plans.holdings import holdings
 from zero.plans.layout import IN_FLIGHT_BUCKETS, SyncRows, bucket_views, param_sync_rows, reduction_units
 from zero.plans.meta import itemsize
+from zero.plans.reduction import reduction_collectives
 
 if TYPE_CHECKING:
     from zero.plans.plan_fields import PlanFields as Plan  # the fields are all this module reads
@@ -92,9 +93,10 @@ def footprint(plan: Plan, rank: int, *, reduce_scatter_grads: bool = False, redu
     (``reduce_dtype`` a dtype name; None: the params'). The peak is the larger of backward's and
     the local step's, in steady state (the optimizer state exists from the first step on).
 
-    ``reducer`` (a `zero.backends.comm.Reducer`; None: the plain reduce-scatter) says the
-    collectives each bucket's reduction makes (``reducer.collectives``); its own scratch memory
-    (an int8 reducer's codes) is not in the peak, which counts the buckets as the plain one holds them."""
+    ``reducer``: the gradient reducer's name (`zero.plans.reduction`: ``"mean"``, the default, or
+    ``"int8/256"``), or a `zero.backends.comm.Reducer` (its ``spec``): the collectives each
+    bucket's reduction makes. Its own scratch memory (an int8 reducer's codes) is not in the peak,
+    which counts the buckets as the plain one holds them."""
     metas, flat = plan.metas, plan.flat
     reduce = None if reduce_dtype is None else str(reduce_dtype).removeprefix("torch.")
     rows = _rows(plan, bucket_view, sync_chunk_bytes)
@@ -240,10 +242,9 @@ def _collectives(plan: Plan, rows: Sequence[SyncRows], reduce_scattered: bool, r
         out += [("broadcast_from", plan.metas[i].nbytes) for _, i in r.direct]
     for b in plan.flat.buffers if plan.flat else ():
         out.append(("all_gather_rows", b.padded_numel * itemsize(b.dtype)))
-        if reduce_scattered and reducer is not None:
-            out += [tuple(c) for c in reducer.collectives(b.padded_numel, reduce or b.dtype, plan.world_size)]
-        elif reduce_scattered:
-            out.append(("reduce_scatter_sum", b.padded_numel * itemsize(reduce or b.dtype)))
+        if reduce_scattered:
+            spec = "mean" if reducer is None else getattr(reducer, "spec", reducer)
+            out += reduction_collectives(spec, b.padded_numel, reduce or b.dtype, plan.world_size)
     if reduce_scattered:
         out += [("reduce_sum_to", plan.metas[i].numel * itemsize(reduce or plan.metas[i].dtype)) for i in plan.whole]
     return tuple(sorted(out))

@@ -148,6 +148,12 @@ class BucketEngine:
             with contextlib.suppress(RuntimeError):
                 pending.wait()
 
+    def end(self) -> None:
+        """An iteration ends (its step took the gradients, or an error): what is in flight is
+        waited for and dropped, and no reduction counts as landed for the next."""
+        self.drain(suppress=True)
+        self.landed = False
+
     def wait(self, k: int) -> None:
         """Land flat buffer ``k``'s reductions (after every unit started): its shard is then the mean."""
         while any(self.units[u].kind == "flat" and self.units[u].index == k for u, *_ in self._flight):

@@ -170,8 +170,8 @@ class GradientSource:
     def end_iteration(self) -> None:
         """After a step (or an error): the next backward starts a new round, and must run before
         the next step."""
-        self.engine.drain(suppress=True)
-        self.engine.landed = self._settled = False
+        self.engine.end()
+        self._settled = False
         self._new_round()
         if self.unused is not None:
             self.unused.reset()

@@ -29,7 +29,7 @@ from zero.plans.holdings import LocalTensor
 from zero.plans.layout import FlatBuffer, bucket_views
 from zero.plans.meta import ParamMeta
 
-__all__ = ["FlatShards", "Gradients", "CopiedGradients"]
+__all__ = ["FlatShards", "Gradients"]
 
 
 class Gradients:
@@ -74,9 +74,6 @@ class Gradients:
         return None
 
 
-CopiedGradients = Gradients  # DDP's, copied piece by piece into the shards
-
-
 class FlatShards(Mode):
     """The flat buffers of the plan's layout, this rank's shard of each, and their sync; under a
     hybrid plan (`zero.plans.hybrid`) also the whole params, stepped by their owners and synced by
@@ -102,7 +99,7 @@ class FlatShards(Mode):
         if self.rows is not None:
             self.storage = self.storage.joined(self.rows.watch)
         self.sharding = self.build_sharding()
-        self.gradients = gradients(self) if gradients is not None else CopiedGradients()
+        self.gradients = gradients(self) if gradients is not None else Gradients()  # DDP's, copied
         # the shards' gradients: copies of DDP's pieces live here; reduced ones where they land (the source's)
         self._grads = [torch.zeros_like(s) for s in self.shards] if self.gradients.outputs is None else []
 

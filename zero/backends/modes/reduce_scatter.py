@@ -64,11 +64,6 @@ class ReducedGradients(Gradients):
         """This rank's shard of each buffer's mean gradient, where the source lands it."""
         return self.source.outputs
 
-    @property
-    def kept(self) -> dict[int, torch.Tensor]:
-        """The mean gradients of the whole params this rank owns (flat), by param."""
-        return self.source.kept
-
     def start_pending(self) -> None:
         self.source.start_pending()
 
@@ -77,10 +72,10 @@ class ReducedGradients(Gradients):
         means and the owned whole params' (clipped in place, or taken by the step)."""
         self.ddp_watch.remove()
         self.source.settle()
-        return self.source.outputs, self.kept
+        return self.source.outputs, self.source.kept
 
     def current(self) -> tuple[list[torch.Tensor], dict[int, torch.Tensor]]:
-        return self.settled() if not self.source.idle else (self.source.outputs, self.kept)
+        return self.settled() if not self.source.idle else (self.source.outputs, self.source.kept)
 
     def end(self) -> None:
         """After a step that took the shards' gradients itself (pipelined), or an error."""

@@ -119,7 +119,7 @@ class Builds:
         with specs_only():
             plain = self.factory(**self.fixed, **values)
         with reading(build.knobs, values):
-            same = fingerprint(build.tx) == fingerprint(plain)
+            same = spec_values(build.tx) == spec_values(plain)
         if same:
             self.verified |= moved
         return same
@@ -139,20 +139,20 @@ def _unreadable(hyperparams: dict[str, torch.Tensor]) -> bool:
 _PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device)
 
 
-def fingerprint(x: Any) -> Any:
+def spec_values(x: Any) -> Any:
     """A transformation's specs as comparable data: knobs read as `now` gives them, other
     objects (masks, tensors) by identity."""
     if isinstance(x, GradientTransformation):
         spec = x.spec
         if spec is None:
             return ("built by hand", id(x))
-        return (spec.name, fingerprint(spec.args), tuple(map(fingerprint, spec.links)))
+        return (spec.name, spec_values(spec.args), tuple(map(spec_values, spec.links)))
     if isinstance(x, Knob):
         return now(x)
     if isinstance(x, dict):
-        return tuple((k, fingerprint(v)) for k, v in x.items())
+        return tuple((k, spec_values(v)) for k, v in x.items())
     if isinstance(x, (list, tuple)):
-        return (type(x).__name__, tuple(map(fingerprint, x)))
+        return (type(x).__name__, tuple(map(spec_values, x)))
     return x if isinstance(x, _PLAIN) else ("object", id(x))
 
 
