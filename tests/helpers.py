@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zero.backends import comm
+from zero.backends.modes.gradients import ReducedGradients
 from zero.tools import launch
 from zero.tools.launch import free_port
 from zero.tools.pool import Pool
@@ -183,7 +184,7 @@ def mode_name(opt: Any) -> str:
     mode, parts = opt.mode, [type(opt.mode).__name__]
     if getattr(mode, "rows", None) is not None:
         parts.append("hybrid")
-    if getattr(getattr(mode, "gradients", None), "outputs", None) is not None and parts[0] == "FlatShards":
+    if isinstance(mode.gradients, ReducedGradients) and parts[0] == "FlatShards":
         parts.append("reduced")
     return " ".join(parts)
 

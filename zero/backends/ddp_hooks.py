@@ -114,7 +114,7 @@ class _ZeroStepHook:
     def _end_of_backward(self) -> None:
         self._in_backward = False
         for work in self._works:
-            wait_for(work, self._mode.group, "a bucket's step and param broadcast")
+            wait_for(work, self._mode.state.process_group, "a bucket's step and param broadcast")
         self._works = []
         self._mode.end_of_backward(synced=self._interleaved)
 

@@ -72,7 +72,7 @@ class NonFinite:
         """The check-in's ``verify`` for a step: with ``"warn"`` left to run after the local step
         (its latency hidden behind it), warning then; with ``"skip"`` and ``"raise"`` run now,
         before anything is stepped (``state.skipping`` then says whether to step)."""
-        step, local = state.steps + 1, mode.checks_local_grads
+        step, local = state.steps + 1, mode.gradients.checks_local
         state.skipping = False
         if self.policy == "warn":
             def then() -> None:
@@ -83,9 +83,10 @@ class NonFinite:
 
     def flag(self, mode: Any, scaled: bool) -> int:
         """This rank's flag for the check-in: 1 when the gradients it checks hold NaN or inf."""
-        if scaled or comm.is_fake(mode.group):  # the scaler's to skip; a simulated rank's values are not there
+        # the scaler's to skip; a simulated rank's values are not there
+        if scaled or comm.is_fake(mode.state.process_group):
             return 0
-        return int(mode.local_nonfinite())
+        return int(mode.gradients.local_nonfinite())
 
     def settle(self, flags: Sequence[Sequence[int]], mode: Any, step: int, local: bool) -> bool:
         """Every rank's flags (from the check-in): ``False`` when none flagged; otherwise the ranks
@@ -94,8 +95,8 @@ class NonFinite:
         ranks = [r for r, row in enumerate(flags) if row and row[0]]
         if not ranks:
             return False
-        mine = mode.nonfinite_params()
-        everyone = comm.all_gather_object(mine, mode.group)
+        mine = mode.gradients.nonfinite_params()
+        everyone = comm.all_gather_object(mine, mode.state.process_group)
         names = [mode.plan.metas[i].name for i in sorted({i for got in everyone for i in got})]
         return self.report(message(step, names, where(ranks, local), self.policy))
 

@@ -316,5 +316,5 @@ class ShardedGradScaler(torch.amp.GradScaler):
 
 def _reduce_scattered(optimizer: torch.optim.Optimizer) -> bool:
     mode = getattr(optimizer, "mode", None) if hasattr(optimizer, "rank_state") else None
-    return mode is not None and not mode.scaler_sees_grads
+    return mode is not None and not mode.gradients.scaler_sees_grads
 

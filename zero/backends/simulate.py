@@ -273,10 +273,7 @@ def _measured(model: nn.Module, opt: Any) -> dict[str, int]:
         st = p.untyped_storage()
         storages[id(st)] = st.nbytes()
     grads = sum(p.grad.nbytes for p in model.parameters() if p.grad is not None)
-    grads += sum(g.nbytes for g in getattr(opt.mode, "grads", ()))  # a flat mode's shards' gradients
-    reduced = opt.mode.gradients.current() if hasattr(opt.mode, "gradients") else None
-    if reduced is not None:  # the whole params' means an owner keeps (ZeRO-2 under a hybrid plan)
-        grads += sum(g.nbytes for g in reduced[1].values())
+    grads += sum(g.nbytes for g in opt.mode.gradients.held_tensors())  # shards' (flat), whole params' kept (ZeRO-2)
     sync = getattr(opt.mode, "sync", None)  # a whole-param plan's `ParamSync`
     scratch = sync.scratch_bytes() if isinstance(sync, ParamSync) else 0
     return {"params": sum(storages.values()), "sync_rows": scratch, "masters": opt.masters.nbytes(),

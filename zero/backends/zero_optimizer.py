@@ -24,6 +24,7 @@ from zero.backends.checkpoint import consolidated
 from zero.backends.consistency import OptimizerChecks, settings
 from zero.backends.local_optimizer import is_functional, make_local_optimizer
 from zero.backends.modes import Mode, make_mode
+from zero.backends.modes.base import local_groups
 from zero.backends.nonfinite import NonFinite
 from zero.backends.options import (
     check_blocks,
@@ -166,7 +167,7 @@ class ZeroRedundancyOptimizer(TorchNames, Optimizer, Joinable):
                                     reduce_dtype=reduce_dtype, bucket_view=parameters_as_bucket_view,
                                     find_unused_parameters=bool(find_unused_parameters), reducer=reducer,
                                     chunk_bytes=int((sync_chunk_mb or 16) * 2**20))
-        self.rank_state.build(self.mode.local_groups(), per_param=bool(overlap_with_ddp))
+        self.rank_state.build(local_groups(self.rank_state, self.mode.tensor), per_param=bool(overlap_with_ddp))
         me = weakref.ref(self)
         self.checks = OptimizerChecks(self.rank_state, lambda mode=self.mode: mode.trainable, lambda: _joined(me()))
         self.checks.watch_backwards()
@@ -244,7 +245,7 @@ class ZeroRedundancyOptimizer(TorchNames, Optimizer, Joinable):
                              "use 'sorted_greedy' or 'greedy' with add_param_group")
         self.rank_state.replan(plan)
         self.mode.extend(metas)
-        self.rank_state.add_group(self.mode.local_groups()[-1])
+        self.rank_state.add_group(local_groups(self.rank_state, self.mode.tensor)[-1])
 
     # torch.amp.GradScaler hands the step its scale and found-inf flag (``grad_scale``, ``found_inf``)
     # instead of unscaling the params' grads itself: the step unscales what it steps (the shards'
@@ -260,7 +261,7 @@ class ZeroRedundancyOptimizer(TorchNames, Optimizer, Joinable):
         on every rank (one all-reduce of the flag)."""
         Join.notify_join_context(self)
         state = self.rank_state
-        scaling = scaling_of(self, self.mode.scaler_sees_grads, state.scaler_follows_agreement)
+        scaling = scaling_of(self, self.mode.gradients.scaler_sees_grads, state.scaler_follows_agreement)
         with state.scaled(scaling):
             return self.mode.step(closure, kwargs, self._begin_step)
 
@@ -272,7 +273,7 @@ class ZeroRedundancyOptimizer(TorchNames, Optimizer, Joinable):
             self.mode.retrain(param_metas(self.param_groups))
             state.adopt_unfrozen()
         self.mode.storage.check()
-        self.mode.start_reductions()  # find_unused_parameters: what backward left pending, before the check-in
+        self.mode.gradients.start_pending()  # find_unused_parameters: what backward left pending, before the check-in
         flag = self.nonfinite.flag(self.mode, state.scaling is not None)
         verify = self.checks.check_in("step", carried=(flag,))  # each rank's flag rides in the check-in
         state.push()
@@ -281,13 +282,13 @@ class ZeroRedundancyOptimizer(TorchNames, Optimizer, Joinable):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch's; with ``reduce_scatter_grads`` the shards' gradients are zeroed in place (the
         params hold none)."""
-        self.mode.zero_grad(lambda: super(ZeroRedundancyOptimizer, self).zero_grad(set_to_none))
+        self.mode.gradients.zero_grad(lambda: super(ZeroRedundancyOptimizer, self).zero_grad(set_to_none))
 
     def no_sync(self):
         """With ``reduce_scatter_grads``: backward passes inside only accumulate the whole gradients
         (as ``DDP.no_sync``); the first backward after it reduces the sum. Without it each backward
         reduces and only the shards accumulate (ZeRO-2's memory)."""
-        return self.mode.no_sync()
+        return self.mode.gradients.no_sync()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
                         foreach: bool | None = None) -> torch.Tensor:

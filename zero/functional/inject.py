@@ -27,7 +27,7 @@ from zero.functional.base import (
 )
 from zero.functional.foreach import traced
 from zero.functional.kernels.builds import Builds
-from zero.functional.kernels.chains import described, explain
+from zero.functional.kernels.chains import explain
 
 __all__ = ["InjectHyperparamsState", "InjectStatefulHyperparamsState", "WrappedScheduleState", "WrappedSchedule",
            "inject_hyperparams"]
@@ -172,8 +172,7 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation],
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
         injected = _Injected(inner_factory, *_split(bound.arguments, static), hyperparam_dtype)
-        inplace = described(lambda params, grads, state: injected.inplace(params, grads, state), injected.describe)
-        return GradientTransformation(injected.init, injected.update, inplace,
+        return GradientTransformation(injected.init, injected.update, injected,
                                       Spec("inject_hyperparams", {"hyperparams": injected.initial,
                                                                   "source": (inner_factory, dict(bound.arguments))}))
 
@@ -182,7 +181,8 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation],
 
 class _Injected:
     """One `inject_hyperparams` transformation: its schedules, its first values and the inner
-    transformation's builds (`Builds`: per set of values for ``update``, once for ``inplace``)."""
+    transformation's builds (`Builds`: per set of values for ``update``, once for the in-place
+    step, which is the object itself: ``tx.inplace(params, grads, state)``)."""
 
     def __init__(self, factory: Callable[..., GradientTransformation], scheduled: dict, numeric: dict, fixed: dict,
                  dtype: torch.dtype | None):
@@ -212,7 +212,9 @@ class _Injected:
         updates, inner = update_with(self.builds.full(hp), updates, state.inner_state, params, extra_args)
         return updates, InjectStatefulHyperparamsState(count_inc(state.count), hp, schedule_states, inner)
 
-    def inplace(self, params: Any, grads: Any, state: InjectStatefulHyperparamsState) -> InjectStatefulHyperparamsState:
+    def __call__(self, params: Any, grads: Any,
+                 state: InjectStatefulHyperparamsState) -> InjectStatefulHyperparamsState:
+        """The in-place step (the transformation's ``inplace``; `describe` says its path)."""
         hp, schedule_states = self.current(state, params, {})
         inner = self.builds.step(params, grads, state.inner_state, hp)
         return InjectStatefulHyperparamsState(count_inc(state.count), hp, schedule_states, inner)

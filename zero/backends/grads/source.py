@@ -117,15 +117,18 @@ class GradientSource:
         units = self.engine.units
         return next(i for v in range(u, len(units)) for i, _ in units[v].members if i not in self._seen[v])
 
-    def settle(self) -> None:
-        """Start the reductions backward did not, land all: ``outputs`` are then this rank's
-        shards of the mean gradient, ``kept`` its whole params' (accumulated over the backward
-        passes since the last ``zero_grad``), to step or clip. Until the step, a backward is an error."""
+    def settle(self) -> tuple[list[torch.Tensor], dict[int, torch.Tensor]]:
+        """Start the reductions backward did not, land all; returns ``outputs``, this rank's
+        shards of the mean gradient, and ``kept``, its whole params' (accumulated over the
+        backward passes since the last ``zero_grad``), to step or clip. Until the step, a backward
+        is an error."""
         self.start_rest()
         self.engine.drain()
-        for k in (self.unused.everywhere if self.unused else set()) & set(self.kept):
-            del self.kept[k]  # no rank reached it: no gradient, as in DDP
+        kept = self.engine.kept
+        for k in (self.unused.everywhere if self.unused else set()) & set(kept):
+            del kept[k]  # no rank reached it: no gradient, as in DDP
         self._settled = True
+        return self.engine.outputs, kept
 
     def start_rest(self) -> None:
         """Start, in order, the reductions backward did not: every param must have its gradient

@@ -3,7 +3,7 @@
 - `WholeParams` (whole-param plans): steps the params it owns with their own (DDP's) gradients;
   syncs by all-gathering rows of packed params, or broadcasts.
 - `FlatShards` (flat plans): steps a 1-D shard per flat buffer, its gradient the pieces of the
-  params' gradients copied in; syncs by one all-gather per buffer.
+  params' gradients copied in (`CopiedGradients`); syncs by one all-gather per buffer.
   Under a hybrid plan (flat, with some params whole) it also steps the whole params it owns and
   syncs them by their owners' rows. With ``reduce_scatter_grads=True`` its gradients are
   `ReducedGradients` (`zero.backends.grads`: reduce-scattered during backward, in place of DDP,
@@ -15,7 +15,8 @@
 
 Each answers the questions of `Mode` (`base`): which live tensor the local optimizer steps for
 each of the rank's holdings, a step with its gradients and sync, and what freezing params,
-adding a group, ``zero_grad``, ``no_sync`` and ``Join`` mean in it. Modes map no state: what a
+adding a group and ``Join`` mean in it; its `Gradients` (`gradients`, ``mode.gradients``) say
+where the gradients are and what ``zero_grad``, ``no_sync`` and the non-finite check mean. Modes map no state: what a
 rank holds is the plan's (`zero.plans.holdings`), kept by the optimizer's `RankState`, and every
 state format reads it there. A new mode is a `Mode` subclass (one base) in a module here and one
 branch of `make_mode`; `ZeroRedundancyOptimizer` does not change.
@@ -33,12 +34,14 @@ from zero.backends.local_optimizer import check_shardable
 from zero.backends.modes.base import Mode
 from zero.backends.modes.ddp_overlap import DDPOverlap
 from zero.backends.modes.flat import FlatShards
-from zero.backends.modes.reduce_scatter import ReducedGradients, ReduceScatteredShards
+from zero.backends.modes.gradients import CopiedGradients, Gradients, ReducedGradients
+from zero.backends.modes.reduce_scatter import ReduceScatteredShards
 from zero.backends.modes.whole import WholeParams
 from zero.backends.rank_state import RankState
 from zero.plans.meta import ParamMeta
 
-__all__ = ["Mode", "WholeParams", "FlatShards", "ReduceScatteredShards", "DDPOverlap", "make_mode"]
+__all__ = ["Mode", "Gradients", "CopiedGradients", "WholeParams", "FlatShards", "ReduceScatteredShards", "DDPOverlap",
+           "make_mode"]
 
 
 def make_mode(state: RankState, metas: list[ParamMeta], *, optimizer_class: Any, overlap_with_ddp: bool,
@@ -70,8 +73,8 @@ def make_mode(state: RankState, metas: list[ParamMeta], *, optimizer_class: Any,
                              "whole-param plan (flat plans reduce-scatter instead: reduce_scatter_grads=True)")
         if reduce_scatter_grads and not plan.hybrid:
             return ReduceScatteredShards(state, metas, reduce_dtype, find_unused_parameters, reducer)
-        reduced = (lambda mode: ReducedGradients(mode, reduce_dtype, find_unused_parameters, reducer)) \
-            if reduce_scatter_grads else None
+        reduced = (lambda flats, _: ReducedGradients(state, metas, flats, reduce_dtype, find_unused_parameters,
+                                                     reducer)) if reduce_scatter_grads else None
         return FlatShards(state, metas, bucket_view, chunk_bytes, gradients=reduced)
     if reduce_scatter_grads:
         raise ValueError("reduce_scatter_grads=True needs a flat plan (strategy='flat'): whole-param plans "

@@ -15,7 +15,7 @@ import torch
 from torch.distributed.algorithms.join import JoinHook
 
 from zero.backends import clipping, comm
-from zero.backends.modes.base import Begin
+from zero.backends.modes.base import Begin, build_sharding, local_groups
 from zero.backends.modes.whole import WholeParams
 from zero.backends.nonfinite import NonFinite, all_finite, message, where
 from zero.functional import sharding
@@ -47,7 +47,7 @@ class DDPOverlap(WholeParams):
         partition = ddp_bucket_partition(metas, self.state.world_size, bucket_cap_mb, shard_buckets)
         self.state.replan(self.plan.with_partition(partition))
         self._build(metas)
-        self.state.build(self.local_groups(), per_param=True)
+        self.state.build(local_groups(self.state, self.tensor), per_param=True)
         self.attached, self.nonfinite, self._bad = True, nonfinite, set()
         clipping.register(self, [p for p in self.params if p.requires_grad])
 
@@ -59,13 +59,13 @@ class DDPOverlap(WholeParams):
     def _made_sharding(self) -> sharding.Sharding:
         """The stand-ins (made here: after the sync has placed the params' storage, which they
         share), and a sharding that refuses whole-model quantities (one bucket steps at a time)."""
-        self.stand_ins = {i: self.params[i].detach() for i in self.plan.partition.params_of(self.rank)}
+        self.stand_ins = {i: self.params[i].detach() for i in self.plan.partition.params_of(self.state.rank)}
 
         def refuse(t: torch.Tensor) -> torch.Tensor:
             raise ValueError("this rule needs the whole model's gradients (a global norm, a finiteness check ...), "
                              "but overlap_with_ddp=True steps one DDP bucket at a time: use overlap_with_ddp=False")
 
-        return self.build_sharding(refuse, refuse, every_group=False)
+        return build_sharding(self.state, self.tensor, refuse, refuse, every_group=False)
 
     def step(self, closure: Callable[[], float] | None, kwargs: dict, begin: Begin) -> Any:
         """The step ran inside backward: only a closure (which runs backward) is left."""
@@ -83,7 +83,7 @@ class DDPOverlap(WholeParams):
     def step_bucket(self, indices: list[int], grads: list[torch.Tensor]) -> None:
         """Step the params of one reduced DDP bucket that this rank owns. Every rank checks the
         whole bucket for NaN and inf (it holds all of it), so every rank finds the same params."""
-        if self.nonfinite is not None and self.state.scaling is None and not comm.is_fake(self.group) \
+        if self.nonfinite is not None and self.state.scaling is None and not comm.is_fake(self.state.process_group) \
                 and not all_finite(grads):
             self._bad.update(i for i, g in zip(indices, grads) if not all_finite([g]))
         mine = [(self.stand_ins[i], g) for i, g in zip(indices, grads)
@@ -101,7 +101,7 @@ class DDPOverlap(WholeParams):
     def broadcast(self, indices: list[int]) -> list[Any]:
         """Start sending each trainable param of a bucket from its owner (the interleaved hook)."""
         owner = self.plan.partition.owner
-        return [comm.broadcast_from(self.params[i].data, owner[i], self.group, async_op=True)
+        return [comm.broadcast_from(self.params[i].data, owner[i], self.state.process_group, async_op=True)
                 for i in indices if self.params[i].requires_grad]
 
     def end_of_backward(self, synced: bool) -> None:

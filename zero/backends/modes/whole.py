@@ -7,7 +7,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from zero.backends.modes.base import Begin, Mode
+from zero.backends.modes.base import Begin, Mode, build_sharding
 from zero.backends.rank_state import RankState
 from zero.backends.sync import ParamSync
 from zero.functional import sharding
@@ -35,14 +35,16 @@ class WholeParams(Mode):
         if self.sync is not None:
             self.sync.release()
         layout = bucket_views(metas, self.plan.partition)
-        self.sync = ParamSync(self.params, layout, self.rank, self.group, self.bucket_view, self.chunk_bytes)
+        state = self.state
+        self.sync = ParamSync(self.params, layout, state.rank, state.process_group, self.bucket_view,
+                              self.chunk_bytes)
         self.storage = self.sync.watch
         self.trainable = [m.requires_grad for m in metas]
         self.sharding = self._made_sharding()
 
     def _made_sharding(self) -> sharding.Sharding:
         """Each owned param is the whole of itself; quantities over the whole model sum over the ranks."""
-        return self.build_sharding()
+        return build_sharding(self.state, self.tensor)
 
     def tensor(self, t: LocalTensor):
         return self.params[t.param]

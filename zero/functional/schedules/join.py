@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
-
 from zero.functional.schedules.basic import (
     Schedule,
     _check_transition_steps,
@@ -27,11 +25,11 @@ def join_schedules(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> 
         raise ValueError(f"{len(schedules)} schedules need {len(schedules) - 1} boundaries, "
                          f"got {len(boundaries)}")
 
-    def schedule(t):
-        value = value_at(schedules[0], t)
+    def schedule(t, ops):
+        value = value_at(schedules[0], t, ops)
         for boundary, s in zip(boundaries, schedules[1:]):
             # where the count is short of the boundary, the later schedule is read at 0 (never used)
-            value = torch.where(t >= boundary, value_at(s, (t - boundary).clamp(min=0)), value)
+            value = ops.where(t >= boundary, value_at(s, ops.clamp(t - boundary, min=0), ops), value)
         return value
 
     return _elementwise(schedule)
