@@ -211,3 +211,14 @@ def test_the_plans_import_each_other_without_a_circle():
 
     for name in sorted(graph):
         visit(name)
+
+
+def test_the_modes_stay_small():
+    """A mode answers a few questions and its `Gradients` the gradients' ones (DESIGN.md): no class
+    in ``zero/backends/modes`` over 12 methods, no module over 300 lines."""
+    for path in sorted(pathlib.Path("zero/backends/modes").glob("*.py")):
+        assert len(path.read_text().splitlines()) <= 300, path
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef):
+                methods = [m.name for m in node.body if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))]
+                assert len(methods) <= 12, f"{path}: {node.name} has {len(methods)} methods: {methods}"
