@@ -7,6 +7,7 @@ import inspect
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from zero.plans.accounting import optimizer_state
 from zero.plans.layout import DDP_BUCKET_CAP_MB, default_bucket_numel
@@ -134,6 +135,11 @@ def normalise_params(params: Any) -> list[dict]:
     metas = param_metas(groups)  # non-tensors, sparse and repeated params fail here, by position
     flat = [p for g in groups for p in g["params"]]
     for m, p in zip(metas, flat):
+        if isinstance(p, DTensor):
+            raise TypeError(f"params[{m.name}] is a DTensor ({tuple(p.placements)} over {p.device_mesh}), as "
+                            "FSDP2's fully_shard makes them: ZeroRedundancyOptimizer shards plain params, and FSDP2 "
+                            "already shards these and their state. Step them with zero.functional.Optimizer("
+                            "model.parameters(), tx) or a torch.optim class")
         if p.requires_grad and not p.is_contiguous():
             raise ValueError(f"params[{m.name}] (shape {tuple(p.shape)}) is not contiguous; "
                              "pass contiguous parameters")
