@@ -78,3 +78,14 @@ def diverges(rank, world_size):
 
 def uneven_results(rank, world_size):
     return [torch.full((256,), float(i)) for i in range(200)] if rank == 1 else [rank]
+
+
+def late_store_client(rank, world_size):
+    """Rank 0 ends at once; rank 1 opens its own store connection later (as a rank's first
+    check-in does), from a run that has no collective to hold rank 0 back."""
+    if rank:
+        import time
+
+        time.sleep(1.0)
+        dist.distributed_c10d._get_default_store().clone().set("late", "here")
+    return rank

@@ -29,6 +29,14 @@ def test_many_tensors_from_ranks_that_exit_at_once():
         assert len(r) == 200 and all(float(t[0]) == rank + i for i, t in enumerate(r))
 
 
+@pytest.mark.timeout(60)
+def test_the_store_outlives_every_rank():
+    """The launcher holds the ranks' store: hosted by rank 0, it left with rank 0's process, and a
+    rank reaching it later retried it a minute a try (seen: a test whose ranks raise apart timed
+    out at 150 s)."""
+    assert run(lw.late_store_client, 2, timeout=30) == [0, 1]
+
+
 @pytest.mark.timeout(120)
 def test_the_heartbeat_threads_stop_before_exit():
     """A daemon thread left inside a store call at interpreter exit can abort a clean run

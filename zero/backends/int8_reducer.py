@@ -44,8 +44,9 @@ class Int8Reducer(comm.Reducer):
         chunks = torch.zeros(world, blocks * self.block, dtype=torch.float32, device=bucket.device)
         chunks[:, :n] = bucket.view(world, n)
         chunks = chunks.view(world, blocks, self.block)
-        scales = chunks.abs().amax(dim=-1) / 127
-        codes = torch.round(chunks / torch.where(scales > 0, scales, 1.0).unsqueeze(-1)).clamp_(-127, 127)
+        scales = chunks.abs().amax(dim=-1).div_(127)
+        # in place on the padded copy: one float32 bucket of scratch, not one per operation
+        codes = chunks.div_(torch.where(scales > 0, scales, 1.0).unsqueeze(-1)).round_().clamp_(-127, 127)
         codes = codes.to(torch.int8)
         got_codes, got_scales = torch.empty_like(codes), torch.empty_like(scales)
         works = (comm.all_to_all(got_codes.view(-1), codes.view(-1), group),
@@ -53,7 +54,7 @@ class Int8Reducer(comm.Reducer):
         return _Pending(works, got_codes, got_scales, n)
 
     def finish(self, pending: Any, into: torch.Tensor, out: torch.Tensor, world: int) -> None:
-        total = (pending.codes.to(torch.float32) * pending.scales.unsqueeze(-1)).sum(dim=0).view(-1)[:pending.n]
+        total = pending.codes.to(torch.float32).mul_(pending.scales.unsqueeze(-1)).sum(dim=0).view(-1)[:pending.n]
         if into is out:
             out.copy_(total / world)
         else:

@@ -20,6 +20,7 @@ import socket
 import sys
 import time
 import traceback
+from typing import Any
 
 import torch.multiprocessing as mp
 
@@ -43,15 +44,19 @@ def free_port() -> int:
     raise RuntimeError("free_port: the system kept handing out ports this process already used")
 
 
-def init_group(backend: str, rank: int, world_size: int, port: int, pg_timeout: float) -> None:
+def init_group(backend: str, rank: int, world_size: int, port: int, pg_timeout: float, *,
+               hosted: bool = False) -> None:
+    """This rank's default process group, its store on ``port``: rank 0's, or (``hosted``) one
+    the launcher holds, which outlives every rank (`run`)."""
     import torch
     import torch.distributed as dist
 
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=pg_timeout))
-    dist.distributed_c10d._get_default_store().add(_JOINED, 1)
+    timeout = datetime.timedelta(seconds=pg_timeout)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout) if hosted else None
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
 def _worker(fn, rank, world_size, port, results, args, pg_timeout, backend, threads):
@@ -64,7 +69,7 @@ def _worker(fn, rank, world_size, port, results, args, pg_timeout, backend, thre
         if backend == "rpc":
             out = _rpc_worker(fn, rank, world_size, port, args, pg_timeout)
         else:
-            init_group(backend, rank, world_size, port, pg_timeout)
+            init_group(backend, rank, world_size, port, pg_timeout, hosted=True)
             out = fn(rank, world_size, *args)
         # By value: torch's queue would pass a tensor as a handle to this process's shared
         # memory, unreadable once it exits (ConnectionResetError in the parent)
@@ -73,8 +78,6 @@ def _worker(fn, rank, world_size, port, results, args, pg_timeout, backend, thre
         results.put((rank, False, traceback.format_exc()))
     finally:
         if dist.is_initialized():
-            if rank == 0:
-                _wait_for_every_rank(world_size, pg_timeout)
             dist.destroy_process_group()
     results.close()
     results.join_thread()  # the result is in the pipe
@@ -93,20 +96,6 @@ def exit_now(code: int = 0) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-_JOINED = "zero_launch_joined"
-
-
-def _wait_for_every_rank(world_size: int, timeout: float) -> None:
-    """Rank 0 hosts the store: it stays until every rank has joined, so that a rank slow to start
-    (a loaded machine) still finds the store when a run ends without collectives (an error raised
-    before the first one): else it retries a store that is gone until the run times out."""
-    import torch.distributed as dist
-
-    store, deadline = dist.distributed_c10d._get_default_store(), time.monotonic() + timeout
-    while store.add(_JOINED, 0) < world_size and time.monotonic() < deadline:
-        time.sleep(0.05)
 
 
 def _rpc_worker(fn, rank, world_size, port, args, rpc_timeout):
@@ -162,6 +151,7 @@ def run(fn, world_size: int, *args, timeout: float = 240, pg_timeout: float = 60
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
+    store = _host_store(port, pg_timeout) if backend != "rpc" else None  # noqa: F841 (held until the ranks end)
     procs = [ctx.Process(target=_worker, daemon=True,
                          args=(fn, r, world_size, port, results, args, pg_timeout, backend, threads))
              for r in range(world_size)]
@@ -176,3 +166,16 @@ def run(fn, world_size: int, *args, timeout: float = 240, pg_timeout: float = 60
             if p.is_alive():
                 p.kill()
     return [out.get(r) for r in range(world_size)]
+
+
+def _host_store(port: int, pg_timeout: float) -> Any:
+    """The ranks' store, held here: it outlives every rank, so that a rank that reaches it later
+    than another ended (a rank slow to start on a loaded machine, a rank whose first check-in
+    opens a connection of its own after the others raised and left) finds it, where one hosted
+    by rank 0 would be gone with its process, and the late rank would retry it a minute a try
+    until the run timed out. A rank that ends still closes its collectives' connections with its
+    process, so a rank left waiting in a collective fails at once."""
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=pg_timeout),
+                         wait_for_workers=False)
