@@ -8,6 +8,7 @@ gradient.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 from zero.plans.checks import check_int
@@ -109,13 +110,21 @@ def bus_bytes(kind: str, buffer_bytes: int, world: int) -> int:
     all-gather, reduce-scatter and all-to-all ``(W - 1) / W`` of it, all-reduce ``2 (W - 1) / W``, broadcast
     and reduce all of it (nccl-tests' bus bytes); nothing in a group of one. ``kind`` may be a
     `zero.backends.comm` function's name (``all_gather_rows``, ``reduce_sum_to`` ...)."""
+    if world <= 1:
+        _collective(kind)  # an unknown name is an error in a group of one too
+        return 0
+    times, ring = BUS_FACTORS[_collective(kind)]
+    return times * buffer_bytes * (world - 1) // world if ring else times * buffer_bytes
+
+
+@functools.cache
+def _collective(kind: str) -> str:
+    """The `BUS_FACTORS` kind a name is (its longest prefix there): read once per name, since a
+    plan at 1,024 ranks asks for hundreds of thousands of collectives' bytes."""
     base = next((k for k in sorted(BUS_FACTORS, key=len, reverse=True) if kind.startswith(k)), None)
     if base is None:
         raise ValueError(f"unknown collective {kind!r}; known: {sorted(BUS_FACTORS)}")
-    if world <= 1:
-        return 0
-    times, ring = BUS_FACTORS[base]
-    return times * buffer_bytes * (world - 1) // world if ring else times * buffer_bytes
+    return base
 
 
 def sync_bytes(shard_bytes: Sequence[int], collective: str) -> list[tuple[int, int]]:
