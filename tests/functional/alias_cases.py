@@ -41,3 +41,16 @@ MORE_ALIASES = {
 def build(module, name: str, **extra):
     """``module.<name>(**ALIASES[name], **extra)`` for ``module`` zero.functional or optax."""
     return getattr(module, name)(**(ALIASES | MORE_ALIASES)[name], **extra)
+
+
+# Schedules spelled with Optax's names, built by ``make(module)`` for zero.functional and optax
+# alike: the parity test compares them with Optax, the schedule test its two ways of working one out.
+SCHEDULES = [
+    lambda m: m.linear_schedule(0.1, 0.01, 20, 5), lambda m: m.polynomial_schedule(1.0, 0.1, 2.0, 30),
+    lambda m: m.cosine_decay_schedule(0.1, 30, alpha=0.1, exponent=2.0),
+    lambda m: m.exponential_decay(0.1, 4, 0.7, 3, True, 0.02),
+    lambda m: m.exponential_decay(0.1, 4, 1.3, end_value=0.3),
+    lambda m: m.warmup_cosine_decay_schedule(0.0, 0.1, 10, 40, 0.01),
+    lambda m: m.piecewise_constant_schedule(0.1, {10: 0.5, 25: 0.1}), lambda m: m.constant_schedule(0.3),
+    lambda m: m.join_schedules([m.constant_schedule(0.1), m.linear_schedule(0.1, 0.0, 10)], [15]),
+]

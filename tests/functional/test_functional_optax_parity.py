@@ -6,7 +6,7 @@ import pytest
 pytest.importorskip("optax", reason="parity with Optax needs the zero[jax] extra")
 
 import optax  # noqa: E402
-from alias_cases import ALIASES, LR, MORE_ALIASES, build  # noqa: E402
+from alias_cases import ALIASES, LR, MORE_ALIASES, SCHEDULES, build  # noqa: E402
 from helpers import assert_trees_close  # noqa: E402
 from optax_parity import random_tree, run_both, x64  # noqa: E402, F401 (x64: a module fixture)
 
@@ -157,15 +157,7 @@ def test_state_layout_field_names_match_optax():
     assert pairs[-1][0].init(p)._fields == optax.InjectStatefulHyperparamsState._fields
 
 
-@pytest.mark.parametrize("make", [
-    lambda m: m.linear_schedule(0.1, 0.01, 20, 5), lambda m: m.polynomial_schedule(1.0, 0.1, 2.0, 30),
-    lambda m: m.cosine_decay_schedule(0.1, 30, alpha=0.1, exponent=2.0),
-    lambda m: m.exponential_decay(0.1, 4, 0.7, 3, True, 0.02),
-    lambda m: m.exponential_decay(0.1, 4, 1.3, end_value=0.3),
-    lambda m: m.warmup_cosine_decay_schedule(0.0, 0.1, 10, 40, 0.01),
-    lambda m: m.piecewise_constant_schedule(0.1, {10: 0.5, 25: 0.1}), lambda m: m.constant_schedule(0.3),
-    lambda m: m.join_schedules([m.constant_schedule(0.1), m.linear_schedule(0.1, 0.0, 10)], [15]),
-])
+@pytest.mark.parametrize("make", SCHEDULES)
 def test_schedules(make):
     import jax.numpy as jnp
 
