@@ -22,10 +22,10 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 import zero  # noqa: E402
-from zero.plans.accounting import optimizer_state  # noqa: E402
+from zero.plans.costs import cost_of  # noqa: E402
 from zero.plans.diff import placement  # noqa: E402
 
-MUON = optimizer_state("muon")
+MUON = cost_of("muon")
 ADAMW_NAMES = ("wte", "wpe", "embed", "lm_head")  # Moonlight's routing: these to AdamW
 
 

@@ -34,9 +34,9 @@ from torch import nn  # noqa: E402
 
 import zero  # noqa: E402
 import zero.functional as F  # noqa: E402
-from zero.plans.accounting import optimizer_state  # noqa: E402
+from zero.plans.costs import cost_of  # noqa: E402
 
-MUON = optimizer_state("muon")
+MUON = cost_of("muon")
 FLOPS_KEYS = ("flops", "numel flops", "hybrid flops")  # each plan's flops per rank, beside the timings
 
 

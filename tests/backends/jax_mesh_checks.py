@@ -87,7 +87,7 @@ def parity(rule: str, kind: str, dtype) -> dict:
     return {"rel": rel, "state_rel": worst(gathered, ref_state), "bytes": jax_mesh.state_bytes(state, mesh),
             "init_bytes": placed_bytes, "plan_bytes": [r.state_bytes for r in plan.ranks],
             "mesh_bytes": list(mesh_state_bytes(plan)),
-            "scalar_bytes": [zero.plans.accounting.optimizer_state(accounting).scalar_bytes
+            "scalar_bytes": [zero.plans.costs.cost_of(accounting).scalar_bytes
                              * (len(buffers) if kind == "flat" else len(plan.partition.params_of(r)))
                              for r in range(8)],
             "owned": [sum(b.owned[r] for b in buffers) for r in range(8)], "buffers": len(buffers),

@@ -13,7 +13,8 @@ import zero
 import zero.functional as zf
 from zero.backends import ZeroRedundancyOptimizer as Zero
 from zero.backends.local_optimizer import state_nbytes
-from zero.plans.accounting import optimizer_state, state_bytes
+from zero.plans.accounting import state_bytes
+from zero.plans.costs import cost_of
 from zero.plans.diff import placement
 
 # -- the plan (metadata only) ---------------------------------------------------------------------
@@ -41,7 +42,7 @@ def test_a_muon_flat_plan_keeps_every_matrix_whole(world_size):
     assert all(plan.partition.owner[i] == -1 for i in range(len(metas)) if i not in matrices)
     _covered_once(plan)
     # state: Muon's matrices hold their momentum on their owner, the rest AdamW's in padded shards
-    spec = optimizer_state("muon")
+    spec = cost_of("muon")
     whole = sum(state_bytes(metas[i], spec) for i in matrices)
     flat = sum(2 * b.padded_numel * 4 + world_size * spec.scalar_bytes for b in plan.flat.buffers)
     assert sum(r.state_bytes for r in plan.ranks) == whole + flat

@@ -253,11 +253,11 @@ def test_the_plans_rules_are_the_kernels():
     """`zero.plans` (no torch) states torchao's threshold and the step's chunk again: they agree
     with the rule's, size by size, so the plan's bytes and cuts are the rule's."""
     from zero.functional.contrib._lowbit import quantizes
-    from zero.plans.accounting import optimizer_state
+    from zero.plans.costs import cost_of
 
-    assert optimizer_state("adamw8bit").step_chunk == optimizer_state("adamw4bit").step_chunk == Q.CHUNK_NUMEL
+    assert cost_of("adamw8bit").step_chunk == cost_of("adamw4bit").step_chunk == Q.CHUNK_NUMEL
     for name, block in (("adamw8bit", 256), ("adamw4bit", 128), ("adamw8bit/64", 64)):
-        spec = optimizer_state(name)
+        spec = cost_of(name)
         assert spec.block_size == block
         assert [spec.quantizes(n) for n in range(3800, 9000)] == [quantizes(n, block) for n in range(3800, 9000)]
 

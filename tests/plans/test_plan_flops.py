@@ -12,11 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import zero
-from zero.plans.accounting import optimizer_state, state_bytes, weights
+from zero.plans.accounting import state_bytes, weights
+from zero.plans.costs import cost_of
 from zero.plans.partition import partition
 from zero.plans.presets import preset
 
-MUON = optimizer_state("muon")
+MUON = cost_of("muon")
 
 
 def test_step_flops_count_newton_schulz_matmuls():
@@ -28,7 +29,7 @@ def test_step_flops_count_newton_schulz_matmuls():
     assert MUON.step_flops(wide) == MUON.step_flops(tall) == expected
     assert MUON.step_flops(zero.ParamMeta("norm", (m,))) == m  # Adam's branch: its elements
     assert MUON.step_flops(zero.ParamMeta("frozen", (m, m), requires_grad=False)) == 0
-    assert optimizer_state("adam").step_flops(wide) == m * n
+    assert cost_of("adam").step_flops(wide) == m * n
 
 
 def test_muon_state_bytes_per_param_kind():

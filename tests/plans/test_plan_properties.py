@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 from strategies import metas
 
 from zero import bucket_views, flat_layout, make_plan, partition
-from zero.plans.accounting import optimizer_state, weights
+from zero.plans.accounting import weights
+from zero.plans.costs import cost_of
 from zero.plans.meta import itemsize
 from zero.plans.partition import STRATEGIES
 
@@ -88,7 +89,7 @@ def test_flat_segments_tile_each_buffer(ms, w, alignment, bucket_numel):
 def test_low_bit_plans_cut_params_only_at_their_block_edges(ms, w, optimizer, alignment, bucket_numel, hybrid):
     """Every piece of a param with quantized state starts and ends at a multiple of its block
     (each block on one rank), in a buffer of its own block; the rest in buffers without one."""
-    spec = optimizer_state(optimizer)
+    spec = cost_of(optimizer)
     trainable = [m.name for m in ms if m.requires_grad]
     whole = trainable[::3] if hybrid and trainable else None
     plan = make_plan(ms, w, "flat", optimizer=optimizer, alignment=alignment, bucket_numel=bucket_numel,

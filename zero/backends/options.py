@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from zero.plans.accounting import optimizer_state
+from zero.plans.costs import cost_of
 from zero.plans.layout import DDP_BUCKET_CAP_MB, default_bucket_numel
 from zero.plans.meta import ParamMeta, param_groups, param_metas
 from zero.plans.plan import PLAN_STRATEGIES, Plan, make_plan
@@ -80,7 +80,7 @@ def _low_bit_name(found: dict[str, tuple[int, int]]) -> str | None:
                          "one plan's state figures cannot say: pass plan= made with zero.make_plan")
     (bits, block), = kinds
     name = f"adamw{bits}bit"
-    return name if optimizer_state(name).block_size == block else f"{name}/{block}"
+    return name if cost_of(name).block_size == block else f"{name}/{block}"
 
 
 def check_blocks(plan: Plan, metas: list[ParamMeta], optimizer_class: Any, defaults: dict) -> None:

@@ -179,7 +179,7 @@ def _cache_key(params: Any, world_size: int, rank: int, options: dict) -> str | 
     function, whose code is not a value; a ``whole=`` that `make_plan` will refuse)."""
     if not os.environ.get("ZERO_SIMULATE_CACHE") or callable(params):
         return None
-    from zero.plans.accounting import optimizer_state
+    from zero.plans.costs import cost_of
     from zero.plans.hybrid import resolve_whole
 
     metas = tuple(params)
@@ -187,7 +187,7 @@ def _cache_key(params: Any, world_size: int, rank: int, options: dict) -> str | 
     if whole is not None:
         if options["strategy"] != "flat":
             return None
-        whole = resolve_whole(metas, whole, optimizer_state(options["optimizer"]))  # a function: what it picks
+        whole = resolve_whole(metas, whole, cost_of(options["optimizer"]))  # a function: what it picks
     inputs = (metas, world_size, rank, sorted({**options, "whole": whole}.items()), _source_digest())
     return hashlib.sha256(repr(inputs).encode()).hexdigest()
 

@@ -16,17 +16,15 @@ from zero.plans.costs import COSTS, LOW_BIT_MIN_NUMEL, RuleCost, cost_of
 from zero.plans.meta import ParamMeta, itemsize
 
 __all__ = ["bus_bytes", "BUS_FACTORS",
-           "OptimizerState", "OPTIMIZERS", "LOW_BIT_MIN_NUMEL", "optimizer_state", "state_bytes", "weights",
+           "OPTIMIZERS", "LOW_BIT_MIN_NUMEL", "state_bytes", "weights",
            "sync_bytes", "check_master_dtype", "master_itemsize", "state_itemsize"]
 
 
-# The cost models live in `zero.plans.costs`, one per family; these are their names here.
-OptimizerState = RuleCost  # a rule's cost model (the protocol every family answers)
+# The rules' cost models by name (`zero.plans.costs.COSTS`), under the name `zero` exports.
 OPTIMIZERS: dict[str, RuleCost] = COSTS
-optimizer_state = cost_of
 
 
-def state_bytes(meta: ParamMeta, optimizer: str | OptimizerState = "adam", master_dtype: str | None = None) -> int:
+def state_bytes(meta: ParamMeta, optimizer: str | RuleCost = "adam", master_dtype: str | None = None) -> int:
     """Bytes of optimizer state ``optimizer`` keeps for ``meta`` (0 for frozen params), in the
     master dtype when the optimizer steps master copies."""
     if not meta.requires_grad:
@@ -69,7 +67,7 @@ Weight = str | Callable[[ParamMeta], int]
 
 
 def weights(metas: Sequence[ParamMeta], weight: Weight = "numel",
-            optimizer: str | OptimizerState = "adam", master_dtype: str | None = None) -> list[int]:
+            optimizer: str | RuleCost = "adam", master_dtype: str | None = None) -> list[int]:
     """The load each parameter puts on the rank that owns it.
 
     ``"numel"`` counts every parameter, frozen ones included (torch's rule); ``"state_bytes"``

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from zero.plans.accounting import optimizer_state
 from zero.plans.chunks import param_chunks
+from zero.plans.costs import cost_of
 from zero.plans.meta import itemsize
 from zero.plans.plan import Plan
 
@@ -61,7 +61,7 @@ def diff_plans(a: Plan, b: Plan) -> PlanDiff:
         if not isinstance(plan, Plan):
             raise TypeError(f"diff_plans: {name} must be a zero.Plan, got {type(plan).__name__}")
     _check_same_params(a, b)
-    spec = optimizer_state(a.optimizer)
+    spec = cost_of(a.optimizer)
     moves: dict[tuple[int, int], int] = defaultdict(int)
     changed = []
     for i, meta in enumerate(a.metas):

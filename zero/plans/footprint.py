@@ -39,7 +39,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from zero.plans.accounting import bus_bytes, master_itemsize, optimizer_state, state_itemsize
+from zero.plans.accounting import bus_bytes, master_itemsize, state_itemsize
+from zero.plans.costs import cost_of
 from zero.plans.holdings import holdings
 from zero.plans.layout import IN_FLIGHT_BUCKETS, SyncRows, bucket_views, param_sync_rows, reduction_units
 from zero.plans.meta import itemsize
@@ -217,7 +218,7 @@ def _step_temporaries(plan: Plan, rank: int, reduce_scattered: bool, reduce: str
     shard's dtype, and the rule's own: `zero.plans.costs.RuleCost.step_temps` of the tensor it steps and
     ``step_temps_held`` of the one before it (in the local optimizer's order, within a group)."""
     held, master = holdings(plan, rank), plan.master_dtype
-    spec = optimizer_state(plan.optimizer)
+    spec = cost_of(plan.optimizer)
     casts, rule, before = 0, 0, (-1, 0)  # (group, bytes of one temporary) of the tensor stepped before
     for t in held.tensors:
         dtype = plan.metas[t.param].dtype if t.whole else plan.flat.buffers[t.buffer].dtype

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from zero.plans.accounting import optimizer_state, state_bytes
+from zero.plans.accounting import state_bytes
+from zero.plans.costs import cost_of
 
 if TYPE_CHECKING:
     from zero.plans.plan_fields import PlanFields as Plan  # the fields are all this module reads
@@ -22,7 +23,7 @@ def mesh_state_bytes(plan: Plan) -> tuple[int, ...]:
     Optax keeps one count, replicated. For an element-wise rule this is what
     `zero.backends.jax_mesh.state_bytes` measures; under a hybrid plan the rule's own scalars
     ride in the rows too (`zero.backends.jax_mesh.device_bytes` counts them from the rule)."""
-    spec = optimizer_state(plan.optimizer)
+    spec = cost_of(plan.optimizer)
 
     def own(i: int) -> int:
         m = plan.metas[i]

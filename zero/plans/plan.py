@@ -15,8 +15,9 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from zero.plans.accounting import check_master_dtype, optimizer_state, weights
+from zero.plans.accounting import check_master_dtype, weights
 from zero.plans.cost import flat_costs, partition_costs, stage_bytes
+from zero.plans.costs import cost_of
 from zero.plans.hybrid import Whole, hybrid_placement, resolve_whole
 from zero.plans.layout import flat_layout
 from zero.plans.meta import ParamMeta, gc_paused
@@ -49,7 +50,7 @@ class Plan(PlanFields):
         costed and fingerprinted anew."""
         if len(part.owner) != len(self.metas) or part.world_size != self.world_size:
             raise ValueError("the partition is for other params or another world size")
-        spec = optimizer_state(self.optimizer)
+        spec = cost_of(self.optimizer)
         ranks = partition_costs(self.metas, part, spec, self.master_dtype)
         mean = sum(r.load for r in ranks) / self.world_size
         busiest = max(r.load for r in ranks)
@@ -139,7 +140,7 @@ def make_plan(metas: Sequence[ParamMeta], world_size: int, strategy: str = "sort
     if whole is not None and strategy != "flat":
         raise ValueError(f"whole= picks the params a flat plan keeps whole; strategy {strategy!r} keeps every param "
                          "whole already: drop whole=, or use strategy='flat'")
-    spec = optimizer_state(optimizer)
+    spec = cost_of(optimizer)
     master_dtype = check_master_dtype(master_dtype, metas)
     keep = resolve_whole(metas, whole, spec) if strategy == "flat" else ()
     if callable(weight) and strategy == "flat" and not keep:

@@ -9,7 +9,8 @@ import os
 import sys
 from pathlib import Path
 
-from zero.plans.accounting import OPTIMIZERS, optimizer_state
+from zero.plans.accounting import OPTIMIZERS
+from zero.plans.costs import cost_of
 from zero.plans.diff import diff_plans
 from zero.plans.meta import param_metas
 from zero.plans.plan import PLAN_STRATEGIES, WEIGHTS, Plan, make_plan
@@ -110,7 +111,7 @@ def load_metas(args: argparse.Namespace):
 def _optimizer_name(name: str) -> str:
     """An optimizer name `zero.make_plan` knows (argparse reports the ValueError's words)."""
     try:
-        optimizer_state(name)
+        cost_of(name)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return name
@@ -125,7 +126,7 @@ def _plan(args: argparse.Namespace) -> int:
         return 0
     metas = load_metas(args)
     if args.compare:
-        matrices = optimizer_state(args.optimizer).keeps_whole  # Muon: whole matrices, and work to balance
+        matrices = cost_of(args.optimizer).keeps_whole  # Muon: whole matrices, and work to balance
         weights = ("numel", "state_bytes", "step_flops") if matrices else ("numel", "state_bytes")
         plans = [make_plan(metas, args.world_size, s, w, args.optimizer, args.alignment,
                            master_dtype=args.master_dtype)
