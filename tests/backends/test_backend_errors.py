@@ -36,13 +36,13 @@ def test_bad_params(bad, error, match):
 def test_fsdp2s_dtensor_params_are_named_with_what_steps_them():
     """FSDP2's params are DTensors: a TypeError naming the param and what to use, not DTensor's
     'got mixed torch.Tensor and DTensor' from inside the sync."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (1,))
-    weight = nn.Parameter(distribute_tensor(torch.ones(4, 3), mesh, [Shard(0)]))
-    with pytest.raises(TypeError, match=r"params\[1\] is a DTensor \(\(Shard\(dim=0\),\).*zero.functional.Optimizer"):
-        Zero([torch.ones(2, requires_grad=True), weight], torch.optim.AdamW, lr=0.1)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    fully_shard(model[1])
+    with pytest.raises(TypeError, match=r"params\[1.weight\] is a DTensor \(\(Shard\(dim=0\),\).*"
+                                        r"zero.functional.Optimizer"):
+        Zero(model, torch.optim.AdamW, lr=0.1)
 
 
 @pytest.mark.parametrize("make", [lambda m: Zero(m, torch.optim.AdamW, lr=0.1),
