@@ -24,7 +24,7 @@ from zero.plans.accounting import bus_bytes
 __all__ = ["Collective", "recording", "resolve_group", "is_fake", "group_rank", "group_size", "global_rank",
            "all_gather_object", "in_group", "device_for", "summed", "maxed", "all_gather_rows", "all_gather_into",
            "broadcast_from", "all_reduce_sum", "all_reduce_max", "reduce_scatter_sum", "reduce_sum_to", "all_to_all",
-           "new_subgroup", "twin_group", "send_tree", "recv_tree", "Reducer", "MeanReducer"]
+           "exchange", "new_subgroup", "twin_group", "send_tree", "recv_tree", "Reducer", "MeanReducer"]
 
 # torch 2.13 renamed all_gather_into_tensor; keep working on the 2.x releases before it.
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -174,6 +174,20 @@ def all_to_all(output: torch.Tensor, chunks: torch.Tensor, group: Any) -> Any:
     each rank's chunk for this rank into ``output`` in rank order; returns the work to ``wait()`` on."""
     _record("all_to_all", chunks, group)
     return dist.all_to_all_single(output, chunks, group=group, async_op=True)
+
+
+def exchange(output: torch.Tensor, chunks: torch.Tensor, out_splits: list[int], in_splits: list[int],
+             group: Any) -> None:
+    """Send ``in_splits[r]`` elements of ``chunks`` (in rank order) to group rank ``r`` and receive
+    ``out_splits[r]`` from each into ``output``: an all-to-all of uneven chunks. Recorded as the
+    bytes this rank sends to the others (its own chunk stays here)."""
+    if _RECORDINGS:
+        me = group_rank(group)
+        sent = (sum(in_splits) - in_splits[me]) * chunks.element_size()
+        made = Collective("exchange", str(chunks.dtype).removeprefix("torch."), group_size(group), sent)
+        for recorded in _RECORDINGS:
+            recorded.append(made)
+    dist.all_to_all_single(output, chunks, out_splits, in_splits, group=group)
 
 
 class Reducer:

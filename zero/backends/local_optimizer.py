@@ -20,7 +20,7 @@ from zero.plans.holdings import Holdings, LocalTensor
 
 __all__ = ["make_local_optimizer", "local_groups", "copy_hyperparams", "is_functional", "check_state_keys",
            "per_element_keys", "check_shardable", "initial_state", "state_nbytes", "is_per_element",
-           "saved_by_settings"]
+           "saved_by_settings", "mentions"]
 
 
 def make_local_optimizer(optimizer_class: Any, groups: list[dict], defaults: dict,
@@ -217,22 +217,23 @@ def check_shardable(optimizer_class: Any, defaults: dict) -> None:
     if isinstance(optimizer_class, type) and name in _NOT_ELEMENTWISE:
         raise ValueError(f"torch.optim.{name} needs whole tensors (its rule is not element-wise), so it cannot "
                          "step a flat plan's shards: use a whole-param plan (strategy='sorted_greedy')")
-    if isinstance(optimizer_class, GradientTransformation) and _mentions(optimizer_class, "from_optax"):
+    if isinstance(optimizer_class, GradientTransformation) and mentions(optimizer_class, "from_optax"):
         raise ValueError("a from_optax transformation runs Optax's own code, which cannot be told that it steps "
                          "pieces of tensors: use a whole-param plan, or zero.functional's own rule")
     masks = [k for k, v in defaults.items() if "mask" in k and v is not None]
-    if masks or isinstance(optimizer_class, GradientTransformation) and (_mentions(optimizer_class, "masked")
-                                                                         or _mentions(optimizer_class, "partition")):
+    if masks or isinstance(optimizer_class, GradientTransformation) and (mentions(optimizer_class, "masked")
+                                                                         or mentions(optimizer_class, "partition")):
         raise ValueError("a masked or partitioned transformation picks params by name or position, but a flat "
                          "plan's local optimizer steps shards that each hold pieces of several params: use a "
                          "whole-param plan (names reach the masks there), or put the params each rule steps in "
                          "their own param group (a flat plan packs each group's buffers apart)")
 
 
-def _mentions(tx: Any, name: str) -> bool:
+def mentions(tx: Any, name: str) -> bool:
+    """Whether transformation ``tx`` (or a link or inner transformation of it) is ``name``'s."""
     spec = getattr(tx, "spec", None)
     if spec is None:
         return False
     inner = spec.args.get("inner")
-    return spec.name == name or any(_mentions(link, name) for link in spec.links) or (
-        isinstance(inner, GradientTransformation) and _mentions(inner, name))
+    return spec.name == name or any(mentions(link, name) for link in spec.links) or (
+        isinstance(inner, GradientTransformation) and mentions(inner, name))

@@ -14,7 +14,8 @@ from zero.plans.layout import DDP_BUCKET_CAP_MB, default_bucket_numel
 from zero.plans.meta import ParamMeta, param_groups, param_metas
 from zero.plans.plan import PLAN_STRATEGIES, Plan, make_plan
 
-__all__ = ["default_plan", "quantized_params", "check_blocks", "check_plan_arguments", "check_sync_options",
+__all__ = ["default_plan", "quantized_params", "low_bit_name", "check_blocks", "check_plan_arguments",
+           "check_sync_options",
            "check_torch_settings", "normalise_params"]
 
 
@@ -27,7 +28,7 @@ def default_plan(metas: list[ParamMeta], world_size: int, strategy: str | None,
     Its buffers are sized from the model (`zero.plans.layout.default_bucket_numel`), at most
     ``bucket_cap_mb`` MiB (DDP's 25 by default)."""
     master = None if master_dtype is None else str(master_dtype).removeprefix("torch.")
-    optimizer = _low_bit_name(quantized_params(metas, optimizer_class, defaults or {})) or "adam"
+    optimizer = low_bit_name(quantized_params(metas, optimizer_class, defaults or {})) or "adam"
     if strategy == "flat":
         whole = _needed_whole(metas, optimizer_class, defaults or {})
         bucket = default_bucket_numel(metas, world_size, DDP_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb)
@@ -69,7 +70,7 @@ def quantized_params(metas: list[ParamMeta], optimizer_class: Any, defaults: dic
     return {} if asked is None else block_sizes(*asked)
 
 
-def _low_bit_name(found: dict[str, tuple[int, int]]) -> str | None:
+def low_bit_name(found: dict[str, tuple[int, int]]) -> str | None:
     """The plan's name for the state of a low-bit rule (``"adamw8bit"``, ``"adamw4bit/64"``), whose
     figures and block-aligned cuts `zero.make_plan` then gives."""
     kinds = set(found.values())
@@ -97,7 +98,7 @@ def check_blocks(plan: Plan, metas: list[ParamMeta], optimizer_class: Any, defau
         if i in block_of and block_of[i] != block:
             raise ValueError(f"param {name!r}'s state is kept in {bits}-bit blocks of {block} elements, but the plan "
                              f"cuts its flat buffer {'at ' + str(block_of[i]) if block_of[i] else 'anywhere'}: "
-                             f"make it with zero.make_plan(..., optimizer={_low_bit_name({name: (bits, block)})!r}), "
+                             f"make it with zero.make_plan(..., optimizer={low_bit_name({name: (bits, block)})!r}), "
                              "whose shards end at block edges, or pass strategy='flat' and let the optimizer make it")
 
 

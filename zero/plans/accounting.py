@@ -99,7 +99,8 @@ def weights(metas: Sequence[ParamMeta], weight: Weight = "numel",
 # recorder's `bus_bytes`) is in this unit.
 # kind: (times the buffer, whether by (W - 1) / W as a ring moves it)
 BUS_FACTORS = {"all_gather": (1, True), "reduce_scatter": (1, True), "all_reduce": (2, True),
-               "all_to_all": (1, True), "broadcast": (1, False), "reduce": (1, False)}
+               "all_to_all": (1, True), "broadcast": (1, False), "reduce": (1, False),
+               "exchange": (1, False)}  # an all-to-all of uneven chunks, counted as the bytes sent to others
 
 
 def bus_bytes(kind: str, buffer_bytes: int, world: int) -> int:

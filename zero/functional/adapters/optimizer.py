@@ -35,6 +35,7 @@ from zero.functional.adapters.group_settings import (
     sync_hyperparams,
     with_group_hyperparams,
 )
+from zero.functional.adapters.sharded_storage import executor_for
 from zero.functional.adapters.state_tree import as_tree, split_state
 from zero.functional.base import GradientTransformation, inplace_step, tree_map
 from zero.functional.kernels.chains import Path, explain
@@ -158,11 +159,15 @@ class Optimizer(torch.optim.Optimizer):
         self.skipped_steps = 0  # steps an apply_if_finite in the transformation skipped
         self._states: list[_StatesBySet] = []
         self._per_param = per_param  # see FunctionalOptimizer: params may step in changing sets
+        self._executor: Any = None  # what steps sharded params (FSDP2's DTensors), found at the first step
         if isinstance(params, torch.nn.Module):  # torch keeps the names of (name, param) pairs
             params = list(params.named_parameters())
         super().__init__(params, hyperparams_of(self._default_tx))
 
     def add_param_group(self, param_group: dict) -> None:
+        if getattr(self, "_executor", None):
+            raise ValueError("add_param_group after the first step of sharded params (FSDP2's): their plan, made at "
+                             "the first step, places every group's params; build the optimizer with every group")
         param_group = dict(param_group)
         tx = with_group_hyperparams(param_group.pop("tx", self._default_tx), "a param group's 'tx'")
         known = hyperparams_of(tx)
@@ -183,6 +188,7 @@ class Optimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        executor = self.executor
         for k, (group, states) in enumerate(zip(self.param_groups, self._states)):
             every = [p.grad for p in group["params"]]
             idx = tuple(i for i, g in enumerate(every) if g is not None)
@@ -191,10 +197,23 @@ class Optimizer(torch.optim.Optimizer):
                 grads = [every[i] for i in idx]
                 if any(map(_SPARSE, grads)):
                     raise ValueError("zero.functional.Optimizer does not support sparse gradients")
-                states.step(idx, params, grads, group, self.names_of(k, idx))
+                if executor is None:
+                    states.step(idx, params, grads, group, self.names_of(k, idx))
+                else:
+                    executor.step_group(k, idx, params, grads, lambda keep, leaves, gs, k=k, group=group, states=states:
+                                        states.step(keep, leaves, gs, group, self.names_of(k, keep)))
         self._steps += 1
         self._report_guards()
         return loss
+
+    @property
+    def executor(self) -> Any:
+        """What steps this optimizer's params when they are sharded storage (FSDP2's DTensors:
+        `zero.functional.adapters.sharded_storage`), None for plain tensors. Found at the first
+        step, after every ``add_param_group``."""
+        if self._executor is None and self._steps == 0:
+            self._executor = executor_for(self) or False
+        return self._executor or None
 
     def _report_guards(self) -> None:
         """An ``apply_if_finite`` that met NaN or inf in this step says so: a warning, and
@@ -256,12 +275,15 @@ class Optimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         sd = super().state_dict()
         sd["tx_states"] = [dict(s.states) for s in self._states]
+        if self.executor is not None:  # sharded params: the states are this rank's pieces, by its plan
+            sd["sharded_layout"] = self.executor.layout_key
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if "tx_states" not in state_dict or len(state_dict["tx_states"]) != len(self.param_groups):
             raise ValueError("state_dict was not saved by a zero.functional.Optimizer with "
                              f"{len(self.param_groups)} param groups")
+        self._check_layout(state_dict.get("sharded_layout"))
         for k, (states, saved) in enumerate(zip(self._states, state_dict["tx_states"])):
             injected = bool(hyperparams_of(states.tx))
             if any(injected != isinstance(getattr(s, "hyperparams", None), dict) for s in saved.values()):
@@ -275,6 +297,16 @@ class Optimizer(torch.optim.Optimizer):
                 device = group["params"][idx[0]].device
                 states.states[idx] = tree_map(lambda x, d=device: _to_device(x, d), state)
                 states._owner.update(dict.fromkeys(idx, idx))
+
+
+    def _check_layout(self, saved: Any) -> None:
+        """A state of sharded params loads only into the same rank of the same plan: its tensors
+        are that rank's pieces (and the whole tensors it owned)."""
+        here = None if self.executor is None else self.executor.layout_key
+        if saved != here:
+            raise ValueError(f"this state_dict holds the optimizer state of {saved or 'plain params'}, and this "
+                             f"optimizer steps {here or 'plain params'}: a sharded optimizer's state_dict loads only "
+                             "into the same rank of the same layout (the same model, mesh and rules)")
 
 
 _SPARSE = operator.attrgetter("is_sparse")

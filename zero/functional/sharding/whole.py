@@ -76,10 +76,25 @@ def _asked(tx: Any, tree: dict[str, torch.Tensor]) -> set[str]:
         tx.update(grads, tx.init(tree), tree)
         return {index[i] for i in asked if i in index}
     except Exception:  # noqa: BLE001 - a link that reads data: ask its links, or take it as element-wise
-        links = getattr(getattr(tx, "spec", None), "links", ())
+        links = _links(tx)
         return set().union(*(_asked(link, tree) for link in links)) if links else set()
     finally:
         _PROBE.reset(token)
+
+
+def _links(tx: Any) -> tuple:
+    """What ``tx`` is made of: a chain's links, or the transformation an injected chain builds
+    from its hyperparameters (`inject_hyperparams` keeps its factory and arguments)."""
+    spec = getattr(tx, "spec", None)
+    if spec is None:
+        return ()
+    if spec.links:
+        return spec.links
+    source = spec.args.get("source") if spec.name == "inject_hyperparams" else None
+    if not source:
+        return ()
+    factory, args = source
+    return (factory(**args),)
 
 
 def cut_tensors(leaves: Sequence[torch.Tensor], what: str = "which tensors a leaf holds pieces of"

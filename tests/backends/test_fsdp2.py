@@ -1,0 +1,115 @@
+"""zero's rules over FSDP2's DTensor params (`zero.functional.Optimizer` on a ``fully_shard``-ed
+model) against one process: every alias and contrib rule, both placements, uneven shards, two
+param groups, a real backward, low-bit bits at every mesh size, whole matrices by owner."""
+
+import alias_cases
+import fsdp2_workers as w
+import pytest
+import torch
+from helpers import run_ranks
+
+pytestmark = pytest.mark.timeout(600)
+
+CONTRIB = {
+    "adamw_8bit": dict(learning_rate=1e-2, weight_decay=0.01),
+    "adamw_4bit": dict(learning_rate=1e-2, weight_decay=0.01, block_size=64),
+    "adam_8bit": dict(learning_rate=1e-2),
+    "adam_4bit": dict(learning_rate=1e-2),
+    "muon": dict(learning_rate=1e-2, weight_decay=0.01),
+}
+CHAINS = {"clip_by_global_norm + adamw": ("chain", [("clip_by_global_norm", dict(max_norm=0.5)),
+                                                    ("adamw", dict(learning_rate=1e-2, weight_decay=0.1))]),
+          "centralize + sgd": ("chain", [("centralize", {}), ("sgd", dict(learning_rate=1e-2))]),
+          "adaptive_grad_clip + adam": ("chain", [("adaptive_grad_clip", dict(clipping=0.1)),
+                                                  ("adam", dict(learning_rate=1e-2))])}
+RULES = {**{name: (name, kw) for name, kw in {**alias_cases.ALIASES, **alias_cases.MORE_ALIASES, **CONTRIB,
+                                              "sm3": dict(learning_rate=1e-2)}.items()}, **CHAINS}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_every_rule_steps_fsdp2s_params_as_one_process_does(world_size):
+    """Shard(0) with uneven rows (37 over 3: 13/13/11), 10 steps of fixed gradients, float64."""
+    worst = run_ranks(w.compare_rules, world_size, RULES)[0]
+    bad = {name: d for name, d in worst.items() if not d <= 1e-12}
+    assert not bad, f"differ from one process at {world_size} ranks: {bad}"
+
+
+def test_four_ranks_and_shard_1():
+    """4 ranks (one with a single row of 5: 2/2/1/0), and weights on Shard(1) from a shard_placement_fn."""
+    some = {k: RULES[k] for k in ("adamw", "lamb", "muon", "adafactor", "adamw_8bit", "sm3",
+                                  "clip_by_global_norm + adamw")}
+    for dim in (0, 1):
+        worst = run_ranks(w.compare_rules, 4, some, 10, dim)[0]
+        bad = {name: d for name, d in worst.items() if not d <= 1e-12}
+        assert not bad, f"differ from one process on Shard({dim}): {bad}"
+
+
+@pytest.mark.parametrize("rule", ["adamw_8bit", "adamw_4bit"])
+def test_low_bit_params_are_the_same_bits_at_every_mesh_size(rule):
+    """The 64 x 96 weight's 256-element blocks lie whole on each rank at 2 and 4 ranks and are cut
+    between ranks at 3, where its owner steps it whole: the same bits at 1 to 4 ranks."""
+    spec = (rule, CONTRIB[rule])
+    one = run_ranks(w.low_bit_params, 1, spec)[0]
+    for world_size in (2, 3, 4):
+        got = run_ranks(w.low_bit_params, world_size, spec)[0]
+        for j, (a, b) in enumerate(zip(got, one)):
+            assert torch.equal(a, b), f"{rule} at {world_size} ranks: param {j} differs from one process"
+
+
+@pytest.mark.parametrize("rule", ["adamw", "muon"])
+def test_a_real_backward_through_fsdp2(rule):
+    spec = ("chain", [("clip_by_global_norm", dict(max_norm=0.5)), (rule, CONTRIB.get(rule, dict(learning_rate=1e-2)))])
+    for world_size in (2, 3):
+        worst = max(run_ranks(w.backward_against_one_process, world_size, spec))
+        assert worst <= 1e-10, f"{rule} at {world_size} ranks: {worst}"
+
+
+def test_each_matrix_is_orthogonalised_once_by_its_owner():
+    runs = run_ranks(w.newton_schulz_runs, 3)
+    assert [r for r, _ in runs] == [owned for _, owned in runs], runs
+    assert sum(r for r, _ in runs) == 4  # the model's four weights, each once across the ranks
+
+
+def test_the_exchanged_bytes_are_the_plans():
+    for rule in ("muon", "adamw_8bit"):
+        for sent, planned in run_ranks(w.recorded_exchange, 3, (rule, CONTRIB[rule])):
+            assert sent == planned, rule
+
+
+def test_torchs_and_optaxs_rules_by_their_adapters():
+    specs = {"from_torch AdamW": ("from_torch", dict(optimizer_class="AdamW", lr=1e-2, weight_decay=0.05)),
+             "from_torch RMSprop": ("from_torch", dict(optimizer_class="RMSprop", lr=1e-2, centered=True)),
+             "from_optax adam": ("from_optax", dict(name="adam", learning_rate=1e-2)),
+             "from_optax adafactor": ("from_optax", dict(name="adafactor", learning_rate=1e-2))}
+    worst = run_ranks(w.compare_rules, 3, specs)[0]
+    assert all(d <= 1e-12 for d in worst.values()), worst
+
+
+def test_fsdp2s_mixed_precision_steps_as_torchs_adamw():
+    """bf16 compute and fp32 gradients over fp32 sharded params: zero's AdamW steps as torch's."""
+    worst = max(run_ranks(w.mixed_precision_against_torch, 2))
+    assert worst <= 1e-5, worst
+
+
+def test_a_state_dict_resumes_on_the_same_layout_and_is_refused_on_another():
+    assert max(run_ranks(w.state_dict_round_trip, 2, RULES["muon"])) == 0.0
+    got = run_ranks(w.load_elsewhere, 2)
+    assert got[0] == "loaded"
+    assert "rank 0 of FSDP2 plan" in got[1] and "rank 1 of FSDP2 plan" in got[1], got[1]
+
+
+def test_plain_params_beside_fsdp2s_are_named(one_rank):
+    import torch.nn as nn
+
+    import zero.functional as F
+
+    model = w.make_model()
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(model[0])
+    opt = F.Optimizer(model, F.adamw(1e-2))
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    with pytest.raises(ValueError, match=r"plain param '2.weight' beside sharded param '0.weight'"):
+        opt.step()
+    assert isinstance(model[2], nn.Linear)

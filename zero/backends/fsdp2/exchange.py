@@ -1,0 +1,87 @@
+"""Whole tensors for the params an owner steps (`zero.plans.fsdp2`): every rank's piece of each
+param and its gradient to the owner, and each rank's piece of the updated param back, in one
+exchange (an all-to-all of uneven chunks) per direction per dtype."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from zero.backends import comm
+from zero.plans.fsdp2 import Fsdp2Plan
+
+__all__ = ["to_owners", "back_from_owners"]
+
+
+def to_owners(plan: Fsdp2Plan, rank: int, group: Any, ts: Sequence[int], params: dict[int, torch.Tensor],
+              grads: dict[int, torch.Tensor]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """For each param ``t`` of ``ts`` this rank owns: the whole param and gradient, from every
+    rank's pieces (``params[t]``, ``grads[t]``: this rank's local tensors of every ``t``)."""
+    out = {}
+    for dtype, these in _by_dtype(plan, ts).items():
+        chunks = [torch.cat([x.reshape(-1) for t in these if plan.owner[t] == o for x in (params[t], grads[t])]
+                            or [_empty(params, these, dtype)]) for o in range(plan.world_size)]
+        mine = [t for t in these if plan.owner[t] == rank]
+        splits = [sum(2 * plan.local_numel(t, r) for t in mine) for r in range(plan.world_size)]
+        got = torch.empty(sum(splits), dtype=chunks[0].dtype, device=chunks[0].device)
+        comm.exchange(got, torch.cat(chunks), splits, [c.numel() for c in chunks], group)
+        out.update(_assemble(plan, mine, got.split(splits)))
+    return out
+
+
+def back_from_owners(plan: Fsdp2Plan, rank: int, group: Any, ts: Sequence[int],
+                     wholes: dict[int, torch.Tensor], params: dict[int, torch.Tensor]) -> None:
+    """Each rank's piece of every updated whole param of ``ts`` from its owner into ``params[t]``
+    (this rank's local tensors); ``wholes``: the params this rank owns, stepped."""
+    for dtype, these in _by_dtype(plan, ts).items():
+        mine = [t for t in these if plan.owner[t] == rank]
+        chunks = [torch.cat([_piece(plan, t, wholes[t], r).reshape(-1) for t in mine] or [_empty(params, these, dtype)])
+                  for r in range(plan.world_size)]
+        splits = [sum(plan.local_numel(t, rank) for t in these if plan.owner[t] == o) for o in range(plan.world_size)]
+        got = torch.empty(sum(splits), dtype=chunks[0].dtype, device=chunks[0].device)
+        comm.exchange(got, torch.cat(chunks), splits, [c.numel() for c in chunks], group)
+        pieces = iter(got.split(splits))
+        for o in range(plan.world_size):
+            flat, at = next(pieces), 0
+            for t in (t for t in these if plan.owner[t] == o):
+                n = plan.local_numel(t, rank)
+                params[t].copy_(flat[at:at + n].view(params[t].shape))
+                at += n
+
+
+def _by_dtype(plan: Fsdp2Plan, ts: Sequence[int]) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for t in ts:
+        if plan.owner[t] >= 0:
+            out.setdefault(plan.metas[t].dtype, []).append(t)
+    return out
+
+
+def _empty(params: dict[int, torch.Tensor], these: list[int], dtype: str) -> torch.Tensor:
+    like = params[these[0]]
+    return like.new_empty(0)
+
+
+def _assemble(plan: Fsdp2Plan, mine: list[int], received: Sequence[torch.Tensor]
+              ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Whole params and gradients from each rank's chunk (per owned param: its param piece,
+    then its gradient piece), pieces joined along the dim FSDP2 cut."""
+    parts: dict[int, list[list[torch.Tensor]]] = {t: [[], []] for t in mine}
+    for r, flat in enumerate(received):
+        at = 0
+        for t in mine:
+            n, shape = plan.local_numel(t, r), plan.local_shape(t, r)
+            for k in range(2):
+                parts[t][k].append(flat[at:at + n].view(shape))
+                at += n
+    return {t: tuple(torch.cat(p, dim=plan.dims[t]) if plan.metas[t].shape else p[0].clone() for p in parts[t])
+            for t in mine}
+
+
+def _piece(plan: Fsdp2Plan, t: int, whole: torch.Tensor, rank: int) -> torch.Tensor:
+    if not plan.metas[t].shape:
+        return whole
+    start, length = plan.rows(t)[rank]
+    return whole.narrow(plan.dims[t], start, length)

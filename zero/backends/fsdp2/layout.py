@@ -1,0 +1,94 @@
+"""FSDP2's params as the plan layer sees them: each DTensor param's whole shape and the dim
+``fully_shard`` cut it on, checked against the plan's rows (`zero.plans.fsdp2`), and the rule's
+answers about them (which it needs whole, which it quantizes in blocks)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, Shard
+
+from zero.backends import comm
+from zero.backends.local_optimizer import mentions
+from zero.backends.options import low_bit_name
+from zero.functional.sharding import block_sizes, needs_whole
+from zero.plans.fsdp2 import Fsdp2Plan, make_fsdp2_plan
+from zero.plans.meta import ParamMeta
+
+__all__ = ["Layout", "read_layout", "plan_for"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Every param of the optimizer (across its groups, in order): its metadata, the dim FSDP2
+    shards, and where each group's params start in that order; the mesh's group and this rank."""
+
+    metas: tuple[ParamMeta, ...]
+    dims: tuple[int, ...]
+    firsts: tuple[int, ...]
+    group: Any
+    rank: int
+    world_size: int
+
+
+def read_layout(optimizer: Any) -> Layout:
+    """The `Layout` of ``optimizer``'s DTensor params; a ``ValueError`` naming the param that is
+    not one rank's ``Shard(d)`` piece on the mesh the others share."""
+    metas, dims, firsts, mesh = [], [], [], None
+    for k, group in enumerate(optimizer.param_groups):
+        firsts.append(len(metas))
+        names = group.get("param_names") or [f"{k}.{i}" for i in range(len(group["params"]))]
+        for name, p in zip(names, group["params"]):
+            mesh = _check_mesh(name, p, mesh)
+            dims.append(_shard_dim(name, p))
+            metas.append(ParamMeta(name, tuple(p.shape), str(p.dtype).removeprefix("torch."), str(p.device), k,
+                                   p.requires_grad))
+    pg = mesh.get_group()
+    return Layout(tuple(metas), tuple(dims), tuple(firsts), pg, comm.group_rank(pg), comm.group_size(pg))
+
+
+def _check_mesh(name: str, p: DTensor, mesh: Any) -> Any:
+    if p.device_mesh.ndim != 1:
+        raise ValueError(f"param {name!r} is on a {p.device_mesh.ndim}-D mesh ({p.device_mesh}): "
+                         "zero.functional.Optimizer steps FSDP2's params on a 1-D mesh; HSDP's 2-D mesh is not "
+                         "supported yet")
+    if mesh is not None and p.device_mesh != mesh:
+        raise ValueError(f"param {name!r} is on mesh {p.device_mesh}, the params before it on {mesh}: one optimizer "
+                         "steps params of one mesh")
+    return p.device_mesh
+
+
+def _shard_dim(name: str, p: DTensor) -> int:
+    placement, = p.placements
+    if not isinstance(placement, Shard) or getattr(placement, "_StridedShard", False):
+        raise ValueError(f"param {name!r} is placed {placement} on its mesh: zero.functional.Optimizer steps params "
+                         "FSDP2 shards (Shard(d), as fully_shard makes them)")
+    return placement.dim
+
+
+def plan_for(layout: Layout, rules: list[Any]) -> Fsdp2Plan:
+    """The plan of the optimizer's groups, each stepped by ``rules[k]``: the params each rule
+    needs whole and the blocks it quantizes in, asked of the rule on meta tensors; a
+    ``from_optax`` rule's params all whole (Optax's code cannot be told it steps pieces)."""
+    whole, blocks, low_bit = [], {}, set()
+    for k, tx in enumerate(rules):
+        metas = [m for m in layout.metas if m.group == k and m.requires_grad]
+        shapes = {m.name: (m.shape, getattr(torch, m.dtype)) for m in metas}
+        if mentions(tx, "from_optax"):
+            whole += list(shapes)
+            continue
+        whole += needs_whole(tx, shapes)
+        found = block_sizes(tx, shapes)
+        blocks.update({name: block for name, (_, block) in found.items()})
+        low_bit.update(found.items())
+    muon = any(mentions(tx, "scale_by_muon") for tx in rules)
+    optimizer = low_bit_name(dict(low_bit)) or ("muon" if muon else "adam")
+    return make_fsdp2_plan(layout.metas, layout.world_size, optimizer, dims=_by_name(layout), whole=whole,
+                           blocks=blocks)
+
+
+def _by_name(layout: Layout) -> dict[str, int]:
+    return {m.name: d for m, d in zip(layout.metas, layout.dims)}
+

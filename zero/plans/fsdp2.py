@@ -1,0 +1,192 @@
+"""Plans for FSDP2's layout: what each rank holds of params ``fully_shard`` cut for it, which
+params a rule steps whole on an owner, and what moves to and from the owners.
+
+FSDP2 decides where params live: each rank keeps rows ``torch.chunk`` gives it along one dim
+(``Shard(0)``, or the dim a ``shard_placement_fn`` picks), the last ranks fewer or none. A rule
+steps a rank's piece of most params where it lies (element-wise work, sums over the pieces). A
+param the rule needs whole (Muon's matrices, factored moments, low-bit blocks FSDP2 cuts between
+ranks) is stepped by one owner: every rank sends the owner its piece of the param and its
+gradient, the owner steps the whole tensor and sends each rank its piece back, in one exchange
+per direction per dtype. Owners are balanced by the rule's step cost (`zero.plans.costs`), so no
+rank holds every matrix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from zero.plans.costs import RuleCost, cost_of
+from zero.plans.meta import ParamMeta, itemsize
+from zero.plans.partition import check_metas, check_world_size, partition
+
+__all__ = ["Fsdp2Plan", "make_fsdp2_plan", "chunk_rows"]
+
+
+def chunk_rows(size: int, world_size: int) -> tuple[tuple[int, int], ...]:
+    """``(start, length)`` of each rank's rows of a dim of ``size`` as ``torch.chunk`` cuts it
+    (FSDP2's rule): chunks of ``ceil(size / W)``, the last ranks shorter or empty."""
+    chunk = -(-size // world_size) if size else 0
+    return tuple((min(r * chunk, size), max(0, min(chunk, size - r * chunk))) for r in range(world_size))
+
+
+@dataclass(frozen=True)
+class Fsdp2Plan:
+    """Per param: the dim FSDP2 shards (``dims``), whether an owner steps it whole (``owner``:
+    the rank, or -1 where each rank steps its own piece), and the block its low-bit state is
+    quantized in (``blocks``, 0 for none). Everything else is read from these."""
+
+    metas: tuple[ParamMeta, ...]
+    world_size: int
+    optimizer: str
+    dims: tuple[int, ...]
+    owner: tuple[int, ...]
+    blocks: tuple[int, ...]
+    fingerprint: str = ""
+
+    def rows(self, i: int) -> tuple[tuple[int, int], ...]:
+        """Each rank's ``(start, length)`` along param ``i``'s sharded dim."""
+        shape = self.metas[i].shape
+        return chunk_rows(shape[self.dims[i]] if shape else 1, self.world_size)
+
+    def local_shape(self, i: int, rank: int) -> tuple[int, ...]:
+        shape, dim = self.metas[i].shape, self.dims[i]
+        return shape[:dim] + (self.rows(i)[rank][1],) + shape[dim + 1:] if shape else ()
+
+    def local_numel(self, i: int, rank: int) -> int:
+        return math.prod(self.local_shape(i, rank))
+
+    def start(self, i: int, rank: int) -> int | None:
+        """Where rank's piece of param ``i`` starts in the flattened param; None when the piece
+        is not one run of the flattened param (a dim past the first with more than one row)."""
+        shape, dim = self.metas[i].shape, self.dims[i]
+        if any(s > 1 for s in shape[:dim]):
+            return None
+        return self.rows(i)[rank][0] * math.prod(shape[dim + 1:])
+
+    @property
+    def whole(self) -> tuple[int, ...]:
+        """The params an owner steps whole."""
+        return tuple(i for i, o in enumerate(self.owner) if o >= 0)
+
+    def owned(self, rank: int) -> tuple[int, ...]:
+        return tuple(i for i, o in enumerate(self.owner) if o == rank)
+
+    def exchange_bytes(self, rank: int) -> dict[str, tuple[int, int]]:
+        """Per dtype, the bytes ``rank`` sends to the owners (its pieces of their params and
+        gradients) and sends back as an owner (each other rank's piece of its updated params)."""
+        out: dict[str, list[int]] = {}
+        for i in self.whole:
+            meta, owner = self.metas[i], self.owner[i]
+            size = itemsize(meta.dtype)
+            row = out.setdefault(meta.dtype, [0, 0])
+            if owner != rank:
+                row[0] += 2 * self.local_numel(i, rank) * size
+            else:
+                row[1] += sum(self.local_numel(i, r) for r in range(self.world_size) if r != rank) * size
+        return {k: (v[0], v[1]) for k, v in out.items()}
+
+    def state_bytes(self, rank: int, itemsize_of=itemsize) -> int:
+        """Bytes of optimizer state ``rank`` holds: its pieces' and its owned params' whole."""
+        spec, total = cost_of(self.optimizer), 0
+        for i, meta in enumerate(self.metas):
+            if not meta.requires_grad:
+                continue
+            size = itemsize_of(meta.dtype)
+            if self.owner[i] == rank:
+                total += spec.state_bytes(meta, size)
+            elif self.owner[i] < 0:
+                total += spec.shard_state_bytes(self.local_numel(i, rank), size, self.blocks[i])
+        return total
+
+    def table(self) -> str:
+        """One line per rank: elements held, params owned whole, state bytes and exchange bytes."""
+        lines = [f"FSDP2 plan: {len(self.metas)} params over {self.world_size} ranks, {self.optimizer}, "
+                 f"{len(self.whole)} stepped whole by an owner (fingerprint {self.fingerprint})",
+                 f"{'rank':>4} {'elements':>12} {'owned':>6} {'state bytes':>14} {'to owners':>12} {'back':>12}"]
+        for r in range(self.world_size):
+            moved = self.exchange_bytes(r).values()
+            lines.append(f"{r:>4} {sum(self.local_numel(i, r) for i in range(len(self.metas))):>12} "
+                         f"{len(self.owned(r)):>6} {self.state_bytes(r):>14} {sum(m[0] for m in moved):>12} "
+                         f"{sum(m[1] for m in moved):>12}")
+        return "\n".join(lines)
+
+
+def make_fsdp2_plan(metas: Sequence[ParamMeta], world_size: int, optimizer: str | RuleCost = "adam", *,
+                    dims: Mapping[str, int] | None = None, whole: Sequence[str] | None = None,
+                    blocks: Mapping[str, int] | None = None, weight: str = "step_flops") -> Fsdp2Plan:
+    """The plan of a rule over FSDP2's params on a 1-D mesh of ``world_size`` ranks.
+
+    ``dims``: the dim FSDP2 shards each param on, by name (default 0); ``whole``: the names of
+    the params the rule needs whole (default: what ``optimizer``'s cost model says);
+    ``blocks``: the block each param's low-bit state is quantized in, by name (default: the cost
+    model's). An owner steps the params the rule needs whole, and the low-bit params whose
+    blocks FSDP2 cuts between ranks; owners balance ``weight`` (`zero.plans.accounting.weights`).
+    """
+    metas = tuple(check_metas(metas))
+    check_world_size(world_size)
+    spec = cost_of(optimizer)
+    dims = dict(dims or {})
+    unknown = set(dims) - {m.name for m in metas}
+    if unknown:
+        raise ValueError(f"dims names params that are not in the plan: {sorted(unknown)}")
+    dim_of = tuple(_check_dim(m, dims.get(m.name, 0)) for m in metas)
+    blocks = _blocks(metas, spec, blocks)
+    draft = Fsdp2Plan(metas, world_size, str(optimizer).lower(), dim_of, (-1,) * len(metas), blocks)
+    keep = _resolve(draft, spec, whole)
+    owner = [-1] * len(metas)
+    if keep:
+        part = partition([metas[i] for i in keep], world_size, "sorted_greedy", weight, spec)
+        for i, r in zip(keep, part.owner):
+            owner[i] = r
+    blocks = tuple(0 if owner[i] >= 0 else b for i, b in enumerate(blocks))
+    plan = dataclasses.replace(draft, owner=tuple(owner), blocks=blocks)
+    return dataclasses.replace(plan, fingerprint=_fingerprint(plan))
+
+
+def _blocks(metas: tuple[ParamMeta, ...], spec: RuleCost, given: Mapping[str, int] | None) -> tuple[int, ...]:
+    if given is None:
+        return tuple(spec.block_for(m) for m in metas)
+    unknown = set(given) - {m.name for m in metas}
+    if unknown:
+        raise ValueError(f"blocks names params that are not in the plan: {sorted(unknown)}")
+    return tuple(int(given.get(m.name, 0)) if m.requires_grad else 0 for m in metas)
+
+
+def _check_dim(meta: ParamMeta, dim: int) -> int:
+    if not isinstance(dim, int) or not 0 <= dim < max(1, len(meta.shape)):
+        raise ValueError(f"param {meta.name!r} of shape {meta.shape} cannot be sharded on dim {dim!r}")
+    return dim
+
+
+def _resolve(plan: Fsdp2Plan, spec: RuleCost, whole: Sequence[str] | None) -> tuple[int, ...]:
+    metas = plan.metas
+    if whole is not None:
+        if isinstance(whole, str):
+            raise TypeError(f"whole must be a list of param names, got the str {whole!r}")
+        index = {m.name: i for i, m in enumerate(metas)}
+        missing = [n for n in whole if n not in index]
+        if missing:
+            raise ValueError(f"whole names params that are not in the plan: {missing}")
+        needs = {index[n] for n in whole}
+    else:
+        needs = {i for i, m in enumerate(metas) if spec.whole(m)}
+    return tuple(i for i, m in enumerate(metas) if m.requires_grad and
+                 (i in needs or (plan.blocks[i] and not blocks_lie_whole(plan, i, plan.blocks[i]))))
+
+
+def blocks_lie_whole(plan: Fsdp2Plan, i: int, block: int) -> bool:
+    """Whether every rank's piece of param ``i`` starts at a multiple of ``block`` in the
+    flattened param (so its quantization blocks are the whole param's, on every rank)."""
+    starts = [plan.start(i, r) for r in range(plan.world_size)]
+    return all(s is not None and s % block == 0 for s in starts)
+
+
+def _fingerprint(plan: Fsdp2Plan) -> str:
+    payload = [[m.name, list(m.shape), m.dtype, m.requires_grad] for m in plan.metas]
+    text = json.dumps([payload, plan.world_size, plan.optimizer, plan.dims, plan.owner, plan.blocks])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
