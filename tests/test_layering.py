@@ -29,6 +29,18 @@ def test_functional_loads_no_jax_and_no_backends():
     assert loaded("zero.functional", ["jax", "optax", "zero.backends"]) == []
 
 
+def test_stepping_plain_params_loads_no_backend():
+    """Only sharded params (FSDP2's DTensors) reach a backend, by the name in
+    `zero.functional.adapters.sharded_storage.EXECUTORS`, and only when stepped."""
+    code = ("import sys, torch, zero.functional as F\n"
+            "p = torch.ones(3, requires_grad=True); p.grad = torch.ones(3)\n"
+            "F.Optimizer([p], F.adamw(0.1)).step()\n"
+            "assert 'zero.backends' not in sys.modules, 'a plain step loaded a backend'\n"
+            "from zero.functional.adapters.sharded_storage import EXECUTORS\n"
+            "assert set(EXECUTORS.values()) == {'zero.backends.fsdp2'}")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 def test_the_jax_mesh_executor_loads_no_torch():
     assert loaded("zero.backends.jax_mesh", ["torch", "zero.functional"]) == []
 

@@ -133,3 +133,10 @@ def test_simulate_prints_each_rank_and_writes_the_json(tmp_path):
     assert "sent per step, DDP's all-reduce" in zero1.stdout and "not simulated" in zero1.stdout
     bad = zero("simulate", "--preset", "gpt2", "-w", "8", "--ranks", "8", check=False)
     assert bad.returncode == 2 and "--ranks [8] are not ranks of a world of 8" in bad.stderr
+
+
+def test_plan_for_fsdp2s_layout():
+    out = zero("plan", "--preset", "gpt2", "-w", "8", "--engine", "fsdp2", "--optimizer", "muon").stdout
+    assert "FSDP2 plan: 148 params over 8 ranks, muon, 50 stepped whole by an owner" in out
+    bad = zero("plan", "--preset", "gpt2", "--engine", "fsdp2", "--strategy", "flat", check=False)
+    assert bad.returncode != 0 and "--strategy shape zero's own plans" in bad.stderr

@@ -140,7 +140,8 @@ def normalise_params(params: Any) -> list[dict]:
             raise TypeError(f"params[{m.name}] is a DTensor ({tuple(p.placements)} over {p.device_mesh}), as "
                             "FSDP2's fully_shard makes them: ZeroRedundancyOptimizer shards plain params, and FSDP2 "
                             "already shards these and their state. Step them with zero.functional.Optimizer("
-                            "model.parameters(), tx) or a torch.optim class")
+                            "model.parameters(), tx), which steps any zero rule exactly over them (docs: On FSDP2), "
+                            "or a torch.optim class")
         if p.requires_grad and not p.is_contiguous():
             raise ValueError(f"params[{m.name}] (shape {tuple(p.shape)}) is not contiguous; "
                              "pass contiguous parameters")

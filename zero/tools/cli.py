@@ -51,6 +51,10 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.Action]:
     out.add_argument("--compare", action="store_true", help="every strategy side by side (prints only)")
     out.add_argument("--json", type=Path, help="save the plan as JSON here")
     p.add_argument("--rows", type=int, default=16, help="ranks (and, with --diff, transfers) shown in the tables")
+    p.add_argument("--engine", choices=("zero", "fsdp2"), default="zero",
+                   help="zero: zero's own ZeRO plans; fsdp2: the plan of zero.functional.Optimizer over FSDP2's "
+                        "sharded params (each rank's rows, the params stepped whole by an owner, state and "
+                        "exchange bytes per rank)")
     c = sub.add_parser("checkpoint", help="look into a sharded checkpoint (torch.distributed.checkpoint's format, "
                                           "or a JAX mesh's Orbax one), verify it, or convert one into the other")
     c.add_argument("action", choices=("show", "verify", "train", "convert"),
@@ -117,6 +121,20 @@ def _optimizer_name(name: str) -> str:
     return name
 
 
+def _fsdp2_plan(args: argparse.Namespace, metas: list) -> int:
+    from zero.plans.fsdp2 import make_fsdp2_plan
+
+    given = [flag for flag, value, default in (("--strategy", args.strategy, "sorted_greedy"),
+                                                ("--weight", args.weight, "numel"), ("--alignment", args.alignment, 1),
+                                                ("--master-dtype", args.master_dtype, None),
+                                                ("--compare", args.compare, False), ("--json", args.json, None))
+             if value != default]
+    if given:
+        raise SystemExit(f"zero plan --engine fsdp2: {', '.join(given)} shape zero's own plans, not FSDP2's layout")
+    print(make_fsdp2_plan(metas, args.world_size, args.optimizer).table())
+    return 0
+
+
 def _plan(args: argparse.Namespace) -> int:
     from zero.plans.render import compare_table, render
 
@@ -125,6 +143,8 @@ def _plan(args: argparse.Namespace) -> int:
         print(render(diff_plans(a, b).table(args.rows)))
         return 0
     metas = load_metas(args)
+    if args.engine == "fsdp2":
+        return _fsdp2_plan(args, metas)
     if args.compare:
         matrices = cost_of(args.optimizer).keeps_whole  # Muon: whole matrices, and work to balance
         weights = ("numel", "state_bytes", "step_flops") if matrices else ("numel", "state_bytes")

@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor, Shard
 from zero.backends import comm
 from zero.backends.local_optimizer import mentions
 from zero.backends.options import low_bit_name
-from zero.functional.sharding import block_sizes, needs_whole
+from zero.functional.sharding import block_sizes, needs_whole, reads_axes
 from zero.plans.fsdp2 import Fsdp2Plan, make_fsdp2_plan
 from zero.plans.meta import ParamMeta
 
@@ -70,8 +70,10 @@ def _shard_dim(name: str, p: DTensor) -> int:
 
 def plan_for(layout: Layout, rules: list[Any]) -> Fsdp2Plan:
     """The plan of the optimizer's groups, each stepped by ``rules[k]``: the params each rule
-    needs whole and the blocks it quantizes in, asked of the rule on meta tensors; a
-    ``from_optax`` rule's params all whole (Optax's code cannot be told it steps pieces)."""
+    needs whole and the blocks it quantizes in, asked of the rule on meta tensors, and the params
+    on a dim past the first whose sums over axes it asks for (their pieces are not runs of the
+    flattened param); a ``from_optax`` rule's params all whole (Optax's code cannot be told it
+    steps pieces)."""
     whole, blocks, low_bit = [], {}, set()
     for k, tx in enumerate(rules):
         metas = [m for m in layout.metas if m.group == k and m.requires_grad]
@@ -80,6 +82,8 @@ def plan_for(layout: Layout, rules: list[Any]) -> Fsdp2Plan:
             whole += list(shapes)
             continue
         whole += needs_whole(tx, shapes)
+        across = {m.name for m, d in zip(layout.metas, layout.dims) if m.group == k and any(s > 1 for s in m.shape[:d])}
+        whole += [name for name in reads_axes(tx, shapes) if name in across]  # Shard(1) rows are not runs
         found = block_sizes(tx, shapes)
         blocks.update({name: block for name, (_, block) in found.items()})
         low_bit.update(found.items())

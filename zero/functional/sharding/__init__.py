@@ -22,7 +22,7 @@ sharded `zero.functional.Optimizer` therefore steps every param group on every s
 with no gradients on this rank.
 """
 
-from zero.functional.sharding.axes import AxesOf, axis_means, axis_sums, every_axis
+from zero.functional.sharding.axes import AxesOf, axis_means, axis_sums, every_axis, reads_axes
 from zero.functional.sharding.blocks import block_sizes, quantized
 from zero.functional.sharding.context import Pieces, Sharding, every_group, installed, name_of, stepping, subset
 from zero.functional.sharding.norms import all_finite, global_norm, tensor_norms, total_norm
@@ -30,4 +30,4 @@ from zero.functional.sharding.whole import cut_tensors, needs_whole, whole_tenso
 
 __all__ = ["Pieces", "Sharding", "installed", "every_group", "stepping", "subset", "global_norm", "total_norm",
            "tensor_norms", "all_finite", "whole_tensors", "needs_whole", "axis_sums", "axis_means", "every_axis",
-           "quantized", "block_sizes", "cut_tensors", "whole_tree", "name_of", "AxesOf"]
+           "quantized", "block_sizes", "cut_tensors", "whole_tree", "name_of", "AxesOf", "reads_axes"]

@@ -6,13 +6,33 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from contextvars import ContextVar
+from typing import Any
 
 import torch
 
 from zero.functional.sharding.context import Pieces, Sharding, flat_pieces
 from zero.functional.sharding.norms import expand
 
-__all__ = ["AxesOf", "every_axis", "axis_sums", "axis_means"]
+__all__ = ["AxesOf", "every_axis", "axis_sums", "axis_means", "reads_axes"]
+
+_PROBE: ContextVar[set[int] | None] = ContextVar("zero_axes_probe", default=None)  # see reads_axes
+
+
+def reads_axes(tx: Any, params: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> list[str]:
+    """The params (by name) whose sums over axes ``tx`` asks for (``centralize``,
+    ``clip_by_block_rms``, ``adaptive_grad_clip``), asked of the rule on meta tensors: a backend
+    whose pieces are not runs of a tensor's flattened elements (FSDP2's ``Shard(1)``) steps those
+    params whole instead."""
+    from zero.functional.sharding.whole import asked_of
+
+    return asked_of(tx, params, _PROBE)
+
+
+def _record(leaves: Sequence[torch.Tensor], axes_of: AxesOf) -> None:
+    probe = _PROBE.get()
+    if probe is not None:
+        probe.update(id(x) for x in leaves if axes_of(tuple(x.shape)) is not None)
 
 
 AxesOf = Callable[[tuple[int, ...]], tuple[int, ...] | None]
@@ -32,6 +52,7 @@ def axis_sums(leaves: Sequence[torch.Tensor], axes_of: AxesOf) -> list[torch.Ten
     (its tensor's elements that share its coordinates on the other axes), 0 for the elements of
     tensors left alone and for padding.
     """
+    _record(leaves, axes_of)
     found = flat_pieces(leaves, "sums over a tensor's axes")
     if found is None:
         axes = [axes_of(tuple(x.shape)) for x in leaves]  # no walrus: torch.compile cannot trace one here
@@ -52,6 +73,7 @@ def axis_sums(leaves: Sequence[torch.Tensor], axes_of: AxesOf) -> list[torch.Ten
 def axis_means(leaves: Sequence[torch.Tensor], axes_of: AxesOf) -> list[torch.Tensor | None]:
     """`axis_sums` divided by the number of elements each sum is over: ``leaf.mean(axes,
     keepdim=True)`` unsharded."""
+    _record(leaves, axes_of)
     found = flat_pieces(leaves, "means over a tensor's axes")
     if found is None:
         axes = [axes_of(tuple(x.shape)) for x in leaves]  # no walrus: torch.compile cannot trace one here

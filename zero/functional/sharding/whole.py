@@ -23,7 +23,7 @@ from zero.functional.sharding.context import (
     whole_piece,
 )
 
-__all__ = ["whole_tensors", "needs_whole", "cut_tensors", "whole_tree"]
+__all__ = ["whole_tensors", "needs_whole", "cut_tensors", "whole_tree", "asked_of"]
 
 
 _PROBE: ContextVar[set[int] | None] = ContextVar("zero_whole_probe", default=None)  # see needs_whole
@@ -62,24 +62,31 @@ def needs_whole(tx: Any, params: dict[str, tuple[tuple[int, ...], torch.dtype]])
     A chain that cannot run on meta tensors (a link reads data: ``clip_by_global_norm`` compares
     its norm) is asked link by link; a link that cannot is taken to step element by element, and
     the step still checks it (a ``ValueError`` naming the param it was given in pieces)."""
+    return asked_of(tx, params, _PROBE)
+
+
+def asked_of(tx: Any, params: dict[str, tuple[tuple[int, ...], torch.dtype]], probe: ContextVar) -> list[str]:
+    """The params (by name) ``tx``'s step records in ``probe`` (a ContextVar holding a set of
+    ids while asked), on ``meta`` tensors of these shapes and dtypes, link by link where the
+    whole cannot run on them."""
     tree = {name: torch.empty(shape, dtype=dtype, device="meta") for name, (shape, dtype) in params.items()}
-    asked = _asked(tx, tree)
+    asked = _asked(tx, tree, probe)
     return [name for name in params if name in asked]
 
 
-def _asked(tx: Any, tree: dict[str, torch.Tensor]) -> set[str]:
+def _asked(tx: Any, tree: dict[str, torch.Tensor], probe: ContextVar) -> set[str]:
     grads = {name: torch.empty_like(t) for name, t in tree.items()}
     index = {id(t): name for pair in (tree, grads) for name, t in pair.items()}
     asked: set[int] = set()
-    token = _PROBE.set(asked)
+    token = probe.set(asked)
     try:
         tx.update(grads, tx.init(tree), tree)
         return {index[i] for i in asked if i in index}
     except Exception:  # noqa: BLE001 - a link that reads data: ask its links, or take it as element-wise
         links = _links(tx)
-        return set().union(*(_asked(link, tree) for link in links)) if links else set()
+        return set().union(*(_asked(link, tree, probe) for link in links)) if links else set()
     finally:
-        _PROBE.reset(token)
+        probe.reset(token)
 
 
 def _links(tx: Any) -> tuple:
