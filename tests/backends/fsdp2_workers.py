@@ -230,3 +230,118 @@ def load_elsewhere(rank: int, world_size: int, saved: dict | None = None) -> str
     except ValueError as e:
         return str(e)
     return "loaded"
+
+
+def _checkpoint_io(model, opt, path, save: bool) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from zero.backends import checkpoint
+
+    model_sd, optim_sd = checkpoint.get_state_dict(model, opt)
+    request = {"model": model_sd, "optim": optim_sd}
+    if save:
+        dcp.save(request, checkpoint_id=path)
+        return
+    dcp.load(request, checkpoint_id=path)
+    checkpoint.set_state_dict(model, opt, model_state_dict=request["model"], optim_state_dict=request["optim"])
+
+
+def train_and_save(rank: int, world_size: int, spec, path: str, steps: int = 3) -> None:
+    """``steps`` steps of fixed gradients over FSDP2 (``spec`` None: torch.optim.AdamW), then a DCP save."""
+    model = sharded(make_model())
+    opt = build(spec, model) if spec is not None else torch_adamw(model)
+    for k in range(steps):
+        set_grads(model, fixed_grads(model, k))
+        opt.step()
+    _checkpoint_io(model, opt, path, save=True)
+
+
+def torch_adamw(model):
+    return torch.optim.AdamW(groups(model), lr=1e-2, weight_decay=0.05, foreach=True)
+
+
+def resume_and_train(rank: int, world_size: int, spec, path: str, first: int = 3, steps: int = 3,
+                     torch_side: bool = False) -> list[torch.Tensor]:
+    """Load the DCP checkpoint at ``path`` (zero's rule ``spec``; ``torch_side``: into
+    torch.optim.AdamW through torch's own state dict functions), step on, return the whole params."""
+    model = sharded(make_model())
+    if torch_side:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        opt = torch_adamw(model)
+        model_sd, optim_sd = get_state_dict(model, opt)
+        request = {"model": model_sd, "optim": optim_sd}
+        dcp.load(request, checkpoint_id=path)
+        set_state_dict(model, opt, model_state_dict=request["model"], optim_state_dict=request["optim"])
+    else:
+        opt = build(spec, model)
+        _checkpoint_io(model, opt, path, save=False)
+    for k in range(first, first + steps):
+        set_grads(model, fixed_grads(model, k))
+        opt.step()
+    return [full(p.detach()) for p in model.parameters()]
+
+
+def one_process(rank: int, world_size: int, spec, steps: int = 6) -> list[torch.Tensor]:
+    model = make_model()
+    opt = build(spec, model) if spec is not None else torch_adamw(model)
+    for k in range(steps):
+        set_grads(model, fixed_grads(model, k))
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def torch_saves_fsdp2(rank: int, world_size: int, path: str, steps: int = 3) -> None:
+    """torch.optim.AdamW over FSDP2, saved as FSDP2 users save: torch's get_state_dict and dcp.save."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model = sharded(make_model())
+    opt = torch_adamw(model)
+    for k in range(steps):
+        set_grads(model, fixed_grads(model, k))
+        opt.step()
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+
+
+def zero_flat_saves(rank: int, world_size: int, spec, path: str, steps: int = 3) -> None:
+    """zero's ZeRO (a flat plan: each rank a shard of every param's state) over plain params, saved."""
+    from zero.backends import ZeroRedundancyOptimizer, checkpoint
+
+    model = make_model()
+    opt = ZeroRedundancyOptimizer(model.named_parameters(), make_rule(spec), strategy="flat")
+    for k in range(steps):
+        set_grads(model, fixed_grads(model, k))
+        opt.step()
+    checkpoint.save(path, model, opt)
+
+
+def zero_loads_on_fsdp2(rank: int, world_size: int, spec, path: str, first: int = 3, steps: int = 3
+                        ) -> list[torch.Tensor]:
+    """zero's rule over FSDP2's params resuming from the checkpoint at ``path`` (zero's `load`)."""
+    from zero.backends import checkpoint
+
+    model = sharded(make_model())
+    opt = build(spec, model)
+    checkpoint.load(path, model, opt)
+    for k in range(first, first + steps):
+        set_grads(model, fixed_grads(model, k))
+        opt.step()
+    return [full(p.detach()) for p in model.parameters()]
+
+
+def low_bit_state_dict(rank: int, world_size: int) -> str:
+    """An 8-bit rule's state of each rank's rows has no layout DCP can reshard: refused by name."""
+    from zero.backends import checkpoint
+
+    model = sharded(make_model())
+    opt = build(("adamw_8bit", dict(learning_rate=1e-2)), model)
+    set_grads(model, fixed_grads(model, 0))
+    opt.step()
+    try:
+        checkpoint.get_state_dict(model, opt)
+    except ValueError as e:
+        return str(e)
+    return "saved"

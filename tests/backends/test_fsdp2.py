@@ -113,3 +113,32 @@ def test_plain_params_beside_fsdp2s_are_named(one_rank):
     with pytest.raises(ValueError, match=r"plain param '2.weight' beside sharded param '0.weight'"):
         opt.step()
     assert isinstance(model[2], nn.Linear)
+
+
+def _worst(a, b):
+    return max(float((x - y).abs().max()) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("rule", ["adamw", "muon", "adafactor"])
+def test_a_dcp_checkpoint_resumes_at_another_mesh_size(tmp_path, rule):
+    """Saved at 2 ranks (states of pieces as DTensors, owners' whole), resumed at 3, as one process."""
+    spec = RULES[rule]
+    run_ranks(w.train_and_save, 2, spec, str(tmp_path / "c"))
+    got = run_ranks(w.resume_and_train, 3, spec, str(tmp_path / "c"))[0]
+    assert _worst(got, run_ranks(w.one_process, 1, spec)[0]) <= 1e-12
+
+
+def test_torchs_adamw_on_fsdp2_continues_as_zeros_adamw_and_zeros_zero_checkpoints_continue_on_fsdp2(tmp_path):
+    run_ranks(w.torch_saves_fsdp2, 2, str(tmp_path / "torch"))
+    # built with another rate: the checkpoint's settings, moments and steps are taken, as torch's load does
+    got = run_ranks(w.zero_loads_on_fsdp2, 3, ("adamw", dict(learning_rate=5e-2)), str(tmp_path / "torch"))[0]
+    assert _worst(got, run_ranks(w.one_process, 1, None)[0]) <= 1e-12
+    spec = RULES["adamw"]
+    run_ranks(w.zero_flat_saves, 3, spec, str(tmp_path / "zero"))
+    got = run_ranks(w.zero_loads_on_fsdp2, 2, spec, str(tmp_path / "zero"))[0]
+    assert _worst(got, run_ranks(w.one_process, 1, spec)[0]) <= 1e-12
+
+
+def test_low_bit_state_of_rows_is_refused_by_name_for_dcp():
+    said = run_ranks(w.low_bit_state_dict, 2)
+    assert all("differs between ranks" in s and "cannot be saved by FQN" in s for s in said), said

@@ -129,7 +129,30 @@ def check_optimizer(optimizer: Any) -> RankState:
     return state
 
 
+def _fsdp2_names(optimizer: Any, model: nn.Module) -> list[str] | None:
+    """Every param's FQN when ``optimizer`` is a `zero.functional.Optimizer` over FSDP2's params
+    (`zero.backends.fsdp2`), else None."""
+    from zero.backends.fsdp2 import Fsdp2Executor
+    from zero.functional import Optimizer
+
+    if not isinstance(optimizer, Optimizer) or not isinstance(optimizer.executor, Fsdp2Executor):
+        return None
+    fqns = model_fqns(model)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    missing = [i for i, p in enumerate(params) if id(p) not in fqns]
+    if missing:
+        raise ValueError(f"the optimizer's param {missing[0]} is not a parameter of the model: pass the model whose "
+                         "parameters the optimizer steps")
+    return [fqns[id(p)] for p in params]
+
+
 def _optimizer_state_dict(optimizer: Any, model: nn.Module, opts: _Options, masters: bool) -> dict[str, Any]:
+    fsdp2 = _fsdp2_names(optimizer, model)
+    if fsdp2 is not None:
+        from zero.backends.fsdp2.state import fsdp2_state_dict
+
+        sd = fsdp2_state_dict(optimizer, fsdp2)
+        return _flatten(sd) if opts.flatten_optimizer_state_dict else sd
     held = check_optimizer(optimizer)
     names = _param_names(held, model)
     held.push()
@@ -180,6 +203,16 @@ def _same(a: Any, b: torch.Tensor) -> bool:
 
 
 def _load_optimizer(optimizer: Any, model: nn.Module, sd: dict[str, Any]) -> None:
+    fsdp2 = _fsdp2_names(optimizer, model)
+    if fsdp2 is not None:
+        from zero.backends.fsdp2.state import load_fsdp2_state_dict
+
+        groups, first = [], 0
+        for g in optimizer.param_groups:
+            groups.append(fsdp2[first:first + len(g["params"])])
+            first += len(g["params"])
+        sd = _unflatten(sd, groups) if _is_flat(sd) else sd
+        return load_fsdp2_state_dict(optimizer, fsdp2, sd)
     state = check_optimizer(optimizer)
     names = _param_names(state, model)
     sd = _unflatten(sd, _groups_of(state, names)) if _is_flat(sd) else sd

@@ -42,7 +42,7 @@ def save(checkpoint_id: Any, model: nn.Module, optimizer: Any, *, masters: bool 
     with quiet():
         model_sd, optim_sd = get_state_dict(model, optimizer, options=options, masters=masters)
         inner = unwrap_post_local_sgd(optimizer)[0]
-        group = comm.twin_group(inner.process_group) if async_save else inner.process_group
+        group = comm.twin_group(group_of(inner)) if async_save else group_of(inner)
         final = None if checkpoint_id is None or "storage_writer" in dcp_kwargs else os.fspath(checkpoint_id)
         target = checkpoint_id if final is None else _staging(final, group)
         if final is not None:  # zero's writer: DCP's, each piece hashed (`integrity`)
@@ -67,6 +67,18 @@ def save(checkpoint_id: Any, model: nn.Module, optimizer: Any, *, masters: bool 
             return dataclasses.replace(future, upload_completion=_published_when_done(
                 future.upload_completion, target, final, rank))
         return _published_when_done(future, target, final, rank)
+
+
+def group_of(optimizer: Any) -> Any:
+    """The group a sharded optimizer's ranks save and load over: a ZeroRedundancyOptimizer's, or
+    the mesh's of a `zero.functional.Optimizer` over FSDP2's params."""
+    if hasattr(optimizer, "rank_state"):
+        return optimizer.process_group
+    executor = getattr(optimizer, "executor", None)
+    if executor is None:
+        raise TypeError(f"optimizer must be a zero.backends.ZeroRedundancyOptimizer or a zero.functional.Optimizer "
+                        f"over FSDP2's params, got {type(optimizer).__name__}")
+    return executor.layout.group
 
 
 def _staging(final: str, group: Any) -> str:
@@ -142,7 +154,7 @@ def load(checkpoint_id: Any, model: nn.Module, optimizer: Any, *, options: Any =
     metadata = read_metadata(checkpoint_id)
     inner = unwrap_post_local_sgd(optimizer)[0]
     if verify:
-        _verified(checkpoint_id, metadata, inner.process_group)
+        _verified(checkpoint_id, metadata, group_of(inner))
     with quiet():
         model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
         if _missing(metadata, {"model": model_sd, "optim": optim_sd}, masters_only=True):
@@ -154,7 +166,7 @@ def load(checkpoint_id: Any, model: nn.Module, optimizer: Any, *, options: Any =
         # every tensor is there (checked above); settings absent (a checkpoint converted from a JAX
         # run has no torch hyperparameters) keep the optimizer's own
         partial = any(k not in metadata.state_dict_metadata for k in _flat(request))
-        _dcp_load(dcp, request, checkpoint_id, dcp.DefaultLoadPlanner(allow_partial_load=partial), inner.process_group)
+        _dcp_load(dcp, request, checkpoint_id, dcp.DefaultLoadPlanner(allow_partial_load=partial), group_of(inner))
         if translated is not None:
             translated.finish()
         set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options)

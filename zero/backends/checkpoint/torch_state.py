@@ -120,11 +120,18 @@ def loading(optimizer: Any) -> str:
     from zero.backends.local_optimizer import is_functional
     from zero.functional.adapters.group_settings import rule_name
 
-    optim = optimizer.rank_state.optim
+    optim = _local(optimizer)
     if is_functional(optim):
         return rule_name(optim.rule(0))
     return f"{type(optim).__module__.split('.')[0]}.optim.{type(optim).__name__}" \
         if type(optim).__module__.startswith("torch.optim") else type(optim).__qualname__
+
+
+def _local(optimizer: Any) -> Any:
+    """The optimizer that steps the rule: a ZeroRedundancyOptimizer's local one, or itself (a
+    `zero.functional.Optimizer` over FSDP2's params)."""
+    state = getattr(optimizer, "rank_state", None)
+    return optimizer if state is None else state.optim
 
 
 class TorchLoad:
@@ -266,7 +273,7 @@ def from_torch(metadata: Any, path: str | os.PathLike, optimizer: Any, optim_sd:
     functional rule without a torch counterpart is a ``ValueError`` naming both."""
     from zero.backends.local_optimizer import is_functional
 
-    if not is_torch_state(metadata) or not is_functional(optimizer.rank_state.optim):
+    if not is_torch_state(metadata) or not is_functional(_local(optimizer)):
         return None
     name = loading(optimizer)
     rule = _RULES.get(name)

@@ -38,8 +38,10 @@ class Fsdp2Executor:
 
     def __init__(self, optimizer: Any):
         self.layout: Layout = read_layout(optimizer)
+        self._groups = optimizer.param_groups
         self.plan: Fsdp2Plan = plan_for(self.layout, [optimizer.rule(k) for k in range(len(optimizer.param_groups))])
         params = [p for g in optimizer.param_groups for p in g["params"]]
+        self.mesh = params[0].device_mesh
         self._check_pieces(params)
         self._check_same_plan()
         device = params[0].device
@@ -77,6 +79,23 @@ class Fsdp2Executor:
         with sharding.installed(dataclasses.replace(self._base, pieces=pieces)):
             run(tuple(keep), leaves, leaf_grads)
         back_from_owners(plan, rank, self.layout.group, ts, {t: w[0] for t, w in wholes.items()}, local)
+
+    def whole_leaves(self, k: int, idx: tuple[int, ...]) -> tuple[tuple[int, ...], list[torch.Tensor]]:
+        """The positions and tensors a step of group ``k``'s params at ``idx`` hands the rule on
+        this rank (its pieces, and whole the params it owns, gathered: every rank calls this),
+        to start their state outside a step (to load a checkpoint into)."""
+        params = self.layout_params(k)
+        keep, leaves = [], []
+        for i in idx:
+            t, p = self.layout.firsts[k] + i, params[i]
+            whole = p.detach().full_tensor() if self.plan.owner[t] >= 0 else None
+            if self.plan.owner[t] in (-1, self.layout.rank):
+                keep.append(i)
+                leaves.append(p.detach().to_local() if whole is None else whole)
+        return tuple(keep), leaves
+
+    def layout_params(self, k: int) -> list[torch.Tensor]:
+        return self._groups[k]["params"]
 
     def _piece(self, t: int) -> sharding.Pieces:
         """This rank's local tensor of param ``t`` as a piece of the whole: where it starts in the

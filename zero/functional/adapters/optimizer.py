@@ -259,12 +259,14 @@ class Optimizer(torch.optim.Optimizer):
             out.append(explain(states.tx, as_tree([group["params"][i] for i in idx], self.names_of(k, idx))))
         return out
 
-    def ensure_state(self, k: int, idx: tuple[int, ...]) -> None:
+    def ensure_state(self, k: int, idx: tuple[int, ...], leaves: list[torch.Tensor] | None = None) -> None:
         """Give group ``k``'s params at positions ``idx`` the state they start from, stepped
-        together, unless they have state (a checkpoint then loads into it in place)."""
+        together, unless they have state (a checkpoint then loads into it in place). ``leaves``:
+        the tensors a step hands the rule for them (sharded params': this rank's pieces and the
+        whole tensors it owns), by default the params."""
         states = self._states[k]
         if idx and not any(i in states._owner for i in idx):
-            params = [self.param_groups[k]["params"][i] for i in idx]
+            params = leaves if leaves is not None else [self.param_groups[k]["params"][i] for i in idx]
             states.states[idx] = states.tx.init(as_tree(params, self.names_of(k, idx)))
             states._owner.update(dict.fromkeys(idx, idx))
 
