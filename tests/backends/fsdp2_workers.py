@@ -345,3 +345,40 @@ def low_bit_state_dict(rank: int, world_size: int) -> str:
     except ValueError as e:
         return str(e)
     return "saved"
+
+
+def zero_saves_fsdp2(rank: int, world_size: int, spec, path: str, steps: int = 3) -> None:
+    """zero's rule over FSDP2, saved by zero's `save`."""
+    from zero.backends import checkpoint
+
+    model = sharded(make_model())
+    opt = build(spec, model)
+    for k in range(steps):
+        set_grads(model, fixed_grads(model, k))
+        opt.step()
+    checkpoint.save(path, model, opt)
+
+
+def torch_loads_on_fsdp2(rank: int, world_size: int, path: str, first: int = 3, steps: int = 3
+                         ) -> list[torch.Tensor]:
+    """torch.optim.AdamW over FSDP2 (built with another rate) continuing zero's checkpoint by zero's `load`."""
+    from zero.backends import checkpoint
+
+    model = sharded(make_model())
+    opt = torch.optim.AdamW(groups(model), lr=5e-2, weight_decay=0.05, foreach=True)
+    checkpoint.load(path, model, opt)
+    for k in range(first, first + steps):
+        set_grads(model, fixed_grads(model, k))
+        opt.step()
+    return [full(p.detach()) for p in model.parameters()]
+
+
+def torch_refuses(rank: int, world_size: int, path: str) -> str:
+    from zero.backends import checkpoint
+
+    model = sharded(make_model())
+    try:
+        checkpoint.load(path, model, torch.optim.AdamW(groups(model), lr=1e-2))
+    except ValueError as e:
+        return str(e)
+    return "loaded"

@@ -142,3 +142,13 @@ def test_torchs_adamw_on_fsdp2_continues_as_zeros_adamw_and_zeros_zero_checkpoin
 def test_low_bit_state_of_rows_is_refused_by_name_for_dcp():
     said = run_ranks(w.low_bit_state_dict, 2)
     assert all("differs between ranks" in s and "cannot be saved by FQN" in s for s in said), said
+
+
+def test_zeros_adamw_on_fsdp2_continues_as_torchs_adamw_and_other_rules_are_refused(tmp_path):
+    run_ranks(w.zero_saves_fsdp2, 3, RULES["adamw"], str(tmp_path / "adamw"))
+    # torch's AdamW built with another rate takes the checkpoint's settings, moments and count
+    got = run_ranks(w.torch_loads_on_fsdp2, 2, str(tmp_path / "adamw"))[0]
+    assert _worst(got, run_ranks(w.one_process, 1, None)[0]) <= 1e-12
+    run_ranks(w.zero_saves_fsdp2, 2, RULES["muon"], str(tmp_path / "muon"))
+    said = run_ranks(w.torch_refuses, 2, str(tmp_path / "muon"))[0]
+    assert "saved by a zero.functional rule" in said and "torch.optim.AdamW loads zero's state only" in said, said

@@ -140,7 +140,9 @@ def _published_when_done(future: Any, staging: str, final: str, rank: int) -> An
 
 def load(checkpoint_id: Any, model: nn.Module, optimizer: Any, *, options: Any = None, verify: bool = True) -> None:
     """Load a checkpoint `save` (or FSDP2, or ``dcp.save`` of `get_state_dict`'s dicts) wrote,
-    at any world size and plan. Call on every rank.
+    at any world size and plan. Call on every rank. ``optimizer`` may be a ``torch.optim`` class
+    too (over FSDP2's params, as tested): a `zero.functional` rule's state then continues in the
+    class with the same maths (`zero.backends.checkpoint.into_torch`).
 
     It is checked first, before anything is loaded, with the same ``ValueError`` on every rank: a
     changed byte (its checksum: `zero.backends.checkpoint.integrity`, each rank hashing its share),
@@ -151,7 +153,13 @@ def load(checkpoint_id: Any, model: nn.Module, optimizer: Any, *, options: Any =
     from the checkpoint start again from the loaded params."""
     import torch.distributed.checkpoint as dcp
 
+    from zero.backends.checkpoint.into_torch import is_torch_optimizer, load_into_torch
+
     metadata = read_metadata(checkpoint_id)
+    if is_torch_optimizer(optimizer):  # a zero.functional rule's checkpoint, continued by torch's class
+        if verify:
+            _verified(checkpoint_id, metadata, None)
+        return load_into_torch(checkpoint_id, model, optimizer, metadata)
     inner = unwrap_post_local_sgd(optimizer)[0]
     if verify:
         _verified(checkpoint_id, metadata, group_of(inner))
