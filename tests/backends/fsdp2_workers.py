@@ -382,3 +382,32 @@ def torch_refuses(rank: int, world_size: int, path: str) -> str:
     except ValueError as e:
         return str(e)
     return "loaded"
+
+
+def _regression_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(500 + step)
+    return (torch.randn(8, WIDTHS[0], generator=gen, dtype=torch.float64),
+            torch.randn(8, WIDTHS[-1], generator=gen, dtype=torch.float64))
+
+
+def zero2_then_fixed(rank: int, world_size: int, spec, path: str | None, steps: int = 3) -> list[torch.Tensor]:
+    """ZeRO-2 (gradients reduce-scattered as backward makes them) for ``steps`` steps of the same
+    batch on every rank, saved to ``path``; with ``path`` None, one process doing the same and
+    then the fixed gradients `zero_loads_on_fsdp2` continues with."""
+    from zero.backends import ZeroRedundancyOptimizer, checkpoint
+
+    model = make_model()
+    opt = ZeroRedundancyOptimizer(model.named_parameters(), make_rule(spec), strategy="flat",
+                                  reduce_scatter_grads=True) if path else build(spec, model)
+    for k in range(steps):
+        x, y = _regression_batch(k)
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    if path:
+        checkpoint.save(path, model, opt)
+        return []
+    for k in range(steps, 2 * steps):
+        set_grads(model, fixed_grads(model, k))
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]

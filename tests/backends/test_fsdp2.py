@@ -128,7 +128,7 @@ def test_a_dcp_checkpoint_resumes_at_another_mesh_size(tmp_path, rule):
     assert _worst(got, run_ranks(w.one_process, 1, spec)[0]) <= 1e-12
 
 
-def test_torchs_adamw_on_fsdp2_continues_as_zeros_adamw_and_zeros_zero_checkpoints_continue_on_fsdp2(tmp_path):
+def test_torchs_adamw_on_fsdp2_and_zeros_zero_1_and_2_checkpoints_continue_on_fsdp2(tmp_path):
     run_ranks(w.torch_saves_fsdp2, 2, str(tmp_path / "torch"))
     # built with another rate: the checkpoint's settings, moments and steps are taken, as torch's load does
     got = run_ranks(w.zero_loads_on_fsdp2, 3, ("adamw", dict(learning_rate=5e-2)), str(tmp_path / "torch"))[0]
@@ -137,6 +137,10 @@ def test_torchs_adamw_on_fsdp2_continues_as_zeros_adamw_and_zeros_zero_checkpoin
     run_ranks(w.zero_flat_saves, 3, spec, str(tmp_path / "zero"))
     got = run_ranks(w.zero_loads_on_fsdp2, 2, spec, str(tmp_path / "zero"))[0]
     assert _worst(got, run_ranks(w.one_process, 1, spec)[0]) <= 1e-12
+    # ZeRO-2 (gradient shards only, from a real backward) at 3 ranks, continued on FSDP2 at 2
+    run_ranks(w.zero2_then_fixed, 3, spec, str(tmp_path / "zero2"))
+    got = run_ranks(w.zero_loads_on_fsdp2, 2, spec, str(tmp_path / "zero2"))[0]
+    assert _worst(got, run_ranks(w.zero2_then_fixed, 1, spec, None)[0]) <= 1e-12
 
 
 def test_low_bit_state_of_rows_is_refused_by_name_for_dcp():
