@@ -332,21 +332,6 @@ def zero_loads_on_fsdp2(rank: int, world_size: int, spec, path: str, first: int 
     return [full(p.detach()) for p in model.parameters()]
 
 
-def low_bit_state_dict(rank: int, world_size: int) -> str:
-    """An 8-bit rule's state of each rank's rows has no layout DCP can reshard: refused by name."""
-    from zero.backends import checkpoint
-
-    model = sharded(make_model())
-    opt = build(("adamw_8bit", dict(learning_rate=1e-2)), model)
-    set_grads(model, fixed_grads(model, 0))
-    opt.step()
-    try:
-        checkpoint.get_state_dict(model, opt)
-    except ValueError as e:
-        return str(e)
-    return "saved"
-
-
 def zero_saves_fsdp2(rank: int, world_size: int, spec, path: str, steps: int = 3) -> None:
     """zero's rule over FSDP2, saved by zero's `save`."""
     from zero.backends import checkpoint

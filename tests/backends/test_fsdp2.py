@@ -143,9 +143,16 @@ def test_torchs_adamw_on_fsdp2_and_zeros_zero_1_and_2_checkpoints_continue_on_fs
     assert _worst(got, run_ranks(w.zero2_then_fixed, 1, spec, None)[0]) <= 1e-12
 
 
-def test_low_bit_state_of_rows_is_refused_by_name_for_dcp():
-    said = run_ranks(w.low_bit_state_dict, 2)
-    assert all("differs between ranks" in s and "cannot be saved by FQN" in s for s in said), said
+@pytest.mark.parametrize("rule", ["adamw_8bit", "adamw_4bit"])
+def test_low_bit_state_resumes_at_another_mesh_size_to_the_bit(tmp_path, rule):
+    """Saved at 2 ranks (the 64 x 96 weight's codes and scales as runs of each rank's rows), resumed
+    at 3 (where its owner steps it whole): the same bits as one process."""
+    spec = RULES[rule]
+    run_ranks(w.train_and_save, 2, spec, str(tmp_path / "c"))
+    got = run_ranks(w.resume_and_train, 3, spec, str(tmp_path / "c"))[0]
+    for j, (a, b) in enumerate(zip(got, run_ranks(w.one_process, 1, spec)[0])):
+        assert torch.equal(a, b), f"{rule}: param {j} differs"
+
 
 
 def test_zeros_adamw_on_fsdp2_continues_as_torchs_adamw_and_other_rules_are_refused(tmp_path):

@@ -12,8 +12,9 @@ on one rank. The owners' params come whole by `exchange.to_owners` and go back b
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -68,8 +69,7 @@ class Fsdp2Executor:
             if plan.owner[t] < 0:
                 leaf, grad, piece = local[t], local_grads[t], self._piece(t)
             elif plan.owner[t] == rank:
-                (leaf, grad), meta = wholes[t], self.layout.metas[t]
-                piece = sharding.Pieces((t,), (meta.numel,), (0,))
+                (leaf, grad), piece = wholes[t], self._whole_piece(t)
             else:
                 continue
             keep.append(i)
@@ -80,19 +80,23 @@ class Fsdp2Executor:
             run(tuple(keep), leaves, leaf_grads)
         back_from_owners(plan, rank, self.layout.group, ts, {t: w[0] for t, w in wholes.items()}, local)
 
-    def whole_leaves(self, k: int, idx: tuple[int, ...]) -> tuple[tuple[int, ...], list[torch.Tensor]]:
+    @contextlib.contextmanager
+    def starting(self, k: int, idx: tuple[int, ...]) -> Iterator[tuple[tuple[int, ...], list[torch.Tensor]]]:
         """The positions and tensors a step of group ``k``'s params at ``idx`` hands the rule on
         this rank (its pieces, and whole the params it owns, gathered: every rank calls this),
-        to start their state outside a step (to load a checkpoint into)."""
+        with the step's sharding installed: to start their state outside a step (to load a
+        checkpoint into) as a step would (low-bit state decided by each whole param)."""
         params = self.layout_params(k)
-        keep, leaves = [], []
+        keep, leaves, pieces = [], [], {}
         for i in idx:
             t, p = self.layout.firsts[k] + i, params[i]
             whole = p.detach().full_tensor() if self.plan.owner[t] >= 0 else None
             if self.plan.owner[t] in (-1, self.layout.rank):
                 keep.append(i)
                 leaves.append(p.detach().to_local() if whole is None else whole)
-        return tuple(keep), leaves
+                pieces[id(leaves[-1])] = self._piece(t) if whole is None else self._whole_piece(t)
+        with sharding.installed(dataclasses.replace(self._base, pieces=pieces)):
+            yield tuple(keep), leaves
 
     def layout_params(self, k: int) -> list[torch.Tensor]:
         return self._groups[k]["params"]
@@ -104,6 +108,9 @@ class Fsdp2Executor:
         start = plan.start(t, rank)
         starts = () if start is None else (start,)
         return sharding.Pieces((t,), (plan.local_numel(t, rank),), starts, plan.blocks[t])
+
+    def _whole_piece(self, t: int) -> sharding.Pieces:
+        return sharding.Pieces((t,), (self.layout.metas[t].numel,), (0,))
 
     def _check_pieces(self, params: list[torch.Tensor]) -> None:
         for t, p in enumerate(params):

@@ -11,6 +11,7 @@ hyperparameters) are saved under every param that shares them.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,6 +19,7 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 
 from zero.backends import comm
+from zero.backends.checkpoint.dcp_pieces import quiet
 from zero.functional.adapters.state_tree import as_tree, map_state_leaves, state_leaves
 
 __all__ = ["fsdp2_state_dict", "load_fsdp2_state_dict"]
@@ -29,26 +31,37 @@ def _sets(optimizer: Any) -> Iterator[tuple[int, dict, tuple[int, ...], list[str
     for k, group in enumerate(optimizer.param_groups):
         idx = tuple(i for i, p in enumerate(group["params"]) if p.requires_grad)
         if not optimizer.set_states(k) and idx:
-            keep, leaves = executor.whole_leaves(k, idx)
-            optimizer.ensure_state(k, keep, leaves)
+            with executor.starting(k, idx) as (keep, leaves):
+                optimizer.ensure_state(k, keep, leaves)
         states = optimizer.set_states(k)
         for keep in list(states):
             yield k, states, keep, optimizer.names_of(k, keep)
 
 
-def _entries(optimizer: Any, names: list[str]) -> Iterator[tuple[int, str, str, int | None, Any, bool]]:
-    """``(t, the param's FQN, key, position, leaf, per element)`` of every state leaf, per param it
-    belongs to. ``per element``: the rule's leaf for the whole param is shaped like the param (so
-    this rank's is shaped like its piece), asked of the rule on meta tensors: a placeholder that
-    happens to have a piece's shape is not one."""
+def _entries(optimizer: Any, names: list[str]) -> Iterator[tuple[int, str, str, int | None, Any, int]]:
+    """``(t, the param's FQN, key, position, leaf, per)`` of every state leaf, per param it belongs
+    to. ``per``, from the rule's leaf for the whole param (asked on meta tensors: a placeholder
+    that happens to have a piece's shape is not one): -1 when it is shaped like the param (this
+    rank's like its piece); ``k >= 1`` when it is 1-D with one element per ``k`` of the flattened
+    param's (a quantized moment's codes, ``k`` 1 or 1/2 a byte... its scales, one per block); 0
+    for any other (a placeholder, a factored statistic)."""
     executor = optimizer.executor
     for k, states, keep, tree_names in _sets(optimizer):
         first = executor.layout.firsts[k]
         shapes = _whole_shapes(optimizer, k, keep, tree_names)
         for key, pos, leaf in state_leaves(states[keep], len(keep), tree_names):
             for i in keep if pos is None else [keep[pos]]:
-                whole = executor.plan.metas[first + i].shape
-                yield first + i, names[first + i], key, pos, leaf, shapes.get((key, pos)) == whole
+                meta = executor.plan.metas[first + i]
+                yield first + i, names[first + i], key, pos, leaf, _per(shapes.get((key, pos)), meta.shape)
+
+
+def _per(leaf_shape: tuple[int, ...] | None, shape: tuple[int, ...]) -> int:
+    if leaf_shape is None:
+        return 0
+    if leaf_shape == shape:
+        return -1
+    numel, n = math.prod(shape), math.prod(leaf_shape)
+    return numel // n if len(leaf_shape) == 1 and 0 < n <= numel and numel % n == 0 else 0
 
 
 def _whole_shapes(optimizer: Any, k: int, keep: tuple[int, ...], tree_names: list[str] | None) -> dict:
@@ -65,11 +78,13 @@ def fsdp2_state_dict(optimizer: Any, names: list[str]) -> dict[str, Any]:
     """``{"state": {fqn: {key: tensor}}, "param_groups": [..., {"params": [fqn, ...]}]}`` of a
     `zero.functional.Optimizer` over FSDP2's params (``names``: every param's FQN, in order)."""
     executor, state, shared = optimizer.executor, {}, []
-    for t, fqn, key, pos, leaf, per_element in _entries(optimizer, names):
+    for t, fqn, key, pos, leaf, per in _entries(optimizer, names):
         pieces = pos is not None and executor.plan.owner[t] < 0 and isinstance(leaf, torch.Tensor)
-        if pieces and not per_element:
+        per = per if per <= 0 or _cut_whole(executor.plan, t, per) else 0  # a placeholder's k: not runs
+        if pieces and per == 0:
             shared.append((fqn, key, leaf))
-        state.setdefault(fqn, {})[key] = _as_dtensor(executor, t, leaf) if pieces and per_element else leaf
+        state.setdefault(fqn, {})[key] = leaf if not pieces or per == 0 else \
+            _as_dtensor(executor, t, leaf) if per < 0 else _as_runs(executor, t, leaf, per, key)
     _check_shared(executor, shared)
     groups, first = [], 0
     for g in optimizer.param_groups:
@@ -85,6 +100,38 @@ def _as_dtensor(executor: Any, t: int, leaf: torch.Tensor) -> DTensor:
     meta, plan = executor.plan.metas[t], executor.plan
     return DTensor.from_local(leaf, executor.mesh, [Shard(plan.dims[t])], run_check=False, shape=torch.Size(meta.shape),
                               stride=_stride(meta.shape))
+
+
+def _cut_whole(plan: Any, t: int, k: int) -> bool:
+    """Whether every rank's rows of param ``t`` are runs of the flattened param that start and end
+    at multiples of ``k`` (the same answer on every rank: read from the plan)."""
+    return all(plan.start(t, r) is not None and plan.start(t, r) % k == 0 and plan.local_numel(t, r) % k == 0
+               for r in range(plan.world_size))
+
+
+def _as_runs(executor: Any, t: int, leaf: torch.Tensor, k: int, key: str) -> Any:
+    """This rank's piece of a 1-D state of param ``t`` (one element per ``k`` of the flattened
+    param's) as a ``ShardedTensor`` of the whole 1-D state: its rows are one run of it, as a flat
+    ZeRO plan's pieces are, which a DTensor's placements cannot describe (DCP reads either)."""
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard as Box
+    from torch.distributed._shard.sharded_tensor import ShardedTensor, ShardedTensorMetadata
+    from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
+
+    plan, rank, group = executor.plan, executor.layout.rank, executor.layout.group
+    runs = [(plan.start(t, r), plan.local_numel(t, r), r) for r in range(plan.world_size) if plan.local_numel(t, r)]
+    if leaf.numel() * k != plan.local_numel(t, rank):
+        raise ValueError(f"state {key!r} of {plan.metas[t].name!r} holds {leaf.numel()} elements on rank {rank}, "
+                         f"one per {k} of the whole param's, for {plan.local_numel(t, rank)} of the param's here")
+
+    def meta(start: int, n: int, r: int) -> ShardMetadata:
+        return ShardMetadata([start // k], [n // k], f"rank:{comm.global_rank(group, r)}/{leaf.device}")
+
+    local = [Box(leaf.reshape(-1), meta(s, n, r)) for s, n, r in runs if r == rank]
+    whole = ShardedTensorMetadata([meta(*run) for run in runs], torch.Size([plan.metas[t].numel // k]),
+                                  TensorProperties(dtype=leaf.dtype))
+    with quiet():
+        return ShardedTensor._init_from_local_shards_and_global_metadata(local, whole, process_group=group)
 
 
 def _check_shared(executor: Any, shared: list[tuple[str, str, torch.Tensor]]) -> None:
@@ -121,7 +168,7 @@ def load_fsdp2_state_dict(optimizer: Any, names: list[str], sd: dict[str, Any]) 
             value = _value(sd, names[t], key)
             if not isinstance(leaf, torch.Tensor):
                 return value
-            got = value.to_local() if isinstance(value, DTensor) else value
+            got = _local_of(value, leaf)
             if not isinstance(got, torch.Tensor) or got.shape != leaf.shape:
                 shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
                 raise ValueError(f"optim_state_dict's {key!r} of {names[t]!r} has shape {shape} here, the state "
@@ -132,6 +179,17 @@ def load_fsdp2_state_dict(optimizer: Any, names: list[str], sd: dict[str, Any]) 
         states[keep] = map_state_leaves(states[keep], len(keep), fill, tree_names)
     for group, saved in zip(optimizer.param_groups, sd["param_groups"]):
         group.update({k: v for k, v in saved.items() if k != "params"})
+
+
+def _local_of(value: Any, leaf: torch.Tensor) -> Any:
+    """This rank's part of a loaded value, in ``leaf``'s shape: a DTensor's local tensor, a
+    ShardedTensor's one local shard (none: an empty piece), or the value itself."""
+    if isinstance(value, DTensor):
+        return value.to_local()
+    if hasattr(value, "local_shards"):
+        shards = value.local_shards()
+        return shards[0].tensor.view(leaf.shape) if shards else leaf
+    return value
 
 
 def _value(sd: dict, fqn: str, key: str) -> Any:
