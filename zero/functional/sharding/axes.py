@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from zero.functional.sharding.context import Pieces, Sharding, flat_pieces
+from zero.functional.sharding.context import Pieces, Sharding, current, flat_pieces
 from zero.functional.sharding.norms import expand
 
 __all__ = ["AxesOf", "every_axis", "axis_sums", "axis_means", "reads_axes"]
@@ -30,7 +30,7 @@ def reads_axes(tx: Any, params: dict[str, tuple[tuple[int, ...], torch.dtype]]) 
 
 
 def _record(leaves: Sequence[torch.Tensor], axes_of: AxesOf) -> None:
-    probe = _PROBE.get()
+    probe = current(_PROBE)  # (torch.compile cannot trace a ContextVar: None there)
     if probe is not None:
         probe.update(id(x) for x in leaves if axes_of(tuple(x.shape)) is not None)
 
