@@ -14,6 +14,7 @@ rank holds every matrix.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -27,6 +28,7 @@ from zero.plans.partition import check_metas, check_world_size, partition
 __all__ = ["Fsdp2Plan", "make_fsdp2_plan", "chunk_rows"]
 
 
+@functools.cache  # a plan at 1,024 ranks asks it for every param and rank
 def chunk_rows(size: int, world_size: int) -> tuple[tuple[int, int], ...]:
     """``(start, length)`` of each rank's rows of a dim of ``size`` as ``torch.chunk`` cuts it
     (FSDP2's rule): chunks of ``ceil(size / W)``, the last ranks shorter or empty."""
