@@ -74,7 +74,8 @@ def make_rule(spec):
         import optax
 
         args = dict(args)
-        return F.from_optax(getattr(optax, args.pop("name"))(**args))
+        per_tensor = args.pop("per_tensor", True)
+        return F.from_optax(getattr(optax, args.pop("name"))(**args), per_tensor=per_tensor)
     return getattr(F.contrib, name, None)(**args) if hasattr(F.contrib, name) else getattr(F, name)(**args)
 
 
@@ -396,3 +397,14 @@ def zero2_then_fixed(rank: int, world_size: int, spec, path: str | None, steps: 
         set_grads(model, fixed_grads(model, k))
         opt.step()
     return [p.detach().clone() for p in model.parameters()]
+
+
+def undeclared_optax(rank: int, world_size: int) -> str:
+    model = sharded(make_model())
+    opt = build(("from_optax", dict(name="adam", learning_rate=1e-2, per_tensor=False)), model)
+    set_grads(model, fixed_grads(model, 0))
+    try:
+        opt.step()
+    except ValueError as e:
+        return str(e)
+    return "stepped"

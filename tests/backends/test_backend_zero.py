@@ -185,3 +185,18 @@ def test_every_alias_steps_the_same_sharded_on_two_ranks_as_in_one_process():
 
     results = run_ranks(w.aliases_sharded, 2, sorted(ALIASES))
     assert results[0] == sorted(ALIASES)
+
+
+def test_an_optax_rule_is_sharded_only_when_declared_per_tensor():
+    """Optax's code cannot be seen into: clip_by_global_norm on 2 ranks would clip each rank's own
+    params by their own norm (it did, silently, under whole-param plans). Undeclared, it is refused
+    at 2 ranks and runs on one; declared per tensor, optax.adam on 2 ranks equals one rank."""
+    import torch
+
+    from_optax_on_ranks = w.from_optax_on_ranks
+    said = run_ranks(from_optax_on_ranks, 2, None)
+    assert all("from_optax(tx, per_tensor=True)" in s and "clip_by_global_norm" in s for s in said), said
+    assert isinstance(run_ranks(from_optax_on_ranks, 1, None)[0], list)
+    assert isinstance(run_ranks(from_optax_on_ranks, 2, False)[0], str)
+    two, one = run_ranks(from_optax_on_ranks, 2, True)[0], run_ranks(from_optax_on_ranks, 1, True)[0]
+    assert all(torch.equal(a, b) for a, b in zip(two, one))

@@ -83,6 +83,9 @@ def test_torchs_and_optaxs_rules_by_their_adapters():
              "from_optax adafactor": ("from_optax", dict(name="adafactor", learning_rate=1e-2))}
     worst = run_ranks(w.compare_rules, 3, specs)[0]
     assert all(d <= 1e-12 for d in worst.values()), worst
+    # not declared per tensor: refused (Optax's code would read only each owner's tensors)
+    said = run_ranks(w.undeclared_optax, 2)
+    assert all("from_optax(tx, per_tensor=True)" in s for s in said), said
 
 
 def test_fsdp2s_mixed_precision_steps_as_torchs_adamw():

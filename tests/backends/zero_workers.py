@@ -640,3 +640,33 @@ def named_masks(rank: int, world_size: int, steps: int = 10) -> dict:
         except ValueError as e:
             out[key] = str(e)
     return out
+
+
+def from_optax_on_ranks(rank: int, world_size: int, per_tensor: bool | None) -> object:
+    """ZeRO with an Optax rule: ``None``, Optax's global-norm clipping undeclared (refused at 2+
+    ranks, with the error's words returned); else optax.adam declared per tensor or not, the params after
+    3 steps."""
+    import jax
+    import optax
+    import torch
+    from torch import nn
+
+    import zero.functional as zf
+    from zero.backends import ZeroRedundancyOptimizer
+
+    jax.config.update("jax_enable_x64", True)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8, dtype=torch.float64), nn.Linear(8, 3, dtype=torch.float64))
+    if per_tensor is None:
+        tx = zf.from_optax(optax.chain(optax.clip_by_global_norm(0.1), optax.sgd(1.0)))
+    else:
+        tx = zf.from_optax(optax.adam(1e-2), per_tensor=per_tensor)
+    try:
+        opt = ZeroRedundancyOptimizer(model.parameters(), tx)
+    except ValueError as e:
+        return str(e)
+    for k in range(3):
+        for p in model.parameters():
+            p.grad = torch.full_like(p, 1.0 + k)
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]

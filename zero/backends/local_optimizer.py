@@ -20,7 +20,7 @@ from zero.plans.holdings import Holdings, LocalTensor
 
 __all__ = ["make_local_optimizer", "local_groups", "copy_hyperparams", "is_functional", "check_state_keys",
            "per_element_keys", "check_shardable", "initial_state", "state_nbytes", "is_per_element",
-           "saved_by_settings", "mentions"]
+           "saved_by_settings", "mentions", "opaque_optax", "check_one_rank_steps_all"]
 
 
 def make_local_optimizer(optimizer_class: Any, groups: list[dict], defaults: dict,
@@ -227,6 +227,32 @@ def check_shardable(optimizer_class: Any, defaults: dict) -> None:
                          "plan's local optimizer steps shards that each hold pieces of several params: use a "
                          "whole-param plan (names reach the masks there), or put the params each rule steps in "
                          "their own param group (a flat plan packs each group's buffers apart)")
+
+
+def opaque_optax(tx: Any) -> bool:
+    """Whether ``tx`` runs Optax's own code not declared per tensor (``from_optax(..., per_tensor=
+    True)``): code that may read several tensors at once, which zero cannot see into."""
+    spec = getattr(tx, "spec", None)
+    if spec is None:
+        return False
+    if spec.name == "from_optax":
+        return not spec.args.get("per_tensor", False)
+    inner = spec.args.get("inner")
+    return any(opaque_optax(link) for link in spec.links) or (isinstance(inner, GradientTransformation)
+                                                               and opaque_optax(inner))
+
+
+def check_one_rank_steps_all(optimizer_class: Any, world_size: int) -> None:
+    """``ValueError`` when the ranks each step some of the params with a `from_optax` rule not
+    declared per tensor: Optax's ``clip_by_global_norm`` (any norm over several tensors) would
+    read only the rank's own."""
+    if world_size > 1 and isinstance(optimizer_class, GradientTransformation) and opaque_optax(optimizer_class):
+        raise ValueError(f"a from_optax transformation runs Optax's own code, which zero cannot see into: on "
+                         f"{world_size} ranks each rank steps some of the params, and a norm over several tensors "
+                         "(optax.clip_by_global_norm) would read only its own. If it treats each tensor alone "
+                         "(optax.adam, lion, adafactor), say so: from_optax(tx, per_tensor=True); else use "
+                         "zero.functional's own rules (F.chain(F.clip_by_global_norm(...), ...)), whose norms sum "
+                         "over the ranks")
 
 
 def mentions(tx: Any, name: str) -> bool:

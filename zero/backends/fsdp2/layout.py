@@ -11,7 +11,7 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 
 from zero.backends import comm
-from zero.backends.local_optimizer import mentions
+from zero.backends.local_optimizer import check_one_rank_steps_all, mentions
 from zero.backends.options import low_bit_name
 from zero.functional.sharding import block_sizes, needs_whole, reads_axes
 from zero.plans.fsdp2 import Fsdp2Plan, make_fsdp2_plan
@@ -78,7 +78,8 @@ def plan_for(layout: Layout, rules: list[Any]) -> Fsdp2Plan:
     for k, tx in enumerate(rules):
         metas = [m for m in layout.metas if m.group == k and m.requires_grad]
         shapes = {m.name: (m.shape, getattr(torch, m.dtype)) for m in metas}
-        if mentions(tx, "from_optax"):
+        if mentions(tx, "from_optax"):  # declared per tensor (else refused): each param whole on its owner
+            check_one_rank_steps_all(tx, layout.world_size)
             whole += list(shapes)
             continue
         whole += needs_whole(tx, shapes)

@@ -30,7 +30,7 @@ import torch
 
 from zero._lazy import module_getattr
 from zero.backends.comm import Reducer
-from zero.backends.local_optimizer import check_shardable
+from zero.backends.local_optimizer import check_one_rank_steps_all, check_shardable
 from zero.backends.modes.base import Mode
 from zero.backends.modes.ddp_overlap import DDPOverlap
 from zero.backends.modes.flat import FlatShards
@@ -66,6 +66,7 @@ def make_mode(state: RankState, metas: list[ParamMeta], *, optimizer_class: Any,
     if reducer is not None and not isinstance(reducer, Reducer):
         raise TypeError(f"reducer must be a zero.backends.comm.Reducer (MeanReducer, Int8Reducer ...), got "
                         f"{type(reducer).__name__}")
+    check_one_rank_steps_all(optimizer_class, plan.world_size)
     if plan.flat is not None:
         check_shardable(optimizer_class, defaults or {})
         if overlap_with_ddp:

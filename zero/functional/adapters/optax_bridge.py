@@ -46,15 +46,23 @@ def _map(fn, tree):
     return _jax().tree_util.tree_map(fn, tree)
 
 
-def from_optax(optax_tx: Any) -> GradientTransformation:
+def from_optax(optax_tx: Any, *, per_tensor: bool = False) -> GradientTransformation:
     """Run any Optax transformation on torch tensors.
 
     ``init`` and ``update`` take and return torch pytrees; the state keeps Optax's classes with
     torch leaves. Extra args of ``update`` (``value=``...) go to the Optax transformation. The
     update is ``jax.jit``-compiled once per tree structure (jit's cache).
+
+    ``per_tensor=True`` declares that the transformation treats each tensor alone (``optax.adam``,
+    ``lion``, ``adafactor``: no ``clip_by_global_norm``, no norm over several tensors), which zero
+    cannot see in Optax's code: a sharded optimizer then steps each param whole on the rank that
+    owns it. Without it, a sharded optimizer whose ranks each step some of the params refuses the
+    transformation (a ``ValueError``): Optax's code would read only the rank's own tensors.
     """
     if not (hasattr(optax_tx, "init") and hasattr(optax_tx, "update")):
         raise TypeError(f"from_optax needs an Optax GradientTransformation, got {type(optax_tx).__name__}")
+    if not isinstance(per_tensor, bool):
+        raise TypeError(f"from_optax: per_tensor must be True or False, got {per_tensor!r}")
     # Its states hold Optax's classes: let torch.load(weights_only=True) read checkpoints of them.
     torch.serialization.add_safe_globals(list(_optax_classes().values()))
 
@@ -74,7 +82,7 @@ def from_optax(optax_tx: Any) -> GradientTransformation:
         new_updates, new_state = step(*args, **arrays)
         return _map(_to_torch, new_updates), _map(_to_torch, new_state)
 
-    return GradientTransformation(init, update, spec=_injected_spec(optax_tx))
+    return GradientTransformation(init, update, spec=_injected_spec(optax_tx, per_tensor))
 
 
 def _extra_args_update(optax_tx: Any):
@@ -84,7 +92,7 @@ def _extra_args_update(optax_tx: Any):
     return optax.with_extra_args_support(optax_tx).update
 
 
-def _injected_spec(optax_tx: Any) -> Spec:
+def _injected_spec(optax_tx: Any, per_tensor: bool) -> Spec:
     """Names the bridge (sharded backends cannot see into Optax's code), with the hyperparameters
     of ``optax.inject_hyperparams(...)(...)``, which Optax keeps only in its state: read from a
     state made for no params (none for any other transformation)."""
@@ -95,7 +103,7 @@ def _injected_spec(optax_tx: Any) -> Spec:
     hyperparams = getattr(state, "hyperparams", None)
     if not isinstance(hyperparams, dict) or not hasattr(state, "inner_state"):
         hyperparams = {}
-    return Spec("from_optax", {"hyperparams": {k: float(v) for k, v in hyperparams.items()}})
+    return Spec("from_optax", {"hyperparams": {k: float(v) for k, v in hyperparams.items()}, "per_tensor": per_tensor})
 
 
 @functools.cache
