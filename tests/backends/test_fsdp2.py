@@ -163,6 +163,10 @@ def test_zeros_adamw_on_fsdp2_continues_as_torchs_adamw_and_other_rules_are_refu
     # torch's AdamW built with another rate takes the checkpoint's settings, moments and count
     got = run_ranks(w.torch_loads_on_fsdp2, 2, str(tmp_path / "adamw"))[0]
     assert _worst(got, run_ranks(w.one_process, 1, None)[0]) <= 1e-12
+    # torch's own checkpoint through zero's load: as torch's functions load it
+    run_ranks(w.torch_saves_fsdp2, 2, str(tmp_path / "torch"))
+    got = run_ranks(w.torch_loads_on_fsdp2, 3, str(tmp_path / "torch"))[0]
+    assert _worst(got, run_ranks(w.one_process, 1, None)[0]) <= 1e-12
     run_ranks(w.zero_saves_fsdp2, 2, RULES["muon"], str(tmp_path / "muon"))
     said = run_ranks(w.torch_refuses, 2, str(tmp_path / "muon"))[0]
     assert "saved by a zero.functional rule" in said and "torch.optim.AdamW loads zero's state only" in said, said

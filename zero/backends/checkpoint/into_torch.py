@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from zero.backends.checkpoint.torch_state import _RULES, _read_groups, _state_keys, saved_by
+from zero.backends.checkpoint.torch_state import _RULES, _read_groups, _state_keys, is_torch_state, saved_by
 
 __all__ = ["load_into_torch", "is_torch_optimizer"]
 
@@ -20,19 +20,23 @@ _COUNTS = ("inner_state.0.count", "count")  # the rule's own count, else its inj
 
 
 def is_torch_optimizer(optimizer: Any) -> bool:
-    """A ``torch.optim`` optimizer (not zero's drop-in, not a `zero.functional.Optimizer`)."""
-    from zero.functional import Optimizer
-
-    return isinstance(optimizer, torch.optim.Optimizer) and not hasattr(optimizer, "rank_state") \
-        and not isinstance(optimizer, Optimizer)
+    """A ``torch.optim`` optimizer, not one of zero's (the drop-in, a `zero.functional.Optimizer`,
+    the post-local SGD wrapper around the drop-in)."""
+    return isinstance(optimizer, torch.optim.Optimizer) and not type(optimizer).__module__.startswith("zero.")
 
 
 def load_into_torch(checkpoint_id: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, metadata: Any,
                     group: Any = None) -> None:
-    """Load the checkpoint a `zero.functional` rule saved into ``optimizer`` (its torch counterpart)."""
+    """Load the checkpoint a `zero.functional` rule saved into ``optimizer`` (its torch counterpart),
+    or one a ``torch.optim`` optimizer saved, as torch's own functions load it."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+    if is_torch_state(metadata):  # torch's own state: as torch's functions load it
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        request = {"model": model_sd, "optim": optim_sd}
+        dcp.load(request, checkpoint_id=checkpoint_id, process_group=group)
+        return set_state_dict(model, optimizer, model_state_dict=request["model"], optim_state_dict=request["optim"])
     name = type(optimizer).__name__
     rule = next((r for r in _RULES.values() if r.torch_class == name), None)
     saver = saved_by(metadata, checkpoint_id)
