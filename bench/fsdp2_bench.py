@@ -28,24 +28,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+from muon_bench import Block  # noqa: E402  (the same GPT block, here with its forward run)
 from torch import nn  # noqa: E402
 
 import zero.functional as F  # noqa: E402
-
-
-class Block(nn.Module):
-    def __init__(self, d: int):
-        super().__init__()
-        self.ln_1, self.ln_2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.fc, self.fc_proj = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv(self.ln_1(x)).chunk(3, dim=-1)
-        x = x + self.proj(torch.softmax(q @ k.mT / q.shape[-1] ** 0.5, dim=-1) @ v)
-        return x + self.fc_proj(torch.nn.functional.gelu(self.fc(self.ln_2(x))))
 
 
 class GPT(nn.Module):
@@ -106,10 +95,13 @@ def _rows(p) -> tuple[int, int]:
 
 
 def state_bytes(opt) -> int:
+    """Bytes of optimizer state on this rank (a zero.functional.Optimizer's states, or a torch optimizer's)."""
     inner = getattr(opt, "inner", opt)
-    states = getattr(inner, "_states", None)
-    tensors = [x for s in states for st in s.states.values() for x in torch.utils._pytree.tree_leaves(st)] \
-        if states is not None else [x for st in inner.state.values() for x in st.values()]
+    if isinstance(inner, F.Optimizer):
+        tensors = [x for k in range(len(inner.param_groups)) for st in inner.set_states(k).values()
+                   for x in torch.utils._pytree.tree_leaves(st)]
+    else:
+        tensors = [x for st in inner.state.values() for x in st.values()]
     return sum(_nbytes(x.to_local() if hasattr(x, "to_local") else x) for x in tensors
                if isinstance(x, torch.Tensor) and x.dim())
 

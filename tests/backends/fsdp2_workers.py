@@ -399,9 +399,11 @@ def zero2_then_fixed(rank: int, world_size: int, spec, path: str | None, steps: 
     return [p.detach().clone() for p in model.parameters()]
 
 
-def undeclared_optax(rank: int, world_size: int) -> str:
+def first_step_error(rank: int, world_size: int, spec) -> str:
+    """The ValueError the first step over FSDP2 raises with ``spec`` (a spec per rank when a
+    list), or ``"stepped"``."""
     model = sharded(make_model())
-    opt = build(("from_optax", dict(name="adam", learning_rate=1e-2, per_tensor=False)), model)
+    opt = build(spec[rank] if isinstance(spec, list) else spec, model)
     set_grads(model, fixed_grads(model, 0))
     try:
         opt.step()

@@ -12,13 +12,7 @@ from zero.backends import ZeroRedundancyOptimizer as Zero
 
 pytestmark = pytest.mark.timeout(300)
 
-CONTRIB = {
-    "adamw_8bit": dict(learning_rate=1e-2, weight_decay=0.01),
-    "adamw_4bit": dict(learning_rate=1e-2, weight_decay=0.01, block_size=64),
-    "adam_8bit": dict(learning_rate=1e-2),
-    "adam_4bit": dict(learning_rate=1e-2),
-    "muon": dict(learning_rate=1e-2, weight_decay=0.01),
-}
+CONTRIB = alias_cases.CONTRIB
 RULES = {**alias_cases.ALIASES, **alias_cases.MORE_ALIASES, **CONTRIB}
 
 

@@ -10,13 +10,7 @@ from helpers import run_ranks
 
 pytestmark = pytest.mark.timeout(600)
 
-CONTRIB = {
-    "adamw_8bit": dict(learning_rate=1e-2, weight_decay=0.01),
-    "adamw_4bit": dict(learning_rate=1e-2, weight_decay=0.01, block_size=64),
-    "adam_8bit": dict(learning_rate=1e-2),
-    "adam_4bit": dict(learning_rate=1e-2),
-    "muon": dict(learning_rate=1e-2, weight_decay=0.01),
-}
+CONTRIB = alias_cases.CONTRIB
 CHAINS = {"clip_by_global_norm + adamw": ("chain", [("clip_by_global_norm", dict(max_norm=0.5)),
                                                     ("adamw", dict(learning_rate=1e-2, weight_decay=0.1))]),
           "centralize + sgd": ("chain", [("centralize", {}), ("sgd", dict(learning_rate=1e-2))]),
@@ -84,7 +78,7 @@ def test_torchs_and_optaxs_rules_by_their_adapters():
     worst = run_ranks(w.compare_rules, 3, specs)[0]
     assert all(d <= 1e-12 for d in worst.values()), worst
     # not declared per tensor: refused (Optax's code would read only each owner's tensors)
-    said = run_ranks(w.undeclared_optax, 2)
+    said = run_ranks(w.first_step_error, 2, ("from_optax", dict(name="adam", learning_rate=1e-2, per_tensor=False)))
     assert all("from_optax(tx, per_tensor=True)" in s for s in said), said
 
 
@@ -170,3 +164,9 @@ def test_zeros_adamw_on_fsdp2_continues_as_torchs_adamw_and_other_rules_are_refu
     run_ranks(w.zero_saves_fsdp2, 2, RULES["muon"], str(tmp_path / "muon"))
     said = run_ranks(w.torch_refuses, 2, str(tmp_path / "muon"))[0]
     assert "saved by a zero.functional rule" in said and "torch.optim.AdamW loads zero's state only" in said, said
+
+
+def test_ranks_whose_plans_differ_are_told_which_param_differs():
+    # rank 0 steps AdamW, rank 1 Muon: their plans differ, and the first step says where
+    said = run_ranks(w.first_step_error, 2, [("adamw", dict(learning_rate=1e-2)), ("muon", dict(learning_rate=1e-2))])
+    assert all("param 0 (name, shape, dtype, dim, owner, block) by rank: 0: ('0.weight'" in s for s in said), said

@@ -38,6 +38,16 @@ MORE_ALIASES = {
 }
 
 
+# zero's contrib rules (zero.functional.contrib), as the backends' matrices run them beside the aliases.
+CONTRIB = {
+    "adamw_8bit": dict(learning_rate=1e-2, weight_decay=0.01),
+    "adamw_4bit": dict(learning_rate=1e-2, weight_decay=0.01, block_size=64),
+    "adam_8bit": dict(learning_rate=1e-2),
+    "adam_4bit": dict(learning_rate=1e-2),
+    "muon": dict(learning_rate=1e-2, weight_decay=0.01),
+}
+
+
 def build(module, name: str, **extra):
     """``module.<name>(**ALIASES[name], **extra)`` for ``module`` zero.functional or optax."""
     return getattr(module, name)(**(ALIASES | MORE_ALIASES)[name], **extra)

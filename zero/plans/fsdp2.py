@@ -70,6 +70,13 @@ class Fsdp2Plan:
             return None
         return self.rows(i)[rank][0] * math.prod(shape[dim + 1:])
 
+    def runs_cut_at(self, i: int, k: int) -> bool:
+        """Whether every rank's piece of param ``i`` is one run of the flattened param that starts
+        and ends at a multiple of ``k`` elements: a low-bit block of ``k`` then lies whole on one
+        rank, and a state with one element per ``k`` of the param's cuts at whole elements."""
+        return all(self.start(i, r) is not None and self.start(i, r) % k == 0 and self.local_numel(i, r) % k == 0
+                   for r in range(self.world_size))
+
     @property
     def whole(self) -> tuple[int, ...]:
         """The params an owner steps whole."""
@@ -92,13 +99,13 @@ class Fsdp2Plan:
                 row[1] += sum(self.local_numel(i, r) for r in range(self.world_size) if r != rank) * size
         return {k: (v[0], v[1]) for k, v in out.items()}
 
-    def state_bytes(self, rank: int, itemsize_of=itemsize) -> int:
+    def state_bytes(self, rank: int) -> int:
         """Bytes of optimizer state ``rank`` holds: its pieces' and its owned params' whole."""
         spec, total = cost_of(self.optimizer), 0
         for i, meta in enumerate(self.metas):
             if not meta.requires_grad:
                 continue
-            size = itemsize_of(meta.dtype)
+            size = itemsize(meta.dtype)
             if self.owner[i] == rank:
                 total += spec.state_bytes(meta, size)
             elif self.owner[i] < 0:
@@ -178,14 +185,7 @@ def _resolve(plan: Fsdp2Plan, spec: RuleCost, whole: Sequence[str] | None) -> tu
     else:
         needs = {i for i, m in enumerate(metas) if spec.whole(m)}
     return tuple(i for i, m in enumerate(metas) if m.requires_grad and
-                 (i in needs or (plan.blocks[i] and not blocks_lie_whole(plan, i, plan.blocks[i]))))
-
-
-def blocks_lie_whole(plan: Fsdp2Plan, i: int, block: int) -> bool:
-    """Whether every rank's piece of param ``i`` starts at a multiple of ``block`` in the
-    flattened param (so its quantization blocks are the whole param's, on every rank)."""
-    starts = [plan.start(i, r) for r in range(plan.world_size)]
-    return all(s is not None and s % block == 0 for s in starts)
+                 (i in needs or (plan.blocks[i] and not plan.runs_cut_at(i, plan.blocks[i]))))
 
 
 def _fingerprint(plan: Fsdp2Plan) -> str:

@@ -25,7 +25,7 @@ from zero.functional.adapters.state_tree import map_state_leaves, state_leaves
 from zero.plans.chunks import Held, range_boxes
 
 __all__ = ["quiet", "torch_entries", "functional_entries", "functional_leaves", "held_elements", "saved_shape",
-           "load_torch", "load_functional"]
+           "load_torch", "load_functional", "saved_entry"]
 
 
 @contextlib.contextmanager
@@ -194,7 +194,7 @@ def load_functional(state: RankState, names: list[str], sd: dict) -> None:
         def fill(key: str, pos: int | None, leaf: Any, js: list[int] = js) -> Any:
             held = [h for j in (js if pos is None else [js[pos]]) for h in held_by.pieces(j)]
             for h in held if pos is not None else held[:1]:
-                saved = _saved(sd, names[h.param], key)
+                saved = saved_entry(sd, names[h.param], key)
                 k = _per_element(leaf, params[h.local], h, state, key) if pos is not None else 0
                 if k:
                     _copy_piece(leaf, h, saved, names[h.param], key, saved_shape(state, h, k), k)
@@ -217,7 +217,8 @@ def load_functional(state: RankState, names: list[str], sd: dict) -> None:
     state.push()
 
 
-def _saved(sd: dict, fqn: str, key: str) -> Any:
+def saved_entry(sd: dict, fqn: str, key: str) -> Any:
+    """``sd["state"][fqn][key]``; a ``ValueError`` naming what it has when absent."""
     st = sd["state"].get(fqn)
     if not st or key not in st:
         raise ValueError(f"optim_state_dict has no {key!r} for {fqn!r} (it has {sorted(st or ())}): it was saved "

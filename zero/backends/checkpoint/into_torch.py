@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from zero.backends.checkpoint.torch_state import _RULES, _read_groups, _state_keys, is_torch_state, saved_by
+from zero.backends.checkpoint.torch_state import TORCH_RULES, is_torch_state, read_groups, saved_by, state_keys
 
 __all__ = ["load_into_torch", "is_torch_optimizer"]
 
@@ -38,10 +38,10 @@ def load_into_torch(checkpoint_id: Any, model: torch.nn.Module, optimizer: torch
         dcp.load(request, checkpoint_id=checkpoint_id, process_group=group)
         return set_state_dict(model, optimizer, model_state_dict=request["model"], optim_state_dict=request["optim"])
     name = type(optimizer).__name__
-    rule = next((r for r in _RULES.values() if r.torch_class == name), None)
+    rule = next((r for r in TORCH_RULES.values() if r.torch_class == name), None)
     saver = saved_by(metadata, checkpoint_id)
     known = set(rule.state) | set(_COUNTS) if rule is not None else set()
-    keys = {k for k in _state_keys(metadata) if not k.startswith("hyperparams.")}
+    keys = {k for k in state_keys(metadata) if not k.startswith("hyperparams.")}
     if rule is None or not set(rule.state) <= keys or not keys <= known:
         raise ValueError(f"the checkpoint's optimizer state was saved by {saver}, and torch.optim.{name} loads zero's "
                          "state only from the rule with the same maths, built alone (zero.functional.adamw into "
@@ -57,7 +57,7 @@ def load_into_torch(checkpoint_id: Any, model: torch.nn.Module, optimizer: torch
     for fqn, st in optim_sd["state"].items():
         if counted and "step" in st:
             st["step"] = torch.full_like(st["step"], float(counts[fqn]))
-    saved, _ = _read_groups(metadata, os.fspath(checkpoint_id), len(optim_sd["param_groups"]))
+    saved, _ = read_groups(metadata, os.fspath(checkpoint_id), len(optim_sd["param_groups"]))
     for group_sd, settings in zip(optim_sd["param_groups"], saved):
         group_sd.update(_torch_settings(settings, group_sd))
     set_state_dict(model, optimizer, model_state_dict=request["model"], optim_state_dict=optim_sd)

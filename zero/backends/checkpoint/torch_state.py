@@ -22,7 +22,8 @@ import torch
 
 from zero.backends.precision import MASTER_KEY
 
-__all__ = ["saved_by", "loading", "from_torch", "TorchLoad", "TORCH_STATE_KEYS"]
+__all__ = ["saved_by", "loading", "from_torch", "TorchLoad", "TORCH_STATE_KEYS", "TORCH_RULES", "read_groups",
+           "state_keys", "is_torch_state"]
 
 # per-param state keys torch.optim's classes save (a checkpoint holding these is torch.optim's)
 TORCH_STATE_KEYS = frozenset({"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg",
@@ -40,14 +41,14 @@ class _Rule:
     counted: bool
 
 
-_RULES = {
+TORCH_RULES = {
     "zero.functional.adamw": _Rule("AdamW", {"inner_state.0.mu": "exp_avg", "inner_state.0.nu": "exp_avg_sq"}, True),
     "zero.functional.adam": _Rule("Adam", {"inner_state.0.mu": "exp_avg", "inner_state.0.nu": "exp_avg_sq"}, True),
     "zero.functional.sgd": _Rule("SGD", {"inner_state.0.trace": "momentum_buffer"}, False),
 }
 
 
-def _state_keys(metadata: Any) -> set[str]:
+def state_keys(metadata: Any) -> set[str]:
     """The optimizer's per-param state keys in a checkpoint (their last dotted parts after the FQN
     are not known without the model: a torch key is one word, a zero.functional path several)."""
     params = {k.removeprefix("model.") for k in metadata.state_dict_metadata if k.startswith("model.")}
@@ -72,14 +73,14 @@ def _settings(metadata: Any) -> set[str]:
 
 
 def is_torch_state(metadata: Any) -> bool:
-    keys = _state_keys(metadata)
+    keys = state_keys(metadata)
     return bool(keys) and keys <= TORCH_STATE_KEYS
 
 
 def saved_by(metadata: Any, path: str | os.PathLike | None = None) -> str:
     """The optimizer that saved a checkpoint, as its state and settings tell (``torch.optim.AdamW
     (exp_avg, exp_avg_sq, step)``; ``a zero.functional rule (inner_state.0.mu, ...)``)."""
-    keys = sorted(_state_keys(metadata))
+    keys = sorted(state_keys(metadata))
     if not keys:
         return "an optimizer that kept no state (or none was saved)"
     shown = ", ".join(keys[:6]) + (", ..." if len(keys) > 6 else "")
@@ -148,7 +149,7 @@ class TorchLoad:
                 state[fqn][MASTER_KEY] = mine[MASTER_KEY]
         self.request = {"state": state, "param_groups": []}
         self._check_paths(optim_sd)
-        groups, steps = _read_groups(metadata, path, len(optim_sd["param_groups"]))
+        groups, steps = read_groups(metadata, path, len(optim_sd["param_groups"]))
         self.settings = []
         for k, (group, saved) in enumerate(zip(optim_sd["param_groups"], groups)):
             if saved.get("params") is not None and list(saved["params"]) != list(group["params"]):
@@ -185,7 +186,7 @@ class TorchLoad:
                         mine[key].fill_(self.steps[k])
 
 
-def _read_groups(metadata: Any, path: str | os.PathLike, n: int) -> tuple[list[dict], dict[str, float]]:
+def read_groups(metadata: Any, path: str | os.PathLike, n: int) -> tuple[list[dict], dict[str, float]]:
     """Each of the first ``n`` groups' saved settings (``params`` too), and every param's ``step``,
     read from the checkpoint alone, by every rank alike."""
     import warnings
@@ -276,7 +277,7 @@ def from_torch(metadata: Any, path: str | os.PathLike, optimizer: Any, optim_sd:
     if not is_torch_state(metadata) or not is_functional(_local(optimizer)):
         return None
     name = loading(optimizer)
-    rule = _RULES.get(name)
+    rule = TORCH_RULES.get(name)
     saver = saved_by(metadata, path)
     if rule is None or not _matches(saver, rule):
         raise ValueError(f"the checkpoint's optimizer state was saved by {saver}, and this optimizer steps {name}: "

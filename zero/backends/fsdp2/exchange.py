@@ -20,9 +20,9 @@ def to_owners(plan: Fsdp2Plan, rank: int, group: Any, ts: Sequence[int], params:
     """For each param ``t`` of ``ts`` this rank owns: the whole param and gradient, from every
     rank's pieces (``params[t]``, ``grads[t]``: this rank's local tensors of every ``t``)."""
     out = {}
-    for dtype, these in _by_dtype(plan, ts).items():
+    for these in _by_dtype(plan, ts).values():
         chunks = [torch.cat([x.reshape(-1) for t in these if plan.owner[t] == o for x in (params[t], grads[t])]
-                            or [_empty(params, these, dtype)]) for o in range(plan.world_size)]
+                            or [params[these[0]].new_empty(0)]) for o in range(plan.world_size)]
         mine = [t for t in these if plan.owner[t] == rank]
         splits = [sum(2 * plan.local_numel(t, r) for t in mine) for r in range(plan.world_size)]
         got = torch.empty(sum(splits), dtype=chunks[0].dtype, device=chunks[0].device)
@@ -35,9 +35,10 @@ def back_from_owners(plan: Fsdp2Plan, rank: int, group: Any, ts: Sequence[int],
                      wholes: dict[int, torch.Tensor], params: dict[int, torch.Tensor]) -> None:
     """Each rank's piece of every updated whole param of ``ts`` from its owner into ``params[t]``
     (this rank's local tensors); ``wholes``: the params this rank owns, stepped."""
-    for dtype, these in _by_dtype(plan, ts).items():
+    for these in _by_dtype(plan, ts).values():
         mine = [t for t in these if plan.owner[t] == rank]
-        chunks = [torch.cat([_piece(plan, t, wholes[t], r).reshape(-1) for t in mine] or [_empty(params, these, dtype)])
+        none = params[these[0]].new_empty(0)
+        chunks = [torch.cat([_piece(plan, t, wholes[t], r).reshape(-1) for t in mine] or [none])
                   for r in range(plan.world_size)]
         splits = [sum(plan.local_numel(t, rank) for t in these if plan.owner[t] == o) for o in range(plan.world_size)]
         got = torch.empty(sum(splits), dtype=chunks[0].dtype, device=chunks[0].device)
@@ -57,11 +58,6 @@ def _by_dtype(plan: Fsdp2Plan, ts: Sequence[int]) -> dict[str, list[int]]:
         if plan.owner[t] >= 0:
             out.setdefault(plan.metas[t].dtype, []).append(t)
     return out
-
-
-def _empty(params: dict[int, torch.Tensor], these: list[int], dtype: str) -> torch.Tensor:
-    like = params[these[0]]
-    return like.new_empty(0)
 
 
 def _assemble(plan: Fsdp2Plan, mine: list[int], received: Sequence[torch.Tensor]

@@ -121,10 +121,19 @@ class Fsdp2Executor:
                                  "zero.functional.Optimizer steps params as fully_shard cuts them")
 
     def _check_same_plan(self) -> None:
+        """Every rank made this plan; else a ``ValueError`` naming the first param whose shape,
+        dtype, dim, owner or block differs, and the ranks' values of it."""
         prints = comm.all_gather_object(self.plan.fingerprint, self.layout.group)
-        if len(set(prints)) > 1:
-            raise ValueError(f"the ranks made different FSDP2 plans (fingerprints {prints}): their params or rules "
-                             "differ")
+        if len(set(prints)) == 1:
+            return
+        plan = self.plan
+        rows = [(m.name, m.shape, m.dtype, plan.dims[i], plan.owner[i], plan.blocks[i])
+                for i, m in enumerate(plan.metas)]
+        everyone = comm.all_gather_object(rows, self.layout.group)
+        at = next((j for j in range(max(map(len, everyone))) if len({str(r[j:j + 1]) for r in everyone}) > 1), None)
+        said = "" if at is None else f"; param {at} (name, shape, dtype, dim, owner, block) by rank: " + \
+            ", ".join(f"{r}: {rows_r[at] if at < len(rows_r) else 'none'}" for r, rows_r in enumerate(everyone))
+        raise ValueError(f"the ranks made different FSDP2 plans (their params or rules differ){said}")
 
 
 def _local(grad: torch.Tensor, name: str) -> torch.Tensor:

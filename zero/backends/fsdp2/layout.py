@@ -62,7 +62,7 @@ def _check_mesh(name: str, p: DTensor, mesh: Any) -> Any:
 
 def _shard_dim(name: str, p: DTensor) -> int:
     placement, = p.placements
-    if not isinstance(placement, Shard) or getattr(placement, "_StridedShard", False):
+    if type(placement) is not Shard:  # (a _StridedShard, a Shard subclass, is not one run of rows either)
         raise ValueError(f"param {name!r} is placed {placement} on its mesh: zero.functional.Optimizer steps params "
                          "FSDP2 shards (Shard(d), as fully_shard makes them)")
     return placement.dim

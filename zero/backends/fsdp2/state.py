@@ -19,7 +19,7 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 
 from zero.backends import comm
-from zero.backends.checkpoint.dcp_pieces import quiet
+from zero.backends.checkpoint.dcp_pieces import quiet, saved_entry
 from zero.functional.adapters.state_tree import as_tree, map_state_leaves, state_leaves
 
 __all__ = ["fsdp2_state_dict", "load_fsdp2_state_dict"]
@@ -80,7 +80,7 @@ def fsdp2_state_dict(optimizer: Any, names: list[str]) -> dict[str, Any]:
     executor, state, shared = optimizer.executor, {}, []
     for t, fqn, key, pos, leaf, per in _entries(optimizer, names):
         pieces = pos is not None and executor.plan.owner[t] < 0 and isinstance(leaf, torch.Tensor)
-        per = per if per <= 0 or _cut_whole(executor.plan, t, per) else 0  # a placeholder's k: not runs
+        per = per if per <= 0 or executor.plan.runs_cut_at(t, per) else 0  # a placeholder's k: not runs
         if pieces and per == 0:
             shared.append((fqn, key, leaf))
         state.setdefault(fqn, {})[key] = leaf if not pieces or per == 0 else \
@@ -100,13 +100,6 @@ def _as_dtensor(executor: Any, t: int, leaf: torch.Tensor) -> DTensor:
     meta, plan = executor.plan.metas[t], executor.plan
     return DTensor.from_local(leaf, executor.mesh, [Shard(plan.dims[t])], run_check=False, shape=torch.Size(meta.shape),
                               stride=_stride(meta.shape))
-
-
-def _cut_whole(plan: Any, t: int, k: int) -> bool:
-    """Whether every rank's rows of param ``t`` are runs of the flattened param that start and end
-    at multiples of ``k`` (the same answer on every rank: read from the plan)."""
-    return all(plan.start(t, r) is not None and plan.start(t, r) % k == 0 and plan.local_numel(t, r) % k == 0
-               for r in range(plan.world_size))
 
 
 def _as_runs(executor: Any, t: int, leaf: torch.Tensor, k: int, key: str) -> Any:
@@ -165,7 +158,7 @@ def load_fsdp2_state_dict(optimizer: Any, names: list[str], sd: dict[str, Any]) 
 
         def fill(key: str, pos: int | None, leaf: Any, keep=keep, first=first) -> Any:
             t = first + keep[0 if pos is None else pos]
-            value = _value(sd, names[t], key)
+            value = saved_entry(sd, names[t], key)
             if not isinstance(leaf, torch.Tensor):
                 return value
             got = _local_of(value, leaf)
@@ -190,12 +183,4 @@ def _local_of(value: Any, leaf: torch.Tensor) -> Any:
         shards = value.local_shards()
         return shards[0].tensor.view(leaf.shape) if shards else leaf
     return value
-
-
-def _value(sd: dict, fqn: str, key: str) -> Any:
-    st = sd["state"].get(fqn)
-    if not st or key not in st:
-        raise ValueError(f"optim_state_dict has no {key!r} for {fqn!r} (it has {sorted(st or ())}): it was saved "
-                         "by another transformation or optimizer")
-    return st[key]
 
