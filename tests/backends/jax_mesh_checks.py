@@ -19,6 +19,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 from jax_mesh_twin import STEPS, grads, initial  # noqa: E402
+from jax_soap import soap  # noqa: E402
 
 import zero  # noqa: E402
 from zero.backends import jax_mesh  # noqa: E402
@@ -212,12 +213,18 @@ MATRICES = {**SHAPES, "w3": (64, 40), "w4": (40, 40)}
 HYBRID = {  # name: (transformation, make_plan's keywords)
     "muon": (lambda: optax.contrib.muon(1e-2, weight_decay=0.1), dict(optimizer="muon")),
     "adafactor": (lambda: optax.adafactor(1e-2, min_dim_size_to_factor=16), dict(whole=lambda m: True)),
+    # on its own model, of square matrices: each factor of full rank from the first gradient (a rank-deficient
+    # factor's null space has no one eigenbasis, and a last-bit difference in a fused Gram matrix picks another)
+    "soap": (lambda: soap(1e-2, weight_decay=0.01, precondition_frequency=3),
+             dict(optimizer="soap(precondition_frequency=3)"),
+             {"b1": (33,), "b2": (5,), "t": (4, 4, 4), "w1": (16, 16), "w2": (8, 8), "w3": (12, 12)}),  # JAX's order
 }
+EIGH = r'custom_call_target="lapack_[sd]syevd'  # an eigendecomposition, as XLA's CPU backend calls LAPACK
 
 
-def branch_dots(text: str) -> list[int]:
-    """The dot ops each branch of the compiled step's switch over devices runs (with what it calls),
-    for the conditional whose branches hold any."""
+def branch_dots(text: str, op: str = r"= \S+ dot\(", branches: int | None = None) -> list[int]:
+    """The dot ops (or other ``op``) each branch of the compiled step's switch over devices runs
+    (with what it calls), for the conditional whose branches hold any (or that has ``branches``)."""
     bodies = re.split(r"\n(?=\S.*\{\s*$)", text, flags=re.M)
     comps = {}
     for body in bodies:
@@ -233,7 +240,7 @@ def branch_dots(text: str) -> list[int]:
     def dots(name: str) -> int:
         if name not in memo:
             memo[name] = 0
-            own = len(re.findall(r"= \S+ dot\(", comps.get(name, "")))
+            own = len(re.findall(op, comps.get(name, "")))
             memo[name] = own + sum(dots(c) for c in calls.get(name, []))
         return memo[name]
 
@@ -241,7 +248,7 @@ def branch_dots(text: str) -> list[int]:
     for b in comps.values():
         for group in re.findall(r"branch_computations=\{([^}]*)\}", b):
             counts = [dots(c) for c in re.findall(r"%?([\w.\-]+)", group)]
-            if sum(counts):
+            if sum(counts) and branches in (None, len(counts)):
                 found.append(counts)
     return found[0] if len(found) == 1 else found
 
@@ -278,10 +285,11 @@ def hybrid_fed_back(name: str) -> dict:
 
 def hybrid(name: str) -> dict:
     """A hybrid plan on 8 devices: 20 float32 steps against Optax unsharded, the Newton-Schulz
-    dots of each device's branch, the bytes each device holds."""
-    make, kwargs = HYBRID[name]
+    dots (the eigendecompositions) of each device's branch, the bytes each device holds."""
+    make, kwargs, *model = HYBRID[name]
+    shapes = model[0] if model else MATRICES
     rng = np.random.default_rng(5)
-    tree = lambda: {k: jnp.asarray(rng.standard_normal(s), np.float32) for k, s in MATRICES.items()}
+    tree = lambda: {k: jnp.asarray(rng.standard_normal(s), np.float32) for k, s in shapes.items()}
     params, tx, mesh = tree(), make(), mesh_of(8)
     plan = zero.make_plan(zero.param_metas(params), 8, "flat", **kwargs)
     state, step = jax_mesh.init(tx, params, plan, mesh), jax_mesh.update(tx, plan, mesh)
@@ -295,14 +303,40 @@ def hybrid(name: str) -> dict:
         rel = max(rel, worst(ours, ref))
     text = step.compiled_text(g, state, ours)
     unsharded = ref_step.lower(g, ref_state, ref).compile().as_text()  # compiled already: read, not rebuilt
-    names = list(MATRICES)
+    names = list(shapes)
     owners = {names[i]: plan.partition.owner[i] for i in plan.whole}
     return {"rel": rel, "whole": owners, "branch_dots": branch_dots(text),
             "dots": len(re.findall(r"= \S+ dot\(", text)), "unsharded_dots": len(re.findall(r"= \S+ dot\(", unsharded)),
             "bytes": jax_mesh.state_bytes(state, mesh), "device_bytes": jax_mesh.device_bytes(tx, params, plan),
             "mesh_bytes": list(mesh_state_bytes(plan)),
             "own_bytes": list(step.whole.nbytes()), "compiles_after_first": sum(compiles[1:]),
-            "collectives": collectives(step, g, state, ours)}
+            "collectives": collectives(step, g, state, ours), "branch_eighs": branch_dots(text, EIGH, 8),
+            "eighs": len(re.findall(EIGH, text)), "unsharded_eighs": len(re.findall(EIGH, unsharded))}
+
+
+def soap_against_zero() -> float:
+    """The JAX SOAP of these checks against `zero.functional.contrib.soap`, float64, 12 steps of
+    full-rank factors: the largest difference relative to how far zero's moved each param."""
+    import torch
+
+    import zero.functional as F
+
+    shapes = {"w": (6, 6), "b": (7,), "t": (4, 4, 4), "v": (5, 5)}
+    rng = np.random.default_rng(0)
+    start = {k: rng.standard_normal(s) for k, s in shapes.items()}
+    steps = [{k: rng.standard_normal(s) for k, s in shapes.items()} for _ in range(12)]
+    tx, ttx = soap(1e-2, weight_decay=0.01, precondition_frequency=3), F.contrib.soap(
+        1e-2, weight_decay=0.01, precondition_frequency=3)
+    p, state, step = {k: jnp.asarray(v) for k, v in start.items()}, None, jitted_step(tx)
+    state = tx.init(p)
+    tp = {k: torch.tensor(v) for k, v in start.items()}
+    tstate = ttx.init(tp)
+    for g in steps:
+        p, state = step({k: jnp.asarray(v) for k, v in g.items()}, state, p)
+        u, tstate = ttx.update({k: torch.tensor(v) for k, v in g.items()}, tstate, tp)
+        tp = F.apply_updates(tp, u)
+    return max(float(np.abs(np.asarray(p[k]) - tp[k].numpy()).max() / np.abs(tp[k].numpy() - start[k]).max())
+               for k in shapes)
 
 
 def orbax_moves(folder: str) -> dict:
@@ -457,7 +491,8 @@ def main() -> None:
            "errors": errors(), "two_executors": two_executors(plan_texts),
            "checkpoint": checkpoint_moves(os.path.dirname(sys.argv[1])),  # the test's own temporary folder
            "two_axes": two_axes(), "hybrid": {name: hybrid(name) for name in HYBRID},
-           "hybrid_fed_back": {name: hybrid_fed_back(name) for name in HYBRID},
+           "hybrid_fed_back": {name: hybrid_fed_back(name) for name in ("muon", "adafactor")},
+           "soap_against_zero": soap_against_zero(),
            "orbax": orbax_moves(os.path.dirname(sys.argv[1])),
            "hybrid_orbax": hybrid_orbax(os.path.dirname(sys.argv[1]))}
     out["parity"].update({f"{rule}-{kind}-float32": parity(rule, kind, np.float32)

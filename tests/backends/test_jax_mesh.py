@@ -166,18 +166,19 @@ def test_a_plan_along_one_axis_of_a_two_axis_mesh(mesh_run):
     assert r["bytes"] == r["plan_bytes"]
 
 
-@pytest.mark.parametrize("name", ["muon", "adafactor"])
+@pytest.mark.parametrize("name", ["muon", "adafactor", "soap"])
 def test_hybrid_plan_steps_each_whole_param_on_its_owner_equal_to_optax(mesh_run, name):
     """``make_plan(..., "flat", optimizer="muon")`` (Adafactor: every param whole, for its per-param
-    RMS clipping and scaling) on 8 devices: 20 float32 steps equal unsharded Optax."""
+    RMS clipping and scaling; SOAP, a user's own transformation, `jax_soap`) on 8 devices: 20
+    float32 steps equal unsharded Optax."""
     r = mesh_run["hybrid"][name]
     assert r["rel"] <= 1e-5, r["rel"]
     assert r["compiles_after_first"] == 0
     assert r["collectives"]["all-reduce"] == 0  # no device computes another's whole param
     assert r["bytes"] == r["device_bytes"], "device_bytes predicts what each device holds"
     assert min(r["bytes"]) == max(r["bytes"]) >= max(r["own_bytes"]), "rows padded to the busiest rank's"
-    if name == "muon":  # the plan counts the moments; the rows also carry the rule's counts and coefficients
-        assert 0 < r["bytes"][0] - r["mesh_bytes"][0] <= 64, (r["bytes"], r["mesh_bytes"])
+    if name in ("muon", "soap"):  # the plan counts the state tensors; the rows also carry the rule's counts (and
+        assert 0 < r["bytes"][0] - r["mesh_bytes"][0] <= 64, (r["bytes"], r["mesh_bytes"])  # Muon's coefficients)
 
 
 @pytest.mark.parametrize("name", ["muon", "adafactor"])
@@ -212,6 +213,19 @@ def test_hybrid_muon_orthogonalises_each_matrix_once_on_its_owner(mesh_run):
     owned = [sum(1 for rank in r["whole"].values() if rank == k) for k in range(8)]
     assert r["dots"] == r["unsharded_dots"] == 15 * len(r["whole"])
     assert r["branch_dots"] == [15 * n for n in owned], (r["branch_dots"], owned)
+
+
+def test_hybrid_soap_decomposes_each_factor_once_on_its_owner(mesh_run):
+    """Each factor's eigendecomposition (LAPACK's syevd, as XLA's CPU backend calls it) appears in
+    the compiled step as often as in Optax's own unsharded step, each within the branch of the
+    device that owns its param; and the JAX SOAP equals zero's torch SOAP in float64 (to the
+    float32 QR's rounding, which two LAPACKs round apart)."""
+    r = mesh_run["hybrid"]["soap"]
+    factors = {"t": 3, "w1": 2, "w2": 2, "w3": 2}  # the vectors keep none
+    assert sorted(r["whole"]) == sorted(factors)
+    assert r["eighs"] == r["unsharded_eighs"] == sum(factors.values())
+    assert r["branch_eighs"] == [sum(n for p, n in factors.items() if r["whole"][p] == k) for k in range(8)]
+    assert mesh_run["soap_against_zero"] <= 1e-6, mesh_run["soap_against_zero"]
 
 
 def test_orbax_save_at_8_flat_restores_at_4_whole_and_continues(mesh_run):

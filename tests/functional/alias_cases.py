@@ -45,6 +45,10 @@ CONTRIB = {
     "adam_8bit": dict(learning_rate=1e-2),
     "adam_4bit": dict(learning_rate=1e-2),
     "muon": dict(learning_rate=1e-2, weight_decay=0.01),
+    # bases and roots recomputed within the tests' few steps
+    "soap": dict(learning_rate=1e-2, weight_decay=0.01, precondition_frequency=2),
+    "shampoo": dict(learning_rate=1e-2, graft_type="rmsprop", start_preconditioning_step=2,
+                    preconditioning_compute_steps=2, block_size=16),
 }
 
 

@@ -3,6 +3,7 @@
 Muon's cost is the Newton-Schulz matmuls of each matrix; Adam's its elements. Counts are exact.
 """
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -114,3 +115,51 @@ def test_a_weight_function_plans_but_does_not_round_trip_json():
         zero.make_plan(metas, 16, "flat", fn)
     with pytest.raises(ValueError, match="'step_flops' or a function"):
         zero.make_plan(metas, 16, weight="flops")
+
+
+@pytest.mark.parametrize("rule, by_elements", [("soap", 1.086), ("shampoo", 1.155)])
+def test_kronecker_plans_balance_their_work(rule, by_elements):
+    """GPT-2 at 8 ranks: balanced by the rule's step flops, the busiest rank's work is within 1.10
+    of the mean's; balanced by elements, it is ``by_elements`` (the embedding's factor dominates)."""
+    spec = cost_of(rule)
+
+    def busiest_over_mean(plan):
+        work = [sum(spec.step_flops(plan.metas[i]) for i in plan.partition.params_of(r)) for r in range(8)]
+        return max(work) / (sum(work) / 8)
+
+    by_work = zero.make_plan(preset("gpt2"), 8, "balanced", "step_flops", rule)
+    by_numel = zero.make_plan(preset("gpt2"), 8, "balanced", "numel", rule)
+    assert busiest_over_mean(by_work) == pytest.approx(by_work.max_over_mean) and by_work.max_over_mean <= 1.10
+    assert busiest_over_mean(by_numel) == pytest.approx(by_elements, abs=5e-4)
+
+
+def test_kronecker_costs_count_their_factors():
+    """SOAP: two moments and, per axis with a factor, the factor and its basis; Shampoo: its
+    momenta and, per block and axis, the factor and its root (float32 for bf16 params)."""
+    soap, shampoo = cost_of("soap"), cost_of("shampoo")
+    w = zero.ParamMeta("w", (64, 96))
+    assert soap.state_bytes(w, 4) == (2 * 64 * 96 + 2 * (64**2 + 96**2)) * 4 and soap.whole(w)
+    assert soap.state_bytes(zero.ParamMeta("b", (96,)), 4) == 2 * 96 * 4  # no factor: Adam's moments
+    emb = zero.ParamMeta("wte", (50257, 768))
+    assert soap.state_bytes(emb, 2) == (2 * 50257 * 768 + 2 * 768**2) * 2  # the long axis keeps none
+    blocked = cost_of("shampoo(block_size=32)")
+    assert blocked.layout(w).shape == (1, 64, 96)  # read as Scalable Shampoo reads it: a leading axis of 1
+    assert blocked.layout(w).factor_sizes() == [1, 32, 32] * 6  # 2 x 3 blocks of 32 x 32, a factor per axis
+    assert blocked.state_bytes(zero.ParamMeta("w", (64, 96), "bfloat16"), 2) == \
+        2 * 64 * 96 * 2 + 2 * 6 * (1 + 2 * 32**2) * 4
+    assert not shampoo.whole(zero.ParamMeta("small", (8, 16)))  # merged into one axis: the graft alone
+    assert cost_of("shampoo(graft_type='adagrad')").slots == 3
+
+
+@pytest.mark.parametrize("name, match", [("shampoo(blocks=3)", "has no setting \\['blocks'\\]"),
+                                         ("soap(3)", "settings are written name=value"),
+                                         ("kron(block_size=3)", "unknown optimizer 'kron'")])
+def test_cost_settings_by_name_are_checked(name, match):
+    with pytest.raises(ValueError, match=match):
+        cost_of(name)
+
+
+def test_a_plan_names_a_cost_with_settings_and_reads_it_back():
+    plan = zero.make_plan(preset("gpt2"), 4, "flat", optimizer="soap(precondition_frequency=3)")
+    assert cost_of(plan.optimizer) == dataclasses.replace(cost_of("soap"), precondition_frequency=3)
+    assert zero.Plan.from_json(plan.to_json()).optimizer == plan.optimizer

@@ -28,7 +28,8 @@ def default_plan(metas: list[ParamMeta], world_size: int, strategy: str | None,
     Its buffers are sized from the model (`zero.plans.layout.default_bucket_numel`), at most
     ``bucket_cap_mb`` MiB (DDP's 25 by default)."""
     master = None if master_dtype is None else str(master_dtype).removeprefix("torch.")
-    optimizer = low_bit_name(quantized_params(metas, optimizer_class, defaults or {})) or "adam"
+    optimizer = low_bit_name(quantized_params(metas, optimizer_class, defaults or {})) or \
+        _cost_name(metas, optimizer_class, defaults or {}) or "adam"
     if strategy == "flat":
         whole = _needed_whole(metas, optimizer_class, defaults or {})
         bucket = default_bucket_numel(metas, world_size, DDP_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb)
@@ -51,6 +52,20 @@ def _rule(metas: list[ParamMeta], optimizer_class: Any, defaults: dict) -> tuple
         return None  # asked by name: the step checks instead
     tx = optimizer_class if isinstance(optimizer_class, GradientTransformation) else optimizer_class(**defaults)
     return tx, {m.name: (m.shape, getattr(torch, m.dtype)) for m in trainable}
+
+
+def _cost_name(metas: list[ParamMeta], optimizer_class: Any, defaults: dict) -> str | None:
+    """The plan's name for the cost of a `zero.functional` rule that keeps params whole (Muon,
+    SOAP, Shampoo: its alias' name with its settings, `zero.plans.costs.cost_name`), so the plan
+    counts its factors and balances its work; None for other rules (Adam's figures serve)."""
+    from zero.plans.costs import COSTS
+    from zero.plans.costs.registry import cost_name, rule_cost
+
+    asked = _rule(metas, optimizer_class, defaults)
+    spec = getattr(asked[0], "spec", None) if asked else None
+    if spec is None or spec.name not in COSTS or not COSTS[spec.name].keeps_whole:
+        return None
+    return cost_name(spec.name, rule_cost(spec.name, spec.args))
 
 
 def _needed_whole(metas: list[ParamMeta], optimizer_class: Any, defaults: dict) -> list[str]:

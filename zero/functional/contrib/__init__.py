@@ -13,8 +13,11 @@ from zero.functional.contrib._lowbit import (
     scale_by_adam_8bit,
 )
 from zero.functional.contrib._muon import MuonState, muon, scale_by_muon, scale_by_shape
+from zero.functional.contrib._shampoo import ShampooState, scale_by_shampoo, shampoo
+from zero.functional.contrib._soap import SoapState, decay_after_update, scale_by_soap, soap, soap_axes
 from zero.functional.contrib.newton_schulz import MuonDimensionNumbers, orthogonalize_via_newton_schulz
 
 __all__ = ["ScaleByLowBitAdamState", "adam_4bit", "adam_8bit", "adamw_4bit", "adamw_8bit", "scale_by_adam_4bit",
            "scale_by_adam_8bit", "MuonState", "muon", "scale_by_muon", "scale_by_shape", "MuonDimensionNumbers",
-           "orthogonalize_via_newton_schulz"]
+           "orthogonalize_via_newton_schulz", "SoapState", "scale_by_soap", "soap", "soap_axes",
+           "decay_after_update", "ShampooState", "scale_by_shampoo", "shampoo"]

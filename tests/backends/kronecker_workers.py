@@ -1,0 +1,81 @@
+"""Per-rank bodies of the SOAP and Shampoo backend tests: each rule under ZeRO's hybrid plans and
+over FSDP2's params against one process, with the runs of each whole-matrix kernel per rank."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from helpers import ddp_grads, groups_of, make_model, same_on_every_rank, side_by_side
+
+import zero.functional as zf
+from zero.backends import ZeroRedundancyOptimizer as Zero
+from zero.functional.base import tree_leaves
+from zero.functional.contrib import kronecker
+from zero.plans.costs import cost_of
+
+# refreshed within the tests' steps: SOAP's bases every 3 steps, Shampoo's roots every 3 (blocks of 16)
+RULES = {"soap": lambda: zf.contrib.soap(1e-2, weight_decay=0.01, precondition_frequency=3),
+         "shampoo": lambda: zf.contrib.shampoo(1e-2, graft_type="rmsprop", start_preconditioning_step=3,
+                                               preconditioning_compute_steps=3, block_size=16)}
+
+
+def _runs() -> int:
+    return sum(kronecker.CALLS.values())
+
+
+def tensor_state_bytes(opt: zf.Optimizer) -> int:
+    """Bytes of a functional optimizer's state tensors, its 0-d step counts left out."""
+    return sum(t.nbytes for k in range(len(opt.param_groups)) for s in opt.set_states(k).values()
+               for t in tree_leaves(s) if isinstance(t, torch.Tensor) and t.ndim)
+
+
+def under_zero(rank: int, world_size: int, rule: str, steps: int = 9) -> dict:
+    """``rule`` under ``ZeroRedundancyOptimizer(strategy="flat")`` (a hybrid plan the rule makes:
+    the tensors with factors whole) against one process, float64, two param groups, a frozen
+    bias; this rank's kernel runs and state bytes beside the plan's."""
+    ours_m, ref_m = make_model("plan"), make_model("plan")
+    ours = Zero(groups_of(ours_m, False), RULES[rule](), strategy="flat")
+    ref = zf.Optimizer(groups_of(ref_m, False), RULES[rule]())
+    runs = 0
+
+    def step(opt):
+        nonlocal runs
+        before = _runs()
+        opt.step()
+        runs += _runs() - before if opt is ours else 0
+
+    worst = side_by_side([(ours_m, ours), (ref_m, ref)], lambda k: ddp_grads(list(ours_m.parameters()), k, rank,
+                                                                               world_size), range(steps), step=step)
+    plan = ours.plan
+    spec = cost_of(plan.optimizer)
+    mine = [i for i in plan.whole if plan.partition.owner[i] == rank]
+    counts = [None] * world_size
+    dist.all_gather_object(counts, runs)
+    return {"worst": worst, "same": same_on_every_rank(ours_m), "runs": runs, "all_runs": counts,
+            "optimizer": plan.optimizer, "whole": [plan.metas[i].name for i in plan.whole],
+            "owned_whole": [plan.metas[i].name for i in mine],
+            "state_bytes": tensor_state_bytes(ours.optim), "planned": plan.ranks[rank].state_bytes,
+            "factored": {m.name: spec.whole(m) for m in plan.metas}}
+
+
+def over_fsdp2(rank: int, world_size: int, rule: str, steps: int = 7) -> dict:
+    """``rule`` over a ``fully_shard``-ed model (the FSDP2 owner path): this rank's kernel runs
+    and owned params, and the params against one process."""
+    import fsdp2_workers as fw
+
+    model, alone = fw.sharded(fw.make_model()), fw.make_model()
+    opt, ref = zf.Optimizer(model.parameters(), RULES[rule]()), zf.Optimizer(alone.parameters(), RULES[rule]())
+    runs = 0
+    for k in range(steps):
+        grads = fw.fixed_grads(model, k)
+        fw.set_grads(model, grads)
+        fw.set_grads(alone, grads)
+        before = _runs()
+        opt.step()
+        runs += _runs() - before
+        ref.step()
+    worst = max(float((fw.full(a.detach()) - b.detach()).abs().max() / b.detach().abs().max())
+                for a, b in zip(model.parameters(), alone.parameters()))
+    counts = [None] * world_size
+    dist.all_gather_object(counts, runs)
+    return {"worst": worst, "runs": runs, "all_runs": counts, "owned": len(opt.executor.plan.owned(rank))}

@@ -1,0 +1,245 @@
+"""SOAP: Adam in the eigenbasis of Shampoo's Kronecker factors (named and shaped as Optax's
+SOAP pull request, google-deepmind/optax#1617: ``soap``, ``scale_by_soap``, ``SoapState``).
+
+Each preconditioned axis of a tensor keeps a factor ``GG`` (an exponential average of the
+gradient's Gram matrix along that axis) and its eigenbasis ``Q``; the gradient is rotated into
+the bases, Adam runs there, and the update is rotated back. The bases are found by ``eigh`` at
+the first step and refreshed every ``precondition_frequency`` steps by one power iteration and
+QR (`zero.functional.contrib.kronecker`). Both need each preconditioned tensor whole: under a
+sharded optimizer it belongs to one rank (a whole-param or hybrid plan, FSDP2's owner path),
+and ``optimizer="soap"`` plans balance that work (`zero.plans.costs.Soap`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import optree
+import torch
+
+from zero.functional import sharding
+from zero.functional import transforms as T
+from zero.functional.aliases import ScalarOrSchedule, alias
+from zero.functional.base import (
+    GradientTransformation,
+    Spec,
+    check_non_negative,
+    check_positive,
+    check_unit,
+    count_inc,
+    count_zero,
+    step_count,
+)
+from zero.functional.combine import chain
+from zero.functional.contrib import kronecker
+from zero.functional.foreach import traced
+from zero.plans.costs.kronecker import soap_axes
+
+__all__ = ["SoapState", "scale_by_soap", "soap", "soap_axes", "decay_after_update"]
+
+
+class SoapState(NamedTuple):
+    """State of ``scale_by_soap`` (the fields of Optax's PR).
+
+    Fields:
+        count: steps taken, 0-d int32.
+        exp_avg: the first moment, in the params' own coordinates, a tree like the params.
+        exp_avg_sq: the second moment, in the eigenbasis, a tree like the params.
+        gg: per param, one factor per axis (a square matrix; an empty tensor for an axis left as
+            it is), a tree like the params with a tuple at each leaf.
+        q: per param, each factor's eigenbasis, laid out as ``gg``.
+    """
+
+    count: torch.Tensor
+    exp_avg: Any
+    exp_avg_sq: Any
+    gg: Any
+    q: Any
+
+
+def _empty(like: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(0, dtype=like.dtype, device=like.device)
+
+
+def _gathered(g: torch.Tensor, gg: tuple, shampoo_beta: float) -> tuple:
+    """Each factor moved towards the gradient's Gram matrix along its axis."""
+    return tuple(torch.lerp(f, kronecker.factor_of(g, a).to(f.dtype), 1 - shampoo_beta) if f.numel() else f
+                 for a, f in enumerate(gg))
+
+
+def _adam_in_basis(g, mu, nu, q, b1, b2, eps, scale):
+    """Adam's moments (the first in the params' coordinates, the second in the basis) and its
+    direction rotated back, times ``scale`` (the bias corrections)."""
+    mu = torch.lerp(mu, g, 1 - b1)
+    nu = torch.lerp(nu, kronecker.rotate(g, q).square(), 1 - b2)
+    direction = kronecker.rotate(kronecker.rotate(mu, q) / (nu.sqrt() + eps), q, back=True)
+    return direction * scale, mu, nu
+
+
+def _refreshed(gg: tuple, q: tuple, nu: torch.Tensor) -> tuple[tuple, torch.Tensor]:
+    """Each basis refreshed towards its factor, the second moment permuted with its columns."""
+    bases = []
+    for axis, (f, b) in enumerate(zip(gg, q)):
+        if f.numel():
+            b, order = kronecker.refreshed_basis(f, b)
+            nu = nu.index_select(axis, order)
+        bases.append(b)
+    return tuple(bases), nu
+
+
+def _where(pred, a, b):
+    """``a`` where ``pred`` else ``b``: a Python choice when eager, ``torch.where`` over
+    matching tuples of tensors when traced (both outcomes then computed)."""
+    if isinstance(pred, bool):
+        return a if pred else b
+    if isinstance(a, tuple):
+        return tuple(torch.where(pred, x, y) for x, y in zip(a, b))
+    return torch.where(pred, a, b)
+
+
+def scale_by_soap(b1: float = 0.95, b2: float = 0.95, shampoo_beta: float = -1, eps: float = 1e-8,
+                  precondition_frequency: int = 10, max_precond_dim: int = 10000,
+                  precondition_1d: bool = False) -> GradientTransformation:
+    r"""SOAP's rescaling: Adam in the eigenbasis of each tensor's Kronecker factors.
+
+    .. math::
+        L_a \leftarrow \beta_s L_a + (1 - \beta_s) G_{(a)} G_{(a)}^T, \quad
+        \tilde g = g \times_a Q_a^T, \quad
+        u = \Big(\frac{\widetilde{m}}{\sqrt{v} + \epsilon}\Big) \times_a Q_a
+        \cdot \frac{\sqrt{1 - b_2^{t}}}{1 - b_1^{t}}
+
+    with ``m`` Adam's first moment of ``g`` (rotated each step: ``\widetilde m = m \times_a Q_a^T``)
+    and ``v`` its second of ``\tilde g``. As the authors' algorithm (and ``pytorch_optimizer.SOAP``,
+    which this equals in float64):
+
+    - the first step only gathers the factors and finds their bases: its update is zero and the
+      moments stay zero; the bias corrections then count from the second step (``t = count - 1``);
+    - the factors take the step's gradient after the update, and every ``precondition_frequency``
+      steps the bases are refreshed by one power iteration and a QR in float32, their columns
+      sorted by the estimated eigenvalues and the second moment permuted with them.
+
+    Args:
+        b1, b2: Adam's decays, in [0, 1).
+        shampoo_beta: the factors' decay; negative: ``b2``.
+        eps: added to the square root of the second moment.
+        precondition_frequency: steps between refreshes of the bases.
+        max_precond_dim: longer axes keep no factor (rotated by nothing).
+        precondition_1d: give vectors a factor too (else they step as Adam).
+
+    Returns:
+        A transformation with state `SoapState`. Every tensor with a factor must be whole: under
+        a flat plan, which steps pieces of tensors, keep them whole (a hybrid plan).
+    """
+    check_unit("b1", b1)
+    check_unit("b2", b2)
+    check_non_negative("eps", eps)
+    check_positive("precondition_frequency", precondition_frequency)
+    check_positive("max_precond_dim", max_precond_dim)
+    beta = b2 if shampoo_beta < 0 else shampoo_beta
+    check_unit("shampoo_beta", beta)
+
+    def axes(shape):
+        return soap_axes(tuple(shape), max_precond_dim, precondition_1d)
+
+    def factors(p):
+        return tuple(torch.zeros(d, d, dtype=p.dtype, device=p.device) if keep else _empty(p)
+                     for d, keep in zip(p.shape, axes(p.shape)))
+
+    def init(params):
+        leaves, treedef = optree.tree_flatten(params)
+        def like(make):
+            return treedef.unflatten([make(p) for p in leaves])
+
+        return SoapState(count_zero(), like(torch.zeros_like), like(torch.zeros_like), like(factors), like(factors))
+
+    def update(updates, state, params=None):
+        leaves, treedef = optree.tree_flatten(updates)
+        sharding.whole_tensors(leaves, "scale_by_soap (Kronecker factors of whole tensors)",
+                               needs=lambda shape: any(axes(shape)))
+        c = step_count(state.count)  # steps before this one
+        first, refresh = (c == 0, c > 0 and c % precondition_frequency == 0) if not traced() else (
+            c == 0, (c > 0) & (torch.remainder(c, precondition_frequency) == 0))
+        t = c if not traced() else torch.clamp(c, min=1)  # the discarded first-step branch stays finite
+        scale = 0.0 if first is True else (1 - b2**t) ** 0.5 / (1 - b1**t)
+        out = [_leaf(g, *st, first, refresh, scale) for g, *st in zip(
+            leaves, *(treedef.flatten_up_to(x) for x in (state.exp_avg, state.exp_avg_sq, state.gg, state.q)))]
+        u, mu, nu, gg, q = (treedef.unflatten(list(col)) for col in zip(*out))
+        return u, SoapState(count_inc(state.count), mu, nu, gg, q)
+
+    def _leaf(g, mu, nu, gg, q, first, refresh, scale):
+        gg = _gathered(g, gg, beta)
+        if isinstance(first, bool) and first:
+            return torch.zeros_like(g), mu, nu, gg, tuple(kronecker.eigenbasis(f) if f.numel() else f for f in gg)
+        u, mu2, nu2 = _adam_in_basis(g, mu, nu, q, b1, b2, eps, scale)
+        if isinstance(refresh, bool) and not refresh:
+            return u, mu2, nu2, gg, q
+        q2, nu3 = _refreshed(gg, q, nu2)
+        if isinstance(first, bool):
+            return u, mu2, nu3, gg, q2
+        q1 = tuple(kronecker.eigenbasis(f) if f.numel() else f for f in gg)  # traced: every outcome, then chosen
+        return (_where(first, torch.zeros_like(u), u), _where(first, mu, mu2),
+                _where(first, nu, _where(refresh, nu3, nu2)), gg, _where(first, q1, _where(refresh, q2, q)))
+
+    spec = Spec("scale_by_soap", {"b1": b1, "b2": b2, "shampoo_beta": shampoo_beta, "eps": eps,
+                                  "precondition_frequency": precondition_frequency,
+                                  "max_precond_dim": max_precond_dim, "precondition_1d": precondition_1d})
+    return GradientTransformation(init, update, spec=spec)
+
+
+class DecayAfterUpdateState(NamedTuple):
+    """State of `decay_after_update`: its steps taken (the schedule's argument)."""
+
+    count: torch.Tensor
+
+
+def decay_after_update(learning_rate: ScalarOrSchedule, weight_decay: float) -> GradientTransformation:
+    """Decoupled weight decay of the param after its update, ``p <- (p + u)(1 - lr wd)``, as the
+    SOAP authors' code applies it (``add_decayed_weights`` before the learning rate decays the
+    param before it: they differ by ``lr wd u``). Nothing at the first step, which SOAP skips."""
+    check_non_negative("weight_decay", weight_decay)
+
+    def update(updates, state, params=None):
+        if params is None:
+            raise ValueError("decay_after_update needs the params (update(updates, state, params))")
+        lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
+        k = lr * weight_decay
+        if not traced():
+            k = 0.0 if int(state.count) == 0 else k
+        else:
+            k = torch.where(state.count == 0, torch.zeros_like(torch.as_tensor(k)), k)
+        out = optree.tree_map(lambda u, p: u * (1 - k) - k * p, updates, params)
+        return out, DecayAfterUpdateState(count_inc(state.count))
+
+    return GradientTransformation(lambda params: DecayAfterUpdateState(count_zero()), update,
+                                  spec=Spec("decay_after_update", {"learning_rate": learning_rate,
+                                                                   "weight_decay": weight_decay}))
+
+
+@alias
+def soap(learning_rate: ScalarOrSchedule = 3e-3, b1: float = 0.95, b2: float = 0.95, shampoo_beta: float = -1,
+         eps: float = 1e-8, weight_decay: float = 0.0, precondition_frequency: int = 10,
+         max_precond_dim: int = 10000, precondition_1d: bool = False) -> GradientTransformation:
+    """SOAP (Vyas et al., SOAP: Improving and Stabilizing Shampoo using Adam, 2024): `scale_by_soap`,
+    the learning rate, then the authors' decoupled decay of the updated param
+    (`decay_after_update`).
+
+    Equals ``pytorch_optimizer.SOAP(params, lr, betas=(b1, b2), shampoo_beta, weight_decay,
+    precondition_frequency, max_precondition_dim=max_precond_dim, precondition_1d)`` (its
+    defaults ``merge_dims=False``, ``correct_bias=True``, ``normalize_gradient=False``). Where
+    Optax's PR decays the param before its update (``add_decayed_weights``), this follows the
+    authors: the two differ by ``lr * weight_decay * update`` a step.
+
+    Example:
+        >>> import torch, zero.functional as F
+        >>> tx = F.contrib.soap(0.1)
+        >>> params = {"w": torch.ones(2, 3)}
+        >>> state = tx.init(params)
+        >>> u, state = tx.update({"w": torch.ones(2, 3)}, state, params)  # the first step gathers
+        >>> float(u["w"].abs().sum())
+        0.0
+        >>> [tuple(f.shape) for f in state[0].gg["w"]]  # a factor per axis
+        [(2, 2), (3, 3)]
+    """
+    return chain(scale_by_soap(b1, b2, shampoo_beta, eps, precondition_frequency, max_precond_dim, precondition_1d),
+                 T.scale_by_learning_rate(learning_rate), decay_after_update(learning_rate, weight_decay))
+

@@ -1,0 +1,75 @@
+"""The whole-matrix kernels of the Kronecker-factored rules (SOAP, Shampoo): a factor's
+eigenbasis, its refresh by one power iteration and QR, and its inverse p-th root.
+
+Each is the one function that does its work, called once per factor: tests count their calls
+(`CALLS`) to show that each matrix's preconditioner is computed on one rank of a group only.
+The rules call them through this module (``kronecker.eigenbasis``), so a test may wrap them.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from itertools import chain
+
+import torch
+
+__all__ = ["CALLS", "eigenbasis", "refreshed_basis", "inverse_root", "factor_of", "rotate"]
+
+CALLS: Counter = Counter()  # kernel name -> eager runs in this process
+
+
+def _count(kernel: str, m: torch.Tensor) -> None:
+    # a compiled graph runs without calling back here; meta tensors are a plan asking what the rule needs whole
+    if not torch.compiler.is_compiling() and m.device.type != "meta":
+        CALLS[kernel] += 1
+
+
+def factor_of(g: torch.Tensor, axis: int) -> torch.Tensor:
+    """``G_(axis) G_(axis)^T``: the Gram matrix of ``g`` unfolded along ``axis`` (the
+    statistic of that axis' Kronecker factor), summed over every other axis."""
+    others = [*chain(range(axis), range(axis + 1, g.ndim))]
+    return torch.tensordot(g, g, dims=[others, others])
+
+
+def rotate(x: torch.Tensor, bases: tuple[torch.Tensor, ...], back: bool = False) -> torch.Tensor:
+    """``x`` with each axis multiplied by its basis (``Q^T x`` along the axis; ``Q x`` with
+    ``back``), an empty basis leaving its axis as it is. Axes are taken first and moved last, so
+    after every axis ``x`` has its own shape again."""
+    for q in bases:
+        if q.numel():
+            x = torch.tensordot(x, q, dims=[[0], [1 if back else 0]])
+        else:
+            x = x.permute([*range(1, x.ndim), 0])
+    return x
+
+
+def eigenbasis(m: torch.Tensor) -> torch.Tensor:
+    """The eigenvectors of symmetric ``m``, by decreasing eigenvalue (columns). A tiny ridge
+    (1e-30) keeps ``eigh`` from failing on an exactly zero factor; in float32 when ``m``'s dtype has
+    no ``eigh`` (bfloat16)."""
+    _count("eigenbasis", m)
+    work = m if m.dtype in (torch.float32, torch.float64) else m.float()
+    _, q = torch.linalg.eigh(work + 1e-30 * torch.eye(m.shape[0], dtype=work.dtype, device=m.device))
+    return torch.flip(q, dims=[1]).to(m.dtype).contiguous()  # one layout each step: no recompiles
+
+
+def refreshed_basis(m: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One power iteration from basis ``q`` towards ``m``'s eigenvectors, orthonormalised by QR
+    (in float32, as the SOAP authors' code does: torch's QR has no bfloat16, and the basis'
+    orthogonality matters more than its last bits), and the order of its columns: by the
+    estimated eigenvalues ``diag(q^T m q)``, decreasing. The caller permutes the second moment
+    along that axis by the same order."""
+    _count("refreshed_basis", m)
+    product = m @ q
+    order = torch.argsort((q * product).sum(dim=0), descending=True)
+    basis, _ = torch.linalg.qr(product.index_select(1, order).to(torch.float32))
+    return basis.to(product.dtype).contiguous(), order
+
+
+def inverse_root(m: torch.Tensor, p: int) -> torch.Tensor:
+    """``m^(-1/p)`` of symmetric positive semi-definite ``m`` (a batch of them) by its singular
+    value decomposition, in at least float32."""
+    _count("inverse_root", m)
+    dtype = torch.float64 if m.dtype == torch.float64 else torch.float32
+    u, s, vh = torch.linalg.svd(m.to(dtype), full_matrices=False)
+    return ((u * s.pow(-1.0 / p).unsqueeze(-2)) @ vh).to(m.dtype)
