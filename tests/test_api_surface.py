@@ -45,9 +45,10 @@ PUBLIC = {
         "to_optax_state", "trace", "warmup_cosine_decay_schedule", "with_extra_args_support", "yogi", "zero_nans",
     ),
     "zero.functional.contrib": (
-        "MuonDimensionNumbers", "MuonState", "ScaleByLowBitAdamState", "adam_4bit", "adam_8bit", "adamw_4bit",
-        "adamw_8bit", "muon", "orthogonalize_via_newton_schulz", "scale_by_adam_4bit", "scale_by_adam_8bit",
-        "scale_by_muon", "scale_by_shape",
+        "MuonDimensionNumbers", "MuonState", "ScaleByLowBitAdamState", "ShampooState", "SoapState", "adam_4bit",
+        "adam_8bit", "adamw_4bit", "adamw_8bit", "decay_after_update", "muon", "orthogonalize_via_newton_schulz",
+        "scale_by_adam_4bit", "scale_by_adam_8bit", "scale_by_muon", "scale_by_shape", "scale_by_shampoo",
+        "scale_by_soap", "shampoo", "soap",
     ),
     "zero.backends": (
         "DistributedOptimizer", "HierarchicalModelAverager", "Int8Reducer", "MeanReducer", "PeriodicModelAverager",

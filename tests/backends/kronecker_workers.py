@@ -13,8 +13,17 @@ from zero.functional.base import tree_leaves
 from zero.functional.contrib import kronecker
 from zero.plans.costs import cost_of
 
+
 # refreshed within the tests' steps: SOAP's bases every 3 steps, Shampoo's roots every 3 (blocks of 16)
+def by_name(tree):
+    """Factors by name, as practice routes: the first layer (the 'embedding') and the biases without,
+    the other weights as torch's (out, in) matrices."""
+    dims = zf.contrib.MuonDimensionNumbers(1, 0)
+    return {n: dims if n.endswith("weight") and not n.startswith("0.") else None for n in tree}
+
+
 RULES = {"soap": lambda: zf.contrib.soap(1e-2, weight_decay=0.01, precondition_frequency=3),
+         "soap_by_name": lambda: zf.contrib.soap(1e-2, precondition_frequency=3, weight_dimension_numbers=by_name),
          "shampoo": lambda: zf.contrib.shampoo(1e-2, graft_type="rmsprop", start_preconditioning_step=3,
                                                preconditioning_compute_steps=3, block_size=16)}
 
@@ -34,8 +43,9 @@ def under_zero(rank: int, world_size: int, rule: str, steps: int = 9) -> dict:
     the tensors with factors whole) against one process, float64, two param groups, a frozen
     bias; this rank's kernel runs and state bytes beside the plan's."""
     ours_m, ref_m = make_model("plan"), make_model("plan")
-    ours = Zero(groups_of(ours_m, False), RULES[rule](), strategy="flat")
-    ref = zf.Optimizer(groups_of(ref_m, False), RULES[rule]())
+    named = rule.endswith("by_name")  # the rule asks for names: the params go in named
+    ours = Zero(ours_m.named_parameters() if named else groups_of(ours_m, False), RULES[rule](), strategy="flat")
+    ref = zf.Optimizer(ref_m.named_parameters() if named else groups_of(ref_m, False), RULES[rule]())
     runs = 0
 
     def step(opt):
@@ -79,3 +89,35 @@ def over_fsdp2(rank: int, world_size: int, rule: str, steps: int = 7) -> dict:
     counts = [None] * world_size
     dist.all_gather_object(counts, runs)
     return {"worst": worst, "runs": runs, "all_runs": counts, "owned": len(opt.executor.plan.owned(rank))}
+
+
+def zero_leg(rank: int, world_size: int, rule: str, load_from: str | None, save_to: str | None, start: int,
+             steps: int) -> list[torch.Tensor]:
+    """``rule`` under ZeRO's hybrid plan at this world size: load the sharded checkpoint at
+    ``load_from`` (saved under another plan), step ``start`` .. ``start + steps`` on fixed
+    gradients, save to ``save_to``; the params."""
+    from helpers import fixed_grads, set_grads
+
+    from zero.backends import checkpoint
+
+    model = make_model("plan")
+    opt = Zero(groups_of(model, False), RULES[rule](), strategy="flat")
+    if load_from:
+        checkpoint.load(load_from, model, opt)
+    for k in range(start, start + steps):
+        set_grads(model, fixed_grads(list(model.parameters()), k))
+        opt.step()
+    if save_to:
+        checkpoint.save(save_to, model, opt)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def one_process(rank: int, world_size: int, rule: str, steps: int) -> list[torch.Tensor]:
+    from helpers import fixed_grads, set_grads
+
+    model = make_model("plan")
+    opt = zf.Optimizer(groups_of(model, False), RULES[rule]())
+    for k in range(steps):
+        set_grads(model, fixed_grads(list(model.parameters()), k))
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]

@@ -23,13 +23,21 @@ def _kernel_runs(optimizer: str, name_of_meta) -> int:
     return len(spec.layout(name_of_meta).factor_sizes()) * (STEPS // 3)
 
 
-@pytest.mark.parametrize("rule, world_sizes", [("soap", (2, 3, 4)), ("shampoo", (3,))])
+@pytest.mark.parametrize("rule, world_sizes", [("soap", (2, 3, 4)), ("shampoo", (3,)), ("soap_by_name", (3,))])
 def test_under_hybrid_plans_each_factor_on_its_owner(rule, world_sizes):
+    """``soap_by_name``: the first layer (an 'embedding') and the biases routed to no factors by
+    name: the plan keeps only the other weights whole, the first layer's weight in the shards."""
     for world_size in world_sizes:
         results = run_ranks(kw.under_zero, world_size, rule, STEPS)
         first = results[0]
-        metas = {m.name: m for m in zero.param_metas(list(kw.make_model("plan").parameters()))}
-        assert first["whole"] == [n for n, f in first["factored"].items() if f]  # the rule's tensors with factors
+        model = kw.make_model("plan")
+        metas = {m.name: m for m in zero.param_metas(list(model.named_parameters() if rule.endswith("by_name")
+                                                          else model.parameters()))}
+        factored = [n for n, f in first["factored"].items() if f]  # the rule's tensors with factors
+        if rule.endswith("by_name"):
+            factored = [n for n, d in kw.by_name(dict.fromkeys(factored)).items() if d is not None]
+            assert factored == ["1.weight", "2.weight", "3.weight", "4.weight"]
+        assert first["whole"] == factored
         for rank, r in enumerate(results):
             assert r["worst"] <= 1e-10 and r["same"], (rule, world_size, rank, r["worst"])
             assert r["state_bytes"] == r["planned"], (rule, world_size, rank)
@@ -45,3 +53,24 @@ def test_over_fsdp2_each_factor_on_its_owner(rule):
         assert r["worst"] <= 1e-12, r["worst"]
     assert sum(results[0]["all_runs"]) == alone["runs"]  # once across the ranks, as one process runs them
     assert all(r["runs"] < alone["runs"] for r in results)
+
+
+def _worst(a, b) -> float:
+    return max(float((x - y).abs().max() / y.abs().max()) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("rule", ["soap", "shampoo"])
+def test_checkpoints_move_the_factors_between_plans_and_mesh_sizes(tmp_path, rule):
+    """ZeRO's hybrid plan at 2 ranks -> sharded checkpoint -> 3 ranks (other owners), and FSDP2 at 2
+    ranks -> DCP -> 3: the factors, bases and roots come back where the new plan puts them, and the
+    run continues as one process's (the refreshes fall on both sides of the save)."""
+    import alias_cases
+    import fsdp2_workers as fw
+
+    run_ranks(kw.zero_leg, 2, rule, None, str(tmp_path / "zero"), 0, 4)
+    resumed = run_ranks(kw.zero_leg, 3, rule, str(tmp_path / "zero"), None, 4, 4)[0]
+    assert _worst(resumed, run_ranks(kw.one_process, 1, rule, 8)[0]) <= 1e-10
+    spec = (rule, alias_cases.CONTRIB[rule])
+    run_ranks(fw.train_and_save, 2, spec, str(tmp_path / "fsdp2"))
+    got = run_ranks(fw.resume_and_train, 3, spec, str(tmp_path / "fsdp2"))[0]
+    assert _worst(got, run_ranks(fw.one_process, 1, spec)[0]) <= 1e-12

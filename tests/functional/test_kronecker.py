@@ -185,9 +185,11 @@ def test_bad_settings_are_named(bad, match):
         bad()
 
 
-def test_flat_pieces_of_a_factored_tensor_are_refused():
-    """Under a flat plan's pieces SOAP cannot gather a factor: a ValueError naming the param."""
-    tx = F.contrib.soap()
+@pytest.mark.parametrize("tx", [F.contrib.soap(), F.contrib.shampoo(shape_interpretation=False)],
+                         ids=["soap", "shampoo"])
+def test_flat_pieces_of_a_factored_tensor_are_refused(tx):
+    """Under a flat plan's pieces neither rule can gather a factor: a ValueError naming the param
+    (asked of the whole tensor's shape: the piece itself is 1-D, which would step without one)."""
     piece = torch.zeros(12)  # the first half of a 4 x 6 matrix
     pieces = {id(piece): sharding.Pieces((0,), (12,), (0,), 0)}
     installed = sharding.Sharding(pieces, (torch.float32,), lambda x: x, numels=(24,), shapes=((4, 6),),
@@ -195,3 +197,51 @@ def test_flat_pieces_of_a_factored_tensor_are_refused():
     with sharding.installed(installed), sharding.stepping([piece]):
         with pytest.raises(ValueError, match="pieces of param 0 \\(w\\) of shape \\(4, 6\\)"):
             tx.update([torch.ones(12)], tx.init([piece]), [piece])
+
+
+def _by_name(tree):
+    """Factors for the two weights only (``w1`` as torch's (out, in), ``t`` on its last two axes)."""
+    dims = {"w1": F.contrib.MuonDimensionNumbers(1, 0), "t": F.contrib.MuonDimensionNumbers(1, 2)}
+    return {n: dims.get(n) for n in tree}
+
+
+def _alone(tx, names):
+    params = {n: p for n, p in _params().items() if n in names}
+    return _steps(tx, tx.update, params, [{n: g for n, g in _grads(s).items() if n in names} for s in range(8)])
+
+
+def test_leaves_routed_by_name_step_as_the_rule_does_on_them_alone():
+    """A labelled leaf keeps factors on its named axes only; an unlabelled one steps as SOAP with no
+    factor (every axis past ``max_precond_dim``), Shampoo's by its graft alone."""
+    names = list(SHAPES)
+    for rule, plain, bare in (
+            (F.contrib.soap(1e-2, precondition_frequency=3, weight_dimension_numbers=_by_name),
+             F.contrib.soap(1e-2, precondition_frequency=3), F.contrib.soap(1e-2, precondition_frequency=3,
+                                                                            max_precond_dim=1)),
+            (F.contrib.shampoo(1e-2, block_size=8, start_preconditioning_step=2, preconditioning_compute_steps=3,
+                               weight_dimension_numbers=_by_name),
+             F.contrib.shampoo(1e-2, block_size=8, start_preconditioning_step=2, preconditioning_compute_steps=3),
+             F.contrib.shampoo(1e-2, block_size=8, start_preconditioning_step=2, preconditioning_compute_steps=3,
+                               no_preconditioning_for_layers_with_dim_gt=1))):
+        routed = _steps(rule, rule.update, _params(), [_grads(s) for s in range(8)])
+        for n in names:
+            want = _alone(plain, ["w1"])["w1"] if n == "w1" else _alone(bare, [n])[n] if n != "t" else None
+            if want is not None:
+                assert torch.equal(routed[n], want), (rule.spec.name, n)
+    state = F.contrib.scale_by_soap(weight_dimension_numbers=_by_name).init(_params())
+    assert [tuple(f.shape) for f in state.gg["t"]] == [(0,), (4, 4), (5, 5)]  # the batch axis keeps none
+    assert [tuple(f.shape) for f in state.gg["w2"]] == [(0,), (0,)]
+    shapes = {n: (s, torch.float32) for n, s in SHAPES.items()}
+    assert sharding.needs_whole(F.contrib.soap(weight_dimension_numbers=_by_name), shapes) == ["w1", "t"]
+    assert sharding.needs_whole(F.contrib.shampoo(block_size=8, weight_dimension_numbers=_by_name), shapes) == \
+        ["w1", "t"]
+
+
+def test_a_flat_piece_of_a_param_routed_by_name_is_refused():
+    tx = F.contrib.soap(weight_dimension_numbers=lambda tree: {n: F.contrib.MuonDimensionNumbers() for n in tree})
+    piece = torch.zeros(12)  # the first half of a 4 x 6 matrix
+    installed = sharding.Sharding({id(piece): sharding.Pieces((0,), (12,), (0,), 0)}, (torch.float32,),
+                                  lambda x: x, numels=(24,), shapes=((4, 6),), names=("w",))
+    with sharding.installed(installed), sharding.stepping({"flat0": piece}):
+        with pytest.raises(ValueError, match="labels a flat shard \\(pieces of params 0 \\(w\\)\\) as preconditioned"):
+            tx.update({"flat0": torch.ones(12)}, tx.init({"flat0": piece}), {"flat0": piece})

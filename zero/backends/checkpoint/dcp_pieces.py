@@ -105,7 +105,10 @@ def _per_element(leaf: Any, local: torch.Tensor, h: Held, state: RankState, key:
     element per ``k`` of the param's, which the held piece cuts at multiples of ``k`` (a quantized
     moment's scales, one per block; 4-bit codes, two a byte), saved as pieces of a 1-D tensor of
     ``numel // k`` elements; 0 for a leaf of another shape (a factored statistic, a norm), saved
-    whole, which needs the whole param."""
+    whole, which needs the whole param, or an empty placeholder (SOAP's factor of an axis it leaves
+    as it is), the same on every rank that holds a piece."""
+    if isinstance(leaf, torch.Tensor) and leaf.numel() == 0:
+        return 0
     if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape == local.shape:
         return 1
     if isinstance(leaf, torch.Tensor) and leaf.dim() == 1 and 0 < leaf.numel() < local.numel() \

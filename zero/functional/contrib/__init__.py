@@ -1,6 +1,8 @@
 """Rules from ``optax.contrib``: one rule a module, each named and shaped as Optax's (its state
-layout included) and re-exported from here, as ``optax.contrib.<name>`` is; and torchao's low-bit
-Adam (``adamw_8bit`` ...), which Optax does not have, with state no sharding changes.
+layout included) and re-exported from here, as ``optax.contrib.<name>`` is; SOAP (named as Optax's
+pull request names it) and Shampoo (Scalable Shampoo's), with their whole-matrix kernels in
+`kronecker`; and torchao's low-bit Adam (``adamw_8bit`` ...), which Optax does not have, with state
+no sharding changes.
 """
 
 from zero.functional.contrib._lowbit import (
@@ -14,10 +16,10 @@ from zero.functional.contrib._lowbit import (
 )
 from zero.functional.contrib._muon import MuonState, muon, scale_by_muon, scale_by_shape
 from zero.functional.contrib._shampoo import ShampooState, scale_by_shampoo, shampoo
-from zero.functional.contrib._soap import SoapState, decay_after_update, scale_by_soap, soap, soap_axes
+from zero.functional.contrib._soap import SoapState, decay_after_update, scale_by_soap, soap
 from zero.functional.contrib.newton_schulz import MuonDimensionNumbers, orthogonalize_via_newton_schulz
 
 __all__ = ["ScaleByLowBitAdamState", "adam_4bit", "adam_8bit", "adamw_4bit", "adamw_8bit", "scale_by_adam_4bit",
            "scale_by_adam_8bit", "MuonState", "muon", "scale_by_muon", "scale_by_shape", "MuonDimensionNumbers",
-           "orthogonalize_via_newton_schulz", "SoapState", "scale_by_soap", "soap", "soap_axes",
+           "orthogonalize_via_newton_schulz", "SoapState", "scale_by_soap", "soap",
            "decay_after_update", "ShampooState", "scale_by_shampoo", "shampoo"]

@@ -191,25 +191,27 @@ def scale_by_shape(weight_dimension_numbers: DimensionNumbers = None,
     return stateless_tx(update)._replace(spec=spec)
 
 
-def _check_cut(dimension_numbers: DimensionNumbers, tree: Any, cut: list[tuple[int, ...]]) -> None:
-    """Under a hybrid plan: no flat shard may be labelled Muon's, nor hold a piece of a param the
-    dimension numbers (a function of the params, asked about every whole param by name) make
-    Muon's. ``ValueError`` naming it, else the shard's pieces would step as AdamW's."""
+def check_cut(dimension_numbers: DimensionNumbers, tree: Any, cut: list[tuple[int, ...]],
+              what: str = "muon_weight_dimension_numbers", role: str = "a Muon weight",
+              others: str = "shards step with AdamW") -> None:
+    """Under a hybrid plan: no flat shard may be labelled (``role``), nor hold a piece of a param
+    the dimension numbers (``what``: a function of the params, asked about every whole param by
+    name) label. ``ValueError`` naming it, else the shard's pieces would step unlabelled."""
     if not callable(dimension_numbers):
-        raise ValueError("muon_weight_dimension_numbers as a tree labels leaves by position, but this step holds "
+        raise ValueError(f"{what} as a tree labels leaves by position, but this step holds "
                          "flat shards of several params (a hybrid plan): pass a function of the params' tree, "
                          "which is asked by name")
     for d, ts in zip(dims_per_leaf(dimension_numbers, tree), cut):
         if ts and d is not None:
-            raise ValueError(f"muon_weight_dimension_numbers labels a flat shard (pieces of params "
-                             f"{', '.join(map(sharding.name_of, ts))}) as a Muon weight: keep Muon's weights whole "
-                             "(zero.make_plan(..., whole=...)); shards step with AdamW")
+            raise ValueError(f"{what} labels a flat shard (pieces of params "
+                             f"{', '.join(map(sharding.name_of, ts))}) as {role}: keep such params whole "
+                             f"(zero.make_plan(..., whole=...)); {others}")
     tree, order = sharding.whole_tree()
-    muons = {t for t, d in zip(order, dims_per_leaf(dimension_numbers, tree)) if d is not None}
+    labelled = {t for t, d in zip(order, dims_per_leaf(dimension_numbers, tree)) if d is not None}
     for ts in cut:
         for t in ts:
-            if t in muons:
-                raise ValueError(f"muon_weight_dimension_numbers makes param {sharding.name_of(t)} a Muon weight, "
+            if t in labelled:
+                raise ValueError(f"{what} makes param {sharding.name_of(t)} {role}, "
                                  "but the plan left it in the flat buffers, in pieces: keep it whole "
                                  "(zero.make_plan(..., 'flat', whole=...))")
 
@@ -225,7 +227,7 @@ def _labels(dimension_numbers: DimensionNumbers) -> Callable[[Any], Any]:
             return tree_map(lambda x: "muon" if x.ndim == 2 else "adam", tree)
         cut = sharding.cut_tensors(tree_leaves(tree))
         if cut is not None and any(cut):
-            _check_cut(dimension_numbers, tree, cut)
+            check_cut(dimension_numbers, tree, cut)
         dims = dims_per_leaf(dimension_numbers, tree)
         return optree.tree_structure(tree).unflatten(["adam" if d is None else "muon" for d in dims])
     return labels

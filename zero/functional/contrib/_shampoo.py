@@ -12,6 +12,7 @@ plans' own answer.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import optree
@@ -111,22 +112,14 @@ def _graft(kind: str, g: torch.Tensor, second: torch.Tensor, b2: float, eps: flo
     return second, g.sign() if kind == "sqrtn" else g
 
 
-def _pick(pred, a, b):
-    if isinstance(pred, bool):
-        return a if pred else b
-    if isinstance(a, tuple):
-        return tuple(torch.where(pred, x, y) for x, y in zip(a, b))
-    return torch.where(pred, a, b)
-
-
 def scale_by_shampoo(b1: float = 0.9, b2: float = 0.999, *, moving_average_for_momentum: bool = False,
                      weight_decay: float = 0.0, start_preconditioning_step: int = 25,
                      preconditioning_compute_steps: int = 1000, statistics_compute_steps: int = 1,
                      block_size: int = 512, inverse_exponent_override: int = 0,
                      skip_preconditioning_rank_lt: int = 1, no_preconditioning_for_layers_with_dim_gt: int = 8192,
                      shape_interpretation: bool = True, graft_type: str = "sgd", preconditioner_type: str = "all",
-                     nesterov: bool = True, diagonal_eps: float = 1e-10,
-                     matrix_eps: float = 1e-6) -> GradientTransformation:
+                     nesterov: bool = True, diagonal_eps: float = 1e-10, matrix_eps: float = 1e-6,
+                     weight_dimension_numbers: Any = None) -> GradientTransformation:
     r"""Shampoo's direction, grafted (``pytorch_optimizer.ScalableShampoo``'s step, the learning
     rate taken out: see `shampoo`).
 
@@ -153,6 +146,11 @@ def scale_by_shampoo(b1: float = 0.9, b2: float = 0.999, *, moving_average_for_m
         graft_type, preconditioner_type (``"all"``, ``"input"``: all axes but the last,
             ``"output"``: the last), nesterov, diagonal_eps (the graft's), matrix_eps (the factors'
             start).
+        weight_dimension_numbers: which leaves are preconditioned, by name as Muon's (a tree
+            of `zero.functional.contrib.MuonDimensionNumbers` with None for the leaves the graft
+            alone steps, or a function of the params returning one): embeddings and heads as the
+            user says. Shampoo reads only whether a leaf is labelled; its axes are merged and
+            blocked by its own layout. ``None``: every leaf by its layout.
 
     Returns:
         A transformation with state `ShampooState`. A tensor with factors must be whole; the
@@ -177,31 +175,45 @@ def scale_by_shampoo(b1: float = 0.9, b2: float = 0.999, *, moving_average_for_m
                                 skip_preconditioning_rank_lt, no_preconditioning_for_layers_with_dim_gt,
                                 inverse_exponent_override)
 
+    def layouts(tree, leaves) -> list[BlockLayout]:
+        """Per leaf, its layout; without factors where ``weight_dimension_numbers`` labels it None."""
+        named = kronecker.labels(weight_dimension_numbers, tree, leaves, "weight_dimension_numbers")
+        lays = [layout(p.shape) for p in leaves]
+        return lays if named is None else [lay if d is not None else dataclasses.replace(lay, preconditioned=False)
+                                           for lay, d in zip(lays, named)]
+
     def init(params):
         leaves, treedef = optree.tree_flatten(params)
 
-        def eyes(p, scale):
+        lays = layouts(params, leaves)
+
+        def eyes(p, scale, lay):
             dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
-            return tuple(scale * torch.eye(d, dtype=dtype, device=p.device) for d in layout(p.shape).factor_sizes())
+            return tuple(scale * torch.eye(d, dtype=dtype, device=p.device) for d in lay.factor_sizes())
 
         diag = graft_type in ("adagrad", "rmsprop")
         return ShampooState(
             count_zero(), treedef.unflatten([torch.zeros_like(p) for p in leaves]),
-            treedef.unflatten([torch.zeros_like(p) if diag else torch.zeros(0, dtype=p.dtype) for p in leaves]),
+            treedef.unflatten([torch.zeros_like(p) if diag else p.new_zeros(0) for p in leaves]),
             treedef.unflatten([torch.zeros_like(p) for p in leaves]),
-            treedef.unflatten([eyes(p, matrix_eps) for p in leaves]), treedef.unflatten([eyes(p, 1.0) for p in leaves]))
+            treedef.unflatten([eyes(p, matrix_eps, lay) for p, lay in zip(leaves, lays)]),
+            treedef.unflatten([eyes(p, 1.0, lay) for p, lay in zip(leaves, lays)]))
 
     def update(updates, state, params=None):
         leaves, treedef = optree.tree_flatten(updates)
-        sharding.whole_tensors(leaves, "scale_by_shampoo (Kronecker factors of whole tensors)",
-                               needs=lambda shape: layout(shape).preconditioned)
+        lays = layouts(updates, leaves)
+        # by default asked of each whole tensor's shape (a flat piece of a matrix is 1-D); by name, per leaf
+        needs = (lambda shape: layout(shape).preconditioned) if weight_dimension_numbers is None else \
+            [lay.preconditioned for lay in lays]
+        sharding.whole_tensors(leaves, "scale_by_shampoo (Kronecker factors of whole tensors)", needs=needs)
         if weight_decay and params is None:
             raise ValueError("scale_by_shampoo with weight_decay needs the params (update(updates, state, params))")
         t = step_count(state.count) + 1  # this step, from 1
         when = _when(t)
         cols = [treedef.flatten_up_to(x) for x in (state.graft_statistics, state.statistics, state.preconditioners)]
         ps = treedef.flatten_up_to(params) if weight_decay else [None] * len(leaves)
-        firsts = [_directions(g, second, stats, roots, when) for g, second, stats, roots in zip(leaves, *cols)]
+        firsts = [_directions(g, second, stats, roots, when, lay) for g, second, stats, roots, lay in zip(
+            leaves, *cols, lays)]
         shampoo_dirs, graft_dirs = [f[0] for f in firsts], [f[1] for f in firsts]
         if graft_type != "none":
             scales = [a / (b + 1e-16) for a, b in zip(sharding.tensor_norms(graft_dirs),
@@ -226,26 +238,25 @@ def scale_by_shampoo(b1: float = 0.9, b2: float = 0.999, *, moving_average_for_m
         return (torch.remainder(t, statistics_compute_steps) == 0,
                 torch.remainder(t, preconditioning_compute_steps) == 0, t >= start_preconditioning_step)
 
-    def _directions(g, second, stats, roots, when):
+    def _directions(g, second, stats, roots, when, lay):
         """The (ungrafted) preconditioned and graft directions, the graft's and factors' new state."""
         gather, compute, _ = when
         second, graft_dir = _graft(graft_type, g, second, b2, diagonal_eps)
-        lay = layout(g.shape)
         if not lay.preconditioned:
             return graft_dir.clone(), graft_dir, second, stats, roots
         if gather is not False:
-            stats = _pick(gather, _gathered(lay, g, stats, b2), stats)
+            stats = kronecker.pick(gather, _gathered(lay, g, stats, b2), stats)
         if compute is not False:
-            roots = _pick(compute, tuple(kronecker.inverse_root(s, lay.exponent) for s in stats), roots)
+            roots = kronecker.pick(compute, tuple(kronecker.inverse_root(s, lay.exponent) for s in stats), roots)
         return _preconditioned(lay, g, roots), graft_dir, second, stats, roots
 
     def _momentum(m, d):
         return torch.lerp(m, d, w) if moving_average_for_momentum else m * b1 + d
 
     def _step(mom, graft_mom, shampoo_dir, graft_dir, preconditioning):
-        update = _pick(preconditioning, mom, graft_mom)
+        update = kronecker.pick(preconditioning, mom, graft_mom)
         if nesterov:
-            last = _pick(preconditioning, shampoo_dir, graft_dir)
+            last = kronecker.pick(preconditioning, shampoo_dir, graft_dir)
             update = torch.lerp(update, last, w) if moving_average_for_momentum else update * b1 + last
         return update
 
@@ -259,7 +270,7 @@ def scale_by_shampoo(b1: float = 0.9, b2: float = 0.999, *, moving_average_for_m
         "no_preconditioning_for_layers_with_dim_gt": no_preconditioning_for_layers_with_dim_gt,
         "shape_interpretation": shape_interpretation, "graft_type": graft_type,
         "preconditioner_type": preconditioner_type, "nesterov": nesterov, "diagonal_eps": diagonal_eps,
-        "matrix_eps": matrix_eps})
+        "matrix_eps": matrix_eps, "weight_dimension_numbers": weight_dimension_numbers})
     return GradientTransformation(init, update, spec=spec)
 
 
@@ -270,7 +281,8 @@ def shampoo(learning_rate: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: float =
             statistics_compute_steps: int = 1, block_size: int = 512, inverse_exponent_override: int = 0,
             skip_preconditioning_rank_lt: int = 1, no_preconditioning_for_layers_with_dim_gt: int = 8192,
             shape_interpretation: bool = True, graft_type: str = "sgd", preconditioner_type: str = "all",
-            nesterov: bool = True, diagonal_eps: float = 1e-10, matrix_eps: float = 1e-6) -> GradientTransformation:
+            nesterov: bool = True, diagonal_eps: float = 1e-10, matrix_eps: float = 1e-6,
+            weight_dimension_numbers: Any = None) -> GradientTransformation:
     """Shampoo (`scale_by_shampoo`), its weight decay coupled or decoupled, times the learning rate.
 
     Equals ``pytorch_optimizer.ScalableShampoo(params, lr, betas=(b1, b2), ..., use_svd=True)``
@@ -295,7 +307,8 @@ def shampoo(learning_rate: ScalarOrSchedule = 1e-3, b1: float = 0.9, b2: float =
         skip_preconditioning_rank_lt=skip_preconditioning_rank_lt,
         no_preconditioning_for_layers_with_dim_gt=no_preconditioning_for_layers_with_dim_gt,
         shape_interpretation=shape_interpretation, graft_type=graft_type, preconditioner_type=preconditioner_type,
-        nesterov=nesterov, diagonal_eps=diagonal_eps, matrix_eps=matrix_eps)
+        nesterov=nesterov, diagonal_eps=diagonal_eps, matrix_eps=matrix_eps,
+        weight_dimension_numbers=weight_dimension_numbers)
     return chain(direction, T.add_decayed_weights(weight_decay if decoupled_weight_decay else 0.0),
                  T.scale_by_learning_rate(learning_rate))
 

@@ -35,7 +35,7 @@ from zero.functional.contrib import kronecker
 from zero.functional.foreach import traced
 from zero.plans.costs.kronecker import soap_axes
 
-__all__ = ["SoapState", "scale_by_soap", "soap", "soap_axes", "decay_after_update"]
+__all__ = ["SoapState", "scale_by_soap", "soap", "decay_after_update"]
 
 
 class SoapState(NamedTuple):
@@ -87,19 +87,9 @@ def _refreshed(gg: tuple, q: tuple, nu: torch.Tensor) -> tuple[tuple, torch.Tens
     return tuple(bases), nu
 
 
-def _where(pred, a, b):
-    """``a`` where ``pred`` else ``b``: a Python choice when eager, ``torch.where`` over
-    matching tuples of tensors when traced (both outcomes then computed)."""
-    if isinstance(pred, bool):
-        return a if pred else b
-    if isinstance(a, tuple):
-        return tuple(torch.where(pred, x, y) for x, y in zip(a, b))
-    return torch.where(pred, a, b)
-
-
 def scale_by_soap(b1: float = 0.95, b2: float = 0.95, shampoo_beta: float = -1, eps: float = 1e-8,
-                  precondition_frequency: int = 10, max_precond_dim: int = 10000,
-                  precondition_1d: bool = False) -> GradientTransformation:
+                  precondition_frequency: int = 10, max_precond_dim: int = 10000, precondition_1d: bool = False,
+                  weight_dimension_numbers: Any = None) -> GradientTransformation:
     r"""SOAP's rescaling: Adam in the eigenbasis of each tensor's Kronecker factors.
 
     .. math::
@@ -125,6 +115,13 @@ def scale_by_soap(b1: float = 0.95, b2: float = 0.95, shampoo_beta: float = -1, 
         precondition_frequency: steps between refreshes of the bases.
         max_precond_dim: longer axes keep no factor (rotated by nothing).
         precondition_1d: give vectors a factor too (else they step as Adam).
+        weight_dimension_numbers: which leaves get factors, and on which axes, by name as Muon's
+            (`zero.functional.contrib.MuonDimensionNumbers`, a tree of them with None for the
+            leaves without factors, or a function of the params returning one): a labelled
+            leaf keeps a factor for its reduction and output axes (each up to
+            ``max_precond_dim``), the others step as Adam (embeddings and heads, as the user
+            says). ``None``: every leaf by ``max_precond_dim`` and ``precondition_1d``. The plans'
+            cost model (``optimizer="soap"``) counts the default.
 
     Returns:
         A transformation with state `SoapState`. Every tensor with a factor must be whole: under
@@ -138,24 +135,34 @@ def scale_by_soap(b1: float = 0.95, b2: float = 0.95, shampoo_beta: float = -1, 
     beta = b2 if shampoo_beta < 0 else shampoo_beta
     check_unit("shampoo_beta", beta)
 
-    def axes(shape):
-        return soap_axes(tuple(shape), max_precond_dim, precondition_1d)
+    def axes(tree, leaves) -> list[tuple[bool, ...]]:
+        """Per leaf, whether each axis keeps a factor."""
+        named = kronecker.labels(weight_dimension_numbers, tree, leaves, "weight_dimension_numbers")
+        if named is None:
+            return [soap_axes(tuple(p.shape), max_precond_dim, precondition_1d) for p in leaves]
+        return [tuple(a in kronecker.named_axes(p.shape, d) and n <= max_precond_dim for a, n in enumerate(p.shape))
+                for p, d in zip(leaves, named)]
 
-    def factors(p):
-        return tuple(torch.zeros(d, d, dtype=p.dtype, device=p.device) if keep else _empty(p)
-                     for d, keep in zip(p.shape, axes(p.shape)))
+    def factors(p, keep):
+        return tuple(torch.zeros(d, d, dtype=p.dtype, device=p.device) if k else _empty(p)
+                     for d, k in zip(p.shape, keep))
 
     def init(params):
         leaves, treedef = optree.tree_flatten(params)
-        def like(make):
-            return treedef.unflatten([make(p) for p in leaves])
+        kept = axes(params, leaves)
 
-        return SoapState(count_zero(), like(torch.zeros_like), like(torch.zeros_like), like(factors), like(factors))
+        def like(make):
+            return treedef.unflatten([make(p, k) for p, k in zip(leaves, kept)])
+
+        zeros = lambda p, k: torch.zeros_like(p)  # noqa: E731
+        return SoapState(count_zero(), like(zeros), like(zeros), like(factors), like(factors))
 
     def update(updates, state, params=None):
         leaves, treedef = optree.tree_flatten(updates)
-        sharding.whole_tensors(leaves, "scale_by_soap (Kronecker factors of whole tensors)",
-                               needs=lambda shape: any(axes(shape)))
+        # by default asked of each whole tensor's shape (a flat piece of a matrix is 1-D); by name, per leaf
+        needs = (lambda shape: any(soap_axes(tuple(shape), max_precond_dim, precondition_1d))) \
+            if weight_dimension_numbers is None else [any(keep) for keep in axes(updates, leaves)]
+        sharding.whole_tensors(leaves, "scale_by_soap (Kronecker factors of whole tensors)", needs=needs)
         c = step_count(state.count)  # steps before this one
         first, refresh = (c == 0, c > 0 and c % precondition_frequency == 0) if not traced() else (
             c == 0, (c > 0) & (torch.remainder(c, precondition_frequency) == 0))
@@ -163,6 +170,8 @@ def scale_by_soap(b1: float = 0.95, b2: float = 0.95, shampoo_beta: float = -1, 
         scale = 0.0 if first is True else (1 - b2**t) ** 0.5 / (1 - b1**t)
         out = [_leaf(g, *st, first, refresh, scale) for g, *st in zip(
             leaves, *(treedef.flatten_up_to(x) for x in (state.exp_avg, state.exp_avg_sq, state.gg, state.q)))]
+        if not out:  # no tensors here (a rank that steps none of this group's params)
+            return updates, state._replace(count=count_inc(state.count))
         u, mu, nu, gg, q = (treedef.unflatten(list(col)) for col in zip(*out))
         return u, SoapState(count_inc(state.count), mu, nu, gg, q)
 
@@ -177,12 +186,14 @@ def scale_by_soap(b1: float = 0.95, b2: float = 0.95, shampoo_beta: float = -1, 
         if isinstance(first, bool):
             return u, mu2, nu3, gg, q2
         q1 = tuple(kronecker.eigenbasis(f) if f.numel() else f for f in gg)  # traced: every outcome, then chosen
-        return (_where(first, torch.zeros_like(u), u), _where(first, mu, mu2),
-                _where(first, nu, _where(refresh, nu3, nu2)), gg, _where(first, q1, _where(refresh, q2, q)))
+        pick = kronecker.pick
+        return (pick(first, torch.zeros_like(u), u), pick(first, mu, mu2), pick(first, nu, pick(refresh, nu3, nu2)),
+                gg, pick(first, q1, pick(refresh, q2, q)))
 
     spec = Spec("scale_by_soap", {"b1": b1, "b2": b2, "shampoo_beta": shampoo_beta, "eps": eps,
                                   "precondition_frequency": precondition_frequency,
-                                  "max_precond_dim": max_precond_dim, "precondition_1d": precondition_1d})
+                                  "max_precond_dim": max_precond_dim, "precondition_1d": precondition_1d,
+                                  "weight_dimension_numbers": weight_dimension_numbers})
     return GradientTransformation(init, update, spec=spec)
 
 
@@ -218,7 +229,8 @@ def decay_after_update(learning_rate: ScalarOrSchedule, weight_decay: float) -> 
 @alias
 def soap(learning_rate: ScalarOrSchedule = 3e-3, b1: float = 0.95, b2: float = 0.95, shampoo_beta: float = -1,
          eps: float = 1e-8, weight_decay: float = 0.0, precondition_frequency: int = 10,
-         max_precond_dim: int = 10000, precondition_1d: bool = False) -> GradientTransformation:
+         max_precond_dim: int = 10000, precondition_1d: bool = False,
+         weight_dimension_numbers: Any = None) -> GradientTransformation:
     """SOAP (Vyas et al., SOAP: Improving and Stabilizing Shampoo using Adam, 2024): `scale_by_soap`,
     the learning rate, then the authors' decoupled decay of the updated param
     (`decay_after_update`).
@@ -240,6 +252,7 @@ def soap(learning_rate: ScalarOrSchedule = 3e-3, b1: float = 0.95, b2: float = 0
         >>> [tuple(f.shape) for f in state[0].gg["w"]]  # a factor per axis
         [(2, 2), (3, 3)]
     """
-    return chain(scale_by_soap(b1, b2, shampoo_beta, eps, precondition_frequency, max_precond_dim, precondition_1d),
+    return chain(scale_by_soap(b1, b2, shampoo_beta, eps, precondition_frequency, max_precond_dim, precondition_1d,
+                               weight_dimension_numbers),
                  T.scale_by_learning_rate(learning_rate), decay_after_update(learning_rate, weight_decay))
 

@@ -10,10 +10,15 @@ from __future__ import annotations
 
 from collections import Counter
 from itertools import chain
+from typing import Any
 
 import torch
 
-__all__ = ["CALLS", "eigenbasis", "refreshed_basis", "inverse_root", "factor_of", "rotate"]
+from zero.functional import sharding
+from zero.functional.contrib._muon import check_cut, dims_per_leaf
+from zero.functional.contrib.newton_schulz import matrix_axes
+
+__all__ = ["CALLS", "eigenbasis", "refreshed_basis", "inverse_root", "factor_of", "rotate", "pick", "labels"]
 
 CALLS: Counter = Counter()  # kernel name -> eager runs in this process
 
@@ -73,3 +78,35 @@ def inverse_root(m: torch.Tensor, p: int) -> torch.Tensor:
     dtype = torch.float64 if m.dtype == torch.float64 else torch.float32
     u, s, vh = torch.linalg.svd(m.to(dtype), full_matrices=False)
     return ((u * s.pow(-1.0 / p).unsqueeze(-2)) @ vh).to(m.dtype)
+
+
+def pick(pred, a, b):
+    """``a`` where ``pred`` else ``b``: a Python choice when eager (``pred`` a bool), ``torch.where``
+    when traced, over tensors or matching tuples of them (both outcomes were then computed: a
+    compiled or vmapped step holds every branch in one graph)."""
+    if isinstance(pred, bool):
+        return a if pred else b
+    if isinstance(a, tuple):
+        return tuple(torch.where(pred, x, y) for x, y in zip(a, b))
+    return torch.where(pred, a, b)
+
+
+def labels(dimension_numbers: Any, tree: Any, leaves: list[torch.Tensor], what: str) -> list | None:
+    """Per leaf of ``tree``, the dimension numbers ``dimension_numbers`` (a function of the params,
+    or a tree of `MuonDimensionNumbers` with None for the leaves without factors, as Muon's) give
+    it; None when it is None (every leaf by the rule's own defaults). Under a hybrid plan a flat
+    shard labelled, or holding a piece of a param labelled by name, is a ``ValueError`` naming it
+    (its pieces would step without their factors)."""
+    if dimension_numbers is None:
+        return None
+    cut = sharding.cut_tensors(leaves)
+    if cut is not None and any(cut):
+        check_cut(dimension_numbers, tree, cut, what, "preconditioned (with Kronecker factors)",
+                  "shards step without factors")
+    return dims_per_leaf(dimension_numbers, tree)
+
+
+def named_axes(shape: tuple[int, ...], dims: Any) -> set[int]:
+    """The axes of a tensor of ``shape`` that dimension numbers ``dims`` name (its matrix's rows
+    and columns); none for None."""
+    return set() if dims is None else set(matrix_axes(len(shape), dims))

@@ -19,7 +19,7 @@ import torch
 
 __all__ = ["MuonDimensionNumbers", "is_dimension_numbers", "PRECONDITIONINGS", "as_matrices", "fans",
            "newton_schulz", "orthogonalize_via_newton_schulz", "ns_dtype", "check_coeffs", "torch_newton_schulz",
-           "orthogonalize"]
+           "orthogonalize", "matrix_axes"]
 
 PRECONDITIONINGS = ("frobenius", "spectral", "aol", "schatten")
 
@@ -44,6 +44,11 @@ def is_dimension_numbers(x: Any) -> bool:
 def _axes(ndim: int, axes: Sequence[int] | int) -> tuple[int, ...]:
     axes = (axes,) if isinstance(axes, int) else tuple(axes)
     return tuple(a % ndim for a in axes)
+
+
+def matrix_axes(ndim: int, dims: Any) -> tuple[int, ...]:
+    """The reduction and output axes of `MuonDimensionNumbers` ``dims`` over ``ndim`` axes."""
+    return _axes(ndim, dims.reduction_axis) + _axes(ndim, dims.output_axis)
 
 
 def _split_axes(shape: torch.Size, dims: Any) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:

@@ -30,22 +30,28 @@ _PROBE: ContextVar[set[int] | None] = ContextVar("zero_whole_probe", default=Non
 
 
 def whole_tensors(leaves: Sequence[torch.Tensor], what: str,
-                  needs: Callable[[tuple[int, ...]], bool] | None = None) -> None:
+                  needs: Callable[[tuple[int, ...]], bool] | Sequence[bool] | None = None) -> None:
     """``ValueError`` unless every leaf is a whole tensor in its own shape: for rules that read a
     tensor's shape or all its elements at once (Newton-Schulz, factored moments, per-tensor
     state), which a rank stepping pieces of tensors (a flat plan) cannot run.
 
     ``needs(shape)``: only tensors of such shapes must be whole; the rule treats the others
     element by element, so their pieces in a 1-D shard step as they would whole (Adafactor's
-    vectors, beside the matrices it factors; a hybrid plan keeps those whole).
+    vectors, beside the matrices it factors; a hybrid plan keeps those whole). Or ``needs`` a
+    flag per leaf, for rules that decide by name (SOAP's ``weight_dimension_numbers``).
     """
+    flags = None if needs is None or callable(needs) else list(needs)
     probe = current(_PROBE)
     if probe is not None:  # needs_whole is asking, on whole meta tensors: record, do not check
-        probe.update(id(leaf) for leaf in leaves if needs is None or needs(tuple(leaf.shape)))
+        probe.update(id(leaf) for j, leaf in enumerate(leaves)
+                     if (flags[j] if flags is not None else needs is None or needs(tuple(leaf.shape))))
         return
     shapes = current(SHARDING).shapes if current(SHARDING) is not None else ()
-    for pieces_of in cut_tensors(leaves, what) or ():  # None: every rank steps whole tensors, or no step
-        cut = [t for t in pieces_of if needs is None or not shapes or needs(shapes[t])]
+    for j, pieces_of in enumerate(cut_tensors(leaves, what) or ()):  # None: every rank steps whole tensors
+        if flags is not None:
+            cut = list(pieces_of) if flags[j] else []
+        else:
+            cut = [t for t in pieces_of if needs is None or not shapes or needs(shapes[t])]
         if cut:
             shape = f" of shape {shapes[cut[0]]}" if shapes else ""
             raise ValueError(f"{what} needs each tensor whole, but this sharded step holds pieces of param "
