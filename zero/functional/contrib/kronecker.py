@@ -4,6 +4,8 @@ eigenbasis, its refresh by one power iteration and QR, and its inverse p-th root
 Each is the one function that does its work, called once per factor: tests count their calls
 (`CALLS`) to show that each matrix's preconditioner is computed on one rank of a group only.
 The rules call them through this module (``kronecker.eigenbasis``), so a test may wrap them.
+Beside them, what both rules share: a factor's statistic (`factor_of`), the rotation into and out
+of the bases (`rotate`), the choice of a traced step (`pick`) and routing by name (`labels`).
 """
 
 from __future__ import annotations
