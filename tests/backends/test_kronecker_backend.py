@@ -23,7 +23,7 @@ def _kernel_runs(optimizer: str, name_of_meta) -> int:
     return len(spec.layout(name_of_meta).factor_sizes()) * (STEPS // 3)
 
 
-@pytest.mark.parametrize("rule, world_sizes", [("soap", (2, 3, 4)), ("shampoo", (3,)), ("soap_by_name", (3,))])
+@pytest.mark.parametrize("rule, world_sizes", [("soap", (2, 3, 4)), ("shampoo", (2, 3, 4)), ("soap_by_name", (3,))])
 def test_under_hybrid_plans_each_factor_on_its_owner(rule, world_sizes):
     """``soap_by_name``: the first layer (an 'embedding') and the biases routed to no factors by
     name: the plan keeps only the other weights whole, the first layer's weight in the shards."""
@@ -39,7 +39,10 @@ def test_under_hybrid_plans_each_factor_on_its_owner(rule, world_sizes):
             assert factored == ["1.weight", "2.weight", "3.weight", "4.weight"]
         assert first["whole"] == factored
         for rank, r in enumerate(results):
-            assert r["worst"] <= 1e-10 and r["same"], (rule, world_size, rank, r["worst"])
+            # element by element relative (helpers.worst), as test_hybrid's 1e-9: Shampoo's graft norms join the
+            # shards' partial sums, and an element near zero shows their last bits (SOAP's runs are exact)
+            assert r["worst"] <= (0.0 if rule.startswith("soap") else 1e-9) and r["same"], (rule, world_size, rank,
+                                                                                             r["worst"])
             assert r["state_bytes"] == r["planned"], (rule, world_size, rank)
             assert r["runs"] == sum(_kernel_runs(r["optimizer"], metas[n]) for n in r["owned_whole"]), (rule, rank)
         assert sum(first["all_runs"]) == sum(_kernel_runs(first["optimizer"], metas[n]) for n in first["whole"])
@@ -47,12 +50,14 @@ def test_under_hybrid_plans_each_factor_on_its_owner(rule, world_sizes):
 
 @pytest.mark.parametrize("rule", ["soap", "shampoo"])
 def test_over_fsdp2_each_factor_on_its_owner(rule):
-    results = run_ranks(kw.over_fsdp2, 3, rule, STEPS)
+    """At 2, 3 and 4 ranks (at 4, a rank with no rows of the 5-wide layer)."""
     alone = run_ranks(kw.over_fsdp2, 1, rule, STEPS)[0]
-    for r in results:
-        assert r["worst"] <= 1e-12, r["worst"]
-    assert sum(results[0]["all_runs"]) == alone["runs"]  # once across the ranks, as one process runs them
-    assert all(r["runs"] < alone["runs"] for r in results)
+    for world_size in (2, 3, 4):
+        results = run_ranks(kw.over_fsdp2, world_size, rule, STEPS)
+        for r in results:
+            assert r["worst"] <= 1e-12, (world_size, r["worst"])
+        assert sum(results[0]["all_runs"]) == alone["runs"]  # once across the ranks, as one process runs them
+        assert all(r["runs"] < alone["runs"] for r in results), world_size
 
 
 def _worst(a, b) -> float:

@@ -179,6 +179,36 @@ def test_axis_rules_over_pieces_equal_the_whole_tensors(make):
     assert all(torch.equal(o[-2:], torch.zeros(2, dtype=torch.float64)) for o in out)  # padding stays 0
 
 
+@pytest.mark.parametrize("make", [lambda: F.lamb(1e-2), lambda: F.contrib.shampoo(1e-2, start_preconditioning_step=1)],
+                         ids=["lamb", "shampoo's graft"])
+def test_per_tensor_norms_over_pieces_and_a_leaf_of_padding_only(make):
+    """Per-tensor norms (LAMB's trust ratio, Shampoo's graft: these small tensors take no factor)
+    out of pieces equal the whole tensors'; a leaf holding padding only (a rank's shard past the
+    last param) steps to zeros. Its empty piece list once made a float ``lengths`` tensor, which
+    ``repeat_interleave`` refused."""
+    from zero.functional import sharding
+
+    gen = torch.Generator().manual_seed(1)
+    shapes = [(4, 5), (3, 2, 2), (7,)]
+    grads = [torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes]
+    params = [torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes]
+    flat_g, flat_p = torch.cat([g.reshape(-1) for g in grads]), torch.cat([p.reshape(-1) for p in params])
+    half = 19  # the first leaf: all of the matrix but its last element; the second: the rest
+    leaves_g = [flat_g[:half].clone(), flat_g[half:].clone(), torch.zeros(4, dtype=torch.float64)]
+    leaves_p = [flat_p[:half].clone(), flat_p[half:].clone(), torch.zeros(4, dtype=torch.float64)]
+    pieces = {id(leaves_p[0]): sharding.Pieces((0,), (19,), (0,)),
+              id(leaves_p[1]): sharding.Pieces((0, 1, 2), (1, 12, 7), (19, 0, 0)),
+              id(leaves_p[2]): sharding.Pieces((), (), ())}  # padding only
+    rules = sharding.Sharding(pieces, (torch.float64,) * 3, lambda t: t, numels=(20, 12, 7), shapes=tuple(shapes))
+    tx = make()
+    expected, _ = tx.update(grads, tx.init(params), params)
+    with sharding.installed(rules), sharding.stepping(leaves_p):
+        out, _ = tx.update(leaves_g, tx.init(leaves_p), leaves_p)
+    torch.testing.assert_close(torch.cat(out[:2]), torch.cat([e.reshape(-1) for e in expected]), rtol=1e-12,
+                               atol=1e-14)
+    assert torch.equal(out[2], torch.zeros(4, dtype=torch.float64))
+
+
 @pytest.mark.parametrize("make, words", [
     (lambda: F.scale_by_lion(mode="sharp"), "mode must be one of"),
     (lambda: F.polyak_sgd(variant="sps-"), "variant must be 'sps' or 'sps+'"),

@@ -117,7 +117,7 @@ def _whole_norms(sharding: Sharding, pieces: Sequence[Pieces], leaves: Sequence[
 
 def expand(norms: torch.Tensor, pc: Pieces, leaf: torch.Tensor) -> torch.Tensor:
     per_piece = norms[list(pc.tensors)].to(device=leaf.device, dtype=leaf.dtype)
-    lengths = torch.tensor(pc.lengths, device=leaf.device)
+    lengths = torch.tensor(pc.lengths, dtype=torch.long, device=leaf.device)  # () would make a float tensor
     out = torch.zeros(leaf.numel(), dtype=leaf.dtype, device=leaf.device)
     out[:pc.used] = torch.repeat_interleave(per_piece, lengths)
     return out.view(leaf.shape)
