@@ -159,7 +159,13 @@ def test_cost_settings_by_name_are_checked(name, match):
         cost_of(name)
 
 
-def test_a_plan_names_a_cost_with_settings_and_reads_it_back():
-    plan = zero.make_plan(preset("gpt2"), 4, "flat", optimizer="soap(precondition_frequency=3)")
-    assert cost_of(plan.optimizer) == dataclasses.replace(cost_of("soap"), precondition_frequency=3)
+@pytest.mark.parametrize("name, settings", [("soap(precondition_frequency=3)", {"precondition_frequency": 3}),
+                                            ("soap(precondition_1d=True)", {"precondition_1d": True}),
+                                            ("shampoo(shape_interpretation=False, preconditioner_type='input')",
+                                             {"shape_interpretation": False, "preconditioner_type": "input"})])
+def test_a_plan_names_a_cost_with_settings_and_reads_it_back(name, settings):
+    """The plan keeps the name lowercased (``True`` as ``true``): it still reads back."""
+    base = name.partition("(")[0]
+    plan = zero.make_plan(preset("gpt2"), 4, "flat", optimizer=name)
+    assert cost_of(plan.optimizer) == dataclasses.replace(cost_of(base), **settings)
     assert zero.Plan.from_json(plan.to_json()).optimizer == plan.optimizer

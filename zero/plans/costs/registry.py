@@ -75,13 +75,22 @@ def _with_settings(name: str, text: str, rule: str) -> RuleCost:
         raise ValueError(f"unknown optimizer {name!r} in {rule!r}; known: {', '.join(sorted(COSTS))}")
     try:
         call = ast.parse(f"f({text})", mode="eval").body
-        settings = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
+        settings = {k.arg: _literal(k.value) for k in call.keywords}
         if call.args or None in settings:
             raise ValueError
     except (SyntaxError, ValueError):
         raise ValueError(f"optimizer {rule!r}: settings are written name=value, e.g. 'shampoo(block_size=128)'") \
             from None
     return rule_cost(name, settings, strict=True)
+
+
+_NAMES = {"true": True, "false": False, "none": None}  # as a plan keeps them: its optimizer name lowercased
+
+
+def _literal(node: ast.expr) -> object:
+    if isinstance(node, ast.Name) and node.id.lower() in _NAMES:
+        return _NAMES[node.id.lower()]
+    return ast.literal_eval(node)
 
 
 def rule_cost(name: str, settings: dict, strict: bool = False) -> RuleCost:
