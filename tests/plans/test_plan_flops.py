@@ -117,19 +117,21 @@ def test_a_weight_function_plans_but_does_not_round_trip_json():
         zero.make_plan(metas, 16, weight="flops")
 
 
-@pytest.mark.parametrize("rule, by_elements", [("soap", 1.086), ("shampoo", 1.155)])
-def test_kronecker_plans_balance_their_work(rule, by_elements):
-    """GPT-2 at 8 ranks: balanced by the rule's step flops, the busiest rank's work is within 1.10
-    of the mean's; balanced by elements, it is ``by_elements`` (the embedding's factor dominates)."""
+@pytest.mark.parametrize("rule, by_work, by_elements", [("soap", 1.044, 1.086), ("shampoo", 1.013, 1.155)])
+def test_kronecker_plans_balance_their_work(rule, by_work, by_elements):
+    """GPT-2 at 8 ranks: balanced by the rule's step flops, the busiest rank's work is ``by_work``
+    of the mean's, within 1.10 (the figures docs/muon-and-hybrid.md and BENCHMARKS state);
+    balanced by elements, it is ``by_elements`` (the embedding's factor dominates)."""
     spec = cost_of(rule)
 
     def busiest_over_mean(plan):
         work = [sum(spec.step_flops(plan.metas[i]) for i in plan.partition.params_of(r)) for r in range(8)]
         return max(work) / (sum(work) / 8)
 
-    by_work = zero.make_plan(preset("gpt2"), 8, "balanced", "step_flops", rule)
+    plan = zero.make_plan(preset("gpt2"), 8, "balanced", "step_flops", rule)
     by_numel = zero.make_plan(preset("gpt2"), 8, "balanced", "numel", rule)
-    assert busiest_over_mean(by_work) == pytest.approx(by_work.max_over_mean) and by_work.max_over_mean <= 1.10
+    assert busiest_over_mean(plan) == pytest.approx(plan.max_over_mean) and plan.max_over_mean <= 1.10
+    assert plan.max_over_mean == pytest.approx(by_work, abs=5e-4)
     assert busiest_over_mean(by_numel) == pytest.approx(by_elements, abs=5e-4)
 
 

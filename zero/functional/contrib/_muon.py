@@ -44,11 +44,10 @@ from zero.functional.contrib.newton_schulz import (
     MuonDimensionNumbers,
     check_coeffs,
     fans,
-    is_dimension_numbers,
     orthogonalize,
 )
+from zero.functional.contrib.routing import DimensionNumbers, check_cut, dims_per_leaf
 from zero.functional.elementwise import debias, moment
-from zero.functional.transforms.masking import MaskedNode
 
 __all__ = ["MuonState", "scale_by_muon", "scale_by_shape", "muon", "NS_COEFFS_PRESETS"]
 
@@ -58,8 +57,6 @@ NS_COEFFS_PRESETS = {
     "dion": ((4.0848, -6.8946, 2.9270), (3.9505, -6.3029, 2.6377), (3.7418, -5.5913, 2.3037),
              (2.8769, -3.1427, 1.2046), (2.8366, -3.0525, 1.2012)),
 }
-
-DimensionNumbers = MuonDimensionNumbers | Any | Callable[[Any], Any] | None
 
 
 class MuonState(NamedTuple):
@@ -74,29 +71,6 @@ class MuonState(NamedTuple):
     count: torch.Tensor
     mu: Any
     ns_coeffs: torch.Tensor
-
-
-def _is_dims_leaf(x: Any) -> bool:
-    return x is None or is_dimension_numbers(x)
-
-
-def _unmasked(tree: Any) -> Any:
-    """``tree`` as a dimension-numbers function expects it: the leaves `muon` routes elsewhere
-    (`MaskedNode` here, where Optax shows them too) as empty 1-D tensors, which such a function
-    reads as "not a matrix", so ``lambda t: {n: ... p.ndim == 2 ...}`` works on masked trees."""
-    return optree.tree_map(lambda x: torch.empty(0) if isinstance(x, MaskedNode) else x, tree,
-                           is_leaf=lambda x: isinstance(x, MaskedNode))
-
-
-def dims_per_leaf(dimension_numbers: DimensionNumbers, tree: Any) -> list:
-    """For each leaf of ``tree`` (in order), its dimension numbers or None: ``dimension_numbers``
-    is one `MuonDimensionNumbers` for all, a tree of them (a prefix of ``tree``; None marks
-    leaves that are not Muon's), or a function of ``tree`` returning one."""
-    dims = dimension_numbers(_unmasked(tree)) if callable(dimension_numbers) else dimension_numbers
-    if _is_dims_leaf(dims):  # one for all (torch.compile cannot trace optree's broadcast)
-        return [dims] * len(optree.tree_leaves(tree, none_is_leaf=True))
-    full = optree.tree_broadcast_prefix(dims, tree, is_leaf=_is_dims_leaf, none_is_leaf=True)
-    return optree.tree_leaves(full, is_leaf=_is_dims_leaf, none_is_leaf=True)
 
 
 def scale_by_muon(ns_coeffs: Any = DEFAULT_NS_COEFFS, ns_steps: int = 5, beta: float = 0.95, eps: float = 1e-8,
@@ -189,31 +163,6 @@ def scale_by_shape(weight_dimension_numbers: DimensionNumbers = None,
     spec = Spec("scale_by_shape", {"weight_dimension_numbers": weight_dimension_numbers,
                                    "consistent_rms": consistent_rms})
     return stateless_tx(update)._replace(spec=spec)
-
-
-def check_cut(dimension_numbers: DimensionNumbers, tree: Any, cut: list[tuple[int, ...]],
-              what: str = "muon_weight_dimension_numbers", role: str = "a Muon weight",
-              others: str = "shards step with AdamW") -> None:
-    """Under a hybrid plan: no flat shard may be labelled (``role``), nor hold a piece of a param
-    the dimension numbers (``what``: a function of the params, asked about every whole param by
-    name) label. ``ValueError`` naming it, else the shard's pieces would step unlabelled."""
-    if not callable(dimension_numbers):
-        raise ValueError(f"{what} as a tree labels leaves by position, but this step holds "
-                         "flat shards of several params (a hybrid plan): pass a function of the params' tree, "
-                         "which is asked by name")
-    for d, ts in zip(dims_per_leaf(dimension_numbers, tree), cut):
-        if ts and d is not None:
-            raise ValueError(f"{what} labels a flat shard (pieces of params "
-                             f"{', '.join(map(sharding.name_of, ts))}) as {role}: keep such params whole "
-                             f"(zero.make_plan(..., whole=...)); {others}")
-    tree, order = sharding.whole_tree()
-    labelled = {t for t, d in zip(order, dims_per_leaf(dimension_numbers, tree)) if d is not None}
-    for ts in cut:
-        for t in ts:
-            if t in labelled:
-                raise ValueError(f"{what} makes param {sharding.name_of(t)} {role}, "
-                                 "but the plan left it in the flat buffers, in pieces: keep it whole "
-                                 "(zero.make_plan(..., 'flat', whole=...))")
 
 
 def _labels(dimension_numbers: DimensionNumbers) -> Callable[[Any], Any]:

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from zero.functional import sharding
-from zero.functional.contrib._muon import check_cut, dims_per_leaf
 from zero.functional.contrib.newton_schulz import matrix_axes
+from zero.functional.contrib.routing import check_cut, dims_per_leaf
 
 __all__ = ["CALLS", "eigenbasis", "refreshed_basis", "inverse_root", "factor_of", "rotate", "pick", "labels"]
 
