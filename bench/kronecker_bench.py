@@ -29,7 +29,6 @@ from torch import nn  # noqa: E402
 
 import zero  # noqa: E402
 import zero.functional as F  # noqa: E402
-from zero.functional.base import tree_leaves  # noqa: E402
 
 
 def blocks(layers: int, width: int) -> nn.Module:
@@ -54,12 +53,6 @@ def with_grads(model: nn.Module, step: int = 0) -> nn.Module:
     for p in model.parameters():
         p.grad = torch.randn(p.shape, generator=gen)
     return model
-
-
-def state_bytes(opt) -> int:
-    local = opt.optim if hasattr(opt, "optim") else opt
-    return sum(t.nbytes for k in range(len(local.param_groups)) for s in local.set_states(k).values()
-               for t in tree_leaves(s) if isinstance(t, torch.Tensor) and t.ndim)
 
 
 def timed(pair: list, repeat: int, every: int, barrier) -> list[tuple[float, float]]:
@@ -87,7 +80,7 @@ def worker(rank: int, world_size: int, name: str, layers: int, width: int, repea
     owned = ZeroRedundancyOptimizer(owned_m.named_parameters(), rule(name, every), plan=plan)
     everyone = F.Optimizer(every_m.named_parameters(), rule(name, every))
     times = timed([owned.step, everyone.step], repeat, every, dist.barrier)
-    return {"times": times, "state": [state_bytes(owned), state_bytes(everyone)],
+    return {"times": times, "state": [owned.optim.state_nbytes(), everyone.state_nbytes()],
             "planned": plan.ranks[rank].state_bytes}
 
 

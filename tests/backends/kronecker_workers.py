@@ -9,7 +9,6 @@ from helpers import ddp_grads, groups_of, make_model, same_on_every_rank, side_b
 
 import zero.functional as zf
 from zero.backends import ZeroRedundancyOptimizer as Zero
-from zero.functional.base import tree_leaves
 from zero.functional.contrib import kronecker
 from zero.plans.costs import cost_of
 
@@ -30,12 +29,6 @@ RULES = {"soap": lambda: zf.contrib.soap(1e-2, weight_decay=0.01, precondition_f
 
 def _runs() -> int:
     return sum(kronecker.CALLS.values())
-
-
-def tensor_state_bytes(opt: zf.Optimizer) -> int:
-    """Bytes of a functional optimizer's state tensors, its 0-d step counts left out."""
-    return sum(t.nbytes for k in range(len(opt.param_groups)) for s in opt.set_states(k).values()
-               for t in tree_leaves(s) if isinstance(t, torch.Tensor) and t.ndim)
 
 
 def under_zero(rank: int, world_size: int, rule: str, steps: int = 9) -> dict:
@@ -64,7 +57,7 @@ def under_zero(rank: int, world_size: int, rule: str, steps: int = 9) -> dict:
     return {"worst": worst, "same": same_on_every_rank(ours_m), "runs": runs, "all_runs": counts,
             "optimizer": plan.optimizer, "whole": [plan.metas[i].name for i in plan.whole],
             "owned_whole": [plan.metas[i].name for i in mine],
-            "state_bytes": tensor_state_bytes(ours.optim), "planned": plan.ranks[rank].state_bytes,
+            "state_bytes": ours.optim.state_nbytes(), "planned": plan.ranks[rank].state_bytes,
             "factored": {m.name: spec.whole(m) for m in plan.metas}}
 
 

@@ -274,6 +274,12 @@ class Optimizer(torch.optim.Optimizer):
         """Group ``k``'s states, by the positions of the params stepped together (writable)."""
         return self._states[k].states
 
+    def state_nbytes(self) -> int:
+        """Bytes of the rule's state tensors on this rank, its 0-d counts and scalars left out:
+        what a plan's ``state_bytes`` counts for a `zero.functional` rule (`zero.plans.costs`)."""
+        return sum(t.nbytes for s in self._states for state in s.states.values() for t in optree.tree_leaves(state)
+                   if isinstance(t, torch.Tensor) and t.ndim)
+
     def state_dict(self) -> dict[str, Any]:
         sd = super().state_dict()
         sd["tx_states"] = [dict(s.states) for s in self._states]
