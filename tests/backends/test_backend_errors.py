@@ -33,16 +33,19 @@ def test_bad_params(bad, error, match):
         Zero(bad, torch.optim.SGD, lr=0.1)
 
 
-def test_fsdp2s_dtensor_params_are_named_with_what_steps_them():
-    """FSDP2's params are DTensors: a TypeError naming the param and what to use, not DTensor's
-    'got mixed torch.Tensor and DTensor' from inside the sync."""
+def test_fsdp2s_dtensor_params_beside_plain_ones_are_named():
+    """FSDP2's params are DTensors, which ZeRO steps over FSDP2's mesh (`zero.backends.fsdp2`): a
+    plain param beside them is a ValueError naming both, at construction, not DTensor's 'got mixed
+    torch.Tensor and DTensor' from inside a step."""
     from torch.distributed.fsdp import fully_shard
 
     model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
     fully_shard(model[1])
-    with pytest.raises(TypeError, match=r"params\[1.weight\] is a DTensor \(\(Shard\(dim=0\),\).*"
-                                        r"zero.functional.Optimizer"):
+    with pytest.raises(ValueError, match=r"plain param '0.weight' beside sharded param '1.weight'"):
         Zero(model, torch.optim.AdamW, lr=0.1)
+    fully_shard(model)
+    opt = Zero(model, torch.optim.AdamW, lr=0.1)
+    assert isinstance(opt, Zero) and opt.executor.plan.replicas == 1
 
 
 @pytest.mark.parametrize("make", [lambda m: Zero(m, torch.optim.AdamW, lr=0.1),

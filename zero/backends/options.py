@@ -14,7 +14,7 @@ from zero.plans.layout import DDP_BUCKET_CAP_MB, default_bucket_numel
 from zero.plans.meta import ParamMeta, param_groups, param_metas
 from zero.plans.plan import PLAN_STRATEGIES, Plan, make_plan
 
-__all__ = ["default_plan", "quantized_params", "low_bit_name", "check_blocks", "check_plan_arguments",
+__all__ = ["default_plan", "quantized_params", "low_bit_name", "rule_cost_name", "check_blocks", "check_plan_arguments",
            "check_sync_options",
            "check_torch_settings", "normalise_params"]
 
@@ -56,16 +56,33 @@ def _rule(metas: list[ParamMeta], optimizer_class: Any, defaults: dict) -> tuple
 
 def _cost_name(metas: list[ParamMeta], optimizer_class: Any, defaults: dict) -> str | None:
     """The plan's name for the cost of a `zero.functional` rule that keeps params whole (Muon,
-    SOAP, Shampoo: its alias' name with its settings, `zero.plans.costs.cost_name`), so the plan
-    counts its factors and balances its work; None for other rules (Adam's figures serve)."""
+    SOAP, Shampoo: `rule_cost_name`), so the plan counts its factors and balances its work; None
+    for other rules (Adam's figures serve)."""
+    asked = _rule(metas, optimizer_class, defaults)
+    return rule_cost_name(asked[0]) if asked else None
+
+
+def rule_cost_name(tx: Any) -> str | None:
+    """The registered cost of rule ``tx`` when it keeps params whole: its alias' name with its
+    settings (`zero.plans.costs.cost_name`), found on ``tx`` or a link or inner rule of it; else None."""
+    from zero.functional.base import GradientTransformation
     from zero.plans.costs import COSTS
     from zero.plans.costs.registry import cost_name, rule_cost
 
-    asked = _rule(metas, optimizer_class, defaults)
-    spec = getattr(asked[0], "spec", None) if asked else None
-    if spec is None or spec.name not in COSTS or not COSTS[spec.name].keeps_whole:
+    spec = getattr(tx, "spec", None)
+    if spec is None:
         return None
-    return cost_name(spec.name, rule_cost(spec.name, spec.args))
+    name, args = spec.name, spec.args
+    if name == "inject_hyperparams":  # a rule as param groups set it: its factory and arguments
+        factory, args = args["source"]
+        name = getattr(factory, "__name__", "")
+        if name not in COSTS:  # a chain around such a rule (or a factory of the user's): what it builds
+            return rule_cost_name(factory(**args))
+    if name in COSTS and COSTS[name].keeps_whole:
+        return cost_name(name, rule_cost(name, args))
+    inner = spec.args.get("inner")
+    found = (rule_cost_name(t) for t in (*spec.links, inner) if isinstance(t, GradientTransformation))
+    return next((name for name in found if name), None)
 
 
 def _needed_whole(metas: list[ParamMeta], optimizer_class: Any, defaults: dict) -> list[str]:
@@ -151,12 +168,11 @@ def normalise_params(params: Any) -> list[dict]:
     metas = param_metas(groups)  # non-tensors, sparse and repeated params fail here, by position
     flat = [p for g in groups for p in g["params"]]
     for m, p in zip(metas, flat):
-        if isinstance(p, DTensor):
+        if isinstance(p, DTensor):  # zero.ZeroRedundancyOptimizer itself builds its FSDP2 form instead
             raise TypeError(f"params[{m.name}] is a DTensor ({tuple(p.placements)} over {p.device_mesh}), as "
-                            "FSDP2's fully_shard makes them: ZeroRedundancyOptimizer shards plain params, and FSDP2 "
-                            "already shards these and their state. Step them with zero.functional.Optimizer("
-                            "model.parameters(), tx), which steps any zero rule exactly over them (docs: On FSDP2), "
-                            "or a torch.optim class")
+                            "FSDP2's fully_shard makes them: a subclass of ZeroRedundancyOptimizer steps plain params; "
+                            "zero.ZeroRedundancyOptimizer(params, ...) itself steps these over FSDP2's mesh "
+                            "(zero.backends.fsdp2.ReplicaShardedOptimizer), as zero.functional.Optimizer does")
         if p.requires_grad and not p.is_contiguous():
             raise ValueError(f"params[{m.name}] (shape {tuple(p.shape)}) is not contiguous; "
                              "pass contiguous parameters")

@@ -12,7 +12,7 @@ execution detail the mode's.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -39,14 +39,33 @@ from zero.backends.rank_state import RankState
 from zero.backends.torch_names import TorchNames
 from zero.functional.kernels.chains import Path
 from zero.plans.checks import checksum
-from zero.plans.meta import param_metas
+from zero.plans.meta import param_groups, param_metas
 from zero.plans.partition import check_rank
 from zero.plans.plan import Plan, check_plan, make_plan
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
 
-class ZeroRedundancyOptimizer(TorchNames, Optimizer, Joinable):
+class _OverFsdp2(type(Joinable)):
+    """``ZeroRedundancyOptimizer(params, ...)`` over FSDP2's DTensor params builds the optimizer
+    that shards the state over HSDP's replicas too (`zero.backends.fsdp2.replicas`), which
+    ``isinstance(opt, ZeroRedundancyOptimizer)`` then holds for; plain params build this class."""
+
+    def __call__(cls, params: Any, *args: Any, **kwargs: Any) -> Any:
+        if cls.__name__ != "ZeroRedundancyOptimizer" or cls.__module__ != __name__:
+            return super().__call__(params, *args, **kwargs)
+        from zero.backends.fsdp2.replicas import ReplicaShardedOptimizer, has_dtensors, named_groups
+
+        read = isinstance(params, Iterator)  # a generator: read here, once
+        groups = param_groups(params)
+        if not has_dtensors(groups):
+            return super().__call__(named_groups(groups) if read else params, *args, **kwargs)
+        positional = dict(zip(("optimizer_class", "process_group", "parameters_as_bucket_view", "overlap_with_ddp"),
+                              args))
+        return ReplicaShardedOptimizer(named_groups(groups), **positional, **kwargs)
+
+
+class ZeroRedundancyOptimizer(TorchNames, Optimizer, Joinable, metaclass=_OverFsdp2):
     """Shard any optimizer's state across a process group (ZeRO stage 1); a drop-in for torch's.
 
     Each rank keeps the full model but steps, and holds state for, only what the plan gives it:

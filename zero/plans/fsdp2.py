@@ -9,6 +9,13 @@ ranks) is stepped by one owner: every rank sends the owner its piece of the para
 gradient, the owner steps the whole tensor and sends each rank its piece back, in one exchange
 per direction per dtype. Owners are balanced by the rule's step cost (`zero.plans.costs`), so no
 rank holds every matrix.
+
+HSDP (``fully_shard`` on a 2-D mesh of ``replicas x shards``) keeps every replica's ranks holding
+the same pieces. A plan with ``replicas > 1`` shards the step over the replicas too (ZeRO-1 over
+the replicate dim): mesh rank ``r * shards + s`` steps ``part`` of shard ``s``'s piece of each
+element-wise param (a run of it, cut at the param's low-bit blocks), and owns whole params across
+all ranks, so each matrix is stepped once in the mesh, not once per replica; one all-gather over
+each replicate group then gives every replica the updated pieces (``gather_bytes``).
 """
 
 from __future__ import annotations
@@ -39,8 +46,12 @@ def chunk_rows(size: int, world_size: int) -> tuple[tuple[int, int], ...]:
 @dataclass(frozen=True)
 class Fsdp2Plan:
     """Per param: the dim FSDP2 shards (``dims``), whether an owner steps it whole (``owner``:
-    the rank, or -1 where each rank steps its own piece), and the block its low-bit state is
-    quantized in (``blocks``, 0 for none). Everything else is read from these."""
+    the mesh rank, or -1 where each rank steps its own piece), and the block its low-bit state is
+    quantized in (``blocks``, 0 for none). ``world_size`` is the ranks one replica shards over;
+    ``replicas`` the replicas the step is sharded over too (1: each replica steps alone).
+    Methods that take a ``rank`` for a piece (``rows``, ``local_shape``, ``start``) take the shard
+    rank; those of what a rank steps and holds (``part``, ``state_bytes``, ``owned``) the mesh
+    rank ``replica * world_size + shard``. Everything else is read from these."""
 
     metas: tuple[ParamMeta, ...]
     world_size: int
@@ -48,7 +59,36 @@ class Fsdp2Plan:
     dims: tuple[int, ...]
     owner: tuple[int, ...]
     blocks: tuple[int, ...]
+    replicas: int = 1
     fingerprint: str = ""
+
+    @property
+    def ranks(self) -> int:
+        """Every rank of the mesh the step is sharded over: ``replicas * world_size``."""
+        return self.replicas * self.world_size
+
+    def part(self, i: int, rank: int) -> tuple[int, int]:
+        """``(start, length)`` of the elements of its shard's piece of param ``i`` that mesh rank
+        ``rank`` steps (the whole piece at one replica); for a param an owner steps whole, the
+        pieces of the owner's replica (they come back to it from the owner). An element-wise
+        param's piece is cut over the replicas at whole low-bit blocks."""
+        shard, replica = rank % self.world_size, rank // self.world_size
+        n = self.local_numel(i, shard)
+        if self.owner[i] >= 0:
+            return (0, n) if self.owner[i] // self.world_size == replica else (0, 0)
+        unit = self.blocks[i] or 1
+        first, count = chunk_rows(-(-n // unit), self.replicas)[replica]
+        start = min(first * unit, n)
+        return start, min(n, (first + count) * unit) - start
+
+    def within(self, replica: int) -> Fsdp2Plan:
+        """The plan of one replica's exchange with its owners: the whole params owned by its ranks,
+        by shard rank; every other param -1 (stepped in pieces, or by another replica's owner)."""
+        if self.replicas == 1:
+            return self
+        w = self.world_size
+        owner = tuple(o % w if o >= 0 and o // w == replica else -1 for o in self.owner)
+        return dataclasses.replace(self, owner=owner, replicas=1)
 
     def rows(self, i: int) -> tuple[tuple[int, int], ...]:
         """Each rank's ``(start, length)`` along param ``i``'s sharded dim."""
@@ -86,21 +126,41 @@ class Fsdp2Plan:
         return tuple(i for i, o in enumerate(self.owner) if o == rank)
 
     def exchange_bytes(self, rank: int) -> dict[str, tuple[int, int]]:
-        """Per dtype, the bytes ``rank`` sends to the owners (its pieces of their params and
-        gradients) and sends back as an owner (each other rank's piece of its updated params)."""
+        """Per dtype, the bytes mesh rank ``rank`` sends to the owners of its replica (its pieces of
+        their params and gradients) and sends back as an owner (each other rank's piece of its
+        updated params): traffic within a replica."""
+        w, shard = self.world_size, rank % self.world_size
         out: dict[str, list[int]] = {}
         for i in self.whole:
             meta, owner = self.metas[i], self.owner[i]
             size = itemsize(meta.dtype)
             row = out.setdefault(meta.dtype, [0, 0])
+            if owner // w != rank // w:
+                continue
             if owner != rank:
-                row[0] += 2 * self.local_numel(i, rank) * size
+                row[0] += 2 * self.local_numel(i, shard) * size
             else:
-                row[1] += sum(self.local_numel(i, r) for r in range(self.world_size) if r != rank) * size
+                row[1] += sum(self.local_numel(i, r) for r in range(w) if r != shard) * size
         return {k: (v[0], v[1]) for k, v in out.items()}
 
+    def gather_bytes(self, rank: int) -> dict[str, int]:
+        """Per dtype, the bytes of the all-gathers over ``rank``'s replicate group that give every
+        replica the updated pieces: one per param group and dtype, of each member's parts padded to
+        the longest; the output's size, as `zero.backends.comm.all_gather_into` hands it in
+        (traffic across replicas). Empty at one replica."""
+        if self.replicas == 1:
+            return {}
+        shard, out = rank % self.world_size, {}
+        sets = dict.fromkeys((m.group, m.dtype) for m in self.metas if m.requires_grad)
+        for group, dtype in sets:
+            these = [i for i, m in enumerate(self.metas) if m.requires_grad and (m.group, m.dtype) == (group, dtype)]
+            longest = max(sum(self.part(i, r * self.world_size + shard)[1] for i in these)
+                          for r in range(self.replicas))
+            out[dtype] = out.get(dtype, 0) + self.replicas * longest * itemsize(dtype)
+        return out
+
     def state_bytes(self, rank: int) -> int:
-        """Bytes of optimizer state ``rank`` holds: its pieces' and its owned params' whole."""
+        """Bytes of optimizer state mesh rank ``rank`` holds: its parts' and its owned params' whole."""
         spec, total = cost_of(self.optimizer), 0
         for i, meta in enumerate(self.metas):
             if not meta.requires_grad:
@@ -109,26 +169,34 @@ class Fsdp2Plan:
             if self.owner[i] == rank:
                 total += spec.state_bytes(meta, size)
             elif self.owner[i] < 0:
-                total += spec.shard_state_bytes(self.local_numel(i, rank), size, self.blocks[i])
+                total += spec.shard_state_bytes(self.part(i, rank)[1], size, self.blocks[i])
         return total
 
     def table(self) -> str:
         """One line per rank: elements held, params owned whole, state bytes and exchange bytes."""
-        lines = [f"FSDP2 plan: {len(self.metas)} params over {self.world_size} ranks, {self.optimizer}, "
+        mesh = f"{self.world_size} ranks"
+        if self.replicas > 1:
+            mesh = f"{self.replicas} replicas x {mesh}"
+        lines = [f"FSDP2 plan: {len(self.metas)} params over {mesh}, {self.optimizer}, "
                  f"{len(self.whole)} stepped whole by an owner (fingerprint {self.fingerprint})",
-                 f"{'rank':>4} {'elements':>12} {'owned':>6} {'state bytes':>14} {'to owners':>12} {'back':>12}"]
-        for r in range(self.world_size):
+                 f"{'rank':>4} {'elements':>12} {'owned':>6} {'state bytes':>14} {'to owners':>12} {'back':>12}"
+                 + (f" {'replicas':>12}" if self.replicas > 1 else "")]
+        for r in range(self.ranks):
             moved = self.exchange_bytes(r).values()
-            lines.append(f"{r:>4} {sum(self.local_numel(i, r) for i in range(len(self.metas))):>12} "
+            across = f" {sum(self.gather_bytes(r).values()):>12}" if self.replicas > 1 else ""
+            lines.append(f"{r:>4} {sum(self.part(i, r)[1] for i in range(len(self.metas))):>12} "
                          f"{len(self.owned(r)):>6} {self.state_bytes(r):>14} {sum(m[0] for m in moved):>12} "
-                         f"{sum(m[1] for m in moved):>12}")
+                         f"{sum(m[1] for m in moved):>12}{across}")
         return "\n".join(lines)
 
 
 def make_fsdp2_plan(metas: Sequence[ParamMeta], world_size: int, optimizer: str | RuleCost = "adam", *,
                     dims: Mapping[str, int] | None = None, whole: Sequence[str] | None = None,
-                    blocks: Mapping[str, int] | None = None, weight: str = "step_flops") -> Fsdp2Plan:
-    """The plan of a rule over FSDP2's params on a 1-D mesh of ``world_size`` ranks.
+                    blocks: Mapping[str, int] | None = None, weight: str = "step_flops",
+                    replicas: int = 1) -> Fsdp2Plan:
+    """The plan of a rule over FSDP2's params on a mesh of ``world_size`` ranks per replica, its
+    step sharded over ``replicas`` replicas too (HSDP's replicate dim; 1: FSDP2's 1-D mesh, or
+    each replica stepping alone).
 
     ``dims``: the dim FSDP2 shards each param on, by name (default 0); ``whole``: the names of
     the params the rule needs whole (default: what ``optimizer``'s cost model says);
@@ -138,6 +206,8 @@ def make_fsdp2_plan(metas: Sequence[ParamMeta], world_size: int, optimizer: str 
     """
     metas = tuple(check_metas(metas))
     check_world_size(world_size)
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+        raise ValueError(f"replicas must be a positive int, got {replicas!r}")
     spec = cost_of(optimizer)
     dims = dict(dims or {})
     unknown = set(dims) - {m.name for m in metas}
@@ -145,11 +215,11 @@ def make_fsdp2_plan(metas: Sequence[ParamMeta], world_size: int, optimizer: str 
         raise ValueError(f"dims names params that are not in the plan: {sorted(unknown)}")
     dim_of = tuple(_check_dim(m, dims.get(m.name, 0)) for m in metas)
     blocks = _blocks(metas, spec, blocks)
-    draft = Fsdp2Plan(metas, world_size, str(optimizer).lower(), dim_of, (-1,) * len(metas), blocks)
+    draft = Fsdp2Plan(metas, world_size, str(optimizer).lower(), dim_of, (-1,) * len(metas), blocks, replicas)
     keep = _resolve(draft, spec, whole)
     owner = [-1] * len(metas)
     if keep:
-        part = partition([metas[i] for i in keep], world_size, "sorted_greedy", weight, spec)
+        part = partition([metas[i] for i in keep], world_size * replicas, "sorted_greedy", weight, spec)
         for i, r in zip(keep, part.owner):
             owner[i] = r
     blocks = tuple(0 if owner[i] >= 0 else b for i, b in enumerate(blocks))
@@ -190,5 +260,6 @@ def _resolve(plan: Fsdp2Plan, spec: RuleCost, whole: Sequence[str] | None) -> tu
 
 def _fingerprint(plan: Fsdp2Plan) -> str:
     payload = [[m.name, list(m.shape), m.dtype, m.requires_grad] for m in plan.metas]
-    text = json.dumps([payload, plan.world_size, plan.optimizer, plan.dims, plan.owner, plan.blocks])
+    text = json.dumps([payload, plan.world_size, plan.optimizer, plan.dims, plan.owner, plan.blocks]
+                      + ([plan.replicas] if plan.replicas > 1 else []))
     return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -151,7 +151,7 @@ def _optimizer_state_dict(optimizer: Any, model: nn.Module, opts: _Options, mast
     if fsdp2 is not None:
         from zero.backends.fsdp2.state import fsdp2_state_dict
 
-        sd = fsdp2_state_dict(optimizer, fsdp2)
+        sd = fsdp2_state_dict(optimizer, fsdp2, masters)
         return _flatten(sd) if opts.flatten_optimizer_state_dict else sd
     held = check_optimizer(optimizer)
     names = _param_names(held, model)

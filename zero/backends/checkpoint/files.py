@@ -71,14 +71,14 @@ def save(checkpoint_id: Any, model: nn.Module, optimizer: Any, *, masters: bool 
 
 def group_of(optimizer: Any) -> Any:
     """The group a sharded optimizer's ranks save and load over: a ZeroRedundancyOptimizer's, or
-    the mesh's of a `zero.functional.Optimizer` over FSDP2's params."""
+    the mesh's of a `zero.functional.Optimizer` over FSDP2's params (HSDP's: every replica's ranks)."""
     if hasattr(optimizer, "rank_state"):
         return optimizer.process_group
     executor = getattr(optimizer, "executor", None)
     if executor is None:
         raise TypeError(f"optimizer must be a zero.backends.ZeroRedundancyOptimizer or a zero.functional.Optimizer "
                         f"over FSDP2's params, got {type(optimizer).__name__}")
-    return executor.layout.group
+    return executor.mesh_group
 
 
 def _staging(final: str, group: Any) -> str:

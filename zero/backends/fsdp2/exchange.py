@@ -1,6 +1,7 @@
 """Whole tensors for the params an owner steps (`zero.plans.fsdp2`): every rank's piece of each
 param and its gradient to the owner, and each rank's piece of the updated param back, in one
-exchange (an all-to-all of uneven chunks) per direction per dtype."""
+exchange (an all-to-all of uneven chunks) per direction per dtype; and, for a plan over HSDP's
+replicas, each replica's updated parts to the others, in one all-gather per dtype."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 from zero.backends import comm
 from zero.plans.fsdp2 import Fsdp2Plan
 
-__all__ = ["to_owners", "back_from_owners"]
+__all__ = ["to_owners", "back_from_owners", "gather_replicas"]
 
 
 def to_owners(plan: Fsdp2Plan, rank: int, group: Any, ts: Sequence[int], params: dict[int, torch.Tensor],
@@ -52,10 +53,11 @@ def back_from_owners(plan: Fsdp2Plan, rank: int, group: Any, ts: Sequence[int],
                 at += n
 
 
-def _by_dtype(plan: Fsdp2Plan, ts: Sequence[int]) -> dict[str, list[int]]:
+def _by_dtype(plan: Fsdp2Plan, ts: Sequence[int], every: bool = False) -> dict[str, list[int]]:
+    """``ts``'s params stepped whole (``every``: all of them), by dtype."""
     out: dict[str, list[int]] = {}
     for t in ts:
-        if plan.owner[t] >= 0:
+        if every or plan.owner[t] >= 0:
             out.setdefault(plan.metas[t].dtype, []).append(t)
     return out
 
@@ -81,3 +83,27 @@ def _piece(plan: Fsdp2Plan, t: int, whole: torch.Tensor, rank: int) -> torch.Ten
         return whole
     start, length = plan.rows(t)[rank]
     return whole.narrow(plan.dims[t], start, length)
+
+
+def gather_replicas(plan: Fsdp2Plan, rank: int, group: Any, ts: Sequence[int], params: dict[int, torch.Tensor]) -> None:
+    """Every replica's updated parts of the pieces ``params`` (this rank's local tensors of the
+    params ``ts``) into the others': each member of the replicate ``group`` packs its parts
+    (`Fsdp2Plan.part`: of the params stepped in pieces, and the pieces its replica's owners sent
+    back), padded to the longest member's, one all-gather per dtype."""
+    shard, w = rank % plan.world_size, plan.world_size
+    for these in _by_dtype(plan, ts, every=True).values():
+        parts = [[(t, *plan.part(t, r * w + shard)) for t in these] for r in range(plan.replicas)]
+        longest = max(sum(n for _, _, n in member) for member in parts)
+        flat = {t: params[t].view(-1) for t in these}
+        mine = torch.cat([flat[t][a:a + n] for t, a, n in parts[rank // w]] or [params[these[0]].new_empty(0)])
+        out = mine.new_empty(plan.replicas * longest)
+        send = mine.new_zeros(longest)
+        send[:mine.numel()] = mine
+        comm.all_gather_into(out, send, group).wait()
+        for r, member in enumerate(parts):
+            if r == rank // w:
+                continue
+            at = r * longest
+            for t, a, n in member:
+                flat[t][a:a + n].copy_(out[at:at + n])
+                at += n

@@ -8,19 +8,27 @@ global and per-tensor norms and sums over axes are one partial sum per piece and
 over the mesh; low-bit state is quantized in each param's own blocks, which the plan keeps whole
 on one rank. The owners' params come whole by `exchange.to_owners` and go back by
 `exchange.back_from_owners`.
+
+On HSDP's mesh each replica's ranks hold the same pieces. By default each replica steps them alone
+(its state replicated, as ``torch.optim`` over HSDP). An optimizer that asks for it
+(``over_replicas``, as `zero.ZeroRedundancyOptimizer` does) is stepped by a plan over the
+replicas too: each rank steps its part of its pieces and the params it owns across the mesh, and
+`exchange.gather_replicas` gives every replica the updated pieces.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
+from torch.distributed.tensor import Replicate, Shard
 
 from zero.backends import comm
-from zero.backends.fsdp2.exchange import back_from_owners, to_owners
+from zero.backends.fsdp2.exchange import back_from_owners, gather_replicas, to_owners
 from zero.backends.fsdp2.layout import Layout, plan_for, read_layout
 from zero.functional import sharding
 from zero.plans.fsdp2 import Fsdp2Plan
@@ -29,56 +37,110 @@ __all__ = ["Fsdp2Executor", "executor"]
 
 
 def executor(optimizer: Any) -> Fsdp2Executor:
-    """The executor `zero.functional.adapters.sharded_storage` finds for DTensor params."""
-    return Fsdp2Executor(optimizer)
+    """The executor `zero.functional.adapters.sharded_storage` finds for DTensor params; over
+    HSDP's replicas too when the optimizer's ``over_replicas`` says so."""
+    return Fsdp2Executor(optimizer, over_replicas=bool(getattr(optimizer, "over_replicas", False)),
+                         master_dtype=getattr(optimizer, "master_dtype", None))
 
 
 class Fsdp2Executor:
     """Steps a `zero.functional.Optimizer`'s DTensor params by the plan of its rules
     (``self.plan``, the same on every rank: its fingerprint is compared when made)."""
 
-    def __init__(self, optimizer: Any):
+    def __init__(self, optimizer: Any, over_replicas: bool = False, master_dtype: torch.dtype | None = None):
         self.layout: Layout = read_layout(optimizer)
         self._groups = optimizer.param_groups
-        self.plan: Fsdp2Plan = plan_for(self.layout, [optimizer.rule(k) for k in range(len(optimizer.param_groups))])
+        replicas = self.layout.replicas if over_replicas else 1
+        rules = [optimizer.rule(k) for k in range(len(optimizer.param_groups))]
+        self.plan: Fsdp2Plan = plan_for(self.layout, rules, replicas)
+        self.me = self.layout.replica * self.layout.world_size + self.layout.rank if replicas > 1 else self.layout.rank
+        self._exchange_plan = self.plan.within(self.layout.replica)
         params = [p for g in optimizer.param_groups for p in g["params"]]
         self.mesh = params[0].device_mesh
         self._check_pieces(params)
         self._check_same_plan()
         device = params[0].device
         metas = self.layout.metas
+        self.master_dtype = master_dtype
+        self.masters: dict[int, torch.Tensor] = {}  # param -> the master of what this rank steps of it
+        self._retaken = False
         self._base = sharding.Sharding(
-            {}, tuple(p.dtype for p in params), comm.summed(self.layout.group, device),
-            comm.maxed(self.layout.group, device), every_group=True, names=tuple(m.name for m in metas),
+            {}, tuple(master_dtype or p.dtype for p in params), self._over_steppers(comm.summed, device),
+            self._over_steppers(comm.maxed, device), every_group=True, names=tuple(m.name for m in metas),
             numels=tuple(m.numel for m in metas), shapes=tuple(m.shape for m in metas))
+
+    def _over_steppers(self, reduced: Any, device: torch.device) -> Any:
+        """A reduction over every rank whose pieces the rules step: the shard group, then (a plan
+        over the replicas, whose ranks step disjoint parts) the replicate group."""
+        within = reduced(self.layout.group, device)
+        if self.plan.replicas == 1:
+            return within
+        across = reduced(self.layout.replica_group, device)
+        return lambda t: across(within(t))
 
     @property
     def layout_key(self) -> str:
         """Which rank of which plan this is, as a state_dict records it."""
-        return f"rank {self.layout.rank} of FSDP2 plan {self.plan.fingerprint} ({self.layout.world_size} ranks)"
+        return f"rank {self.me} of FSDP2 plan {self.plan.fingerprint} ({self.plan.ranks} ranks)"
 
     def step_group(self, k: int, idx: tuple[int, ...], params: Sequence[torch.Tensor],
                    grads: Sequence[torch.Tensor], run: Any) -> None:
-        plan, rank = self.plan, self.layout.rank
-        ts = [self.layout.firsts[k] + i for i in idx]
+        plan, layout = self.plan, self.layout
+        ts = [layout.firsts[k] + i for i in idx]
         local = {t: p.to_local() for t, p in zip(ts, params)}
-        local_grads = {t: _local(g, self.layout.metas[t].name) for t, g in zip(ts, grads)}
-        wholes = to_owners(plan, rank, self.layout.group, ts, local, local_grads)
-        keep, leaves, leaf_grads, pieces = [], [], [], {}
+        local_grads = {t: _local(g, layout.metas[t].name) for t, g in zip(ts, grads)}
+        wholes = to_owners(self._exchange_plan, layout.rank, layout.group, ts, local, local_grads)
+        keep, leaves, leaf_grads, pieces, written = [], [], [], {}, []
         for i, t in zip(idx, ts):
             if plan.owner[t] < 0:
-                leaf, grad, piece = local[t], local_grads[t], self._piece(t)
-            elif plan.owner[t] == rank:
+                leaf, grad, piece = self._part(t, local[t]), self._part(t, local_grads[t], False), self._piece(t)
+            elif plan.owner[t] == self.me:
                 (leaf, grad), piece = wholes[t], self._whole_piece(t)
             else:
                 continue
             keep.append(i)
-            leaves.append(leaf)
-            leaf_grads.append(grad)
-            pieces[id(leaf)] = piece
+            leaves.append(self.master(t, leaf))
+            leaf_grads.append(grad if self.master_dtype is None else grad.to(self.master_dtype))
+            pieces[id(leaves[-1])] = piece
+            if self.master_dtype is not None:
+                written.append((leaf, leaves[-1]))
         with sharding.installed(dataclasses.replace(self._base, pieces=pieces)):
             run(tuple(keep), leaves, leaf_grads)
-        back_from_owners(plan, rank, self.layout.group, ts, {t: w[0] for t, w in wholes.items()}, local)
+        for leaf, master in written:
+            leaf.copy_(master)  # rounded to the param's dtype, which the exchanges then move
+        back_from_owners(self._exchange_plan, layout.rank, layout.group, ts, {t: w[0] for t, w in wholes.items()},
+                         local)
+        if plan.replicas > 1:
+            gather_replicas(plan, self.me, layout.replica_group, ts, local)
+
+    def master(self, t: int, leaf: torch.Tensor) -> torch.Tensor:
+        """What the rule steps of param ``t`` on this rank: ``leaf`` (this rank's part, or the whole
+        param it owns), or with ``master_dtype`` its master copy, started from ``leaf`` at first."""
+        if self.master_dtype is None:
+            return leaf
+        master = self.masters.get(t)
+        if master is None:
+            master = self.masters[t] = leaf.detach().to(self.master_dtype, copy=True)
+        elif not torch.equal(master.to(leaf.dtype), leaf):  # written outside the optimizer: one truth
+            master.copy_(leaf)
+            if not self._retaken:
+                self._retaken = True
+                warnings.warn(f"param {self.layout.metas[t].name!r} changed outside the optimizer since its "
+                              f"{self.master_dtype} master was made (load_state_dict, nn.init, .data writes ...): its "
+                              "master and those of any other param so changed are taken from the params again. "
+                              "Said once; it is checked at every step.", stacklevel=5)
+        return master
+
+    def _part(self, t: int, local: torch.Tensor, written: bool = True) -> torch.Tensor:
+        """What this rank steps of its local tensor of param ``t``: all of it at one replica, else
+        its part of the flattened piece, a view where the step writes it (the param, in place)."""
+        if self.plan.replicas == 1:
+            return local
+        if written and not local.is_contiguous():
+            raise ValueError(f"param {self.layout.metas[t].name!r}'s local tensor is not contiguous on rank {self.me}: "
+                             "its part of the step over the replicas cannot be written in place")
+        start, length = self.plan.part(t, self.me)
+        return local.reshape(-1)[start:start + length]
 
     @contextlib.contextmanager
     def starting(self, k: int, idx: tuple[int, ...]) -> Iterator[tuple[tuple[int, ...], list[torch.Tensor]]]:
@@ -91,23 +153,43 @@ class Fsdp2Executor:
         for i in idx:
             t, p = self.layout.firsts[k] + i, params[i]
             whole = p.detach().full_tensor() if self.plan.owner[t] >= 0 else None
-            if self.plan.owner[t] in (-1, self.layout.rank):
+            if self.plan.owner[t] in (-1, self.me):
                 keep.append(i)
-                leaves.append(p.detach().to_local() if whole is None else whole)
+                leaves.append(self.master(t, self._part(t, p.detach().to_local()) if whole is None else whole))
                 pieces[id(leaves[-1])] = self._piece(t) if whole is None else self._whole_piece(t)
         with sharding.installed(dataclasses.replace(self._base, pieces=pieces)):
             yield tuple(keep), leaves
+
+    @property
+    def mesh_group(self) -> Any:
+        """The group of every rank of the mesh, which checkpoints are saved and loaded over: the
+        1-D mesh's; HSDP's, the world, which the mesh must span (a ``ValueError`` otherwise)."""
+        if self.mesh.ndim == 1:
+            return self.layout.group
+        import torch.distributed as dist
+
+        if self.mesh.size() != dist.get_world_size():
+            raise ValueError(f"the HSDP mesh {self.mesh} spans {self.mesh.size()} of the world's "
+                             f"{dist.get_world_size()} ranks: its checkpoints are saved over the world; build the mesh "
+                             "over every rank")
+        return dist.group.WORLD
+
+    def placements(self, t: int) -> tuple[Any, ...]:
+        """Param ``t``'s placements on the mesh (FSDP2's ``Shard(d)``, after HSDP's ``Replicate()``)."""
+        shard = Shard(self.plan.dims[t])
+        return (Replicate(), shard) if self.mesh.ndim == 2 else (shard,)
 
     def layout_params(self, k: int) -> list[torch.Tensor]:
         return self._groups[k]["params"]
 
     def _piece(self, t: int) -> sharding.Pieces:
-        """This rank's local tensor of param ``t`` as a piece of the whole: where it starts in the
-        flattened param when it is one run of it (``Shard(0)``), and its quantization block."""
-        plan, rank = self.plan, self.layout.rank
-        start = plan.start(t, rank)
-        starts = () if start is None else (start,)
-        return sharding.Pieces((t,), (plan.local_numel(t, rank),), starts, plan.blocks[t])
+        """What this rank steps of param ``t`` (`_part`) as a piece of the whole: where it starts in
+        the flattened param when it is one run of it (``Shard(0)``), and its quantization block."""
+        plan = self.plan
+        start = plan.start(t, self.layout.rank)
+        at, length = plan.part(t, self.me)
+        starts = () if start is None else (start + at,)
+        return sharding.Pieces((t,), (length,), starts, plan.blocks[t])
 
     def _whole_piece(self, t: int) -> sharding.Pieces:
         return sharding.Pieces((t,), (self.layout.metas[t].numel,), (0,))
@@ -122,14 +204,20 @@ class Fsdp2Executor:
 
     def _check_same_plan(self) -> None:
         """Every rank made this plan; else a ``ValueError`` naming the first param whose shape,
-        dtype, dim, owner or block differs, and the ranks' values of it."""
-        prints = comm.all_gather_object(self.plan.fingerprint, self.layout.group)
+        dtype, dim, owner or block differs, and the ranks' values of it (compared within the shard
+        group, then, over the replicas, across the replicate group)."""
+        groups = [self.layout.group] + ([self.layout.replica_group] if self.plan.replicas > 1 else [])
+        for group in groups:
+            self._check_same_plan_in(group)
+
+    def _check_same_plan_in(self, group: Any) -> None:
+        prints = comm.all_gather_object(self.plan.fingerprint, group)
         if len(set(prints)) == 1:
             return
         plan = self.plan
         rows = [(m.name, m.shape, m.dtype, plan.dims[i], plan.owner[i], plan.blocks[i])
                 for i, m in enumerate(plan.metas)]
-        everyone = comm.all_gather_object(rows, self.layout.group)
+        everyone = comm.all_gather_object(rows, group)
         at = next((j for j in range(max(map(len, everyone))) if len({str(r[j:j + 1]) for r in everyone}) > 1), None)
         said = "" if at is None else f"; param {at} (name, shape, dtype, dim, owner, block) by rank: " + \
             ", ".join(f"{r}: {rows_r[at] if at < len(rows_r) else 'none'}" for r, rows_r in enumerate(everyone))

@@ -1,0 +1,127 @@
+"""`ZeroRedundancyOptimizer` over FSDP2's params: the optimizer state and step sharded over HSDP's
+replicas as well as its shards (ZeRO-1 over the replicate dim, pytorch/pytorch#148257).
+
+``fully_shard`` on a ``replicas x shards`` mesh leaves every replica holding the same pieces, so
+``torch.optim`` over them keeps each piece's state once per replica. `ReplicaShardedOptimizer` is
+the `zero.functional.Optimizer` whose executor (`zero.backends.fsdp2.Fsdp2Executor`) plans over
+the replicas too: each rank steps its part of its pieces and the whole matrices it owns across the
+mesh, and one all-gather per replicate group and dtype brings the other replicas' parts. A rank
+holds ``1 / (replicas x shards)`` of the state. On a 1-D mesh it steps as `zero.functional.Optimizer`.
+`zero.ZeroRedundancyOptimizer` builds one when its params are DTensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from zero.backends.local_optimizer import check_not_optax
+from zero.backends.precision import resolve_dtype
+from zero.functional.adapters.group_settings import from_factory
+from zero.functional.adapters.optimizer import Optimizer
+from zero.functional.adapters.torch_rules import TORCH_CLASSES, from_torch
+from zero.functional.base import GradientTransformation
+
+__all__ = ["ReplicaShardedOptimizer", "has_dtensors", "named_groups"]
+
+# ZeroRedundancyOptimizer's keywords that place params or reduce gradients: FSDP2 does both here.
+_FSDP2_DECIDES = {"process_group": None, "parameters_as_bucket_view": None, "overlap_with_ddp": False, "plan": None,
+                  "strategy": None, "sync_chunk_mb": None, "reduce_scatter_grads": False, "reduce_dtype": None,
+                  "find_unused_parameters": False, "bucket_cap_mb": None, "reducer": None, "nonfinite": "warn"}
+
+
+def has_dtensors(groups: list[dict]) -> bool:
+    """Whether any param of ``groups`` (`zero.plans.meta.param_groups`' form) is a DTensor."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for g in groups for p in g["params"])
+
+
+def named_groups(groups: list[dict]) -> list[dict]:
+    """``groups`` (`zero.plans.meta.param_groups`' form: tensors and ``"param_names"``) as torch
+    takes named params: ``(name, tensor)`` pairs."""
+    out = []
+    for g in groups:
+        names = g.get("param_names")
+        rest = {k: v for k, v in g.items() if k not in ("params", "param_names")}
+        out.append({**rest, "params": list(zip(names, g["params"])) if names else list(g["params"])})
+    return out
+
+
+def _rule(optimizer_class: Any, defaults: dict) -> GradientTransformation:
+    """The rule ``ZeroRedundancyOptimizer(params, optimizer_class, **defaults)`` steps: a
+    ``torch.optim`` class as `zero.functional.from_torch` mirrors it, a transformation as it is, a
+    factory built with ``defaults`` (its settings then param-group keys)."""
+    check_not_optax(optimizer_class, "optimizer_class")
+    if isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer):
+        if optimizer_class.__name__ not in TORCH_CLASSES or getattr(torch.optim, optimizer_class.__name__, None) \
+                is not optimizer_class:
+            raise TypeError("ZeroRedundancyOptimizer over FSDP2's params steps torch's classes "
+                            f"{sorted(TORCH_CLASSES)} (as zero.functional.from_torch mirrors them) or a zero.functional rule, not "
+                            f"{optimizer_class.__module__}.{optimizer_class.__qualname__}")
+        return from_torch(optimizer_class.__name__, **defaults)
+    if isinstance(optimizer_class, GradientTransformation):
+        if defaults:
+            raise TypeError(f"optimizer_class is a GradientTransformation, so it takes no keyword hyperparameters; "
+                            f"got {sorted(defaults)}")
+        return optimizer_class
+    if callable(optimizer_class) and not isinstance(optimizer_class, type):
+        return from_factory(optimizer_class, defaults)
+    raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass or a zero.functional transformation "
+                    f"or factory, got {optimizer_class!r}")
+
+
+class ReplicaShardedOptimizer(Optimizer):
+    """What ``zero.ZeroRedundancyOptimizer(params, optimizer_class, **defaults)`` is over FSDP2's
+    DTensor params: a `zero.functional.Optimizer` (torch's optimizer protocol, state dicts, DCP
+    through `zero.backends.checkpoint`) whose step is sharded over HSDP's replicas too.
+
+    ``master_dtype`` (e.g. ``torch.float32`` over bf16 params): each rank steps master copies of
+    what it steps, in this dtype, and writes them back rounded, so the all-gathers move the params'
+    dtype; the masters are sharded as the state is. FSDP2 places the params and reduces the
+    gradients, so the keywords of ZeRO's own placement and reduction are a ``ValueError`` here.
+    """
+
+    over_replicas = True  # read by zero.backends.fsdp2.executor
+
+    def __init__(self, params: Iterable, optimizer_class: Any, *, master_dtype: torch.dtype | str | None = None,
+                 **options: Any):
+        given = {k: v for k, v in options.items() if k in _FSDP2_DECIDES and v is not _FSDP2_DECIDES[k]
+                 and v != _FSDP2_DECIDES[k]}
+        if given:
+            name, value = next(iter(given.items()))
+            raise ValueError(f"ZeroRedundancyOptimizer over FSDP2's DTensor params: {name}={value!r} is not taken "
+                             "(FSDP2 places the params and reduces the gradients; the mesh is the params' own)")
+        defaults = {k: v for k, v in options.items() if k not in _FSDP2_DECIDES}
+        self.master_dtype = resolve_dtype(master_dtype, "master_dtype")
+        super().__init__(params, _rule(optimizer_class, defaults))
+        _ = self.executor  # the plan now, on every rank (as ZeRO's), so a bad layout is named at construction
+
+    def state_dict(self) -> dict[str, Any]:
+        """`zero.functional.Optimizer.state_dict`, with this rank's master copies (``"masters"``,
+        by param index) when it keeps them."""
+        sd = super().state_dict()
+        if self.master_dtype is not None and self.executor is not None:
+            sd["masters"] = {t: m.detach().clone() for t, m in self.executor.masters.items()}
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load `state_dict`'s form (the same rank of the same layout); masters it does not hold
+        (saved without ``master_dtype``) start again from the params at the next step."""
+        masters = state_dict.get("masters")
+        super().load_state_dict({k: v for k, v in state_dict.items() if k != "masters"})
+        if self.master_dtype is not None and self.executor is not None:
+            self.executor.masters.clear()
+            for t, master in (masters or {}).items():
+                self.executor.masters[int(t)] = master.to(self.master_dtype, copy=True)
+
+
+def _register() -> None:
+    from zero.backends.zero_optimizer import ZeroRedundancyOptimizer
+
+    ZeroRedundancyOptimizer.register(ReplicaShardedOptimizer)
+
+
+_register()
