@@ -59,8 +59,8 @@ def _rule(optimizer_class: Any, defaults: dict) -> GradientTransformation:
         if optimizer_class.__name__ not in TORCH_CLASSES or getattr(torch.optim, optimizer_class.__name__, None) \
                 is not optimizer_class:
             raise TypeError("ZeroRedundancyOptimizer over FSDP2's params steps torch's classes "
-                            f"{sorted(TORCH_CLASSES)} (as zero.functional.from_torch mirrors them) or a zero.functional "
-                            "rule, not "
+                            f"{sorted(TORCH_CLASSES)} (as zero.functional.from_torch mirrors them) or a "
+                            "zero.functional rule, not "
                             f"{optimizer_class.__module__}.{optimizer_class.__qualname__}")
         return from_torch(optimizer_class.__name__, **defaults)
     if isinstance(optimizer_class, GradientTransformation):
