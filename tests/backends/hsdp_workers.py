@@ -145,7 +145,7 @@ def recorded_traffic(rank: int, world_size: int, replicas: int, spec) -> tuple[d
         opt.step()
     sent = {"within": {}, "across": {}}
     for c in made:
-        where = {"exchange": "within", "all_gather_into": "across"}.get(c.kind)
+        where = {"exchange": "within", "all_gather_into": "across", "broadcast_from": "across"}.get(c.kind)
         if where:
             size = c.bus_bytes if where == "within" else c.bytes
             sent[where][c.dtype] = sent[where].get(c.dtype, 0) + size

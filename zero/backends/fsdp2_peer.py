@@ -19,14 +19,22 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from zero.backends.simulate import OPTIMIZER_CLASSES, fake_group
+from zero.plans.fsdp2_memory import units
 from zero.plans.meta import ParamMeta, param_metas
 
-__all__ = ["fsdp2_peak", "measure", "layered", "few_chunks"]
+__all__ = ["fsdp2_peak", "measure", "run", "Fsdp2Run", "Fsdp2RankRun", "simulate_fsdp2", "layered", "few_chunks"]
+
+# FSDPMemTracker's categories under the names of `zero.plans.fsdp2_memory`'s (its TEMP: the
+# gradients autograd makes in backward, the step's temporaries in the step)
+_CATEGORIES = {"sharded_param": "sharded_params", "sharded_grad": "sharded_grads", "opt": "optimizer_state",
+               "unsharded_param": "unsharded_params", "all_gather": "all_gather", "reduce_scatter": "reduce_scatter"}
 
 
 class _Layer(nn.Module):
@@ -52,14 +60,11 @@ class _Layered(nn.Module):
 
 def layered(metas: Sequence[ParamMeta], dtype: torch.dtype | None = None) -> nn.Module:
     """A module with ``metas``' params (``dtype``: all in it) in ``layers``, in order: one per
-    transformer layer (the params whose names share the prefix up to their first number:
-    ``layers.3``, ``h.3``), and one per other param (the embedding, the final norm, the head)."""
-    groups: dict[str, list[ParamMeta]] = {}
-    for m in metas:
-        parts = m.name.split(".")
-        at = next((i for i, part in enumerate(parts[:-1]) if part.isdigit()), None)
-        groups.setdefault(m.name if at is None else ".".join(parts[:at + 1]), []).append(m)
-    return _Layered([_Layer(g, dtype) for g in groups.values()])
+    `zero.plans.fsdp2_memory.units` unit (a transformer layer, the params whose names share the
+    prefix up to their first number: ``layers.3``, ``h.3``; or one other param: the embedding,
+    the final norm, the head)."""
+    metas = list(metas)
+    return _Layered([_Layer([metas[i] for i in unit], dtype) for unit in units(metas)])
 
 
 class _Chunks(Sequence):
@@ -125,21 +130,45 @@ def measure(params: Callable[[], nn.Module] | Sequence[ParamMeta], world_size: i
             optimizer: str = "adamw", master_dtype: torch.dtype | None = None,
             reduce_dtype: torch.dtype | None = None, every_chunk: bool = False) -> int:
     """The peak bytes of ``rank`` of ``world_size`` training ``params`` (a model factory, or
-    metadata) with FSDP2 and ``torch.optim``'s ``optimizer``, over two iterations.
+    metadata) with FSDP2 and ``torch.optim``'s ``optimizer``, over two iterations (`run`).
 
     ``master_dtype``: FSDP2's mixed precision as torchtitan runs it: the sharded params (the
     optimizer's) in this dtype, all-gathered and computed in the params' own
     (``MixedPrecisionPolicy(param_dtype=...)``); ``reduce_dtype``: the gradients' reduce-scatter's.
     ``every_chunk``: let FSDP2 make every rank's view of each param as it does (see `few_chunks`)."""
+    return run(params, world_size, rank, optimizer=optimizer, master_dtype=master_dtype, reduce_dtype=reduce_dtype,
+               every_chunk=every_chunk).measured_peak_bytes
+
+
+@dataclass(frozen=True)
+class Fsdp2Run:
+    """One simulated rank under FSDP2 (HSDP at ``replicas`` > 1): its measured peak and the
+    categories of `FSDPMemTracker` at it, and the bytes it sent in the last iteration's
+    collectives, within its replica (FSDP2's all-gathers and reduce-scatters, zero's exchanges) and
+    across replicas (HSDP's all-reduce, zero's all-gathers), as nccl-tests count them."""
+
+    rank: int
+    world_size: int
+    replicas: int
+    measured_peak_bytes: int
+    measured_by_category: dict[str, int]
+    sent: dict[str, int]
+
+
+def run(params: Callable[[], nn.Module] | Sequence[ParamMeta], world_size: int, rank: int, *,
+        optimizer: str = "adamw", master_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
+        every_chunk: bool = False, replicas: int = 1, zero: bool = False) -> Fsdp2Run:
+    """`measure`'s run, on a ``replicas x world_size / replicas`` mesh (HSDP) when ``replicas`` > 1,
+    stepped by ``torch.optim``'s ``optimizer`` or, with ``zero``, by `zero.ZeroRedundancyOptimizer`
+    over the same class (its state sharded over the replicas too)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     cls_name, settings = OPTIMIZER_CLASSES[optimizer]
     with fake_group(rank, world_size), warnings.catch_warnings():
         warnings.filterwarnings("ignore", "Accessing the data pointer of FakeTensor")
-        mesh = init_device_mesh("cpu", (world_size,))  # outside FakeTensorMode: the mesh reads real tensors
+        mesh = _mesh(world_size, replicas)  # outside FakeTensorMode: the mesh reads real tensors
         with FakeTensorMode():
             metas = params if not callable(params) else param_metas(params())
             compute = {m.dtype for m in metas if m.requires_grad}
@@ -151,14 +180,145 @@ def measure(params: Callable[[], nn.Module] | Sequence[ParamMeta], world_size: i
                 for layer in model.layers:
                     fully_shard(layer, mesh=mesh, mp_policy=policy)
                 fully_shard(model, mesh=mesh, mp_policy=policy)
-            opt = getattr(torch.optim, cls_name)(model.parameters(), **settings)
+            cls = getattr(torch.optim, cls_name)
+            opt = cls(model.parameters(), **settings) if not zero else _zero(model, cls, settings)
             tracker = FSDPMemTracker(model, opt)
             x = torch.zeros(())
             tracker.track_inputs((x,))
             with tracker:
-                for _ in range(2):
-                    model(x).backward()
-                    opt.step()
+                for k in range(2):
+                    with _sent(mesh) if k else contextlib.nullcontext() as sent:
+                        model(x).backward()
+                        opt.step()
                     opt.zero_grad()
                     tracker.reset_mod_stats()  # (the tracker's per-module records hold one iteration)
-            return int(sum(snapshot["Total"] for snapshot in tracker.get_tracker_snapshot("peak").values()))
+            snapshot = {}
+            for device in tracker.get_tracker_snapshot("peak").values():
+                for key, value in device.items():
+                    snapshot[str(getattr(key, "name", key)).lower()] = snapshot.get(str(getattr(key, "name", key)).lower(),
+                                                                                   0) + int(value)
+            total = snapshot.pop("total")
+            return Fsdp2Run(rank, world_size, replicas, total, snapshot, dict(sent))
+
+
+def _mesh(world_size: int, replicas: int) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if replicas == 1:
+        return init_device_mesh("cpu", (world_size,))
+    if world_size % replicas:
+        raise ValueError(f"{replicas} replicas do not divide {world_size} ranks")
+    return init_device_mesh("cpu", (replicas, world_size // replicas), mesh_dim_names=("replicate", "shard"))
+
+
+def _zero(model: nn.Module, cls: type, settings: dict) -> Any:
+    from zero.backends.zero_optimizer import ZeroRedundancyOptimizer
+
+    return ZeroRedundancyOptimizer(model.parameters(), cls, **settings)
+
+
+@contextlib.contextmanager
+def _sent(mesh: Any) -> Iterator[dict[str, int]]:
+    """The bytes this rank sends in the block's collectives (FSDP2's, through ``torch.distributed``,
+    and zero's, recorded by `zero.backends.comm.recording`), ``"within"`` a replica and ``"across"``
+    replicas (the replicate group's)."""
+    import torch.distributed as dist
+
+    from zero.backends import comm
+    from zero.plans.accounting import bus_bytes
+
+    across = mesh.get_group(0) if mesh.ndim == 2 else None
+    out = {"within": 0, "across": 0}
+    # FSDP2's collectives, by the name it calls and where the tensor that sizes the buffer is
+    names = {"all_gather_single": ("all_gather", "output_tensor", 0), "reduce_scatter_single": ("reduce_scatter",
+                                                                                                 "input", 1),
+             "all_reduce": ("all_reduce", "tensor", 0)}
+    originals = {name: getattr(dist, name) for name in names}
+
+    def wrapped(name: str) -> Callable:
+        kind, key, at = names[name]
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            group, tensor = kwargs.get("group"), kwargs[key] if key in kwargs else args[at]
+            where = "across" if across is not None and group == across else "within"
+            out[where] += bus_bytes(kind, tensor.numel() * tensor.element_size(), dist.get_world_size(group))
+            return originals[name](*args, **kwargs)
+        return call
+
+    for name in names:
+        setattr(dist, name, wrapped(name))
+    try:
+        with comm.recording() as made:
+            yield out
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    for c in made:  # zero's own that do not call the names above: exchanges with owners, over the replicas
+        if c.kind in ("exchange", "all_gather_into", "broadcast_from"):
+            out["within" if c.kind == "exchange" else "across"] += c.bus_bytes
+
+
+@dataclass(frozen=True)
+class Fsdp2RankRun:
+    """`simulate_fsdp2`'s rank: measured (`Fsdp2Run`) beside the plan's prediction
+    (`zero.plans.fsdp2_memory.Fsdp2Footprint`), in ``zero simulate``'s fields."""
+
+    measured: Fsdp2Run
+    predicted: Any
+
+    @property
+    def rank(self) -> int:
+        return self.measured.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.measured.world_size
+
+    @property
+    def measured_peak_bytes(self) -> int:
+        return self.measured.measured_peak_bytes
+
+    @property
+    def predicted_peak_bytes(self) -> int:
+        return self.predicted.peak_bytes
+
+    def as_dict(self) -> dict[str, Any]:
+        got = {_CATEGORIES.get(k, k): v for k, v in self.measured.measured_by_category.items() if v}
+        temp = "step_temps" if self.predicted.peak_phase == "step" else "unsharded_grads"
+        got[temp] = got.pop("temp", 0)
+        names = dict.fromkeys([*self.predicted.by_category, *got])
+        by_category = {k: {"predicted": self.predicted.by_category.get(k, 0), "measured": got.get(k, 0)}
+                       for k in names}
+        sent = {k: {"predicted": self.predicted.sent[k], "measured": self.measured.sent[k]} for k in ("within", "across")}
+        return {"rank": self.rank, "world_size": self.world_size, "replicas": self.measured.replicas,
+                "predicted_peak_bytes": self.predicted_peak_bytes, "measured_peak_bytes": self.measured_peak_bytes,
+                "peak_phase": self.predicted.peak_phase, "by_category": by_category,
+                "collective_bytes": sum(self.measured.sent.values()),
+                "plan_collective_bytes": sum(self.predicted.sent.values()), "sent": sent,
+                "ddp_allreduce_bytes": 0, "collectives": []}
+
+
+def simulate_fsdp2(params: Sequence[ParamMeta], world_size: int, rank: int, *, replicas: int = 1,
+                   optimizer: str = "adamw", zero: bool = False) -> Fsdp2RankRun:
+    """``rank`` of ``world_size`` training ``params`` (metadata) under FSDP2 (HSDP with ``replicas``
+    > 1), stepped by ``torch.optim``'s ``optimizer`` or zero's over the replicas (``zero``):
+    measured (`run`, in a process of its own, as `fsdp2_peak`) beside the plan's prediction
+    (`zero.plans.fsdp2_memory.fsdp2_footprint`). Kept under ``ZERO_SIMULATE_CACHE`` as
+    `zero.backends.simulate` keeps its runs."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    from zero.backends.simulate import _cache_key, _cache_read, _cache_write, _optimizer
+    from zero.plans.fsdp2_memory import fsdp2_footprint
+
+    _optimizer(optimizer)  # a name a simulation runs, else a ValueError naming the choices
+    predicted = fsdp2_footprint(list(params), world_size, rank, replicas=replicas, optimizer=optimizer, zero=zero)
+    key = _cache_key(tuple(params), world_size, rank, {"engine": "fsdp2", "replicas": replicas,
+                                                       "optimizer": optimizer, "zero": zero, "whole": None})
+    measured = _cache_read(key, Fsdp2Run)
+    if measured is None:
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            measured = pool.submit(run, list(params), world_size, rank, optimizer=optimizer, replicas=replicas,
+                                   zero=zero).result()
+        _cache_write(key, measured)
+    return Fsdp2RankRun(measured, predicted)

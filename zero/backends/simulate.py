@@ -201,7 +201,7 @@ def _source_digest() -> str:
     return digest.hexdigest()
 
 
-def _cache_read(key: str | None) -> RankRun | None:
+def _cache_read(key: str | None, kind: type | None = None) -> Any:
     path = None if key is None else pathlib.Path(os.environ["ZERO_SIMULATE_CACHE"], f"{key}.pkl")
     if path is None or not path.is_file():
         return None
@@ -209,10 +209,10 @@ def _cache_read(key: str | None) -> RankRun | None:
         run = pickle.loads(path.read_bytes())
     except Exception:  # a file another version or a killed writer left: run again, and replace it
         return None
-    return run if isinstance(run, RankRun) else None
+    return run if isinstance(run, kind or RankRun) else None
 
 
-def _cache_write(key: str | None, run: RankRun) -> None:
+def _cache_write(key: str | None, run: Any) -> None:
     """Written whole or not at all (a temporary file renamed): two processes may write one key."""
     if key is None:
         return

@@ -190,8 +190,9 @@ def full_like(tree: Any, value: float | torch.Tensor) -> Any:
 
 
 def count_zero() -> torch.Tensor:
-    """A step counter as Optax keeps it: a 0-d int32 tensor."""
-    return torch.zeros((), dtype=torch.int32)
+    """A step counter as Optax keeps it: a 0-d int32 tensor (made from a number, so that under
+    ``FakeTensorMode``, as a simulation steps, it keeps its value: fake tensors made so do)."""
+    return torch.tensor(0, dtype=torch.int32)
 
 
 def count_inc(count: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,9 @@ from zero.plans.costs import RuleCost, cost_of
 from zero.plans.meta import ParamMeta, itemsize
 from zero.plans.partition import check_metas, check_world_size, partition
 
-__all__ = ["Fsdp2Plan", "make_fsdp2_plan", "chunk_rows"]
+__all__ = ["Fsdp2Plan", "make_fsdp2_plan", "chunk_rows", "GATHER_BUCKET_BYTES"]
+
+GATHER_BUCKET_BYTES = 64 * 2**20  # the most of a rank's pieces one all-gather over the replicas carries
 
 
 @functools.cache  # a plan at 1,024 ranks asks it for every param and rank
@@ -143,20 +145,43 @@ class Fsdp2Plan:
                 row[1] += sum(self.local_numel(i, r) for r in range(w) if r != shard) * size
         return {k: (v[0], v[1]) for k, v in out.items()}
 
+    def slot(self, i: int, rank: int) -> int:
+        """Elements each replica's part of param ``i`` takes in the all-gather over the replicas
+        (of mesh rank ``rank``'s shard): the longest part, so the parts gathered are the piece, in
+        order, padded at its end."""
+        n, unit = self.local_numel(i, rank % self.world_size), self.blocks[i] or 1
+        return -(-(-(-n // unit)) // self.replicas) * unit
+
+    def gather_buckets(self, ts: Sequence[int], rank: int) -> list[list[int]]:
+        """The all-gathers over ``rank``'s replicate group that bring the other replicas' parts of
+        the params of ``ts`` stepped in parts (one group's, one dtype's, in order): consecutive
+        runs of them whose pieces here hold at most `GATHER_BUCKET_BYTES` (a larger param alone),
+        so the step's buffers stay that size rather than the whole shard's. (A param an owner
+        steps whole is broadcast from the owner's replica instead.)"""
+        shard, out, size = rank % self.world_size, [], 0
+        for t in (t for t in ts if self.owner[t] < 0):
+            n = self.local_numel(t, shard) * itemsize(self.metas[t].dtype)
+            if not out or size + n > GATHER_BUCKET_BYTES:
+                out.append([])
+                size = 0
+            out[-1].append(t)
+            size += n
+        return out
+
     def gather_bytes(self, rank: int) -> dict[str, int]:
-        """Per dtype, the bytes of the all-gathers over ``rank``'s replicate group that give every
-        replica the updated pieces: one per param group and dtype, of each member's parts padded to
-        the longest; the output's size, as `zero.backends.comm.all_gather_into` hands it in
-        (traffic across replicas). Empty at one replica."""
+        """Per dtype, the bytes of the collectives over ``rank``'s replicate group that give every
+        replica the updated pieces, as `zero.backends.comm` records them: each `gather_buckets`
+        bucket's all-gather (its output: every replica's `slot` of each param), and each whole
+        param's broadcast from its owner's replica (its piece). Traffic across replicas; empty at
+        one replica."""
         if self.replicas == 1:
             return {}
         shard, out = rank % self.world_size, {}
-        sets = dict.fromkeys((m.group, m.dtype) for m in self.metas if m.requires_grad)
-        for group, dtype in sets:
+        for group, dtype in dict.fromkeys((m.group, m.dtype) for m in self.metas if m.requires_grad):
             these = [i for i, m in enumerate(self.metas) if m.requires_grad and (m.group, m.dtype) == (group, dtype)]
-            longest = max(sum(self.part(i, r * self.world_size + shard)[1] for i in these)
-                          for r in range(self.replicas))
-            out[dtype] = out.get(dtype, 0) + self.replicas * longest * itemsize(dtype)
+            slots = sum(self.replicas * self.slot(i, rank) for b in self.gather_buckets(these, rank) for i in b)
+            whole = sum(self.local_numel(i, shard) for i in these if self.owner[i] >= 0)
+            out[dtype] = out.get(dtype, 0) + (slots + whole) * itemsize(dtype)
         return out
 
     def state_bytes(self, rank: int) -> int:

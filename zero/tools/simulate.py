@@ -3,8 +3,10 @@ group and fake tensors, their measured memory and collectives beside what the pl
 
     zero simulate --preset llama-70b -w 1024 --strategy flat --reduce-scatter-grads \\
         --master-dtype float32 --reduce-dtype float32 --ranks 0,511,1023 --json out.json
+    zero simulate --preset llama-70b -w 1024 --engine fsdp2 --replicate 8 --zero-over-replicas
 
-See `zero.backends.simulate` for what runs, and `zero.plans.footprint` for what is predicted.
+See `zero.backends.simulate` for what runs, and `zero.plans.footprint` for what is predicted;
+with ``--engine fsdp2``, `zero.backends.fsdp2_peer.simulate_fsdp2` and `zero.plans.fsdp2_memory`.
 """
 
 from __future__ import annotations
@@ -41,6 +43,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--reduce-dtype", help="with --reduce-scatter-grads: reduce the gradients in this dtype")
     p.add_argument("--bucket-view", choices=("default", "true", "false"), default="default",
                    help="parameters_as_bucket_view (whole-param plans)")
+    p.add_argument("--engine", choices=("zero", "fsdp2"), default="zero",
+                   help="zero: zero's ZeRO-1/2 over whole params; fsdp2: FSDP2's fully_shard per layer (HSDP with "
+                        "--replicate)")
+    p.add_argument("--replicate", type=int, default=1, help="with --engine fsdp2: replicas (HSDP's replicate dim)")
+    p.add_argument("--zero-over-replicas", action="store_true",
+                   help="with --engine fsdp2: step with zero.ZeroRedundancyOptimizer (the state over every rank) in "
+                        "place of torch.optim's class")
     p.add_argument("--ranks", default=None, help="comma-separated ranks to run (default: first, middle and last)")
     p.add_argument("--json", type=Path, help="write one object per rank here")
     return p
@@ -67,6 +76,10 @@ def _simulate(args: argparse.Namespace) -> list[Any]:
     from zero.backends.simulate import simulate
 
     ranks = _ranks(args.ranks, args.world_size)
+    if args.engine == "fsdp2":
+        return _simulate_fsdp2(args, ranks)
+    if args.replicate != 1 or args.zero_over_replicas:
+        raise ValueError("--replicate and --zero-over-replicas are --engine fsdp2's")
     options = {"optimizer": args.optimizer, "strategy": args.strategy,
                "reduce_scatter_grads": args.reduce_scatter_grads, "dtype": _dtype(args.dtype, "--dtype"),
                "master_dtype": _dtype(args.master_dtype, "--master-dtype"),
@@ -83,6 +96,30 @@ def _simulate(args: argparse.Namespace) -> list[Any]:
             progress.advance(task)
     torch.set_grad_enabled(True)
     return runs
+
+
+# zero's own options, which FSDP2 (placing the params and reducing the gradients itself) does not take
+_ZERO_ONLY = {"strategy": "sorted_greedy", "whole": None, "dtype": None, "master_dtype": None,
+              "reduce_scatter_grads": False, "reduce_dtype": None, "bucket_view": "default"}
+
+
+def _simulate_fsdp2(args: argparse.Namespace, ranks: list[int]) -> list[Any]:
+    from zero.backends.fsdp2_peer import simulate_fsdp2
+    from zero.plans.meta import param_metas
+
+    given = [k for k, default in _ZERO_ONLY.items() if getattr(args, k) != default]
+    if given:
+        raise ValueError(f"--{given[0].replace('_', '-')} is an option of --engine zero")
+    if args.replicate < 1 or args.world_size % args.replicate:
+        raise ValueError(f"--replicate {args.replicate} must be a positive divisor of -w {args.world_size}")
+    source = preset(args.preset) if args.preset else _factory(args.model)
+    if callable(source):
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        with FakeTensorMode():
+            source = param_metas(source())
+    return [simulate_fsdp2(source, args.world_size, rank, replicas=args.replicate, optimizer=args.optimizer,
+                           zero=args.zero_over_replicas) for rank in ranks]
 
 
 def _ranks(text: str | None, world_size: int) -> list[int]:
@@ -145,6 +182,11 @@ def _print(runs: list[Any], args: argparse.Namespace) -> None:
         for name, pair in d["by_category"].items():
             table.add_row(name, _gib(pair["predicted"]), "-" if pair["measured"] is None else _gib(pair["measured"]))
         table.add_row("peak", _gib(r.predicted_peak_bytes), _gib(r.measured_peak_bytes))
+        if "sent" in d:  # --engine fsdp2: FSDP2's and zero's collectives, within and across replicas
+            for where, pair in d["sent"].items():
+                table.add_row(f"sent per step, {where} replicas", _gib(pair["predicted"]), _gib(pair["measured"]))
+            print(render(table, width=100))
+            continue
         table.add_row("sent per step, zero's collectives", _gib(d["plan_collective_bytes"]),
                       _gib(d["collective_bytes"]))
         if d["ddp_allreduce_bytes"]:

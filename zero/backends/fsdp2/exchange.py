@@ -87,23 +87,28 @@ def _piece(plan: Fsdp2Plan, t: int, whole: torch.Tensor, rank: int) -> torch.Ten
 
 def gather_replicas(plan: Fsdp2Plan, rank: int, group: Any, ts: Sequence[int], params: dict[int, torch.Tensor]) -> None:
     """Every replica's updated parts of the pieces ``params`` (this rank's local tensors of the
-    params ``ts``) into the others': each member of the replicate ``group`` packs its parts
-    (`Fsdp2Plan.part`: of the params stepped in pieces, and the pieces its replica's owners sent
-    back), padded to the longest member's, one all-gather per dtype."""
-    shard, w = rank % plan.world_size, plan.world_size
+    params ``ts``) into the others': the parts of the params stepped in parts by one all-gather
+    per dtype and bucket (`Fsdp2Plan.gather_buckets`), each replica's part in its `Fsdp2Plan.slot`;
+    each piece a replica's owner sent back by a broadcast from that replica."""
+    shard = rank % plan.world_size
     for these in _by_dtype(plan, ts, every=True).values():
-        parts = [[(t, *plan.part(t, r * w + shard)) for t in these] for r in range(plan.replicas)]
-        longest = max(sum(n for _, _, n in member) for member in parts)
-        flat = {t: params[t].view(-1) for t in these}
-        mine = torch.cat([flat[t][a:a + n] for t, a, n in parts[rank // w]] or [params[these[0]].new_empty(0)])
-        out = mine.new_empty(plan.replicas * longest)
-        send = mine.new_zeros(longest)
-        send[:mine.numel()] = mine
-        comm.all_gather_into(out, send, group).wait()
-        for r, member in enumerate(parts):
-            if r == rank // w:
-                continue
-            at = r * longest
-            for t, a, n in member:
-                flat[t][a:a + n].copy_(out[at:at + n])
-                at += n
+        for bucket in plan.gather_buckets(these, rank):
+            _gather_bucket(plan, rank, group, bucket, {t: params[t].view(-1) for t in bucket})
+        for t in (t for t in these if plan.owner[t] >= 0 and plan.local_numel(t, shard)):
+            comm.broadcast_from(params[t], plan.owner[t] // plan.world_size, group)
+
+
+def _gather_bucket(plan: Fsdp2Plan, rank: int, group: Any, bucket: list[int], flat: dict[int, torch.Tensor]) -> None:
+    slots = [plan.slot(t, rank) for t in bucket]
+    send = flat[bucket[0]].new_zeros(sum(slots))
+    at = 0
+    for t, slot in zip(bucket, slots):
+        a, n = plan.part(t, rank)
+        send[at:at + n] = flat[t][a:a + n]
+        at += slot
+    out = send.new_empty(plan.replicas * send.numel())
+    comm.all_gather_into(out, send, group).wait()
+    grid, at = out.view(plan.replicas, send.numel()), 0
+    for t, slot in zip(bucket, slots):  # the replicas' slots of a param, in order, are its piece padded
+        flat[t].copy_(grid[:, at:at + slot].reshape(-1)[:flat[t].numel()])
+        at += slot
