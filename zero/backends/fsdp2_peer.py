@@ -195,8 +195,8 @@ def run(params: Callable[[], nn.Module] | Sequence[ParamMeta], world_size: int, 
             snapshot = {}
             for device in tracker.get_tracker_snapshot("peak").values():
                 for key, value in device.items():
-                    snapshot[str(getattr(key, "name", key)).lower()] = snapshot.get(str(getattr(key, "name", key)).lower(),
-                                                                                   0) + int(value)
+                    name = str(getattr(key, "name", key)).lower()
+                    snapshot[name] = snapshot.get(name, 0) + int(value)
             total = snapshot.pop("total")
             return Fsdp2Run(rank, world_size, replicas, total, snapshot, dict(sent))
 
@@ -289,7 +289,8 @@ class Fsdp2RankRun:
         names = dict.fromkeys([*self.predicted.by_category, *got])
         by_category = {k: {"predicted": self.predicted.by_category.get(k, 0), "measured": got.get(k, 0)}
                        for k in names}
-        sent = {k: {"predicted": self.predicted.sent[k], "measured": self.measured.sent[k]} for k in ("within", "across")}
+        sent = {k: {"predicted": self.predicted.sent[k], "measured": self.measured.sent[k]}
+                for k in ("within", "across")}
         return {"rank": self.rank, "world_size": self.world_size, "replicas": self.measured.replicas,
                 "predicted_peak_bytes": self.predicted_peak_bytes, "measured_peak_bytes": self.measured_peak_bytes,
                 "peak_phase": self.predicted.peak_phase, "by_category": by_category,

@@ -150,7 +150,8 @@ class Fsdp2Plan:
         (of mesh rank ``rank``'s shard): the longest part, so the parts gathered are the piece, in
         order, padded at its end."""
         n, unit = self.local_numel(i, rank % self.world_size), self.blocks[i] or 1
-        return -(-(-(-n // unit)) // self.replicas) * unit
+        units = -(-n // unit)
+        return -(-units // self.replicas) * unit
 
     def gather_buckets(self, ts: Sequence[int], rank: int) -> list[list[int]]:
         """The all-gathers over ``rank``'s replicate group that bring the other replicas' parts of

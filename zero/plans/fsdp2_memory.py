@@ -164,7 +164,8 @@ def _step(plan, metas: list[ParamMeta], sizes: list[int], me: int, zero: bool, s
                 these = [i for i, m in enumerate(metas) if m.requires_grad and (m.dtype, m.group) == (dtype, group)]
                 for bucket in plan.gather_buckets(these, me):  # its send and output, and one param's slots
                     slots = [plan.slot(i, me) for i in bucket]
-                    temps = max(temps, ((plan.replicas + 1) * sum(slots) + plan.replicas * max(slots)) * itemsize(dtype))
+                    held = (plan.replicas + 1) * sum(slots) + plan.replicas * max(slots)
+                    temps = max(temps, held * itemsize(dtype))
     else:  # torch's single-tensor rule: one param's temporaries at a time, the largest param's
         temps = max((_local(m, shards, me % shards).numel * s for m, s in zip(metas, sizes) if m.requires_grad),
                     default=0)
