@@ -69,3 +69,87 @@ def test_bad_input_is_named():
         make_fsdp2_plan(metas(), 2, whole=["nope"])
     with pytest.raises(TypeError, match="list of param names"):
         make_fsdp2_plan(metas(), 2, whole="a.weight")
+
+
+@given(st.integers(1, 4), st.integers(1, 5), st.sampled_from(["adam", "adamw8bit"]))
+def test_parts_over_the_replicas_cover_each_piece_once_at_block_edges(shards, replicas, optimizer):
+    """Each element-wise param's piece on each shard is cut over the replicas in order: runs that
+    tile it, each starting at a block edge (low-bit state keeps its blocks whole)."""
+    plan = make_fsdp2_plan(metas(), shards, optimizer, replicas=replicas)
+    for i in range(len(plan.metas)):
+        for s in range(shards):
+            runs = [plan.part(i, r * shards + s) for r in range(replicas)]
+            if plan.owner[i] >= 0:
+                owner_replica = plan.owner[i] // shards
+                assert [n for _, n in runs] == [plan.local_numel(i, s) if r == owner_replica else 0
+                                                for r in range(replicas)]
+                continue
+            at = 0
+            for start, n in runs:
+                assert start == at or n == 0
+                assert start % (plan.blocks[i] or 1) == 0 or n == 0
+                at += n
+            assert at == plan.local_numel(i, s)
+            # the slots each replica's part takes in the all-gather hold the piece in order
+            assert all(n <= plan.slot(i, s) for _, n in runs) and replicas * plan.slot(i, s) >= at
+
+
+def test_owners_span_the_mesh_and_each_rank_holds_its_part_of_the_state():
+    plan = make_fsdp2_plan(metas(), 2, "muon", replicas=3)
+    assert sorted(o for o in plan.owner if o >= 0) == sorted(set(o for o in plan.owner if o >= 0))
+    assert max(plan.owner) < 6 and plan.ranks == 6
+    one = make_fsdp2_plan(metas(), 1, "muon")  # every param on one rank
+    spec = zero.plans.costs.cost_of("muon")
+    # the slots: the same on every rank; the per-param scalars: once per part (or whole param) held
+    per_rank_scalars = [sum(spec.scalar_bytes for i in range(4) if plan.owner[i] < 0 or plan.owner[i] == r)
+                        for r in range(6)]
+    assert sum(plan.state_bytes(r) - s for r, s in zip(range(6), per_rank_scalars)) == \
+        one.state_bytes(0) - 4 * spec.scalar_bytes
+    # a replica's exchange plan: its ranks' whole params, by shard rank
+    for replica in range(3):
+        inner = plan.within(replica)
+        assert inner.replicas == 1 and all(
+            o == (plan.owner[i] % 2 if plan.owner[i] >= 0 and plan.owner[i] // 2 == replica else -1)
+            for i, o in enumerate(inner.owner))
+
+
+def test_the_gathers_over_the_replicas_are_bucketed_and_counted():
+    from zero.plans.fsdp2 import GATHER_BUCKET_BYTES
+
+    plan = make_fsdp2_plan(preset("llama-7b"), 8, "adam", replicas=16)
+    ts = [i for i, m in enumerate(plan.metas) if m.requires_grad]
+    buckets = plan.gather_buckets(ts, 3)
+    assert [t for b in buckets for t in b] == ts  # every param, in order
+    for b in buckets:
+        held = sum(plan.local_numel(t, 3) * 2 for t in b)
+        assert held <= GATHER_BUCKET_BYTES or len(b) == 1
+    want = sum(16 * plan.slot(t, 3) * 2 for b in buckets for t in b)
+    assert plan.gather_bytes(3) == {"bfloat16": want}
+    assert make_fsdp2_plan(preset("llama-7b"), 8, "adam").gather_bytes(3) == {}
+
+
+@pytest.mark.parametrize("replicas", [0, -1, True, 1.5])
+def test_replicas_must_be_a_positive_int(replicas):
+    with pytest.raises(ValueError, match="replicas must be a positive int"):
+        make_fsdp2_plan(metas(), 2, replicas=replicas)
+
+
+def test_fsdp2s_footprint_from_metadata():
+    """The parts of the prediction the simulation checks against FSDP2 (`tests/backends/test_fsdp2_simulate.py`):
+    zero's state over the replicas is torch's over the shards divided among them; the traffic
+    within a replica is two all-gathers and a reduce-scatter of the model; across, HSDP's all-reduce
+    of the gradient shards (and zero's all-gathers)."""
+    from zero.plans.accounting import bus_bytes
+    from zero.plans.fsdp2_memory import fsdp2_footprint
+
+    metas_ = preset("llama-7b")
+    torch_, zero_ = (fsdp2_footprint(metas_, 64, 5, replicas=8, zero=z) for z in (False, True))
+    assert abs(zero_.by_category["optimizer_state"] * 8 / torch_.by_category["optimizer_state"] - 1) < 1e-3
+    assert torch_.peak_phase == zero_.peak_phase == "backward of layers.1"
+    model = sum(m.numel * 2 for m in metas_)
+    assert torch_.sent == {"within": 3 * bus_bytes("all_gather", model, 8),
+                           "across": bus_bytes("all_reduce", model // 8, 8)}
+    assert zero_.sent["within"] == torch_.sent["within"] and zero_.sent["across"] > torch_.sent["across"]
+    assert fsdp2_footprint(metas_, 64, 5).sent["across"] == 0
+    with pytest.raises(ValueError, match="3 replicas do not divide 64 ranks"):
+        fsdp2_footprint(metas_, 64, 0, replicas=3)
