@@ -327,3 +327,29 @@ def refused(rank: int, world_size: int, case: str) -> str:
     except (TypeError, ValueError) as e:
         return f"{type(e).__name__}: {e}"
     return "built"
+
+
+def nonfinite_steps(rank: int, world_size: int, policy: str) -> tuple[str, int, float]:
+    """A NaN in one gradient row of one rank's piece at the second step: what ``nonfinite=policy``
+    says (the warning's or the error's text, or ``"silent"``), the steps skipped, and how far the
+    params moved in the second step (0.0: skipped or raised before anything was stepped)."""
+    import warnings
+
+    model = hsdp(make_model(), world_size, 2)
+    opt = zero_over(model, ADAMW, nonfinite=policy)
+    set_grads(model, fixed_grads(model, 0))
+    opt.step()
+    before = [full(p.detach()) for p in model.parameters()]
+    grads = fixed_grads(model, 1)
+    grads[2][3, 5] = float("nan")  # 2.weight, row 3: shard 0's rows, so ranks 0 and 2 hold it
+    set_grads(model, grads)
+    said = "silent"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            opt.step()
+        except FloatingPointError as e:
+            said = f"raised: {e}"
+    said = next((str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)), said)
+    moved = max(float((full(p.detach()) - b).abs().max()) for p, b in zip(model.parameters(), before))
+    return said, opt.skipped_steps, moved

@@ -53,8 +53,9 @@ def test_each_matrix_is_orthogonalised_once_across_the_mesh():
     assert sum(r for r, _ in runs) == 4
 
 
-def test_fp32_masters_of_bf16_params_are_sharded_the_same_way():
-    got = run_ranks(w.masters_against_one_process, 4, 2)
+@pytest.mark.parametrize("world_size, replicas", [(4, 2), (2, 2), (2, 1)])
+def test_fp32_masters_of_bf16_params_are_sharded_the_same_way(world_size, replicas):
+    got = run_ranks(w.masters_against_one_process, world_size, replicas)
     assert all(worst == 0.0 for worst, _, _ in got), got
     assert sum(held for _, held, _ in got) == got[0][2]  # each master element once in the mesh
 
@@ -116,3 +117,16 @@ def test_what_fsdp2_decides_is_refused_by_name():
 
 def _worst(a, b):
     return max(float((x - y).abs().max()) for x, y in zip(a, b))
+
+
+def test_nan_gradients_are_named_skipped_or_raised():
+    got = run_ranks(w.nonfinite_steps, 4, "warn")
+    holders = [r for r, (said, _, _) in enumerate(got) if "2.weight" in said]
+    assert holders == [0, 2], got  # the ranks whose rows hold the NaN name it, at no collective
+    assert [said for r, (said, _, _) in enumerate(got) if r not in holders] == ["silent", "silent"], got
+    for policy in ("skip", "raise"):
+        got = run_ranks(w.nonfinite_steps, 4, policy)
+        assert all(moved == 0.0 for _, _, moved in got), (policy, got)  # every rank, together
+        assert all(skipped == (policy == "skip") for _, skipped, _ in got), (policy, got)
+        if policy == "raise":
+            assert all(said.startswith("raised: step 2: gradients with NaN or inf") for said, _, _ in got), got

@@ -17,7 +17,9 @@ from typing import Any
 
 import torch
 
+from zero.backends import comm
 from zero.backends.local_optimizer import check_not_optax
+from zero.backends.nonfinite import NonFinite, all_finite, message
 from zero.backends.precision import resolve_dtype
 from zero.functional.adapters.group_settings import from_factory
 from zero.functional.adapters.optimizer import Optimizer
@@ -29,7 +31,7 @@ __all__ = ["ReplicaShardedOptimizer", "has_dtensors", "named_groups"]
 # ZeroRedundancyOptimizer's keywords that place params or reduce gradients: FSDP2 does both here.
 _FSDP2_DECIDES = {"process_group": None, "parameters_as_bucket_view": None, "overlap_with_ddp": False, "plan": None,
                   "strategy": None, "sync_chunk_mb": None, "reduce_scatter_grads": False, "reduce_dtype": None,
-                  "find_unused_parameters": False, "bucket_cap_mb": None, "reducer": None, "nonfinite": "warn"}
+                  "find_unused_parameters": False, "bucket_cap_mb": None, "reducer": None}
 
 
 def has_dtensors(groups: list[dict]) -> bool:
@@ -81,14 +83,16 @@ class ReplicaShardedOptimizer(Optimizer):
 
     ``master_dtype`` (e.g. ``torch.float32`` over bf16 params): each rank steps master copies of
     what it steps, in this dtype, and writes them back rounded, so the all-gathers move the params'
-    dtype; the masters are sharded as the state is. FSDP2 places the params and reduces the
-    gradients, so the keywords of ZeRO's own placement and reduction are a ``ValueError`` here.
+    dtype; the masters are sharded as the state is. ``nonfinite``: what a step does with gradients
+    holding NaN or inf, as `zero.ZeroRedundancyOptimizer`'s (``"warn"``, ``"skip"``, ``"raise"``).
+    FSDP2 places the params and reduces the gradients, so the keywords of ZeRO's own placement and
+    reduction are a ``ValueError`` here.
     """
 
     over_replicas = True  # read by zero.backends.fsdp2.executor
 
     def __init__(self, params: Iterable, optimizer_class: Any, *, master_dtype: torch.dtype | str | None = None,
-                 **options: Any):
+                 nonfinite: str = "warn", **options: Any):
         given = {k: v for k, v in options.items() if k in _FSDP2_DECIDES and v is not _FSDP2_DECIDES[k]
                  and v != _FSDP2_DECIDES[k]}
         if given:
@@ -97,8 +101,46 @@ class ReplicaShardedOptimizer(Optimizer):
                              "(FSDP2 places the params and reduces the gradients; the mesh is the params' own)")
         defaults = {k: v for k, v in options.items() if k not in _FSDP2_DECIDES}
         self.master_dtype = resolve_dtype(master_dtype, "master_dtype")
+        self.nonfinite = NonFinite(nonfinite)
         super().__init__(params, _rule(optimizer_class, defaults))
         _ = self.executor  # the plan now, on every rank (as ZeRO's), so a bad layout is named at construction
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        """`zero.functional.Optimizer.step`, after the gradients' check for NaN and inf
+        (``nonfinite``): ``"warn"`` names the params whose rows here hold them (no collective),
+        ``"skip"`` and ``"raise"`` agree across the mesh first (one all-reduce of a flag)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._checked_nonfinite():
+            return loss
+        super().step()
+        return loss
+
+    def _checked_nonfinite(self) -> bool:
+        """Whether to skip this step (``"skip"`` and some rank's gradients hold NaN or inf)."""
+        executor = self.executor
+        if executor is None or comm.is_fake(executor.layout.group):  # (a simulated rank's values are not there)
+            return False
+        named = [(n, p.grad.to_local()) for g in self.param_groups
+                 for n, p in zip(g.get("param_names") or map(str, range(len(g["params"]))), g["params"])
+                 if p.grad is not None]
+        bad = not all_finite([t for _, t in named])
+        if self.nonfinite.policy != "warn":
+            flag = torch.tensor([float(bad)])
+            for group in {executor.layout.group, executor.layout.replica_group} - {None}:
+                comm.all_reduce_max(flag, group)
+            bad = bool(flag.item())
+        if not bad:
+            return False
+        names = [n for n, t in named if not all_finite([t])]
+        found = ("in the rows of this rank" if names else "in other ranks' rows") + \
+            ", after FSDP2 reduced them (every rank holding those rows has them)"
+        skip = self.nonfinite.report(message(self._steps + 1, names, found, self.nonfinite.policy))
+        self.skipped_steps += skip  # (with a rule's apply_if_finite skips: one count, as ZeRO's)
+        return skip
 
     def state_dict(self) -> dict[str, Any]:
         """`zero.functional.Optimizer.state_dict`, with this rank's master copies (``"masters"``,
