@@ -13,7 +13,8 @@ import pytest
 from zero.backends.fsdp2_peer import simulate_fsdp2
 from zero.plans.presets import preset
 
-pytestmark = pytest.mark.timeout(900)
+# one worker for the module under -n 2: the command line's run reads the test's back from the session's store
+pytestmark = [pytest.mark.timeout(900), pytest.mark.xdist_group("fsdp2_simulate")]
 
 
 def _checked(run) -> None:
