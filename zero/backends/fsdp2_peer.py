@@ -233,7 +233,7 @@ def _sent(mesh: Any) -> Iterator[dict[str, int]]:
     names = {"all_gather_single": ("all_gather", "output_tensor", 0), "reduce_scatter_single": ("reduce_scatter",
                                                                                                  "input", 1),
              "all_reduce": ("all_reduce", "tensor", 0)}
-    originals = {name: getattr(dist, name) for name in names}
+    originals = {name: getattr(dist, name) for name in names if hasattr(dist, name)}  # (torch 2.x's names vary)
 
     def wrapped(name: str) -> Callable:
         kind, key, at = names[name]
@@ -245,7 +245,7 @@ def _sent(mesh: Any) -> Iterator[dict[str, int]]:
             return originals[name](*args, **kwargs)
         return call
 
-    for name in names:
+    for name in originals:
         setattr(dist, name, wrapped(name))
     try:
         with comm.recording() as made:

@@ -128,10 +128,10 @@ class ReplicaShardedOptimizer(Optimizer):
                  for n, p in zip(g.get("param_names") or map(str, range(len(g["params"]))), g["params"])
                  if p.grad is not None]
         bad = not all_finite([t for _, t in named])
-        if self.nonfinite.policy != "warn":
-            flag = torch.tensor([float(bad)])
-            for group in {executor.layout.group, executor.layout.replica_group} - {None}:
-                comm.all_reduce_max(flag, group)
+        if self.nonfinite.policy != "warn":  # every rank decides alike: the flag's maximum over the mesh
+            flag, device = torch.tensor([float(bad)]), executor.mesh.device_type
+            for group in (g for g in (executor.layout.group, executor.layout.replica_group) if g is not None):
+                flag = comm.maxed(group, torch.device(device))(flag)
             bad = bool(flag.item())
         if not bad:
             return False
