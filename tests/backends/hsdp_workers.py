@@ -38,6 +38,9 @@ def zero_over(model: nn.Module, spec, **options):
         args = dict(args)
         return zero.ZeroRedundancyOptimizer(groups(model), getattr(torch.optim, args.pop("optimizer_class")),
                                             **args, **options)
+    if name == "factory":  # zero's factory with its keywords, as ZeRO takes torch's classes
+        args = dict(args)
+        return zero.ZeroRedundancyOptimizer(groups(model), getattr(F, args.pop("name")), **args, **options)
     return zero.ZeroRedundancyOptimizer(groups(model), make_rule(spec), **options)
 
 
@@ -46,6 +49,9 @@ def one_process_opt(model: nn.Module, spec):
     if name == "torch":
         args = dict(args)
         return getattr(torch.optim, args.pop("optimizer_class"))(groups(model), **args, foreach=False)
+    if name == "factory":  # one process: the built transformation
+        args = dict(args)
+        return F.Optimizer(groups(model), getattr(F, args.pop("name"))(**args))
     return F.Optimizer(groups(model), make_rule(spec))
 
 

@@ -18,12 +18,14 @@ ADAM_SCALAR = 4  # the bytes of torch's per-param ``step`` that the "adam" cost 
 @pytest.mark.parametrize("world_size, replicas", [(4, 2), (2, 2), (2, 1)])
 def test_zero_over_the_replicas_steps_as_one_process_and_holds_its_part(world_size, replicas):
     """Fixed gradients, float64, 8 steps, two param groups: the rule's global-norm clipping, torch's
-    AdamW class after torch's ``clip_grad_norm_`` (the user's habit), Muon; each rank's state is
-    its part exactly (the plan's), once across the mesh."""
-    specs = {"clip + adamw": CLIP_ADAMW, "muon": MUON}
+    AdamW class after torch's ``clip_grad_norm_`` (the user's habit), Muon, and zero's factory with
+    keywords (against the built rule on one process); each rank's state is its part exactly (the
+    plan's), once across the mesh."""
+    specs = {"clip + adamw": CLIP_ADAMW, "muon": MUON,
+             "F.adamw with keywords": ("factory", dict(name="adamw", learning_rate=1e-2, weight_decay=0.1))}
     ranks = run_ranks(w.against_one_process, world_size, replicas, specs)
     ranks_clipped = run_ranks(w.against_one_process, world_size, replicas, {"torch AdamW": TORCH_ADAMW}, 8, 0.5)
-    for name in (*specs, "torch AdamW"):
+    for name in (*specs, "torch AdamW"):  # every route against one process
         got = [r.get(name) or c[name] for r, c in zip(ranks, ranks_clipped)]
         assert max(g[0] for g in got) <= 1e-12, (name, got)
     for name in ("clip + adamw", "torch AdamW"):  # nothing held twice: the ranks' state adds up to one process's

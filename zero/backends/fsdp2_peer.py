@@ -309,17 +309,15 @@ def simulate_fsdp2(params: Sequence[ParamMeta], world_size: int, rank: int, *, r
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    from zero.backends.simulate import _cache_key, _cache_read, _cache_write, _optimizer
+    from zero.backends.simulate import cached, optimizer_class
     from zero.plans.fsdp2_memory import fsdp2_footprint
 
-    _optimizer(optimizer)  # a name a simulation runs, else a ValueError naming the choices
+    optimizer_class(optimizer)  # a name a simulation runs, else a ValueError naming the choices
     predicted = fsdp2_footprint(list(params), world_size, rank, replicas=replicas, optimizer=optimizer, zero=zero)
-    key = _cache_key(tuple(params), world_size, rank, {"engine": "fsdp2", "replicas": replicas,
-                                                       "optimizer": optimizer, "zero": zero, "whole": None})
-    measured = _cache_read(key, Fsdp2Run)
-    if measured is None:
+
+    def measured() -> Fsdp2Run:
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            measured = pool.submit(run, list(params), world_size, rank, optimizer=optimizer, replicas=replicas,
-                                   zero=zero).result()
-        _cache_write(key, measured)
-    return Fsdp2RankRun(measured, predicted)
+            return pool.submit(run, list(params), world_size, rank, optimizer=optimizer, replicas=replicas,
+                               zero=zero).result()
+    options = {"engine": "fsdp2", "replicas": replicas, "optimizer": optimizer, "zero": zero}
+    return Fsdp2RankRun(cached(tuple(params), world_size, rank, options, Fsdp2Run, measured), predicted)

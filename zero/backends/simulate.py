@@ -39,7 +39,7 @@ from zero.plans.accounting import bus_bytes
 from zero.plans.footprint import Footprint, ddp_allreduce_bytes, footprint
 from zero.plans.meta import ParamMeta
 
-__all__ = ["RankRun", "simulate", "fake_group", "OPTIMIZER_CLASSES"]
+__all__ = ["RankRun", "simulate", "cached", "fake_group", "optimizer_class", "OPTIMIZER_CLASSES"]
 
 # ``optimizer=`` names: the torch.optim class each runs and its settings (the plan's accounting
 # counts the state of the rule of the same name, `zero.plans.accounting.OPTIMIZERS`).
@@ -115,15 +115,23 @@ def simulate(params: Callable[[], nn.Module] | Sequence[ParamMeta], world_size: 
     ``master_dtype``; ``whole=``: a hybrid plan; flat plans in buckets sized as the optimizer's own),
     a `ZeroRedundancyOptimizer` executing it with ``torch.optim``'s rule, and two iterations.
     Runs from metadata are kept under ``ZERO_SIMULATE_CACHE`` when it is set (see the module)."""
-    cls, settings = _optimizer(optimizer)
+    cls, settings = optimizer_class(optimizer)
     _require_no_group()
     options = dict(optimizer=optimizer, strategy=strategy, master_dtype=master_dtype, whole=whole, dtype=dtype,
                    reduce_scatter_grads=reduce_scatter_grads, reduce_dtype=reduce_dtype,
                    parameters_as_bucket_view=parameters_as_bucket_view)
+    return cached(params, world_size, rank, options, RankRun,
+                  lambda: _run(params, world_size, rank, cls, settings, **options))
+
+
+def cached(params: Any, world_size: int, rank: int, options: dict, kind: type, compute: Callable[[], Any]) -> Any:
+    """``compute()``'s run of ``rank`` of ``world_size`` on ``params`` with ``options`` (each a
+    value), read back from ``ZERO_SIMULATE_CACHE`` when a run of the same inputs (and of ``kind``)
+    is kept there, else computed and kept (see the module). Runs from a model factory are not kept."""
     key = _cache_key(params, world_size, rank, options)
-    run = _cache_read(key)
+    run = _cache_read(key, kind)
     if run is None:
-        run = _run(params, world_size, rank, cls, settings, **options)
+        run = compute()
         _cache_write(key, run)
     return run
 
@@ -183,7 +191,7 @@ def _cache_key(params: Any, world_size: int, rank: int, options: dict) -> str | 
     from zero.plans.hybrid import resolve_whole
 
     metas = tuple(params)
-    whole = options["whole"]
+    whole = options.get("whole")
     if whole is not None:
         if options["strategy"] != "flat":
             return None
@@ -201,7 +209,7 @@ def _source_digest() -> str:
     return digest.hexdigest()
 
 
-def _cache_read(key: str | None, kind: type | None = None) -> Any:
+def _cache_read(key: str | None, kind: type) -> Any:
     path = None if key is None else pathlib.Path(os.environ["ZERO_SIMULATE_CACHE"], f"{key}.pkl")
     if path is None or not path.is_file():
         return None
@@ -209,7 +217,7 @@ def _cache_read(key: str | None, kind: type | None = None) -> Any:
         run = pickle.loads(path.read_bytes())
     except Exception:  # a file another version or a killed writer left: run again, and replace it
         return None
-    return run if isinstance(run, kind or RankRun) else None
+    return run if isinstance(run, kind) else None
 
 
 def _cache_write(key: str | None, run: Any) -> None:
@@ -224,7 +232,9 @@ def _cache_write(key: str | None, run: Any) -> None:
     os.replace(tmp, folder / f"{key}.pkl")
 
 
-def _optimizer(name: str) -> tuple[type, dict]:
+def optimizer_class(name: str) -> tuple[type, dict]:
+    """The ``torch.optim`` class and settings of an ``optimizer=`` name a simulation runs
+    (`OPTIMIZER_CLASSES`); another name is a ``ValueError`` naming the choices."""
     if name not in OPTIMIZER_CLASSES:
         raise ValueError(f"unknown optimizer {name!r} for a simulation; choose one of {sorted(OPTIMIZER_CLASSES)}")
     cls_name, settings = OPTIMIZER_CLASSES[name]
