@@ -70,6 +70,11 @@ def _worker(fn, rank, world_size, port, results, args, pg_timeout, backend, thre
             out = _rpc_worker(fn, rank, world_size, port, args, pg_timeout)
         else:
             init_group(backend, rank, world_size, port, pg_timeout, hosted=True)
+            # Every rank's connections are made before any can finish: a rank that returned at once
+            # and exited closed its end while a slower one still paired with it (gloo's
+            # connectFullMesh, "Connection closed by peer", seen on CI), and that rank's error hid
+            # what the run did
+            dist.barrier()
             out = fn(rank, world_size, *args)
         # By value: torch's queue would pass a tensor as a handle to this process's shared
         # memory, unreadable once it exits (ConnectionResetError in the parent)
