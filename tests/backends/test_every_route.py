@@ -4,6 +4,7 @@ factory-with-keywords form (``ZeroRedundancyOptimizer(params, F.adamw, learning_
 step every alias and contrib rule to the same bits."""
 
 import alias_cases
+import helpers
 import pytest
 import torch
 
@@ -75,7 +76,7 @@ def test_the_8bit_factory_form_equals_torchaos_adamw8bit(one_rank, dtype=torch.b
     """The drop-in's own form of the 8-bit rule against torchao's class, 12 steps on one rank,
     bf16 params (where the factory form rounded ``b2=0.999`` to 1.0 and refused to build): within
     bf16's rounding (measured 2.2e-4, relative to each param's norm)."""
-    torchao_optim = pytest.importorskip("torchao.optim", reason="torchao is a test dependency (make installs it)")
+    torchao_optim = helpers.torchao_optim()
     ours, theirs = _model(dtype), _model(dtype)
     opts = (Zero(ours.parameters(), F.contrib.adamw_8bit, learning_rate=1e-2, weight_decay=0.01),
             torchao_optim.AdamW8bit(theirs.parameters(), lr=1e-2, weight_decay=0.01))

@@ -30,3 +30,17 @@ def test_the_peak_is_the_same_with_every_chunk_made(world, rank):
                                                                  "layers.1.w": (24, 37), "head": (1, 3)})
     options = dict(master_dtype=torch.float32, reduce_dtype=torch.float32)
     assert fsdp2_peak(metas, world, rank, **options) == fsdp2_peak(metas, world, rank, every_chunk=True, **options)
+
+
+def test_the_peak_only_tracker_measures_what_torchs_own_does(monkeypatch):
+    """`run`'s tracker keeps the rank's peak alone (`zero.backends.simulate.peak_only`), not each
+    module's: its run, the peak, every category at it and the bytes sent, equals torch's own
+    ``FSDPMemTracker``'s, under FSDP2 with torch's AdamW and under HSDP with zero's state."""
+    import zero.backends.fsdp2_peer as peer
+
+    metas = zero.param_metas({"a": (37, 24), "b": (5,), "layers.0.w": (2, 7), "layers.0.v": (24, 24),
+                              "layers.1.w": (24, 37), "head": (1, 3)})
+    cases = [dict(world_size=3, rank=2), dict(world_size=4, rank=1, replicas=2, zero=True)]
+    ours = [peer.run(metas, **case) for case in cases]
+    monkeypatch.setattr(peer, "peak_only", lambda tracker_class: tracker_class)
+    assert [peer.run(metas, **case) for case in cases] == ours

@@ -38,6 +38,14 @@ def test_at_1024_ranks(model, replicas, zero, rank):
     _checked(simulate_fsdp2(preset(model), 1024, rank, replicas=replicas, zero=zero))
 
 
+def test_gpt2_at_8_ranks_measured_at_the_steady_state():
+    """GPT-2 with torch's AdamW at 8 ranks: predicted within 3% (measured 12 bytes), where the peak
+    over both iterations was the first step's, at which the tracker counted DTensor's sharding
+    propagation on global-shape fake tensors as optimizer state: 24% above the prediction
+    (`zero.backends.fsdp2_peer`)."""
+    _checked(simulate_fsdp2(preset("gpt2"), 8, 7))
+
+
 def test_zero_simulate_engine_fsdp2(tmp_path):
     out = tmp_path / "run.json"
     done = subprocess.run([sys.executable, "-m", "zero", "simulate", "--preset", "llama-7b", "-w", "64", "--engine",

@@ -1,6 +1,7 @@
 """Low-bit Adam state under ZeRO: the same bits at every world size and plan, the plan's bytes on
 every rank, checkpoints that move between world sizes and plans, and the plans it refuses."""
 
+import helpers
 import lowbit_workers as lw
 import pytest
 import torch
@@ -117,7 +118,7 @@ def test_torchaos_classes_run_whole_params_and_are_refused_on_a_flat_plan(name, 
     """Whole-param plans give torchao's class whole params, as it expects, and its state (torchao's
     own tensor subclasses) round-trips a DCP checkpoint; a flat plan's shards would change its
     numbers (ao#4912): a ValueError that points to zero's rule."""
-    torchao_optim = pytest.importorskip("torchao.optim", reason="torchao is a test dependency (make installs it)")
+    torchao_optim = helpers.torchao_optim()
     cls = getattr(torchao_optim, name)
     model = nn.Sequential(nn.Linear(64, 128), nn.Linear(128, 3))
     twin = nn.Sequential(nn.Linear(64, 128), nn.Linear(128, 3))

@@ -4,6 +4,7 @@ layout changes."""
 
 import math
 
+import helpers
 import optree
 import pytest
 import torch
@@ -82,7 +83,7 @@ def test_twenty_steps_equal_torchaos(rule, cls, inplace):
     within one step of torchao's and their scales equal to rounding; the params below the
     threshold keep full-precision moments in both, within 1e-5 of their largest. ``inplace``:
     `zero.functional.Optimizer`'s kernel; else the pure ``update``."""
-    torchao_optim = pytest.importorskip("torchao.optim", reason="torchao is a test dependency (make installs it)")
+    torchao_optim = helpers.torchao_optim()
     decay = 0.1 if "W" in cls else 0.01
     ours, theirs = _params(), [p.clone().requires_grad_() for p in _params()]
     ao = getattr(torchao_optim, cls)(theirs, lr=1e-2, weight_decay=decay)
