@@ -137,7 +137,7 @@ def measure(params: Callable[[], nn.Module] | Sequence[ParamMeta], world_size: i
             optimizer: str = "adamw", master_dtype: torch.dtype | None = None,
             reduce_dtype: torch.dtype | None = None, every_chunk: bool = False) -> int:
     """The peak bytes of ``rank`` of ``world_size`` training ``params`` (a model factory, or
-    metadata) with FSDP2 and ``torch.optim``'s ``optimizer``, over two iterations (`run`).
+    metadata) with FSDP2 and ``torch.optim``'s ``optimizer``, in the second of two iterations (`run`).
 
     ``master_dtype``: FSDP2's mixed precision as torchtitan runs it: the sharded params (the
     optimizer's) in this dtype, all-gathered and computed in the params' own
