@@ -31,7 +31,8 @@ from zero.tools.pool import Pool
 
 __all__ = ["run_ranks", "close_pools", "free_port", "MODELS", "Net", "make_model", "groups_of", "ddp_grads",
            "fixed_grads", "set_grads", "side_by_side", "worst", "assert_params_close", "assert_trees_close", "digest",
-           "same_on_every_rank", "broadcast", "patched", "CountingCalls", "CommCounter", "train", "mode_name"]
+           "same_on_every_rank", "broadcast", "patched", "torchao_optim", "CountingCalls", "CommCounter", "train",
+           "mode_name"]
 
 # -- ranks ------------------------------------------------------------------------------------
 

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zero.backends.simulate import OPTIMIZER_CLASSES, fake_group, peak_only, restart_peak
+from zero.backends.simulate import OPTIMIZER_CLASSES, fake_group, peak_only
 from zero.plans.fsdp2_memory import units
 from zero.plans.meta import ParamMeta, param_metas
 
@@ -195,7 +195,7 @@ def run(params: Callable[[], nn.Module] | Sequence[ParamMeta], world_size: int, 
             with tracker:
                 for k in range(2):
                     if k:  # the peak of the second iteration, as the plan predicts (see the module)
-                        restart_peak(tracker)
+                        tracker.restart_peak()
                     with _sent(mesh) if k else contextlib.nullcontext() as sent:
                         model(x).backward()
                         opt.step()

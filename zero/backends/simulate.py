@@ -39,8 +39,7 @@ from zero.plans.accounting import bus_bytes
 from zero.plans.footprint import Footprint, ddp_allreduce_bytes, footprint
 from zero.plans.meta import ParamMeta
 
-__all__ = ["RankRun", "simulate", "cached", "fake_group", "optimizer_class", "peak_only", "restart_peak",
-           "OPTIMIZER_CLASSES"]
+__all__ = ["RankRun", "simulate", "cached", "fake_group", "optimizer_class", "peak_only", "OPTIMIZER_CLASSES"]
 
 # ``optimizer=`` names: the torch.optim class each runs and its settings (the plan's accounting
 # counts the state of the rule of the same name, `zero.plans.accounting.OPTIMIZERS`).
@@ -185,10 +184,13 @@ def _tracker() -> Any:
 
 def peak_only(tracker_class: type) -> type:
     """``tracker_class`` (torch's ``MemTracker`` or ``FSDPMemTracker``) keeping the whole rank's
-    peak alone. After every op torch's tracker also walks every module it has seen, to keep each
-    one's own peak while it runs: 40% of a LLaMA-70B run's time at 1,024 ranks, and the simulations
-    read only the rank's peak (``get_tracker_snapshot("peak")``), which this keeps as torch does, to
-    the byte (tests/backends/test_simulate.py)."""
+    peak alone, and able to start it again (``restart_peak()``). After every op torch's tracker
+    also walks every module it has seen, to keep each one's own peak while it runs: 40% of a
+    LLaMA-70B run's time at 1,024 ranks, and the simulations read only the rank's peak
+    (``get_tracker_snapshot("peak")``), which this keeps as torch does, to the byte
+    (tests/backends/test_simulate.py, tests/backends/test_fsdp2_peer.py). The tracker's peak lives
+    in its private fields, which torch gives no other way to read or reset: they are touched here
+    only."""
     from copy import deepcopy
 
     class PeakOnly(tracker_class):
@@ -198,17 +200,13 @@ def peak_only(tracker_class: type) -> type:
                     self._peak_mem[device] = snapshot["Total"]
                     self._peak_mem_snap[device] = deepcopy(snapshot)
 
+        def restart_peak(self) -> None:
+            """The peak from now on: what is alive now and what comes, as though tracking began here."""
+            self._peak_mem = {device: snapshot["Total"] for device, snapshot in self._curr_mem_snap.items()}
+            self._peak_mem_snap = deepcopy(self._curr_mem_snap)
+
     PeakOnly.__name__ = PeakOnly.__qualname__ = f"PeakOnly{tracker_class.__name__}"
     return PeakOnly
-
-
-def restart_peak(tracker: Any) -> None:
-    """``tracker``'s (torch's ``MemTracker`` or a subclass) peak from now on: what is alive now and
-    what comes, as though it had started tracking here with everything it tracks."""
-    from copy import deepcopy
-
-    tracker._peak_mem = {device: snapshot["Total"] for device, snapshot in tracker._curr_mem_snap.items()}
-    tracker._peak_mem_snap = deepcopy(tracker._curr_mem_snap)
 
 
 def _cache_key(params: Any, world_size: int, rank: int, options: dict) -> str | None:
