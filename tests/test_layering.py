@@ -31,12 +31,14 @@ def test_functional_loads_no_jax_and_no_backends():
 
 def test_stepping_plain_params_loads_no_backend():
     """Only sharded params (FSDP2's DTensors) reach a backend, by the name in
-    `zero.functional.adapters.sharded_storage.EXECUTORS`, and only when stepped."""
+    `zero.functional.adapters.executor.EXECUTORS`, and only when such params are given."""
     code = ("import sys, torch, zero.functional as F\n"
             "p = torch.ones(3, requires_grad=True); p.grad = torch.ones(3)\n"
             "F.Optimizer([p], F.adamw(0.1)).step()\n"
             "assert 'zero.backends' not in sys.modules, 'a plain step loaded a backend'\n"
-            "from zero.functional.adapters.sharded_storage import EXECUTORS\n"
+            "opt = F.Optimizer([p], F.adamw(0.1)); opt.state_dict(); opt.load_state_dict(opt.state_dict())\n"
+            "assert 'zero.backends' not in sys.modules, 'a plain state dict loaded a backend'\n"
+            "from zero.functional.adapters.executor import EXECUTORS\n"
             "assert set(EXECUTORS.values()) == {'zero.backends.fsdp2'}")
     subprocess.run([sys.executable, "-c", code], check=True)
 

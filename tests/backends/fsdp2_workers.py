@@ -400,12 +400,12 @@ def zero2_then_fixed(rank: int, world_size: int, spec, path: str | None, steps: 
 
 
 def first_step_error(rank: int, world_size: int, spec) -> str:
-    """The ValueError the first step over FSDP2 raises with ``spec`` (a spec per rank when a
-    list), or ``"stepped"``."""
+    """The ValueError building the optimizer over FSDP2 (which plans it) or its first step raises
+    with ``spec`` (a spec per rank when a list), or ``"stepped"``."""
     model = sharded(make_model())
-    opt = build(spec[rank] if isinstance(spec, list) else spec, model)
-    set_grads(model, fixed_grads(model, 0))
     try:
+        opt = build(spec[rank] if isinstance(spec, list) else spec, model)
+        set_grads(model, fixed_grads(model, 0))
         opt.step()
     except ValueError as e:
         return str(e)

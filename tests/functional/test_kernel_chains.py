@@ -153,7 +153,7 @@ def test_named_params_reach_masks_and_groups_keep_their_names():
     for p in model.parameters():
         p.grad = torch.ones_like(p)
     opt.step()
-    state = opt.state_dict()["tx_states"][0][(0, 1)]
+    state = opt.set_states(0)[(0, 1)]
     assert set(state.inner_state[0].mu) == {"0.weight", "0.bias"}, "the state is a dict by name"
     with pytest.raises(ValueError, match=r"names \['w'\] more than once"):
         F.Optimizer([("w", torch.zeros(2, requires_grad=True)), ("w", torch.ones(2, requires_grad=True))], F.sgd(0.1))

@@ -129,16 +129,16 @@ def check_optimizer(optimizer: Any) -> RankState:
     return state
 
 
-def _fsdp2_names(optimizer: Any, model: nn.Module) -> list[str] | None:
-    """Every param's FQN when ``optimizer`` is a `zero.functional.Optimizer` over FSDP2's params
-    (`zero.backends.fsdp2`), else None."""
-    from zero.backends.fsdp2 import Fsdp2Executor
-    from zero.functional import Optimizer
+def _face_names(optimizer: Any, model: nn.Module) -> list[str] | None:
+    """Every param's FQN when ``optimizer`` keeps torch's contract itself (a
+    `zero.functional.adapters.face.OptimizerFace`: its ``state_dict()`` is torch's form, this
+    rank's entries in their placements), else None."""
+    from zero.functional.adapters.face import OptimizerFace
 
-    if not isinstance(optimizer, Optimizer) or not isinstance(optimizer.executor, Fsdp2Executor):
+    if not isinstance(optimizer, OptimizerFace):
         return None
     fqns = model_fqns(model)
-    params = [p for g in optimizer.param_groups for p in g["params"]]
+    params = optimizer.all_params()
     missing = [i for i, p in enumerate(params) if id(p) not in fqns]
     if missing:
         raise ValueError(f"the optimizer's param {missing[0]} is not a parameter of the model: pass the model whose "
@@ -146,12 +146,21 @@ def _fsdp2_names(optimizer: Any, model: nn.Module) -> list[str] | None:
     return [fqns[id(p)] for p in params]
 
 
-def _optimizer_state_dict(optimizer: Any, model: nn.Module, opts: _Options, masters: bool) -> dict[str, Any]:
-    fsdp2 = _fsdp2_names(optimizer, model)
-    if fsdp2 is not None:
-        from zero.backends.fsdp2.state import fsdp2_state_dict
+def _by_fqn(optimizer: Any, names: list[str], masters: bool) -> dict[str, Any]:
+    """``optimizer.state_dict()`` keyed by FQN, as torch's ``get_optimizer_state_dict`` keys it
+    (``param_names`` left out: FQNs name the params, and a checkpoint of an optimizer built from
+    unnamed params has none)."""
+    sd = optimizer.state_dict()
+    state = {names[i]: {k: v for k, v in st.items() if masters or k != MASTER_KEY} for i, st in sd["state"].items()}
+    groups = [{**{k: v for k, v in g.items() if k not in ("params", "param_names")},
+               "params": [names[i] for i in g["params"]]} for g in sd["param_groups"]]
+    return {"state": state, "param_groups": groups}
 
-        sd = fsdp2_state_dict(optimizer, fsdp2, masters)
+
+def _optimizer_state_dict(optimizer: Any, model: nn.Module, opts: _Options, masters: bool) -> dict[str, Any]:
+    names = _face_names(optimizer, model)
+    if names is not None:
+        sd = _by_fqn(optimizer, names, masters)
         return _flatten(sd) if opts.flatten_optimizer_state_dict else sd
     held = check_optimizer(optimizer)
     names = _param_names(held, model)
@@ -203,16 +212,14 @@ def _same(a: Any, b: torch.Tensor) -> bool:
 
 
 def _load_optimizer(optimizer: Any, model: nn.Module, sd: dict[str, Any]) -> None:
-    fsdp2 = _fsdp2_names(optimizer, model)
-    if fsdp2 is not None:
-        from zero.backends.fsdp2.state import load_fsdp2_state_dict
-
+    names = _face_names(optimizer, model)
+    if names is not None:
         groups, first = [], 0
         for g in optimizer.param_groups:
-            groups.append(fsdp2[first:first + len(g["params"])])
+            groups.append(names[first:first + len(g["params"])])
             first += len(g["params"])
         sd = _unflatten(sd, groups) if _is_flat(sd) else sd
-        return load_fsdp2_state_dict(optimizer, fsdp2, sd)
+        return _load_by_fqn(optimizer, names, groups, sd)
     state = check_optimizer(optimizer)
     names = _param_names(state, model)
     sd = _unflatten(sd, _groups_of(state, names)) if _is_flat(sd) else sd
@@ -221,6 +228,24 @@ def _load_optimizer(optimizer: Any, model: nn.Module, sd: dict[str, Any]) -> Non
         load_functional(state, names, sd)
     else:
         load_torch(state, names, sd)
+
+
+def _load_by_fqn(optimizer: Any, names: list[str], groups: list[list[str]], sd: dict[str, Any]) -> None:
+    """``sd`` (FQN-keyed, `get_state_dict`'s form) into ``optimizer.load_state_dict``, by position.
+    As torch's ``set_state_dict``, params are found by FQN: each of this optimizer's groups takes the
+    settings of the saved group that holds its first param, so a checkpoint of other groupings loads."""
+    if not isinstance(sd, dict) or "state" not in sd or "param_groups" not in sd:
+        raise ValueError("optim_state_dict must have 'state' and 'param_groups' (made by get_state_dict)")
+    holder = {n: g for g in sd["param_groups"] for n in g["params"]}
+    missing = [n for g in groups for n in g if n not in holder]
+    if missing:
+        raise ValueError(f"optim_state_dict's param groups do not hold {missing[:5]}, which this optimizer steps: it "
+                         "was saved for another model")
+    at = {n: i for i, n in enumerate(names)}
+    state = {at[fqn]: st for fqn, st in sd["state"].items() if fqn in at}
+    param_groups = [{**({k: v for k, v in holder[g[0]].items() if k != "params"} if g else {}),
+                     "params": [at[n] for n in g]} for g in groups]
+    optimizer.load_state_dict({"state": state, "param_groups": param_groups})
 
 
 def _check_groups(sd: dict, state: RankState, names: list[str]) -> None:

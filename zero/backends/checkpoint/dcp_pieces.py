@@ -21,7 +21,7 @@ from zero.backends import comm
 from zero.backends.local_optimizer import initial_state, is_per_element
 from zero.backends.precision import MASTER_KEY
 from zero.backends.rank_state import RankState
-from zero.functional.adapters.state_tree import map_state_leaves, state_leaves
+from zero.functional.adapters.state_names import per_param
 from zero.plans.chunks import Held, range_boxes
 
 __all__ = ["quiet", "torch_entries", "functional_entries", "functional_leaves", "held_elements", "saved_shape",
@@ -52,19 +52,19 @@ def _local_state(state: RankState) -> dict:
     return state.state_dict()
 
 
-def _functional_sets(state: RankState) -> Iterator[tuple[dict, tuple[int, ...], list[int], list[str] | None]]:
+def _functional_sets(state: RankState) -> Iterator[tuple[Any, tuple[int, ...], list[int], list[str] | None]]:
     """Each set of a `zero.functional` local optimizer's params stepped together: the group's
-    states, the set's positions in the group, their positions across groups, their names in
-    the state's trees (None: lists). Params without
-    state start from the transformation's ``init`` (stepped together, as a step would)."""
+    `SetStates`, the set's positions in the group, their positions across groups, their names in
+    the state's trees (None: lists). Params without state start from the transformation's
+    ``init`` (stepped together, as a step would)."""
     optim, trainable, first = state.optim, state.trainable_locals(), 0
     for k, group in enumerate(optim.param_groups):
         n = len(group["params"])
         with state.answering():
             optim.ensure_state(k, tuple(i for i in range(n) if first + i in trainable))
-        states = optim.set_states(k)
-        for idx in list(states):
-            yield states, idx, [first + i for i in idx], optim.names_of(k, idx)
+        sets = optim.set_states_of(k)
+        for idx in sets.sets():
+            yield sets, idx, [first + i for i in idx], optim.names_of(k, idx)
         first += n
 
 
@@ -76,17 +76,17 @@ def functional_entries(state: RankState) -> Iterator[tuple[Held, str, Any]]:
 
 
 def functional_leaves(state: RankState) -> Iterator[tuple[Held, str, Any, int]]:
-    """The Optax-shaped state of a `zero.functional` local optimizer, per held piece: each
-    per-param leaf under its path (``"0.mu"`` ...), each shared leaf (counts, hyperparameters)
-    under every param of its set; masters under `MASTER_KEY`. With each, how many of the param's
+    """The state of a `zero.functional` local optimizer, per held piece, as torch's per-param
+    entries (`zero.functional.adapters.state_names`: each per-param leaf under its path, ``"0.mu"``
+    ..., or torch's name for a rule that mirrors a torch.optim class; each shared leaf, a count,
+    under every param of its set); masters under `MASTER_KEY`. With each, how many of the param's
     elements one of the leaf's stands for (`_per_element`; 0: the leaf is saved as it is)."""
     held = state.holdings
     params = [p for g in state.optim.param_groups for p in g["params"]]
-    for states, idx, js, names in _functional_sets(state):
-        for key, pos, leaf in state_leaves(states[idx], len(idx), names):
-            for j in js if pos is None else [js[pos]]:
-                for h in held.pieces(j):
-                    yield h, key, leaf, _per_element(leaf, params[j], h, state, key) if pos is not None else 0
+    for sets, idx, js, names in _functional_sets(state):
+        for j, key, pos, leaf in per_param(sets.named(idx, names), tuple(js)):
+            for h in held.pieces(j):
+                yield h, key, leaf, _per_element(leaf, params[j], h, state, key) if pos is not None else 0
     for j, p in enumerate(params):
         if state.masters.stepped(p) is not None:
             for h in held.pieces(j):
@@ -193,7 +193,7 @@ def load_functional(state: RankState, names: list[str], sd: dict) -> None:
     loaded into them), then its masters and the groups' settings."""
     held_by = state.holdings
     params = [p for g in state.optim.param_groups for p in g["params"]]
-    for states, idx, js, tree_names in _functional_sets(state):
+    for sets, idx, js, tree_names in _functional_sets(state):
         def fill(key: str, pos: int | None, leaf: Any, js: list[int] = js) -> Any:
             held = [h for j in (js if pos is None else [js[pos]]) for h in held_by.pieces(j)]
             for h in held if pos is not None else held[:1]:
@@ -201,12 +201,12 @@ def load_functional(state: RankState, names: list[str], sd: dict) -> None:
                 k = _per_element(leaf, params[h.local], h, state, key) if pos is not None else 0
                 if k:
                     _copy_piece(leaf, h, saved, names[h.param], key, saved_shape(state, h, k), k)
-                elif isinstance(leaf, torch.Tensor):
+                elif isinstance(leaf, torch.Tensor) and leaf.dim():
                     _copy_whole(leaf, saved, names[h.param], key)
                 else:
                     leaf = saved
             return leaf
-        states[idx] = map_state_leaves(states[idx], len(idx), fill, tree_names)
+        sets.load(idx, tree_names, fill)
     for j, p in enumerate(params):
         stepped = state.masters.stepped(p)
         for h in held_by.pieces(j) if stepped is not None else ():

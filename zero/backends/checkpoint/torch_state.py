@@ -273,9 +273,11 @@ def from_torch(metadata: Any, path: str | os.PathLike, optimizer: Any, optim_sd:
     None when there is nothing to translate (not torch's state, or not a functional rule). A
     functional rule without a torch counterpart is a ``ValueError`` naming both."""
     from zero.backends.local_optimizer import is_functional
+    from zero.functional.adapters.torch_rules import torch_class_of
 
-    if not is_torch_state(metadata) or not is_functional(_local(optimizer)):
-        return None
+    local = _local(optimizer)
+    if not is_torch_state(metadata) or not is_functional(local) or torch_class_of(local.rule(0)) is not None:
+        return None  # (a from_torch rule keeps torch's names itself: its state loads as it is)
     name = loading(optimizer)
     rule = TORCH_RULES.get(name)
     saver = saved_by(metadata, path)

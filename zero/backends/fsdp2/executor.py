@@ -30,6 +30,7 @@ from torch.distributed.tensor import Replicate, Shard
 from zero.backends import comm
 from zero.backends.fsdp2.exchange import back_from_owners, gather_replicas, to_owners
 from zero.backends.fsdp2.layout import Layout, plan_for, read_layout
+from zero.backends.fsdp2.state import fsdp2_entries, load_fsdp2_entries, start_states
 from zero.functional import sharding
 from zero.plans.fsdp2 import Fsdp2Plan
 
@@ -64,10 +65,33 @@ class Fsdp2Executor:
         self.master_dtype = master_dtype
         self.masters: dict[int, torch.Tensor] = {}  # param -> the master of what this rank steps of it
         self._retaken = False
+        self._stepped = False  # masters taken before the first step follow their params silently
         self._base = sharding.Sharding(
             {}, tuple(master_dtype or p.dtype for p in params), self._over_steppers(comm.summed, device),
             self._over_steppers(comm.maxed, device), every_group=True, names=tuple(m.name for m in metas),
             numels=tuple(m.numel for m in metas), shapes=tuple(m.shape for m in metas))
+        self._optimizer = optimizer
+        start_states(self, optimizer)
+
+    @property
+    def layout_key(self) -> str:
+        """Which rank of which plan this is: a ``state_dict()`` of it holds this rank's pieces."""
+        return f"rank {self.me} of FSDP2 plan {self.plan.fingerprint} ({self.plan.ranks} ranks)"
+
+    def entries(self) -> Iterator[tuple[int, str, Any]]:
+        """This rank's state entries by param position, in the params' placements (`fsdp2.state`)."""
+        return fsdp2_entries(self, self._optimizer)
+
+    def load(self, entries: dict[int, dict[str, Any]], groups: list[dict]) -> None:
+        load_fsdp2_entries(self, self._optimizer, entries)
+
+    def cut(self, t: int, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a tensor shaped like param ``t`` (what it steps of it: its rows,
+        their run over the replicas; the whole where it owns ``t``)."""
+        if self.plan.owner[t] >= 0 or not whole.dim():
+            return whole
+        start, length = self.plan.rows(t)[self.layout.rank]
+        return self._part(t, whole.narrow(self.plan.dims[t], start, length).contiguous(), written=False)
 
     def _over_steppers(self, reduced: Any, device: torch.device) -> Any:
         """A reduction over every rank whose pieces the rules step: the shard group, then (a plan
@@ -77,11 +101,6 @@ class Fsdp2Executor:
             return within
         across = reduced(self.layout.replica_group, device)
         return lambda t: across(within(t))
-
-    @property
-    def layout_key(self) -> str:
-        """Which rank of which plan this is, as a state_dict records it."""
-        return f"rank {self.me} of FSDP2 plan {self.plan.fingerprint} ({self.plan.ranks} ranks)"
 
     def step_group(self, k: int, idx: tuple[int, ...], params: Sequence[torch.Tensor],
                    grads: Sequence[torch.Tensor], run: Any) -> None:
@@ -112,6 +131,7 @@ class Fsdp2Executor:
                          local)
         if plan.replicas > 1:
             gather_replicas(plan, self.me, layout.replica_group, ts, local)
+        self._stepped = True
 
     def master(self, t: int, leaf: torch.Tensor) -> torch.Tensor:
         """What the rule steps of param ``t`` on this rank: ``leaf`` (this rank's part, or the whole
@@ -123,7 +143,7 @@ class Fsdp2Executor:
             master = self.masters[t] = leaf.detach().to(self.master_dtype, copy=True)
         elif not torch.equal(master.to(leaf.dtype), leaf):  # written outside the optimizer: one truth
             master.copy_(leaf)
-            if not self._retaken:
+            if not self._retaken and self._stepped:
                 self._retaken = True
                 warnings.warn(f"param {self.layout.metas[t].name!r} changed outside the optimizer since its "
                               f"{self.master_dtype} master was made (load_state_dict, nn.init, .data writes ...): its "

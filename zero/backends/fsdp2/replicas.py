@@ -103,7 +103,6 @@ class ReplicaShardedOptimizer(Optimizer):
         self.master_dtype = resolve_dtype(master_dtype, "master_dtype")
         self.nonfinite = NonFinite(nonfinite)
         super().__init__(params, _rule(optimizer_class, defaults))
-        _ = self.executor  # the plan now, on every rank (as ZeRO's), so a bad layout is named at construction
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -141,24 +140,6 @@ class ReplicaShardedOptimizer(Optimizer):
         skip = self.nonfinite.report(message(self._steps + 1, names, found, self.nonfinite.policy))
         self.skipped_steps += skip  # (with a rule's apply_if_finite skips: one count, as ZeRO's)
         return skip
-
-    def state_dict(self) -> dict[str, Any]:
-        """`zero.functional.Optimizer.state_dict`, with this rank's master copies (``"masters"``,
-        by param index) when it keeps them."""
-        sd = super().state_dict()
-        if self.master_dtype is not None and self.executor is not None:
-            sd["masters"] = {t: m.detach().clone() for t, m in self.executor.masters.items()}
-        return sd
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load `state_dict`'s form (the same rank of the same layout); masters it does not hold
-        (saved without ``master_dtype``) start again from the params at the next step."""
-        masters = state_dict.get("masters")
-        super().load_state_dict({k: v for k, v in state_dict.items() if k != "masters"})
-        if self.master_dtype is not None and self.executor is not None:
-            self.executor.masters.clear()
-            for t, master in (masters or {}).items():
-                self.executor.masters[int(t)] = master.to(self.master_dtype, copy=True)
 
 
 def _register() -> None:

@@ -1,12 +1,15 @@
-"""The optimizer state of zero's rules over FSDP2's params in DCP's layout, and back.
+"""The optimizer state of zero's rules over FSDP2's params as torch's per-param entries, and back:
+what ``optimizer.state`` shows and ``state_dict()`` holds over DTensor params (so torch's
+``get_state_dict`` and DCP save and reshard it).
 
 Each per-param state tensor of a param a rank steps in pieces is a DTensor in the param's
 placement (its local tensor is the state itself, so DCP saves it without a copy and loads into it
 in place, resharding to any mesh size); the state of a param an owner steps whole is a plain
 tensor on the owner (DCP reads any box of it into another layout's pieces, and writes a whole one
-from pieces). The keys are the state's paths, as zero's ZeRO checkpoints name them (``"0.mu"``),
-so a ZeRO-1/2 checkpoint continues here and this one there. Shared leaves (counts,
-hyperparameters) are saved under every param that shares them.
+from pieces). The keys are the state's paths, as zero's ZeRO checkpoints name them
+(`zero.functional.adapters.state_names`: torch's names for a rule that mirrors a ``torch.optim``
+class), so a ZeRO-1/2 checkpoint continues here and this one there. Shared leaves (counts) are
+saved under every param that shares them.
 
 Under a plan over HSDP's replicas a rank's state is a run of its piece's elements, which no
 placement describes: it is a ``ShardedTensor`` of the boxes of the param's shape the run covers,
@@ -24,46 +27,77 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from zero.backends import comm
-from zero.backends.checkpoint.dcp_pieces import quiet, saved_entry
+from zero.backends.checkpoint.dcp_pieces import quiet
 from zero.backends.precision import MASTER_KEY
-from zero.functional.adapters.state_tree import as_tree, map_state_leaves, state_leaves
+from zero.functional.adapters.executor import load_leaf, load_sets
+from zero.functional.adapters.state_names import named_leaves, per_param
+from zero.functional.adapters.state_tree import as_tree
 from zero.plans.chunks import range_boxes
 
-__all__ = ["fsdp2_state_dict", "load_fsdp2_state_dict"]
+__all__ = ["fsdp2_entries", "load_fsdp2_entries", "start_states"]
 
 
-def _sets(optimizer: Any) -> Iterator[tuple[int, dict, tuple[int, ...], list[str] | None]]:
-    """Each group's state sets (every param given a state first, as a step would start it)."""
-    executor = optimizer.executor
+def start_states(executor: Any, optimizer: Any) -> None:
+    """Start every trainable param's state, as its first step would (every rank calls this: an
+    owner's matrices are gathered whole), so that reading ``optimizer.state`` needs no collective."""
     for k, group in enumerate(optimizer.param_groups):
         idx = tuple(i for i, p in enumerate(group["params"]) if p.requires_grad)
-        if not optimizer.set_states(k) and idx:
-            with executor.starting(k, idx) as (keep, leaves):
-                optimizer.ensure_state(k, keep, leaves)
-        states = optimizer.set_states(k)
-        for keep in list(states):
-            yield k, states, keep, optimizer.names_of(k, keep)
+        with executor.starting(k, idx) as (keep, leaves):
+            optimizer.ensure_state(k, keep, leaves)
 
 
-def _entries(optimizer: Any, names: list[str], masters: bool = True
-             ) -> Iterator[tuple[int, str, str, int | None, Any, int]]:
-    """``(t, the param's FQN, key, position, leaf, per)`` of every state leaf, per param it belongs
-    to. ``per``, from the rule's leaf for the whole param (asked on meta tensors: a placeholder
-    that happens to have a piece's shape is not one): -1 when it is shaped like the param (this
-    rank's like its piece); ``k >= 1`` when it is 1-D with one element per ``k`` of the flattened
-    param's (a quantized moment's codes, ``k`` 1 or 1/2 a byte... its scales, one per block); 0
-    for any other (a placeholder, a factored statistic)."""
-    executor = optimizer.executor
-    for k, states, keep, tree_names in _sets(optimizer):
-        first = executor.layout.firsts[k]
-        shapes = _whole_shapes(optimizer, k, keep, tree_names)
-        for key, pos, leaf in state_leaves(states[keep], len(keep), tree_names):
-            for i in keep if pos is None else [keep[pos]]:
-                meta = executor.plan.metas[first + i]
-                yield first + i, names[first + i], key, pos, leaf, _per(shapes.get((key, pos)), meta.shape)
-        for pos, i in enumerate(keep):
-            if masters and first + i in executor.masters:
-                yield first + i, names[first + i], MASTER_KEY, pos, executor.masters[first + i], -1
+def fsdp2_entries(executor: Any, optimizer: Any) -> Iterator[tuple[int, str, Any]]:
+    """``(param position, key, value)`` of this rank's state, each value in its param's placement:
+    a per-element leaf of a piece as a DTensor like the param (over the replicas: a
+    ``ShardedTensor`` of the boxes its run covers), a 1-D leaf of one element per ``k`` of a
+    piece's (quantized codes, block scales) as a ``ShardedTensor`` of runs, a leaf an owner keeps
+    whole as it is; masters under ``"master"``. A param this rank neither holds a piece of nor
+    owns has none."""
+    plan = executor.plan
+    for k, group in enumerate(optimizer.param_groups):
+        first, sets = executor.layout.firsts[k], optimizer.set_states_of(k)
+        for keep in sets.sets():
+            tree_names = optimizer.names_of(k, keep)
+            shapes = _whole_shapes(optimizer, executor, k, keep, tree_names)
+            for i, key, pos, leaf in per_param(sets.named(keep, tree_names), keep):
+                t = first + i
+                if pos is None or plan.owner[t] >= 0 or not isinstance(leaf, torch.Tensor):
+                    yield t, key, leaf
+                    continue
+                per = _per(shapes.get((key, pos)), plan.metas[t].shape)
+                per = per if per <= 0 or plan.runs_cut_at(t, per) else 0  # a placeholder's k: not runs
+                if per == 0:
+                    yield t, key, _whole_shaped(plan, t, key, leaf, shapes.get((key, pos)))
+                elif plan.replicas == 1 or leaf.numel():  # (over the replicas a rank may hold no part of it)
+                    yield t, key, _per_element(executor, t, leaf) if per < 0 else _as_runs(executor, t, leaf, per, key)
+        for i in range(len(group["params"])):
+            if first + i in executor.masters:
+                yield first + i, MASTER_KEY, _per_element(executor, first + i, executor.masters[first + i]) \
+                    if plan.owner[first + i] < 0 else executor.masters[first + i]
+
+
+def _whole_shaped(plan: Any, t: int, key: str, leaf: torch.Tensor, whole: tuple[int, ...] | None) -> torch.Tensor:
+    """A leaf of a piece that is neither per element nor in runs: saved as it is (the same on every
+    rank, DCP writes it once) when the rule keeps it in that shape for the whole param too (a
+    placeholder, a statistic summed over the ranks); otherwise a ``ValueError`` naming it."""
+    if whole is not None and tuple(leaf.shape) == whole:
+        return leaf
+    raise ValueError(f"state {key!r} of {plan.metas[t].name!r} is kept per rank's rows in a shape of its own "
+                     f"({tuple(leaf.shape)}; the whole param's is {whole}): it has no layout DCP can reshard, so it "
+                     "cannot be saved by FQN; step this param whole on an owner")
+
+
+def _whole_shapes(optimizer: Any, executor: Any, k: int, keep: tuple[int, ...], tree_names: list[str] | None
+                  ) -> dict:
+    """``(key, position) -> shape`` of the state the rule starts for the whole params of a set
+    (asked on meta tensors: a placeholder that happens to have a piece's shape is not one)."""
+    first, metas = executor.layout.firsts[k], executor.plan.metas
+    meta = [torch.empty(metas[first + i].shape, dtype=getattr(torch, metas[first + i].dtype), device="meta")
+            for i in keep]
+    sets = optimizer.set_states_of(k)
+    state = sets.tx.init(as_tree(meta, tree_names))
+    return {(key, pos): tuple(leaf.shape) for key, pos, leaf in named_leaves(state, len(keep), tree_names, sets.names)
+            if isinstance(leaf, torch.Tensor)}
 
 
 def _per(leaf_shape: tuple[int, ...] | None, shape: tuple[int, ...]) -> int:
@@ -75,40 +109,6 @@ def _per(leaf_shape: tuple[int, ...] | None, shape: tuple[int, ...]) -> int:
     return numel // n if len(leaf_shape) == 1 and 0 < n <= numel and numel % n == 0 else 0
 
 
-def _whole_shapes(optimizer: Any, k: int, keep: tuple[int, ...], tree_names: list[str] | None) -> dict:
-    """``(key, position) -> shape`` of the state the rule starts for the whole params of a set."""
-    first, metas = optimizer.executor.layout.firsts[k], optimizer.executor.plan.metas
-    meta = [torch.empty(metas[first + i].shape, dtype=getattr(torch, metas[first + i].dtype), device="meta")
-            for i in keep]
-    state = optimizer.rule(k).init(as_tree(meta, tree_names))
-    return {(key, pos): tuple(leaf.shape) for key, pos, leaf in state_leaves(state, len(keep), tree_names)
-            if isinstance(leaf, torch.Tensor)}
-
-
-def fsdp2_state_dict(optimizer: Any, names: list[str], masters: bool = True) -> dict[str, Any]:
-    """``{"state": {fqn: {key: tensor}}, "param_groups": [..., {"params": [fqn, ...]}]}`` of a
-    `zero.functional.Optimizer` over FSDP2's params (``names``: every param's FQN, in order);
-    ``masters=False`` leaves out the master copies."""
-    executor, state, shared = optimizer.executor, {}, []
-    for t, fqn, key, pos, leaf, per in _entries(optimizer, names, masters):
-        pieces = pos is not None and executor.plan.owner[t] < 0 and isinstance(leaf, torch.Tensor)
-        per = per if per <= 0 or executor.plan.runs_cut_at(t, per) else 0  # a placeholder's k: not runs
-        if pieces and per == 0:
-            shared.append((fqn, key, leaf))
-        if pieces and per != 0 and executor.plan.replicas > 1 and not leaf.numel():
-            continue  # no part of this param here: no entry (as a flat ZeRO plan's rank that holds none)
-        state.setdefault(fqn, {})[key] = leaf if not pieces or per == 0 else \
-            _per_element(executor, t, leaf) if per < 0 else _as_runs(executor, t, leaf, per, key)
-    _check_shared(executor, shared)
-    groups, first = [], 0
-    for g in optimizer.param_groups:
-        n = len(g["params"])
-        groups.append({**{k: v for k, v in g.items() if k not in ("params", "param_names")},
-                       "params": names[first:first + n]})
-        first += n
-    return {"state": state, "param_groups": groups}
-
-
 def _per_element(executor: Any, t: int, leaf: torch.Tensor) -> Any:
     """This rank's part of a per-element state leaf of param ``t``: a DTensor in the param's
     placement where it is the rank's whole piece, else (a plan over the replicas) a
@@ -116,8 +116,7 @@ def _per_element(executor: Any, t: int, leaf: torch.Tensor) -> Any:
     meta, plan = executor.plan.metas[t], executor.plan
     if plan.replicas == 1:
         placements = executor.placements(t)
-        return DTensor.from_local(leaf, executor.mesh, placements, run_check=False, shape=torch.Size(meta.shape),
-                                  stride=_stride(meta.shape))
+        return placed(leaf, executor.mesh, placements, meta.shape)
     from torch.distributed._shard.sharded_tensor import Shard as Box
     from torch.distributed._shard.sharded_tensor import ShardedTensor, ShardedTensorMetadata
     from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
@@ -187,18 +186,21 @@ def _as_runs(executor: Any, t: int, leaf: torch.Tensor, k: int, key: str) -> Any
         return ShardedTensor._init_from_local_shards_and_global_metadata(local, whole, process_group=_world(executor))
 
 
-def _check_shared(executor: Any, shared: list[tuple[str, str, torch.Tensor]]) -> None:
-    """Per-param leaves of stepped pieces that are not shaped like the piece (Adafactor's
-    placeholders for unfactored params) are saved once, as the same tensor on every rank: a
-    ``ValueError`` naming the first that differs between ranks (a quantized state of rows,
-    which has no layout DCP can reshard)."""
-    mine = [(fqn, key, leaf.detach().cpu()) for fqn, key, leaf in shared]
-    for other in comm.all_gather_object(mine, executor.layout.group):
-        for (fqn, key, a), (_, _, b) in zip(mine, other):
-            if a.shape != b.shape or not torch.equal(a, b):
-                raise ValueError(f"state {key!r} of {fqn!r} differs between ranks and is not shaped like the param's "
-                                 "rows (a quantized or factored state of each rank's rows): it cannot be saved by FQN "
-                                 "yet; opt.state_dict() saves it for the same layout")
+def placed(local: torch.Tensor, mesh: Any, placements: tuple, shape: tuple[int, ...]) -> DTensor:
+    """``local`` (the live state, not a copy) as this rank's part of a DTensor of ``shape``.
+
+    torch 2.13 pickles a DTensor whose local tensor is a view at a storage offset (a small state
+    leaf of a packed step is one) through that view's storage and fails ("an invalid python
+    storage"); a wrapper made over a fresh tensor of the same layout, then given the view as its
+    local tensor, pickles through the view as any tensor does (``torch.save``, or
+    ``broadcast_object_list``) and is the same DTensor to every op and to DCP."""
+    if not local.storage_offset():
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape),
+                                  stride=_stride(shape))
+    out = DTensor.from_local(torch.empty_like(local), mesh, placements, run_check=False, shape=torch.Size(shape),
+                             stride=_stride(shape))
+    out._local_tensor = local
+    return out
 
 
 def _stride(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -209,62 +211,69 @@ def _stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
-def load_fsdp2_state_dict(optimizer: Any, names: list[str], sd: dict[str, Any]) -> None:
-    """Load ``sd`` (`fsdp2_state_dict`'s layout, filled by ``dcp.load``) into ``optimizer``'s
-    states, leaf by leaf, skipping what DCP loaded in place; then the groups' settings."""
-    executor = optimizer.executor
-    for k, states, keep, tree_names in list(_sets(optimizer)):
-        first = executor.layout.firsts[k]
-        _load_masters(executor, names, sd, [first + i for i in keep])
-
-        def fill(key: str, pos: int | None, leaf: Any, keep=keep, first=first) -> Any:
-            t = first + keep[0 if pos is None else pos]
-            if isinstance(leaf, torch.Tensor) and not leaf.numel() and executor.plan.replicas > 1:
-                return leaf  # no part of this param here, nor an entry
-            value = saved_entry(sd, names[t], key)
-            if not isinstance(leaf, torch.Tensor):
-                return value
-            got = _local_of(value, leaf)
-            if not isinstance(got, torch.Tensor) or got.shape != leaf.shape:
-                shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
-                raise ValueError(f"optim_state_dict's {key!r} of {names[t]!r} has shape {shape} here, the state "
-                                 f"{tuple(leaf.shape)}")
-            if got.data_ptr() != leaf.data_ptr():
-                leaf.copy_(got)
-            return leaf
-        states[keep] = map_state_leaves(states[keep], len(keep), fill, tree_names)
-    for group, saved in zip(optimizer.param_groups, sd["param_groups"]):
-        group.update({k: v for k, v in saved.items() if k != "params"})
-
-
-def _load_masters(executor: Any, names: list[str], sd: dict[str, Any], ts: list[int]) -> None:
-    """Each master of params ``ts`` from ``sd`` (in place where DCP loaded into it); one ``sd``
-    has none of (torch's, or saved with ``masters=False``) is started again from its param."""
-    for t in ts:
-        master = executor.masters.get(t)
-        if master is None:
-            continue
-        saved = sd.get("state", {}).get(names[t], {})
-        if MASTER_KEY not in saved:
+def load_fsdp2_entries(executor: Any, optimizer: Any, entries: dict[int, dict[str, Any]]) -> None:
+    """Load ``entries`` (by param position: this rank's parts, as `fsdp2_entries` gives them and
+    ``dcp.load`` fills them in place, or whole tensors of each param's shape, cut here by the plan)
+    into the states, leaf by leaf; masters a dict lacks start again from their params."""
+    plan = executor.plan
+    for t, master in list(executor.masters.items()):
+        saved = (entries.get(t) or {}).get(MASTER_KEY)
+        if saved is None:
             del executor.masters[t]  # the next step takes it from the loaded param
             continue
-        got = _local_of(saved[MASTER_KEY], master)
-        if got.data_ptr() != master.data_ptr():
-            master.copy_(got.view(master.shape))
+        _into(executor, t, master, saved, MASTER_KEY)
+
+    def into(t: int, pos: int | None, key: str, leaf: Any, saved: Any) -> Any:
+        if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0:
+            return load_leaf(leaf, saved, plan.metas[t].name, key)
+        if not leaf.numel() and plan.replicas > 1:
+            return leaf  # no part of this param here, nor an entry
+        return _into(executor, t, leaf, saved, key)
+
+    load_sets(optimizer, entries, lambda k, idx: _no_start(executor, k, idx), into)
 
 
-def _local_of(value: Any, leaf: torch.Tensor) -> Any:
-    """This rank's part of a loaded value, in ``leaf``'s shape: a DTensor's local tensor, a
-    ShardedTensor's local shards (none: an empty piece; several: boxes, views into ``leaf`` that
-    DCP loaded in place), or the value itself."""
+def _no_start(executor: Any, k: int, idx: tuple[int, ...]) -> Any:
+    names = [executor.plan.metas[executor.layout.firsts[k] + i].name for i in idx]
+    raise ValueError(f"the state dict has state for {names[:5]}, which have none here: only trainable params have "
+                     "state over FSDP2 (started when the optimizer was built), and these were frozen then")
+
+
+def _into(executor: Any, t: int, leaf: torch.Tensor, saved: Any, key: str) -> torch.Tensor:
+    """``saved`` (this rank's part, or the whole tensor of param ``t``'s shape) into ``leaf``."""
+    got = _local_of(executor, t, saved, leaf)
+    if isinstance(got, torch.Tensor) and got.shape != leaf.shape and tuple(got.shape) == executor.plan.metas[t].shape \
+            and tuple(leaf.shape) != tuple(got.shape):
+        got = executor.cut(t, got)  # a whole tensor (a plain optimizer's state): this rank's part of it
+    if not isinstance(got, torch.Tensor) or got.shape != leaf.shape:
+        shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
+        raise ValueError(f"the state dict's {key!r} of {executor.plan.metas[t].name!r} has shape {shape} here, the "
+                         f"state {tuple(leaf.shape)}")
+    if got.data_ptr() != leaf.data_ptr():
+        leaf.copy_(got)
+    return leaf
+
+
+def _local_of(executor: Any, t: int, value: Any, leaf: torch.Tensor) -> Any:
+    """This rank's part of a loaded value of param ``t``, in ``leaf``'s shape: a DTensor's local
+    tensor, a ShardedTensor's local shards (one: as it is; several: the boxes of this rank's part
+    of the param, each written into its place in ``leaf`` unless DCP loaded it there), or the value."""
     if isinstance(value, DTensor):
         return value.to_local()
-    if hasattr(value, "local_shards"):
-        shards = value.local_shards()
-        if len(shards) == 1 and shards[0].tensor.numel() == leaf.numel():
-            return shards[0].tensor.view(leaf.shape)
-        if all(s.tensor.untyped_storage().data_ptr() == leaf.untyped_storage().data_ptr() for s in shards):
-            return leaf
-        raise ValueError(f"a loaded state's {len(shards)} boxes here are not views of the state they load into")
-    return value
-
+    if not hasattr(value, "local_shards"):
+        return value
+    shards = value.local_shards()
+    if len(shards) == 1 and shards[0].tensor.numel() == leaf.numel():
+        return shards[0].tensor.view(leaf.shape)
+    flat = leaf.reshape(-1)
+    mine = {(tuple(box.shard_offsets), tuple(box.shard_sizes)): (at, n)
+            for box, at, n in _boxes(executor, t, executor.me, leaf.device)}
+    for shard in shards:
+        where = mine.get((tuple(shard.metadata.shard_offsets), tuple(shard.metadata.shard_sizes)))
+        if where is None or where[1] != shard.tensor.numel():
+            raise ValueError(f"a loaded state of {executor.plan.metas[t].name!r} holds a box at "
+                             f"{shard.metadata.shard_offsets} that is not one of this rank's")
+        at, n = where
+        if shard.tensor.data_ptr() != flat[at:].data_ptr():
+            flat[at:at + n].copy_(shard.tensor.reshape(-1))
+    return leaf

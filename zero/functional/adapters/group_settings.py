@@ -15,11 +15,12 @@ from typing import Any
 
 import torch
 
+from zero.functional.adapters.torch_rules import torch_class_of, torch_settings
 from zero.functional.base import GradientTransformation
 from zero.functional.combine import chain
 from zero.functional.inject import inject_hyperparams
 
-__all__ = ["hyperparams_of", "with_group_hyperparams", "from_factory", "rule_name", "check_not_optax",
+__all__ = ["hyperparams_of", "settings_of", "with_group_hyperparams", "from_factory", "rule_name", "check_not_optax",
            "check_group_settings", "sync_hyperparams", "show_scheduled"]
 
 
@@ -29,6 +30,8 @@ def rule_name(tx: GradientTransformation) -> str:
     spec = getattr(tx, "spec", None)
     if spec is None:
         return "a zero.functional transformation built by hand"
+    if torch_class_of(tx) is not None:
+        return f"zero.functional.from_torch(torch.optim.{torch_class_of(tx)})"
     source = spec.args.get("source") if spec.name == "inject_hyperparams" else None
     factory = source[0] if source else spec.factory
     if factory is None:
@@ -45,6 +48,14 @@ def hyperparams_of(tx: GradientTransformation) -> dict[str, float]:
     if spec is None or spec.name not in ("inject_hyperparams", "from_optax"):
         return {}
     return {_group_key(k): v for k, v in spec.args["hyperparams"].items()}
+
+
+def settings_of(tx: GradientTransformation) -> dict[str, Any]:
+    """Every group setting of ``tx``: the hyperparameters it keeps in its state (`hyperparams_of`,
+    which a group sets), and for a rule that mirrors a ``torch.optim`` class every other setting
+    torch's class keeps in its groups (``betas``, ``amsgrad``, ``foreach`` ...: `torch_settings`),
+    so that its state dict's groups load into torch's class and torch's into it."""
+    return {**torch_settings(tx), **hyperparams_of(tx)}
 
 
 def with_group_hyperparams(tx: Any, who: str = "tx") -> GradientTransformation:

@@ -9,12 +9,10 @@ A param group built from named params (``model.named_parameters()``, as torch ta
 the transformation its params as a dict by name, so masks and labels can be written by name, as
 on the pure path: ``masked(tx, lambda tree: {n: not n.endswith("bias") for n in tree})``.
 
-Both keep one transformation state per *set of parameters stepped together*: a group's params
-that have gradients, or one DDP bucket. The sets repeat every iteration, so each state sees the
-same params every step, and params that never get a gradient (frozen ones) never get state, as
-in torch. A param that turns up in two different sets is an error, not a silent state split,
-unless the transformation is declared per param (``FunctionalOptimizer(per_param=True)``, for
-torch's rules): then the earlier set's state is split (`split_state`) and each part steps alone.
+Both keep one transformation state per *set of parameters stepped together*
+(`zero.functional.adapters.rule_states.SetStates`). `Optimizer` keeps torch's optimizer contract
+(``state``, ``state_dict``, ``load_state_dict``, hooks) through
+`zero.functional.adapters.face.OptimizerFace`, whatever steps its params (`executor_for`).
 """
 
 from __future__ import annotations
@@ -28,16 +26,18 @@ import optree
 import torch
 
 from zero.functional import sharding
+from zero.functional.adapters.executor import GroupExecutor, LocalExecutor, executor_for
+from zero.functional.adapters.face import OptimizerFace
 from zero.functional.adapters.group_settings import (
     check_group_settings,
     hyperparams_of,
-    show_scheduled,
-    sync_hyperparams,
+    rule_name,
+    settings_of,
     with_group_hyperparams,
 )
-from zero.functional.adapters.sharded_storage import executor_for
-from zero.functional.adapters.state_tree import as_tree, split_state
-from zero.functional.base import GradientTransformation, inplace_step, tree_map
+from zero.functional.adapters.rule_states import SetStates
+from zero.functional.adapters.state_tree import as_tree
+from zero.functional.base import GradientTransformation, tree_map
 from zero.functional.kernels.chains import Path, explain
 
 __all__ = ["Optimizer", "FunctionalOptimizer"]
@@ -51,132 +51,48 @@ def _check_names(group: dict, index: int) -> None:
                          "params as a dict by name, so each name must be unique in its group")
 
 
-def _guards(state: Any) -> list[Any]:
-    """The ``ApplyIfFiniteState`` nodes of a transformation's state."""
-    from zero.functional.transforms.conditionality import ApplyIfFiniteState
-
-    def is_guard(node: Any) -> bool:
-        return isinstance(node, ApplyIfFiniteState)
-
-    return [x for x in optree.tree_leaves(state, is_leaf=is_guard, none_is_leaf=True) if is_guard(x)]
-
-
-def _max_errors(tx: Any) -> int:
-    """The ``max_consecutive_errors`` of the first ``apply_if_finite`` in ``tx``'s spec (0 if none seen)."""
-    spec = getattr(tx, "spec", None)
-    if spec is None:
-        return 0
-    if spec.name == "apply_if_finite":
-        return int(spec.args["max_consecutive_errors"])
-    inner = [spec.args.get("inner"), *spec.links]
-    return next((m for m in map(_max_errors, inner) if m), 0)
-
-
-class _StatesBySet:
-    """Transformation states keyed by the tuple of param indices stepped together."""
-
-    def __init__(self, tx: GradientTransformation, per_param: bool = False):
-        self.tx, self.per_param = tx, per_param
-        self.guarded: bool | None = None  # whether the states hold an apply_if_finite's (see guard_reports)
-        self.max_errors = _max_errors(tx)
-        self.states: dict[tuple[int, ...], Any] = {}
-        self._owner: dict[int, tuple[int, ...]] = {}
-
-    def step(self, idx: tuple[int, ...], params: list, grads: list, group: dict | None = None,
-             names: list[str] | None = None) -> None:
-        if idx in self.states or not any(i in self._owner for i in idx):
-            return self._step(idx, params, grads, group, names)
-        if not self.per_param:
-            clash = sorted({self._owner[i] for i in idx if i in self._owner})
-            raise ValueError(f"params {list(idx)} are stepped together, but some were stepped before with "
-                             f"{clash}: the set of params with gradients must repeat every step "
-                             "(put params that get gradients at different times in separate param groups)")
-        self._split_along(set(idx))
-        where = {i: k for k, i in enumerate(idx)}
-        blocks = sorted({self._owner[i] for i in idx if i in self._owner})
-        fresh = tuple(i for i in idx if i not in self._owner)
-        for block in blocks + ([fresh] if fresh else []):
-            self._step(block, [params[where[i]] for i in block], [grads[where[i]] for i in block], group, None)
-
-    def _split_along(self, stepping: set[int]) -> None:
-        """Split every set that is partly stepping into its stepping and its resting params."""
-        for block in {self._owner[i] for i in stepping if i in self._owner}:
-            inside = [k for k, i in enumerate(block) if i in stepping]
-            if len(inside) == len(block):
-                continue
-            outside = [k for k, i in enumerate(block) if i not in stepping]
-            for part, state in zip((inside, outside), split_state(self.states.pop(block), len(block),
-                                                                  [inside, outside])):
-                key = tuple(block[k] for k in part)
-                self.states[key] = state
-                self._owner.update(dict.fromkeys(key, key))
-
-    def _step(self, idx: tuple[int, ...], params: list, grads: list, group: dict | None,
-              names: list[str] | None) -> None:
-        state = self.states.get(idx)
-        if state is None:
-            state = self.tx.init(as_tree(params, names))
-            self._owner.update(dict.fromkeys(idx, idx))
-        if group is not None:
-            state = sync_hyperparams(state, group)
-        # the leaves reach the transformation in the tree's order (a dict's sorted by name)
-        tree = as_tree(params, names)
-        with sharding.stepping(tree):
-            self.states[idx] = inplace_step(self.tx, tree, as_tree(grads, names), state, leaves=params)
-        if group is not None:
-            show_scheduled(self.states[idx], group)
-
-    def guard_reports(self) -> list[tuple[int, int, int]]:
-        """Per ``apply_if_finite`` in the states whose last step met NaN or inf: ``(consecutive,
-        total, applied)`` (``applied``: 1 when it gave up skipping and stepped). Empty where the
-        transformation has no ``apply_if_finite`` (found once, from the first state)."""
-        if self.guarded is None and self.states:
-            self.guarded = bool(_guards(next(iter(self.states.values()))))
-        if not self.guarded:
-            return []
-        out = []
-        for state in self.states.values():
-            for guard in _guards(state):
-                if not bool(guard.last_finite):
-                    consecutive = int(guard.notfinite_count)
-                    out.append((consecutive, int(guard.total_notfinite), int(consecutive > self.max_errors)))
-        return out
-
-
-class Optimizer(torch.optim.Optimizer):
+class Optimizer(OptimizerFace):
     """A ``torch.optim.Optimizer`` that steps params with a `GradientTransformation`.
 
     ``params`` are tensors, ``(name, tensor)`` pairs, param-group dicts (a group may carry its own
     ``"tx"``) or an ``nn.Module`` (its named params, one group). When a
     transformation keeps hyperparameters in its state (`inject_hyperparams`, `from_torch`), they
     appear as group keys (``learning_rate`` as ``lr``) and changes to the group, e.g. by a
-    ``torch.optim.lr_scheduler``, take effect at the next step.
+    ``torch.optim.lr_scheduler``, take effect at the next step; a rule that mirrors a
+    ``torch.optim`` class (`from_torch`) keeps every group key that class keeps.
+
+    torch's contract holds (`zero.functional.adapters.face`): ``state[p]`` is ``p``'s state,
+    ``state_dict()`` and ``load_state_dict`` are torch's form, under torch's names for `from_torch`
+    rules. Over FSDP2's DTensor params (`executor`: `zero.backends.fsdp2`) the state is each rank's
+    pieces, as DTensors in the params' placements, started when the optimizer is built.
     """
 
     def __init__(self, params: Iterable, tx: GradientTransformation, *, per_param: bool = False):
         self._default_tx = with_group_hyperparams(tx)
         self._steps = 0  # step() calls
         self.skipped_steps = 0  # steps an apply_if_finite in the transformation skipped
-        self._states: list[_StatesBySet] = []
+        self._states: list[SetStates] = []
         self._per_param = per_param  # see FunctionalOptimizer: params may step in changing sets
-        self._executor: Any = None  # what steps sharded params (FSDP2's DTensors), found at the first step
+        self.executor: GroupExecutor | None = None  # made once the groups are in (by the params' kind)
         if isinstance(params, torch.nn.Module):  # torch keeps the names of (name, param) pairs
             params = list(params.named_parameters())
-        super().__init__(params, hyperparams_of(self._default_tx))
+        super().__init__(params, settings_of(self._default_tx))
+        self.executor = executor_for(self)
 
     def add_param_group(self, param_group: dict) -> None:
-        if getattr(self, "_executor", None):
-            raise ValueError("add_param_group after the first step of sharded params (FSDP2's): their plan, made at "
-                             "the first step, places every group's params; build the optimizer with every group")
+        if self.executor is not None and not isinstance(self.executor, LocalExecutor):
+            raise ValueError("add_param_group on an optimizer of sharded params (FSDP2's): their plan, made when "
+                             "the optimizer was built, places every group's params; build it with every group")
         param_group = dict(param_group)
         tx = with_group_hyperparams(param_group.pop("tx", self._default_tx), "a param group's 'tx'")
-        known = hyperparams_of(tx)
+        known = settings_of(tx)
         check_group_settings(param_group, known, len(self.param_groups))
         for key, value in known.items():
             param_group.setdefault(key, value)
         super().add_param_group(param_group)  # torch reads names off (name, param) pairs
         _check_names(self.param_groups[-1], len(self.param_groups) - 1)
-        self._states.append(_StatesBySet(tx, self._per_param))
+        self._states.append(SetStates(tx, self._per_param, len(self._states)))
+        self.state_changed()
 
     # torch.compile(opt.step) runs the step eagerly (its kernels are torch's fused ones): traced,
     # its Python bookkeeping breaks the graph, and dynamo then mistakes the state's 0-d
@@ -197,23 +113,12 @@ class Optimizer(torch.optim.Optimizer):
                 grads = [every[i] for i in idx]
                 if any(map(_SPARSE, grads)):
                     raise ValueError("zero.functional.Optimizer does not support sparse gradients")
-                if executor is None:
-                    states.step(idx, params, grads, group, self.names_of(k, idx))
-                else:
-                    executor.step_group(k, idx, params, grads, lambda keep, leaves, gs, k=k, group=group, states=states:
-                                        states.step(keep, leaves, gs, group, self.names_of(k, keep)))
+                executor.step_group(k, idx, params, grads, lambda keep, leaves, gs, k=k, group=group, states=states:
+                                    states.step(keep, leaves, gs, group, self.names_of(k, keep)))
         self._steps += 1
+        self.state_changed()
         self._report_guards()
         return loss
-
-    @property
-    def executor(self) -> Any:
-        """What steps this optimizer's params when they are sharded storage (FSDP2's DTensors:
-        `zero.functional.adapters.sharded_storage`), None for plain tensors. Found at the first
-        step, after every ``add_param_group``."""
-        if self._executor is None and self._steps == 0:
-            self._executor = executor_for(self) or False
-        return self._executor or None
 
     def _report_guards(self) -> None:
         """An ``apply_if_finite`` that met NaN or inf in this step says so: a warning, and
@@ -242,6 +147,23 @@ class Optimizer(torch.optim.Optimizer):
         names = self.param_groups[k].get("param_names")
         return None if names is None or self._per_param else [names[i] for i in idx]
 
+    def label(self, t: int) -> str:
+        """Param ``t`` (its position across the groups) as messages name it."""
+        for g in self.param_groups:
+            if t < len(g["params"]):
+                names = g.get("param_names")
+                return f"param {t} ({names[t]!r})" if names else f"param {t}"
+            t -= len(g["params"])
+        return f"param {t}"
+
+    def rule_label(self, t: int) -> str:
+        """The rule param ``t``'s group steps with, named as it was built."""
+        for k, g in enumerate(self.param_groups):
+            if t < len(g["params"]):
+                return rule_name(self.rule(k))
+            t -= len(g["params"])
+        return "its rule"
+
     @property
     def path(self) -> list[Path]:
         """Per param group, what its step runs (`zero.functional.explain`): the kernel and its
@@ -265,14 +187,18 @@ class Optimizer(torch.optim.Optimizer):
         the tensors a step hands the rule for them (sharded params': this rank's pieces and the
         whole tensors it owns), by default the params."""
         states = self._states[k]
-        if idx and not any(i in states._owner for i in idx):
+        if idx and not any(states.owns(i) for i in idx):
             params = leaves if leaves is not None else [self.param_groups[k]["params"][i] for i in idx]
-            states.states[idx] = states.tx.init(as_tree(params, self.names_of(k, idx)))
-            states._owner.update(dict.fromkeys(idx, idx))
+            states.start(idx, params, self.names_of(k, idx))
+            self.state_changed()
 
     def set_states(self, k: int) -> dict[tuple[int, ...], Any]:
         """Group ``k``'s states, by the positions of the params stepped together (writable)."""
         return self._states[k].states
+
+    def set_states_of(self, k: int) -> SetStates:
+        """Group ``k``'s `SetStates` (its rule, its states by set)."""
+        return self._states[k]
 
     def state_nbytes(self) -> int:
         """Bytes of the rule's state tensors on this rank, its 0-d counts and scalars left out:
@@ -280,41 +206,23 @@ class Optimizer(torch.optim.Optimizer):
         return sum(t.nbytes for s in self._states for state in s.states.values() for t in optree.tree_leaves(state)
                    if isinstance(t, torch.Tensor) and t.ndim)
 
-    def state_dict(self) -> dict[str, Any]:
-        sd = super().state_dict()
-        sd["tx_states"] = [dict(s.states) for s in self._states]
-        if self.executor is not None:  # sharded params: the states are this rank's pieces, by its plan
-            sd["sharded_layout"] = self.executor.layout_key
-        return sd
-
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if "tx_states" not in state_dict or len(state_dict["tx_states"]) != len(self.param_groups):
-            raise ValueError("state_dict was not saved by a zero.functional.Optimizer with "
-                             f"{len(self.param_groups)} param groups")
-        self._check_layout(state_dict.get("sharded_layout"))
-        for k, (states, saved) in enumerate(zip(self._states, state_dict["tx_states"])):
-            injected = bool(hyperparams_of(states.tx))
-            if any(injected != isinstance(getattr(s, "hyperparams", None), dict) for s in saved.values()):
-                raise ValueError(f"param group {k}'s saved transformation state does not fit its transformation "
-                                 f"({'with' if injected else 'without'} injected hyperparameters): it was saved "
-                                 "with another transformation, or by a zero older than the per-group settings")
-        super().load_state_dict({k: v for k, v in state_dict.items() if k != "tx_states"})
-        for group, states, saved in zip(self.param_groups, self._states, state_dict["tx_states"]):
+        """torch's form (`zero.functional.adapters.face.OptimizerFace.load_state_dict`); a dict of
+        the earlier form (``tx_states``, the states as they were) loads onto plain params only."""
+        if "tx_states" not in state_dict:
+            return super().load_state_dict(state_dict)
+        if not isinstance(self.executor, LocalExecutor) or len(state_dict["tx_states"]) != len(self.param_groups):
+            raise ValueError("this state_dict is of the earlier zero.functional.Optimizer form (tx_states), which "
+                             f"loads into an optimizer of plain params with {len(state_dict['tx_states'])} groups")
+        for group, saved_group, states, saved in zip(self.param_groups, state_dict["param_groups"], self._states,
+                                                     state_dict["tx_states"]):
+            group.update({k: v for k, v in saved_group.items() if k not in ("params", "param_names")})
             states.states, states._owner = {}, {}
             for idx, state in saved.items():
                 device = group["params"][idx[0]].device
                 states.states[idx] = tree_map(lambda x, d=device: _to_device(x, d), state)
                 states._owner.update(dict.fromkeys(idx, idx))
-
-
-    def _check_layout(self, saved: Any) -> None:
-        """A state of sharded params loads only into the same rank of the same plan: its tensors
-        are that rank's pieces (and the whole tensors it owned)."""
-        here = None if self.executor is None else self.executor.layout_key
-        if saved != here:
-            raise ValueError(f"this state_dict holds the optimizer state of {saved or 'plain params'}, and this "
-                             f"optimizer steps {here or 'plain params'}: a sharded optimizer's state_dict loads only "
-                             "into the same rank of the same layout (the same model, mesh and rules)")
+        self.state_changed()
 
 
 _SPARSE = operator.attrgetter("is_sparse")
@@ -344,7 +252,7 @@ class FunctionalOptimizer:
         tx = with_group_hyperparams(tx)
         self.params = params
         self.param_group = {"params": params, **hyperparams_of(tx)}
-        self._states = _StatesBySet(tx, per_param)
+        self._states = SetStates(tx, per_param)
 
     @property
     def param_groups(self) -> list[dict]:

@@ -14,6 +14,7 @@ import inspect
 import math
 from typing import Any, NamedTuple
 
+import optree
 import torch
 
 from zero.functional import transforms as T
@@ -35,7 +36,7 @@ from zero.functional.foreach import elementwise_map
 from zero.functional.inject import inject_hyperparams
 from zero.functional.kernels.multi_tensor import scalar_dtype as _scalar_dtype
 
-__all__ = ["from_torch", "TORCH_CLASSES"]
+__all__ = ["from_torch", "TORCH_CLASSES", "torch_class_of", "torch_settings", "with_torch_settings"]
 
 _IMPLEMENTATION_ONLY = {"foreach", "fused"}  # change how torch computes, not what
 _MUST_BE_FALSE = {"capturable", "differentiable"}
@@ -339,3 +340,59 @@ def from_torch(optimizer_class: type | str, **defaults: Any) -> GradientTransfor
             check_non_negative(key, defaults[key])
     factory(**defaults)  # validate now, not at the first init
     return inject_hyperparams(factory, hyperparam_dtype=torch.float64)(**defaults)  # tuples (betas, etas) stay static
+
+
+_CLASS_OF = {factory: name for name, factory in TORCH_CLASSES.items()}
+_TORCH_ONLY = {"foreach", "fused", "capturable", "differentiable"}  # how torch computes, never what
+
+
+def torch_class_of(tx: Any) -> str | None:
+    """The ``torch.optim`` class ``tx`` mirrors (``"AdamW"``) when `from_torch` built it, else None."""
+    spec = getattr(tx, "spec", None)
+    source = spec.args.get("source") if spec is not None and spec.name == "inject_hyperparams" else None
+    return _CLASS_OF.get(source[0]) if source else None
+
+
+def torch_settings(tx: Any) -> dict[str, Any]:
+    """The group settings torch's class keeps for the rule `from_torch` built as ``tx``, each with
+    the rule's value: its numbers (also in the state), its fixed settings (``betas``, ``amsgrad``
+    ...) and torch's implementation keys (``foreach``, ``fused`` ...: torch's defaults). Read off
+    the class itself, built once over a stand-in param, so a dict saved under them loads into torch's."""
+    name = torch_class_of(tx)
+    if name is None:
+        return {}
+    args = tx.spec.args["source"][1]
+    probe = getattr(torch.optim, name)([torch.nn.Parameter(torch.zeros(2, 2))], **args)
+    return {k: v for k, v in probe.param_groups[0].items() if k != "params"}
+
+
+def with_torch_settings(tx: GradientTransformation, group: dict, index: int) -> GradientTransformation:
+    """``tx`` (a `from_torch` rule) as ``group``'s fixed settings now say: rebuilt when one was
+    changed (``betas`` by a scheduler), as torch's class reads its group at every step. A change
+    that would change the state's layout (``amsgrad``, SGD's ``momentum`` from 0) is a
+    ``ValueError`` naming it; torch's implementation keys are taken as they come (``capturable`` and
+    ``differentiable`` must stay False)."""
+    source = tx.spec.args["source"]
+    name, args = _CLASS_OF[source[0]], source[1]
+    for key in ("capturable", "differentiable"):
+        if group.get(key):
+            raise ValueError(f"param group {index} sets {key}=True, which zero.functional.from_torch({name}) "
+                             "does not support (it steps as torch does with it False)")
+    changed = {k: group[k] for k, v in args.items() if k in group and not _same_setting(group[k], v)
+               and k not in tx.spec.args["hyperparams"]}
+    if not changed:
+        return tx
+    rebuilt = from_torch(name, **{**args, **changed})
+    meta = [torch.empty(2, 2, device="meta")]
+    if optree.tree_structure(rebuilt.init(meta), none_is_leaf=True) != \
+            optree.tree_structure(tx.init(meta), none_is_leaf=True):
+        key = next(iter(changed))
+        raise ValueError(f"param group {index}'s {key!r} changed from {args[key]!r} to {group[key]!r}, which "
+                         f"changes what torch.optim.{name}'s state holds: build a new optimizer for it")
+    return rebuilt
+
+
+def _same_setting(a: Any, b: Any) -> bool:
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same_setting(x, y) for x, y in zip(a, b))
+    return a == b
