@@ -284,8 +284,8 @@ def test_a_checkpoint_of_another_optimizer_names_the_rule_that_saved_it_and_the_
     functional = tmp_path / "functional"
     checkpoint.save(functional, *_one_rank_run(tmp_path, optimizer_class=F.adamw(1e-2)))
     model, opt = _one_rank_run(tmp_path, optimizer_class=torch.optim.AdamW)
-    with pytest.raises(ValueError, match=r"saved by a zero\.functional rule \(state count, inner_state\.0\.count, .*\), and "
-                                         r"this optimizer steps torch\.optim\.AdamW"):
+    with pytest.raises(ValueError, match=r"saved by a zero\.functional rule \(state count, inner_state\.0\.count, "
+                                         r".*\), and this optimizer steps torch\.optim\.AdamW"):
         checkpoint.load(functional, model, opt)
 
 

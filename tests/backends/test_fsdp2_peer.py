@@ -33,7 +33,7 @@ def test_the_peak_is_the_same_with_every_chunk_made(world, rank):
 
 
 def test_the_peak_only_tracker_measures_what_torchs_own_does(monkeypatch):
-    """`run`'s tracker keeps the rank's peak alone (`zero.backends.simulate.peak_only`), not each
+    """`run`'s tracker keeps the rank's peak alone (`zero.backends.fake_runs.peak_only`), not each
     module's: its run, the peak, every category at it and the bytes sent, equals torch's own
     ``FSDPMemTracker``'s, under FSDP2 with torch's AdamW and under HSDP with zero's state."""
     import zero.backends.fsdp2_peer as peer

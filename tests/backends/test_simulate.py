@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import zero
-from zero.backends.simulate import fake_group, simulate
+from zero.backends.fake_runs import fake_group
+from zero.backends.simulate import simulate
 from zero.plans.footprint import executed_stage_bytes, footprint
 from zero.plans.layout import IN_FLIGHT_BUCKETS
 from zero.plans.presets import preset

@@ -35,7 +35,7 @@ import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -44,9 +44,6 @@ from torch.distributed import DistStoreError
 from zero.backends import at_exit, comm
 from zero.plans.checks import checksum
 from zero.plans.diff import plan_facts
-
-if TYPE_CHECKING:
-    from zero.backends.rank_state import RankState
 
 __all__ = ["Place", "Watch", "watch_of", "HEARTBEAT_S", "STOPPED_S", "wait_for", "check_in", "OptimizerChecks",
            "settings", "stop_watches", "forget_places"]
@@ -322,12 +319,16 @@ class OptimizerChecks:
     and a count of backward passes through its params (`watch_backwards`), so that a rank that
     skipped ``step()`` is named before its gradients' collectives pair with the others' step.
 
-    It reads the optimizer's `zero.backends.rank_state.RankState` (param groups, plan, steps),
-    ``trainable()`` (which params the executor steps) and ``joined()`` (inside ``Join``).
+    It reads ``subject``: the optimizer's `zero.backends.rank_state.RankState`, or anything with
+    the same ``steps``, ``param_groups``, ``params``, ``plan`` (its ``fingerprint`` and ``metas``,
+    described by ``plan_facts``), ``process_group`` and ``comm_device``; ``trainable()`` (which
+    params the executor steps) and ``joined()`` (inside ``Join``).
     """
 
-    def __init__(self, state: RankState, trainable: Callable[[], Sequence[bool]], joined: Callable[[], bool]):
-        self.state, self.trainable, self.joined = state, trainable, joined
+    def __init__(self, subject: Any, trainable: Callable[[], Sequence[bool]], joined: Callable[[], bool],
+                 plan_facts: Callable[[Any], Facts] = plan_facts):
+        self.state, self.trainable, self.joined = subject, trainable, joined
+        self.plan_facts = plan_facts
         self.backwards = 0  # backward passes through the params: with the steps, where this rank is
 
     def check_in(self, what: str, argument: int = 0, argument_facts: Callable[[], Facts] | None = None,
@@ -342,7 +343,7 @@ class OptimizerChecks:
                   "trainable params (requires_grad)": checksum(list(self.trainable())),
                   "the call's argument (to=, or the new group)": argument}
         facts = {"param groups (sizes and settings such as lr)": lambda: group_facts(state.param_groups),
-                 "plan (params, groups, placement)": lambda: plan_facts(state.plan),
+                 "plan (params, groups, placement)": lambda: self.plan_facts(state.plan),
                  "trainable params (requires_grad)": self._trainable_facts}
         if argument_facts is not None:
             facts["the call's argument (to=, or the new group)"] = argument_facts

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zero.backends.simulate import OPTIMIZER_CLASSES, fake_group, peak_only
+from zero.backends.fake_runs import OPTIMIZER_CLASSES, fake_group, peak_only
 from zero.plans.fsdp2_memory import units
 from zero.plans.meta import ParamMeta, param_metas
 
@@ -318,7 +318,7 @@ def simulate_fsdp2(params: Sequence[ParamMeta], world_size: int, rank: int, *, r
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    from zero.backends.simulate import cached, optimizer_class
+    from zero.backends.fake_runs import cached, optimizer_class
     from zero.plans.fsdp2_memory import fsdp2_footprint
 
     optimizer_class(optimizer)  # a name a simulation runs, else a ValueError naming the choices

@@ -16,9 +16,10 @@ import torch
 
 from zero.functional import GradientTransformation, Optimizer
 from zero.functional.adapters.group_settings import check_not_optax, from_factory
+from zero.functional.adapters.torch_rules import TORCH_CLASSES, from_torch
 from zero.plans.holdings import Holdings, LocalTensor
 
-__all__ = ["make_local_optimizer", "local_groups", "copy_hyperparams", "is_functional", "check_state_keys",
+__all__ = ["make_local_optimizer", "rule_of", "local_groups", "copy_hyperparams", "is_functional", "check_state_keys",
            "per_element_keys", "check_shardable", "initial_state", "state_nbytes", "is_per_element",
            "saved_by_settings", "mentions", "opaque_optax", "check_one_rank_steps_all"]
 
@@ -27,23 +28,40 @@ def make_local_optimizer(optimizer_class: Any, groups: list[dict], defaults: dic
                          per_param: bool = False) -> torch.optim.Optimizer:
     """Build the local optimizer over ``groups`` (this rank's share of every param group).
 
-    ``optimizer_class`` is a ``torch.optim.Optimizer`` subclass (built with ``**defaults``), a
-    `GradientTransformation` (``defaults`` must be empty), or a factory such as
-    ``zero.functional.adam``, built with ``**defaults`` into exactly what the built
-    transformation gives (`zero.functional.adapters.group_settings.from_factory`), so each group's
-    values (``lr`` for ``learning_rate``) and lr schedulers reach it. ``per_param``: a transformation steps the
-    params in changing sets (see `zero.functional.FunctionalOptimizer`).
+    ``optimizer_class`` is a ``torch.optim.Optimizer`` subclass (built with ``**defaults``), or
+    what `rule_of` makes a `zero.functional` rule of, run by `zero.functional.Optimizer`.
+    ``per_param``: a transformation steps the params in changing sets (see
+    `zero.functional.FunctionalOptimizer`).
     """
     check_not_optax(optimizer_class, "optimizer_class")
     if isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer):
         return optimizer_class(groups, **defaults)
+    return Optimizer(groups, rule_of(optimizer_class, defaults), per_param=per_param)
+
+
+def rule_of(optimizer_class: Any, defaults: dict) -> GradientTransformation:
+    """The `zero.functional` rule ``optimizer_class`` with ``defaults`` names: a
+    `GradientTransformation` as it is (``defaults`` must be empty); a factory such as
+    ``zero.functional.adam`` built with ``**defaults`` into exactly what the built transformation
+    gives (`zero.functional.adapters.group_settings.from_factory`), so each group's values (``lr``
+    for ``learning_rate``) and lr schedulers reach it; a ``torch.optim`` class as
+    `zero.functional.from_torch` mirrors it (torch's names and group keys kept), where zero steps
+    the rule itself (over FSDP2's params)."""
+    check_not_optax(optimizer_class, "optimizer_class")
+    if isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer):
+        if optimizer_class.__name__ not in TORCH_CLASSES or getattr(torch.optim, optimizer_class.__name__, None) \
+                is not optimizer_class:
+            raise TypeError(f"{optimizer_class.__module__}.{optimizer_class.__qualname__} is stepped here as "
+                            "zero.functional.from_torch mirrors it, which knows torch's classes "
+                            f"{sorted(TORCH_CLASSES)}: use one of them or a zero.functional rule")
+        return from_torch(optimizer_class.__name__, **defaults)
     if isinstance(optimizer_class, GradientTransformation):
         if defaults:
             raise TypeError(f"optimizer_class is a GradientTransformation, so it takes no keyword "
                             f"hyperparameters; got {sorted(defaults)}")
-        return Optimizer(groups, optimizer_class, per_param=per_param)
+        return optimizer_class
     if callable(optimizer_class) and not isinstance(optimizer_class, type):
-        return Optimizer(groups, from_factory(optimizer_class, defaults), per_param=per_param)
+        return from_factory(optimizer_class, defaults)
     raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass or a zero.functional "
                     f"transformation or factory, got {optimizer_class!r}")
 

@@ -32,6 +32,7 @@ import jax
 import numpy as np
 
 from zero.backends.checksums import digest, warn_unverified
+from zero.plans.mesh_buffers import packing
 from zero.plans.plan import Plan
 
 __all__ = ["FORMAT", "dotted", "checksums", "verify", "check", "ocp_args", "checkpointer", "write_replacing",
@@ -162,7 +163,6 @@ class Source:
         self.read_bytes = 0
         self.at: dict[tuple[str, int], tuple] = {}  # (node path, param) -> where
         self.shared_at: dict[str, tuple] = {}  # leaf path -> where
-        from zero.backends.jax_mesh.buffers import packing  # the mesh's buffers (its package imports this one)
 
         flat = packing(Plan.from_json(meta["plan"])) if meta["layout"] == "buffers" else ()
         for j, node in enumerate(meta["nodes"]):

@@ -16,36 +16,23 @@ session; nothing is kept without it.
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import hashlib
-import os
-import pathlib
-import pickle
-import tempfile
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from zero.backends import comm
+from zero.backends.fake_runs import cached, fake_group, optimizer_class, peak_only, require_no_group
 from zero.backends.local_optimizer import state_nbytes
 from zero.backends.sync import ParamSync
 from zero.plans.accounting import bus_bytes
 from zero.plans.footprint import Footprint, ddp_allreduce_bytes, footprint
 from zero.plans.meta import ParamMeta
 
-__all__ = ["RankRun", "simulate", "cached", "fake_group", "optimizer_class", "peak_only", "OPTIMIZER_CLASSES"]
-
-# ``optimizer=`` names: the torch.optim class each runs and its settings (the plan's accounting
-# counts the state of the rule of the same name, `zero.plans.accounting.OPTIMIZERS`).
-OPTIMIZER_CLASSES = {"adamw": ("AdamW", {"lr": 1e-3}), "adam": ("Adam", {"lr": 1e-3}), "sgd": ("SGD", {"lr": 1e-3}),
-                     "sgd_momentum": ("SGD", {"lr": 1e-3, "momentum": 0.9})}
-
+__all__ = ["RankRun", "simulate"]
 
 @dataclass(frozen=True)
 class RankRun:
@@ -86,25 +73,6 @@ class RankRun:
                 "ddp_allreduce_bytes": self.ddp_allreduce_bytes, "collectives": [list(c) for c in self.collectives]}
 
 
-@contextlib.contextmanager
-def fake_group(rank: int, world_size: int) -> Iterator[Any]:
-    """torch's fake process group as the default group, ``rank`` of ``world_size``, for the block
-    (a default group already set up is a ``RuntimeError``: a simulation takes the process)."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    _require_no_group()
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
-
-
-def _require_no_group() -> None:
-    if dist.is_initialized():
-        raise RuntimeError("a default process group is already initialized: simulate in a process of its own")
-
-
 def simulate(params: Callable[[], nn.Module] | Sequence[ParamMeta], world_size: int, rank: int, *,
              optimizer: str = "adamw", strategy: str = "sorted_greedy", master_dtype: torch.dtype | None = None,
              reduce_scatter_grads: bool = False, reduce_dtype: torch.dtype | None = None, whole: Any = None,
@@ -116,24 +84,12 @@ def simulate(params: Callable[[], nn.Module] | Sequence[ParamMeta], world_size: 
     a `ZeroRedundancyOptimizer` executing it with ``torch.optim``'s rule, and two iterations.
     Runs from metadata are kept under ``ZERO_SIMULATE_CACHE`` when it is set (see the module)."""
     cls, settings = optimizer_class(optimizer)
-    _require_no_group()
+    require_no_group()
     options = dict(optimizer=optimizer, strategy=strategy, master_dtype=master_dtype, whole=whole, dtype=dtype,
                    reduce_scatter_grads=reduce_scatter_grads, reduce_dtype=reduce_dtype,
                    parameters_as_bucket_view=parameters_as_bucket_view)
     return cached(params, world_size, rank, options, RankRun,
                   lambda: _run(params, world_size, rank, cls, settings, **options))
-
-
-def cached(params: Any, world_size: int, rank: int, options: dict, kind: type, compute: Callable[[], Any]) -> Any:
-    """``compute()``'s run of ``rank`` of ``world_size`` on ``params`` with ``options`` (each a
-    value), read back from ``ZERO_SIMULATE_CACHE`` when a run of the same inputs (and of ``kind``)
-    is kept there, else computed and kept (see the module). Runs from a model factory are not kept."""
-    key = _cache_key(params, world_size, rank, options)
-    run = _cache_read(key, kind)
-    if run is None:
-        run = compute()
-        _cache_write(key, run)
-    return run
 
 
 def _run(params: Callable[[], nn.Module] | Sequence[ParamMeta], world_size: int, rank: int, cls: type,
@@ -180,92 +136,6 @@ def _tracker() -> Any:
             pass
 
     return Tracker()
-
-
-def peak_only(tracker_class: type) -> type:
-    """``tracker_class`` (torch's ``MemTracker`` or ``FSDPMemTracker``) keeping the whole rank's
-    peak alone, and able to start it again (``restart_peak()``). After every op torch's tracker
-    also walks every module it has seen, to keep each one's own peak while it runs: 40% of a
-    LLaMA-70B run's time at 1,024 ranks, and the simulations read only the rank's peak
-    (``get_tracker_snapshot("peak")``), which this keeps as torch does, to the byte
-    (tests/backends/test_simulate.py, tests/backends/test_fsdp2_peer.py). The tracker's peak lives
-    in its private fields, which torch gives no other way to read or reset: they are touched here
-    only."""
-    from copy import deepcopy
-
-    class PeakOnly(tracker_class):
-        def _update_peak_stats(self, peak_state: Any) -> None:
-            for device, snapshot in self._curr_mem_snap.items():
-                if self._peak_mem.get(device, 0) < snapshot["Total"]:
-                    self._peak_mem[device] = snapshot["Total"]
-                    self._peak_mem_snap[device] = deepcopy(snapshot)
-
-        def restart_peak(self) -> None:
-            """The peak from now on: what is alive now and what comes, as though tracking began here."""
-            self._peak_mem = {device: snapshot["Total"] for device, snapshot in self._curr_mem_snap.items()}
-            self._peak_mem_snap = deepcopy(self._curr_mem_snap)
-
-    PeakOnly.__name__ = PeakOnly.__qualname__ = f"PeakOnly{tracker_class.__name__}"
-    return PeakOnly
-
-
-def _cache_key(params: Any, world_size: int, rank: int, options: dict) -> str | None:
-    """What a run depends on, hashed: None where it cannot be named (no cache set; a model built by a
-    function, whose code is not a value; a ``whole=`` that `make_plan` will refuse)."""
-    if not os.environ.get("ZERO_SIMULATE_CACHE") or callable(params):
-        return None
-    from zero.plans.costs import cost_of
-    from zero.plans.hybrid import resolve_whole
-
-    metas = tuple(params)
-    whole = options.get("whole")
-    if whole is not None:
-        if options["strategy"] != "flat":
-            return None
-        whole = resolve_whole(metas, whole, cost_of(options["optimizer"]))  # a function: what it picks
-    inputs = (metas, world_size, rank, sorted({**options, "whole": whole}.items()), _source_digest())
-    return hashlib.sha256(repr(inputs).encode()).hexdigest()
-
-
-@functools.cache
-def _source_digest() -> str:
-    """zero's own source and torch's version: a run kept by other code is never read back."""
-    digest = hashlib.sha256(torch.__version__.encode())
-    for path in sorted(pathlib.Path(__file__).parents[1].rglob("*.py")):
-        digest.update(path.read_bytes())
-    return digest.hexdigest()
-
-
-def _cache_read(key: str | None, kind: type) -> Any:
-    path = None if key is None else pathlib.Path(os.environ["ZERO_SIMULATE_CACHE"], f"{key}.pkl")
-    if path is None or not path.is_file():
-        return None
-    try:
-        run = pickle.loads(path.read_bytes())
-    except Exception:  # a file another version or a killed writer left: run again, and replace it
-        return None
-    return run if isinstance(run, kind) else None
-
-
-def _cache_write(key: str | None, run: Any) -> None:
-    """Written whole or not at all (a temporary file renamed): two processes may write one key."""
-    if key is None:
-        return
-    folder = pathlib.Path(os.environ["ZERO_SIMULATE_CACHE"])
-    folder.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
-    with os.fdopen(fd, "wb") as f:
-        f.write(pickle.dumps(run))
-    os.replace(tmp, folder / f"{key}.pkl")
-
-
-def optimizer_class(name: str) -> tuple[type, dict]:
-    """The ``torch.optim`` class and settings of an ``optimizer=`` name a simulation runs
-    (`OPTIMIZER_CLASSES`); another name is a ``ValueError`` naming the choices."""
-    if name not in OPTIMIZER_CLASSES:
-        raise ValueError(f"unknown optimizer {name!r} for a simulation; choose one of {sorted(OPTIMIZER_CLASSES)}")
-    cls_name, settings = OPTIMIZER_CLASSES[name]
-    return getattr(torch.optim, cls_name), settings
 
 
 def _plan(model: nn.Module, world_size: int, strategy: str, optimizer: str, master_dtype: torch.dtype | None,

@@ -15,7 +15,6 @@ from typing import Any
 import torch
 
 from zero.backends import comm
-from zero.backends.modes import DDPOverlap
 
 __all__ = ["TorchNames", "TORCH_NAMES"]
 
@@ -52,7 +51,7 @@ class TorchNames:
     @property
     def _overlap_with_ddp(self) -> bool:
         """Whether the step runs inside DDP's comm hook (``overlap_with_ddp=True``)."""
-        return isinstance(getattr(self, "mode", None), DDPOverlap)
+        return bool(getattr(getattr(self, "mode", None), "overlaps_ddp", False))
 
     @property
     def _index_to_param(self) -> list[torch.Tensor]:

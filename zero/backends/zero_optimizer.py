@@ -25,7 +25,6 @@ from zero.backends.consistency import OptimizerChecks, settings
 from zero.backends.local_optimizer import is_functional, make_local_optimizer
 from zero.backends.modes import Mode, make_mode
 from zero.backends.modes.base import local_groups
-from zero.backends.nonfinite import NonFinite
 from zero.backends.options import (
     check_blocks,
     check_plan_arguments,
@@ -37,6 +36,9 @@ from zero.backends.options import (
 from zero.backends.precision import Masters, planned_master_dtype, resolve_dtype, scaling_of, warn_fp16
 from zero.backends.rank_state import RankState
 from zero.backends.torch_names import TorchNames
+from zero.backends.zero_executor import ZeroExecutor
+from zero.functional.adapters.face import OptimizerFace
+from zero.functional.adapters.nonfinite import NonFinite
 from zero.functional.kernels.chains import Path
 from zero.plans.checks import checksum
 from zero.plans.meta import param_groups, param_metas
@@ -46,26 +48,7 @@ from zero.plans.plan import Plan, check_plan, make_plan
 __all__ = ["ZeroRedundancyOptimizer"]
 
 
-class _OverFsdp2(type(Joinable)):
-    """``ZeroRedundancyOptimizer(params, ...)`` over FSDP2's DTensor params builds the optimizer
-    that shards the state over HSDP's replicas too (`zero.backends.fsdp2.replicas`), which
-    ``isinstance(opt, ZeroRedundancyOptimizer)`` then holds for; plain params build this class."""
-
-    def __call__(cls, params: Any, *args: Any, **kwargs: Any) -> Any:
-        if cls.__name__ != "ZeroRedundancyOptimizer" or cls.__module__ != __name__:
-            return super().__call__(params, *args, **kwargs)
-        from zero.backends.fsdp2.replicas import ReplicaShardedOptimizer, has_dtensors, named_groups
-
-        read = isinstance(params, Iterator)  # a generator: read here, once
-        groups = param_groups(params)
-        if not has_dtensors(groups):
-            return super().__call__(named_groups(groups) if read else params, *args, **kwargs)
-        positional = dict(zip(("optimizer_class", "process_group", "parameters_as_bucket_view", "overlap_with_ddp"),
-                              args))
-        return ReplicaShardedOptimizer(named_groups(groups), **positional, **kwargs)
-
-
-class ZeroRedundancyOptimizer(TorchNames, Optimizer, Joinable, metaclass=_OverFsdp2):
+class ZeroRedundancyOptimizer(TorchNames, OptimizerFace, Joinable):
     """Shard any optimizer's state across a process group (ZeRO stage 1); a drop-in for torch's.
 
     Each rank keeps the full model but steps, and holds state for, only what the plan gives it:
@@ -146,6 +129,28 @@ class ZeroRedundancyOptimizer(TorchNames, Optimizer, Joinable, metaclass=_OverFs
     `zero.backends.ShardedGradScaler`, whose scale follows that agreed flag.
     """
 
+    def __new__(cls, params: Any = None, *args: Any, **kwargs: Any) -> Any:
+        """Over FSDP2's DTensor params, the optimizer that shards the state over HSDP's replicas too
+        (`zero.backends.fsdp2.ReplicaShardedOptimizer`, which ``isinstance(opt,
+        ZeroRedundancyOptimizer)`` holds for); over plain params, this class."""
+        if cls is not ZeroRedundancyOptimizer:
+            return super().__new__(cls)
+        read = list(params) if isinstance(params, Iterator) else params  # a generator: read here, once
+        from torch.distributed.tensor import DTensor
+
+        groups = param_groups(read)
+        if any(isinstance(p, DTensor) for g in groups for p in g["params"]):
+            from zero.backends.fsdp2.replicas import ReplicaShardedOptimizer, named_groups
+
+            ZeroRedundancyOptimizer.register(ReplicaShardedOptimizer)
+            positional = dict(zip(("optimizer_class", "process_group", "parameters_as_bucket_view",
+                                   "overlap_with_ddp"), args))
+            # not an instance of this class: Python runs no __init__ on it
+            return ReplicaShardedOptimizer(named_groups(groups), **positional, **kwargs)
+        self = super().__new__(cls)
+        self.__dict__["_params_read"] = read
+        return self
+
     def __init__(self, params: Iterable, optimizer_class: Any, process_group: Any = None,
                  parameters_as_bucket_view: bool | None = None, overlap_with_ddp: bool = False, *,
                  plan: Plan | None = None, strategy: str | None = None, sync_chunk_mb: float | None = None,
@@ -159,14 +164,14 @@ class ZeroRedundancyOptimizer(TorchNames, Optimizer, Joinable, metaclass=_OverFs
         reduce_dtype = resolve_dtype(reduce_dtype, "reduce_dtype")
         self.process_group = comm.resolve_group(process_group, "ZeroRedundancyOptimizer")
         check_sync_options(sync_chunk_mb, parameters_as_bucket_view)
-        params = normalise_params(params)
+        params = normalise_params(self.__dict__.pop("_params_read", params))
         self._ready = False
         # A torch class's keyword defaults are group settings; a zero.functional factory's are its
         # own arguments (learning_rate ...): its groups get their settings from the local optimizer.
         torch_class = isinstance(optimizer_class, type) and issubclass(optimizer_class, Optimizer)
         if torch_class:
             check_torch_settings(optimizer_class, defaults, params)
-        Optimizer.__init__(self, params, defaults if torch_class else {})
+        OptimizerFace.__init__(self, params, defaults if torch_class else {})
         Joinable.__init__(self)
         self.world_size = comm.group_size(self.process_group)
         self.rank = comm.group_rank(self.process_group)
@@ -190,7 +195,9 @@ class ZeroRedundancyOptimizer(TorchNames, Optimizer, Joinable, metaclass=_OverFs
         me = weakref.ref(self)
         self.checks = OptimizerChecks(self.rank_state, lambda mode=self.mode: mode.trainable, lambda: _joined(me()))
         self.checks.watch_backwards()
-        self._consolidated: list[dict] | None = None
+        self.executor = ZeroExecutor(self.rank_state, self.mode, self.checks)
+        self._consolidated: list[dict] | None = None  # every rank's state, on the rank it was consolidated to
+        self._consolidated_to: int | None = None  # that rank, until the next step or load
         self._ready = True
 
     # -- the plan, what this rank holds, and its local step --------------------------------------
@@ -281,22 +288,25 @@ class ZeroRedundancyOptimizer(TorchNames, Optimizer, Joinable, metaclass=_OverFs
         Join.notify_join_context(self)
         state = self.rank_state
         scaling = scaling_of(self, self.mode.gradients.scaler_sees_grads, state.scaler_follows_agreement)
+        self._consolidated = self._consolidated_to = None
+        self.state_changed()
         with state.scaled(scaling):
             return self.mode.step(closure, kwargs, self._begin_step)
 
     def _begin_step(self) -> Callable[[], None]:
-        """What every mode that steps here does first: check the params, start the ranks' check-in,
-        hand the groups' settings to the local optimizer. Returns the check-in's ``verify``."""
+        """What every mode that steps here does first: check the params, then the start every zero
+        optimizer shares (`zero.functional.adapters.face.OptimizerFace.begin_step`: the ranks'
+        check-in, the non-finite policy), then hand the groups' settings to the local optimizer.
+        Returns what runs after the local step."""
         state = self.rank_state
         if self.mode.trainability_changed():
             self.mode.retrain(param_metas(self.param_groups))
             state.adopt_unfrozen()
         self.mode.storage.check()
         self.mode.gradients.start_pending()  # find_unused_parameters: what backward left pending, before the check-in
-        flag = self.nonfinite.flag(self.mode, state.scaling is not None)
-        verify = self.checks.check_in("step", carried=(flag,))  # each rank's flag rides in the check-in
+        state.skipping, after = self.begin_step(self.executor, state.steps + 1, scaled=state.scaling is not None)
         state.push()
-        return self.nonfinite.verifying(verify, self.mode, state)
+        return after
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch's; with ``reduce_scatter_grads`` the shards' gradients are zeroed in place (the
@@ -323,7 +333,8 @@ class ZeroRedundancyOptimizer(TorchNames, Optimizer, Joinable, metaclass=_OverFs
         return clipping.clip_grad_norm_(self.mode, max_norm, norm_type, error_if_nonfinite, foreach)
 
     def consolidate_state_dict(self, to: int = 0) -> None:
-        """Gather every rank's shard of the state onto rank ``to`` (call on all ranks).
+        """Gather every rank's shard of the state onto rank ``to`` (call on all ranks); its
+        `state_dict` then returns the whole state, as torch's does, until the next step or load.
 
         Shards move as raw tensors, rank by rank, point to point to ``to``, and are kept in CPU
         memory there; no other rank receives anything.
@@ -332,20 +343,36 @@ class ZeroRedundancyOptimizer(TorchNames, Optimizer, Joinable, metaclass=_OverFs
         self.checks.check_in("consolidate_state_dict", to)()  # a rank that skipped a step fails here, by name
         self._consolidated = None
         self._consolidated = consolidated.gather(self.rank_state, to)
+        self._consolidated_to = to
 
     def state_dict(self) -> dict[str, Any]:
-        """The global state, as a plain ``torch.optim`` optimizer over all params would save it.
-
-        Only on the rank that last received `consolidate_state_dict`.
-        """
+        """After `consolidate_state_dict` (on its rank ``to``): the global state, as a plain
+        ``torch.optim`` optimizer over all params would save it, which loads into one at any world
+        size. Otherwise this rank's part, in torch's form (`zero.functional.adapters.face`): what
+        torch's ``get_state_dict`` and DCP save and reshard, each rank its pieces."""
+        if self._consolidated_to is not None and self._consolidated is None:
+            raise RuntimeError(f"the optimizer state was consolidated on rank {self._consolidated_to}, not on rank "
+                               f"{self.rank}: call state_dict() there (or consolidate_state_dict(to={self.rank}) on "
+                               "all ranks)")
         if self._consolidated is None:
-            raise RuntimeError(f"the optimizer state has not been consolidated on rank {self.rank}: call "
-                               f"consolidate_state_dict(to={self.rank}) on all ranks before state_dict()")
-        return consolidated.to_global(self.rank_state, self._consolidated)
+            return super().state_dict()
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        sd = consolidated.to_global(self.rank_state, self._consolidated)
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, sd)
+            if result is not None:
+                sd = result
+        return sd
 
-    def load_state_dict(self, saved: dict[str, Any]) -> None:
-        """Load a global state dict (ours at any world size, torch's, or a plain optimizer's)."""
-        consolidated.load(self.rank_state, saved)
+    def load_torch_state_dict(self, saved: dict[str, Any]) -> None:
+        """A global state dict (ours at any world size, torch's, or a plain optimizer's), or this
+        rank's part in torch's form (`state_dict` without consolidating; torch's ``set_state_dict``)."""
+        self._consolidated = self._consolidated_to = None
+        if consolidated.is_global(saved):
+            consolidated.load(self.rank_state, saved)
+        else:
+            super().load_torch_state_dict(saved)
 
     # -- Join (uneven inputs) --------------------------------------------------------------------
 

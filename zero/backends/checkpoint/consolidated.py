@@ -29,7 +29,7 @@ import torch
 
 from zero.backends import comm
 from zero.backends.checkpoint.dcp_pieces import functional_leaves, held_elements, load_functional
-from zero.backends.checkpoint.integrity import STATE_DICT_KEY, state_dict_checksums, verify_state_dict
+from zero.backends.checkpoint.integrity import verify_state_dict
 from zero.backends.local_optimizer import check_state_keys, is_functional, is_per_element
 from zero.backends.rank_state import RankState
 from zero.plans.checks import check_int
@@ -38,7 +38,7 @@ from zero.plans.holdings import Holdings
 from zero.plans.plan import Plan
 from zero.plans.shards import group_ranges
 
-__all__ = ["gather", "to_global", "load", "merge", "cut", "placement", "check_compatible"]
+__all__ = ["gather", "to_global", "load", "is_global", "merge", "cut", "placement", "check_compatible"]
 
 
 def gather(state: RankState, to: int) -> list[dict] | None:
@@ -70,8 +70,7 @@ def to_global(state: RankState, local_dicts: Sequence[dict]) -> dict[str, Any]:
     else:
         held = [state.holdings_of(r) for r in range(state.world_size)]
         out = merge(local_dicts, held, state.param_groups, state.per_element_keys())
-    out[STATE_DICT_KEY] = state_dict_checksums(out["state"])  # checked by `load` (plain optimizers ignore it)
-    return out
+    return out  # torch's reference semantics: integrity is checked where bytes are written (zero's checkpoints)
 
 
 def _joined_leaves(local_dicts: Sequence[dict], params: Sequence[torch.Tensor]) -> dict[int, dict]:
@@ -95,11 +94,24 @@ def _joined_leaves(local_dicts: Sequence[dict], params: Sequence[torch.Tensor]) 
     return state
 
 
+def is_global(saved: Any) -> bool:
+    """Whether ``saved`` is a global state dict (this format, torch's ZeRO's, a plain optimizer's:
+    positions as keys, whole tensors), not one rank's part of a sharded one (zero's `state_dict`
+    without consolidating, which names its layout; torch's ``set_state_dict``, keyed by FQN)."""
+    from zero.functional.adapters.face import LAYOUT_KEY
+
+    if not isinstance(saved, dict) or LAYOUT_KEY in saved or not isinstance(saved.get("state"), dict):
+        return False
+    return all(isinstance(k, int) and isinstance(v, dict) and not any(hasattr(x, "local_shards") or
+                                                                      hasattr(x, "to_local") for x in v.values())
+               for k, v in saved["state"].items())
+
+
 def load(state: RankState, saved: dict[str, Any]) -> None:
     """Load a global state dict (ours at any world size and plan, torch's, a plain optimizer's):
     this rank's part of it into its local optimizer, which places each tensor where it keeps it.
-    Ours carries a checksum per tensor (``"zero_checksums"``), checked first: a changed byte is a
-    ``ValueError`` naming the param and key, before anything is loaded."""
+    One saved by an earlier zero carries a checksum per tensor (``"zero_checksums"``), checked
+    first: a changed byte is a ``ValueError`` naming the param and key, before anything is loaded."""
     functional = is_functional(state.optim)
     check_compatible(saved, state.params, [len(g["params"]) for g in state.param_groups], functional)
     verify_state_dict(saved, lambda i: state.plan.metas[i].name)

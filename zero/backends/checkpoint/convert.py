@@ -12,7 +12,8 @@ State names: torch's ``exp_avg`` / ``exp_avg_sq`` / ``step`` of Adam and AdamW a
 ``0.trace`` (of ``optax.sgd(momentum=...)``); other torch state (AMSGrad's maximum, master
 weights) is a ``ValueError`` naming it. A `zero.functional` rule's state is saved under Optax's
 own paths already and passes as it is (``zero.functional.adamw`` injects its hyperparameters: it
-is ``optax.inject_hyperparams(optax.adamw)``'s state).
+is ``optax.inject_hyperparams(optax.adamw)``'s state, whose ``hyperparams`` the checkpoint keeps as
+its param groups' settings, as torch keeps them, ``lr`` for ``learning_rate``).
 """
 
 from __future__ import annotations
@@ -97,6 +98,23 @@ class _DcpSource:
             dcp.load({key: out}, checkpoint_id=self.path, no_dist=True)
         return out
 
+    def injected_settings(self, paths: Any) -> dict[str, np.ndarray]:
+        """``hyperparams.<name>`` of a `zero.functional` rule that injects its hyperparameters (its
+        state under ``inner_state``): the param groups' numeric settings, which must agree (Optax
+        keeps one value of each)."""
+        if not any(p.startswith("inner_state.") for p in paths):
+            return {}
+        from zero.backends.checkpoint.torch_state import read_groups
+
+        count = len({k.split(".")[2] for k in self.md if k.startswith("optim.param_groups.")})
+        out: dict[str, np.ndarray] = {}
+        for k, group in enumerate(read_groups(read_metadata(self.path), self.path, count)[0]):
+            for name, value in group.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    path = f"hyperparams.{'learning_rate' if name == 'lr' else name}"
+                    _same_shared(out, path, np.asarray(float(value), dtype=np.float64), f"param group {k}")
+        return out
+
     def optax_path(self, name: str, torch_names: bool) -> str:
         """Optax's path of state ``name``: torch.optim's names mapped (``torch_names``: the checkpoint
         holds some), a `zero.functional` rule's paths as they are."""
@@ -128,7 +146,8 @@ def to_orbax(src: str | os.PathLike, dst: str | os.PathLike) -> dict:
     per_param = sorted({paths[n] for f in source.fqns for n in source.state[f]
                         if tuple(source.md[f"optim.state.{f}.{n}"].size) == shapes[f] and shapes[f] != ()
                         and n != "step"})
-    shared = sorted(set(paths.values()) - set(per_param))
+    settings = source.injected_settings(paths.values())
+    shared = sorted(set(paths.values()) - set(per_param) | set(settings))
     nodes = [{"path": p, "per_param": True} for p in per_param] + [{"path": p, "per_param": False} for p in shared]
     meta = {"format": FORMAT, "layout": "params", "names": source.fqns, "shapes": [], "dtypes": [], "plan": None,
             "nodes": nodes, "has_params": True, "checksums": {}}
@@ -152,6 +171,8 @@ def to_orbax(src: str | os.PathLike, dst: str | os.PathLike) -> dict:
                 item[f"n{j}"] = value
             pytree.save(os.path.join(tmp, f"p{i}"), ocp.args.PyTreeSave(item))
             meta["checksums"].update(checksums(f"p{i}", item))
+        for path, value in settings.items():  # the injected hyperparameters: one per group setting
+            shared_values[path] = value
         if shared:  # Orbax refuses an empty item
             values = {f"s{j}": shared_values[n["path"]] for j, n in enumerate(nodes) if not n["per_param"]}
             pytree.save(os.path.join(tmp, "shared"), ocp.args.PyTreeSave(values))

@@ -37,13 +37,14 @@ def quiet() -> Iterator[None]:
         yield
 
 
-def torch_entries(state: RankState) -> Iterator[tuple[Held, str, Any]]:
-    """``(held piece, key, value for DCP)`` of a ``torch.optim`` local optimizer's state."""
+def torch_entries(state: RankState, saving: bool = True) -> Iterator[tuple[Held, str, Any]]:
+    """``(held piece, key, value for DCP)`` of a ``torch.optim`` local optimizer's state (not
+    ``saving``: a piece of a param as this rank's elements, not a ``ShardedTensor``: see `_piece`)."""
     local = _local_state(state)
     per_element = state.per_element_keys()
     for h in state.holdings.held:
         for key, value in local["state"].get(h.local, {}).items():
-            yield h, key, _piece(state, h, value) if is_per_element(key, value, per_element) else value
+            yield h, key, _piece(state, h, value, 1, saving) if is_per_element(key, value, per_element) else value
 
 
 def _local_state(state: RankState) -> dict:
@@ -68,11 +69,11 @@ def _functional_sets(state: RankState) -> Iterator[tuple[Any, tuple[int, ...], l
         first += n
 
 
-def functional_entries(state: RankState) -> Iterator[tuple[Held, str, Any]]:
+def functional_entries(state: RankState, saving: bool = True) -> Iterator[tuple[Held, str, Any]]:
     """``(held piece, key, value for DCP)`` of a `zero.functional` local optimizer's state (see
-    `functional_leaves`)."""
+    `functional_leaves`; ``saving`` as `torch_entries`)."""
     for h, key, leaf, k in functional_leaves(state):
-        yield h, key, _piece(state, h, leaf, k) if k else leaf
+        yield h, key, _piece(state, h, leaf, k, saving) if k else leaf
 
 
 def functional_leaves(state: RankState) -> Iterator[tuple[Held, str, Any, int]]:
@@ -123,10 +124,12 @@ def _per_element(leaf: Any, local: torch.Tensor, h: Held, state: RankState, key:
     return 0
 
 
-def _piece(state: RankState, h: Held, value: torch.Tensor, k: int = 1) -> torch.Tensor:
+def _piece(state: RankState, h: Held, value: torch.Tensor, k: int = 1, saving: bool = True) -> torch.Tensor:
     """This rank's piece of one state tensor (one element per ``k`` of the param's): the tensor
     itself (the param's shape, or 1-D for ``k > 1``) when it holds all of it, else a
-    ``ShardedTensor`` of its boxes, views into ``value``."""
+    ``ShardedTensor`` of its boxes, views into ``value``; not ``saving`` (``optimizer.state``,
+    which torch's tools read as tensors: a memory tracker asks each for its storage), the held
+    elements themselves, a 1-D view."""
     shape = saved_shape(state, h, k)
     if tuple(value.shape) == shape and h.end - h.start == value.numel() * k:
         return value  # the whole tensor, as it is (a tensor subclass, torchao's state, may not reshape)
@@ -134,6 +137,8 @@ def _piece(state: RankState, h: Held, value: torch.Tensor, k: int = 1) -> torch.
     chunks = state.holdings.chunks(h.param)
     if len(chunks) == 1:
         return flat.view(shape)
+    if not saving:
+        return flat
     from torch.distributed._shard.metadata import ShardMetadata
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
     from torch.distributed._shard.sharded_tensor.metadata import TensorProperties

@@ -29,6 +29,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from zero.backends import comm
 from zero.backends.fsdp2.exchange import back_from_owners, gather_replicas, to_owners
+from zero.backends.fsdp2.guard import Fsdp2Guard
 from zero.backends.fsdp2.layout import Layout, plan_for, read_layout
 from zero.backends.fsdp2.state import fsdp2_entries, load_fsdp2_entries, start_states
 from zero.functional import sharding
@@ -58,6 +59,7 @@ class Fsdp2Executor:
         self._exchange_plan = self.plan.within(self.layout.replica)
         params = [p for g in optimizer.param_groups for p in g["params"]]
         self.mesh = params[0].device_mesh
+        self.mesh_ranks = _mesh_ranks(self.mesh)
         self._check_pieces(params)
         self._check_same_plan()
         device = params[0].device
@@ -71,6 +73,7 @@ class Fsdp2Executor:
             self._over_steppers(comm.maxed, device), every_group=True, names=tuple(m.name for m in metas),
             numels=tuple(m.numel for m in metas), shapes=tuple(m.shape for m in metas))
         self._optimizer = optimizer
+        self.guard = Fsdp2Guard(self, optimizer)  # the start of each step: the ranks' check-in, NaN and inf
         start_states(self, optimizer)
 
     @property
@@ -78,12 +81,21 @@ class Fsdp2Executor:
         """Which rank of which plan this is: a ``state_dict()`` of it holds this rank's pieces."""
         return f"rank {self.me} of FSDP2 plan {self.plan.fingerprint} ({self.plan.ranks} ranks)"
 
-    def entries(self) -> Iterator[tuple[int, str, Any]]:
+    def entries(self, saving: bool = True) -> Iterator[tuple[int, str, Any]]:
         """This rank's state entries by param position, in the params' placements (`fsdp2.state`)."""
-        return fsdp2_entries(self, self._optimizer)
+        return fsdp2_entries(self, self._optimizer, saving)
 
     def load(self, entries: dict[int, dict[str, Any]], groups: list[dict]) -> None:
         load_fsdp2_entries(self, self._optimizer, entries)
+
+    def whole_shapes(self, k: int, keep: tuple[int, ...], compute: Any) -> dict:
+        """``compute()`` (the shapes of the state the rule starts for a set's whole params), kept
+        per set: the plan fixes them, and torch's memory tracker reads ``optimizer.state`` after
+        every step, where asking the rule again would allocate a whole model's state on meta."""
+        cache = self.__dict__.setdefault("_whole_shapes", {})
+        if (k, keep) not in cache:
+            cache[k, keep] = compute()
+        return cache[k, keep]
 
     def cut(self, t: int, whole: torch.Tensor) -> torch.Tensor:
         """This rank's part of a tensor shaped like param ``t`` (what it steps of it: its rows,
@@ -242,6 +254,16 @@ class Fsdp2Executor:
         said = "" if at is None else f"; param {at} (name, shape, dtype, dim, owner, block) by rank: " + \
             ", ".join(f"{r}: {rows_r[at] if at < len(rows_r) else 'none'}" for r, rows_r in enumerate(everyone))
         raise ValueError(f"the ranks made different FSDP2 plans (their params or rules differ){said}")
+
+
+def _mesh_ranks(mesh: Any) -> tuple[int, ...]:
+    """The global rank at each place of ``mesh``, flattened (row-major). Read off the mesh's rank
+    map, a tuple, where there is one: ``mesh.mesh`` makes a tensor, which under ``FakeTensorMode``
+    (a simulated rank building its optimizer, or torch's memory tracker reading its state) is refused."""
+    ranks = getattr(mesh, "_flatten_rank_map", None)
+    if ranks is not None and len(ranks) == mesh.size():
+        return tuple(int(r) for r in ranks)
+    return tuple(int(r) for r in mesh.mesh.reshape(-1).tolist())
 
 
 def _local(grad: torch.Tensor, name: str) -> torch.Tensor:

@@ -46,19 +46,21 @@ def start_states(executor: Any, optimizer: Any) -> None:
             optimizer.ensure_state(k, keep, leaves)
 
 
-def fsdp2_entries(executor: Any, optimizer: Any) -> Iterator[tuple[int, str, Any]]:
+def fsdp2_entries(executor: Any, optimizer: Any, saving: bool = True) -> Iterator[tuple[int, str, Any]]:
     """``(param position, key, value)`` of this rank's state, each value in its param's placement:
     a per-element leaf of a piece as a DTensor like the param (over the replicas: a
     ``ShardedTensor`` of the boxes its run covers), a 1-D leaf of one element per ``k`` of a
     piece's (quantized codes, block scales) as a ``ShardedTensor`` of runs, a leaf an owner keeps
     whole as it is; masters under ``"master"``. A param this rank neither holds a piece of nor
-    owns has none."""
+    owns has none. Not ``saving`` (``optimizer.state``, which torch's tools read as tensors), a
+    run is the state itself, not a ``ShardedTensor``."""
     plan = executor.plan
     for k, group in enumerate(optimizer.param_groups):
         first, sets = executor.layout.firsts[k], optimizer.set_states_of(k)
         for keep in sets.sets():
             tree_names = optimizer.names_of(k, keep)
-            shapes = _whole_shapes(optimizer, executor, k, keep, tree_names)
+            shapes = executor.whole_shapes(k, keep, lambda k=k, keep=keep, tree_names=tree_names:
+                                           _whole_shapes(optimizer, executor, k, keep, tree_names))
             for i, key, pos, leaf in per_param(sets.named(keep, tree_names), keep):
                 t = first + i
                 if pos is None or plan.owner[t] >= 0 or not isinstance(leaf, torch.Tensor):
@@ -69,11 +71,23 @@ def fsdp2_entries(executor: Any, optimizer: Any) -> Iterator[tuple[int, str, Any
                 if per == 0:
                     yield t, key, _whole_shaped(plan, t, key, leaf, shapes.get((key, pos)))
                 elif plan.replicas == 1 or leaf.numel():  # (over the replicas a rank may hold no part of it)
-                    yield t, key, _per_element(executor, t, leaf) if per < 0 else _as_runs(executor, t, leaf, per, key)
+                    yield t, key, _placed_leaf(executor, t, leaf, per, key, saving)
         for i in range(len(group["params"])):
             if first + i in executor.masters:
-                yield first + i, MASTER_KEY, _per_element(executor, first + i, executor.masters[first + i]) \
-                    if plan.owner[first + i] < 0 else executor.masters[first + i]
+                master = executor.masters[first + i]
+                yield first + i, MASTER_KEY, master if plan.owner[first + i] >= 0 else \
+                    _placed_leaf(executor, first + i, master, -1, MASTER_KEY, saving)
+
+
+def _placed_leaf(executor: Any, t: int, leaf: torch.Tensor, per: int, key: str, saving: bool) -> Any:
+    """A leaf of a piece in its param's placement: per element (``per`` -1) a DTensor like the
+    param, or over the replicas a ``ShardedTensor`` of its run's boxes; ``per`` k a
+    ``ShardedTensor`` of runs (not ``saving``: a run is the leaf itself)."""
+    if per < 0 and executor.plan.replicas == 1:
+        return _per_element(executor, t, leaf)
+    if not saving:
+        return leaf
+    return _per_element(executor, t, leaf) if per < 0 else _as_runs(executor, t, leaf, per, key)
 
 
 def _whole_shaped(plan: Any, t: int, key: str, leaf: torch.Tensor, whole: tuple[int, ...] | None) -> torch.Tensor:
@@ -157,7 +171,7 @@ def _global(executor: Any, rank: int) -> int:
     """The global rank of mesh rank ``rank`` (of the plan's ranks: the shard group's at one replica)."""
     if executor.plan.replicas == 1:
         return comm.global_rank(executor.layout.group, rank)
-    return int(executor.mesh.mesh.reshape(-1)[rank])
+    return executor.mesh_ranks[rank]
 
 
 def _as_runs(executor: Any, t: int, leaf: torch.Tensor, k: int, key: str) -> Any:

@@ -20,7 +20,7 @@ import torch
 
 from zero.backends import comm
 from zero.backends.consistency import wait_for
-from zero.backends.nonfinite import l1_norm
+from zero.functional.adapters.nonfinite import l1_norm
 from zero.plans.layout import IN_FLIGHT_BUCKETS, FlatLayout
 
 __all__ = ["Unit", "BucketEngine", "IN_FLIGHT"]

@@ -38,6 +38,7 @@ class Mode:
     """
 
     storage: ViewWatch  # the params whose storage the mode's sync writes (their storage must not move)
+    overlaps_ddp = False  # steps inside DDP's comm hook (`zero.backends.modes.DDPOverlap`)
 
     def __init__(self, state: RankState, gradients: Gradients | None = None):
         self.state = state

@@ -17,8 +17,9 @@ from torch.distributed.algorithms.join import JoinHook
 from zero.backends import clipping, comm
 from zero.backends.modes.base import Begin, build_sharding, local_groups
 from zero.backends.modes.whole import WholeParams
-from zero.backends.nonfinite import NonFinite, all_finite, message, where
+from zero.backends.nonfinite import where
 from zero.functional import sharding
+from zero.functional.adapters.nonfinite import NonFinite, all_finite, message
 from zero.plans.ddp_buckets import ddp_bucket_partition
 from zero.plans.holdings import LocalTensor
 from zero.plans.meta import ParamMeta, param_metas
@@ -28,6 +29,8 @@ __all__ = ["DDPOverlap"]
 
 class DDPOverlap(WholeParams):
     """Whole params owned by DDP's buckets, each stepped by its owner as soon as its bucket is reduced."""
+
+    overlaps_ddp = True
 
     attached = False  # set by `attach`: the hook steps the rank state's local optimizer
 

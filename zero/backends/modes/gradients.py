@@ -22,8 +22,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from zero.backends import comm
 from zero.backends.grads.source import GradientSource
-from zero.backends.nonfinite import all_finite
 from zero.backends.rank_state import RankState
+from zero.functional.adapters.nonfinite import all_finite
 from zero.plans.meta import ParamMeta
 
 __all__ = ["Gradients", "CopiedGradients", "ReducedGradients", "no_accumulation"]

@@ -18,7 +18,8 @@ from typing import Any, Protocol
 import torch
 
 from zero.functional.adapters.face import Entry
-from zero.functional.adapters.state_names import STEP, per_param
+from zero.functional.adapters.nonfinite import StepGuard, all_finite
+from zero.functional.adapters.state_names import STEP, StateNames, per_param
 
 __all__ = ["EXECUTORS", "GroupExecutor", "LocalExecutor", "storage_kind", "executor_for", "load_sets",
            "same_value"]
@@ -39,27 +40,50 @@ class GroupExecutor(Protocol):
     that make the rule's whole-tensor quantities exact, and writes the results back; and lists
     and loads the state (`zero.functional.adapters.face.Executor`)."""
 
+    guard: StepGuard  # the collective half of a step's start (`OptimizerFace.begin_step`)
+
     def step_group(self, k: int, idx: tuple[int, ...], params: Sequence[torch.Tensor],
                    grads: Sequence[torch.Tensor], run: Run) -> None: ...
 
-    def entries(self) -> Iterator[Entry]: ...
+    def entries(self, saving: bool = True) -> Iterator[Entry]: ...
 
     def load(self, entries: dict[int, dict[str, Any]], groups: list[dict]) -> None: ...
 
 
 class LocalExecutor:
-    """Plain tensors: each group's rule steps them as they are, and their state is the rule's."""
+    """Plain tensors: each group's rule steps them as they are, and their state is the rule's.
+    One process: its check-in is its own, and it is its own guard (`StepGuard`)."""
 
     layout_key = None  # the state is every param's: it loads anywhere
 
     def __init__(self, optimizer: Any):
         self.optimizer = optimizer
 
+    @property
+    def guard(self) -> LocalExecutor:
+        return self
+
+    def local_nonfinite(self) -> bool:
+        return not all_finite([p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None])
+
+    def check_in(self, flag: int) -> Callable[[], list[list[int]]]:
+        return lambda: [[flag]]
+
+    def flagged_names(self) -> list[str]:
+        opt, out = self.optimizer, []
+        for t, p in enumerate(opt.all_params()):
+            if p.grad is not None and not all_finite([p.grad]):
+                out.append(opt.label(t))
+        return out
+
+    def where(self, ranks: list[int]) -> str:
+        return "in this process's gradients"
+
     def step_group(self, k: int, idx: tuple[int, ...], params: Sequence[torch.Tensor],
                    grads: Sequence[torch.Tensor], run: Run) -> None:
         run(idx, list(params), list(grads))
 
-    def entries(self) -> Iterator[Entry]:
+    def entries(self, saving: bool = True) -> Iterator[Entry]:
         opt, first = self.optimizer, 0
         for k, group in enumerate(opt.param_groups):
             opt.ensure_state(k, tuple(i for i, p in enumerate(group["params"]) if p.requires_grad))
@@ -100,15 +124,17 @@ def load_sets(optimizer: Any, entries: dict[int, dict[str, Any]], start: Callabl
                 raise ValueError(f"the state dict has no state for {missing[:5]}, which this optimizer steps together "
                                  f"with {opt.label(first + idx[0])}: it was saved before they had state, or for "
                                  "other params")
-            sets.load(idx, opt.names_of(k, idx), _filler(opt, first, idx, got, into))
+            sets.load(idx, opt.names_of(k, idx), _filler(opt, first, idx, got, into, sets.names))
         first += n
 
 
-def _filler(opt: Any, first: int, idx: tuple[int, ...], got: list[dict], into: Any) -> Any:
+def _filler(opt: Any, first: int, idx: tuple[int, ...], got: list[dict], into: Any, names: StateNames) -> Any:
     def fill(key: str, pos: int | None, leaf: Any) -> Any:
         at = range(len(idx)) if pos is None else (pos,)
         if isinstance(leaf, torch.Tensor) and leaf.dim() and not leaf.numel() and key not in got[at[0]]:
             return leaf  # no element of it here (a rank's empty part of a param): nothing to load or save
+        if all(key not in got[j] for j in at) and names.assumed(key) is not None:
+            return names.assumed(key)
         for j in at:
             if key not in got[j]:
                 raise ValueError(f"the state dict has no {key!r} for {opt.label(first + idx[j])} (it has "
@@ -171,7 +197,7 @@ def executor_for(optimizer: Any) -> GroupExecutor:
         names = group.get("param_names") or [f"param_groups[{k}]['params'][{i}]" for i in range(len(group["params"]))]
         for name, p in zip(names, group["params"]):
             kinds.setdefault(storage_kind(p), name)
-    if None in kinds and len(kinds) == 1:
+    if not kinds or (None in kinds and len(kinds) == 1):  # (no params: a rank's local optimizer may hold none)
         return LocalExecutor(optimizer)
     if None in kinds:
         sharded = next(n for kind, n in kinds.items() if kind is not None)

@@ -19,17 +19,23 @@ Every zero optimizer (`zero.functional.Optimizer` over plain or FSDP2's params,
 - torch's hooks (step, ``state_dict``, ``load_state_dict``) run as on any torch optimizer.
 
 What differs per executor is only where the state lives: ``executor.entries()`` lists this rank's
-entries, ``executor.load(entries, groups)`` loads them (`Executor`).
+entries, ``executor.load(entries, groups)`` loads them (`Executor`). The start of a step is shared
+too (`OptimizerFace.begin_step`): the ranks' check-in (steps, settings such as ``lr`` and the plan
+compared, the rank and setting that differ named) and the policy on NaN and inf in the gradients
+(``nonfinite``: `zero.functional.adapters.nonfinite`), the executor answering the collective half
+(its ``guard``).
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from itertools import chain
 from typing import Any, Protocol
 
 import torch
+
+from zero.functional.adapters.nonfinite import NonFinite, StepGuard
 
 __all__ = ["OptimizerFace", "StateView", "Executor", "Entry", "LAYOUT_KEY"]
 
@@ -43,8 +49,12 @@ class Executor(Protocol):
 
     layout_key: str | None
 
-    def entries(self) -> Iterator[Entry]:
-        """Every state entry this rank holds, params without state started first."""
+    def entries(self, saving: bool = True) -> Iterator[Entry]:
+        """Every state entry this rank holds, params without state started first. ``saving``: for
+        ``state_dict()`` (a piece no DTensor placement describes, a flat ZeRO range or a run over
+        HSDP's replicas, as a ``ShardedTensor`` of the param's shape, which DCP reshards); else for
+        ``optimizer.state``, whose values torch's tools read as tensors (such a piece is then this
+        rank's elements themselves)."""
         ...
 
     def load(self, entries: dict[int, dict[str, Any]], groups: list[dict]) -> None:
@@ -66,10 +76,7 @@ class StateView(Mapping):
         """Param position -> its entries, for every trainable param (``{}``: held elsewhere)."""
         face = self._face
         if self._version != face.state_version:
-            table: dict[int, dict[str, Any]] = {i: {} for i in face.trainable_positions()}
-            for i, key, value in face.executor.entries():
-                table.setdefault(i, {})[key] = value
-            self._table, self._version = table, face.state_version
+            self._table, self._version = face.entries_table(saving=False), face.state_version
         return self._table
 
     def __getitem__(self, param: torch.Tensor) -> dict[str, Any]:
@@ -96,9 +103,11 @@ class StateView(Mapping):
 
 class OptimizerFace(torch.optim.Optimizer):
     """torch's optimizer contract over ``self.executor`` (see the module). A subclass sets
-    ``executor`` and calls ``state_changed()`` whenever a step or a load changes the state."""
+    ``executor`` and calls ``state_changed()`` whenever a step or a load changes the state;
+    ``nonfinite`` is its policy on NaN and inf in the gradients (None: not checked)."""
 
     executor: Executor
+    nonfinite: NonFinite | None = None
 
     def __init__(self, params: Any, defaults: dict[str, Any]):
         self.state_version = 0
@@ -119,6 +128,29 @@ class OptimizerFace(torch.optim.Optimizer):
     def state_changed(self) -> None:
         """Say that the state changed (a step, a load): the next read of ``state`` rebuilds it."""
         self.state_version += 1
+
+    def begin_step(self, guard: StepGuard, step: int, scaled: bool = False) -> tuple[bool, Callable[[], None]]:
+        """The start of step ``step`` on every rank, whatever executes it: the ranks' check-in
+        (``guard``'s: steps, settings and plan compared) carrying this rank's flag for NaN or inf in
+        its gradients, and ``nonfinite`` on them. Returns ``(skip, after)``: whether every rank skips
+        this step, and what runs after the local step (``"warn"`` verifies there, its latency hidden
+        behind the step; ``"skip"`` and ``"raise"`` decide before anything is stepped). A step a loss
+        scaler drives (``scaled``) is the scaler's to skip."""
+        policy = self.nonfinite
+        flag = 0 if policy is None or scaled else int(guard.local_nonfinite())
+        verify = guard.check_in(flag)
+        if policy is None:
+            return False, lambda: None if verify() else None
+        if policy.policy == "warn":
+            return False, lambda: None if policy.settle(verify(), guard, step) else None
+        return policy.settle(verify(), guard, step), _nothing
+
+    def entries_table(self, saving: bool) -> dict[int, dict[str, Any]]:
+        """Param position -> its entries (`Executor.entries`), every trainable param present."""
+        table: dict[int, dict[str, Any]] = {i: {} for i in self.trainable_positions()}
+        for i, key, value in self.executor.entries(saving):
+            table.setdefault(i, {})[key] = value
+        return table
 
     # -- positions ---------------------------------------------------------------------------
 
@@ -141,23 +173,28 @@ class OptimizerFace(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """torch's form (see the module): this rank's state by param position, every trainable
-        param present (``{}`` where another rank holds its state), and the groups' settings."""
+        param present (``{}`` where another rank holds its state), and the groups' settings; with
+        the layout it holds the pieces of (``"sharded_layout"``) when the state is sharded."""
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
+        sd = self.torch_state_dict()
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, sd)
+            if result is not None:
+                sd = result
+        return sd
+
+    def torch_state_dict(self) -> dict[str, Any]:
+        """`state_dict` without torch's hooks."""
         groups, start = [], 0
         for g in self.param_groups:
             packed = {k: v for k, v in g.items() if k != "params"}
             packed["params"] = list(range(start, start + len(g["params"])))
             start += len(g["params"])
             groups.append(packed)
-        sd: dict[str, Any] = {"state": {i: dict(st) for i, st in self.state.table().items()},
-                              "param_groups": groups}
+        sd: dict[str, Any] = {"state": self.entries_table(saving=True), "param_groups": groups}
         if self.executor.layout_key is not None:
             sd[LAYOUT_KEY] = self.executor.layout_key
-        for post_hook in self._optimizer_state_dict_post_hooks.values():
-            result = post_hook(self, sd)
-            if result is not None:
-                sd = result
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -169,6 +206,13 @@ class OptimizerFace(torch.optim.Optimizer):
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
+        self.load_torch_state_dict(state_dict)
+        self.state_changed()
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def load_torch_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """`load_state_dict` without torch's hooks."""
         saved_groups = _checked_groups(state_dict, self.param_groups)
         _check_layout(state_dict.get(LAYOUT_KEY), self.executor.layout_key)
         ids = dict(zip(chain.from_iterable(g["params"] for g in saved_groups), range(len(self.all_params()))))
@@ -182,15 +226,19 @@ class OptimizerFace(torch.optim.Optimizer):
         self.executor.load(entries, settings)
         for group, saved in zip(self.param_groups, settings):
             group.update(saved)  # the params, and their names, stay this optimizer's
-        self.state_changed()
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
 
     def __getstate__(self) -> dict[str, Any]:
-        return self.__dict__
+        if self.executor.layout_key is not None:
+            raise TypeError(f"a {type(self).__name__} over sharded state holds process groups and cannot be copied or "
+                            "pickled: save its state (state_dict(), or torch.distributed.checkpoint) and build another")
+        return {k: v for k, v in self.__dict__.items() if k not in ("_positions", "_state_view")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+
+
+def _nothing() -> None:
+    return None
 
 
 def _check_layout(saved: str | None, here: str | None) -> None:

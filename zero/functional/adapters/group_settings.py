@@ -55,7 +55,10 @@ def settings_of(tx: GradientTransformation) -> dict[str, Any]:
     which a group sets), and for a rule that mirrors a ``torch.optim`` class every other setting
     torch's class keeps in its groups (``betas``, ``amsgrad``, ``foreach`` ...: `torch_settings`),
     so that its state dict's groups load into torch's class and torch's into it."""
-    return {**torch_settings(tx), **hyperparams_of(tx)}
+    out = torch_settings(tx)  # torch's values as torch keeps them (ns_steps an int, as its Muon reads it)
+    for key, value in hyperparams_of(tx).items():
+        out.setdefault(key, value)
+    return out
 
 
 def with_group_hyperparams(tx: Any, who: str = "tx") -> GradientTransformation:

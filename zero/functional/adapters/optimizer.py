@@ -35,6 +35,7 @@ from zero.functional.adapters.group_settings import (
     settings_of,
     with_group_hyperparams,
 )
+from zero.functional.adapters.nonfinite import NonFinite
 from zero.functional.adapters.rule_states import SetStates
 from zero.functional.adapters.state_tree import as_tree
 from zero.functional.base import GradientTransformation, tree_map
@@ -65,9 +66,16 @@ class Optimizer(OptimizerFace):
     ``state_dict()`` and ``load_state_dict`` are torch's form, under torch's names for `from_torch`
     rules. Over FSDP2's DTensor params (`executor`: `zero.backends.fsdp2`) the state is each rank's
     pieces, as DTensors in the params' placements, started when the optimizer is built.
+
+    ``nonfinite``: what a step does with gradients that hold NaN or inf (``"warn"``, ``"skip"``,
+    ``"raise"``: `zero.functional.adapters.nonfinite`). By default ``"warn"`` over sharded params,
+    whose step starts with the ranks' check-in anyway (each rank's flag rides in it; it also
+    compares the ranks' settings, naming a rank whose ``lr`` differs), and unchecked over plain
+    params, as in ``torch.optim`` (a check there would cost a pass over the gradients and a sync).
     """
 
-    def __init__(self, params: Iterable, tx: GradientTransformation, *, per_param: bool = False):
+    def __init__(self, params: Iterable, tx: GradientTransformation, *, per_param: bool = False,
+                 nonfinite: str | None = None):
         self._default_tx = with_group_hyperparams(tx)
         self._steps = 0  # step() calls
         self.skipped_steps = 0  # steps an apply_if_finite in the transformation skipped
@@ -78,6 +86,9 @@ class Optimizer(OptimizerFace):
             params = list(params.named_parameters())
         super().__init__(params, settings_of(self._default_tx))
         self.executor = executor_for(self)
+        sharded = not isinstance(self.executor, LocalExecutor)
+        self.nonfinite = NonFinite(nonfinite if nonfinite is not None else "warn") \
+            if nonfinite is not None or sharded else None
 
     def add_param_group(self, param_group: dict) -> None:
         if self.executor is not None and not isinstance(self.executor, LocalExecutor):
@@ -105,6 +116,10 @@ class Optimizer(OptimizerFace):
             with torch.enable_grad():
                 loss = closure()
         executor = self.executor
+        skip, after = self.begin_step(executor.guard, self._steps + 1)
+        if skip:
+            self.skipped_steps += 1
+            return loss
         for k, (group, states) in enumerate(zip(self.param_groups, self._states)):
             every = [p.grad for p in group["params"]]
             idx = tuple(i for i, g in enumerate(every) if g is not None)
@@ -117,8 +132,14 @@ class Optimizer(OptimizerFace):
                                     states.step(keep, leaves, gs, group, self.names_of(k, keep)))
         self._steps += 1
         self.state_changed()
+        after()
         self._report_guards()
         return loss
+
+    @property
+    def steps(self) -> int:
+        """The steps taken (a step every rank skipped for NaN or inf is not one)."""
+        return self._steps
 
     def _report_guards(self) -> None:
         """An ``apply_if_finite`` that met NaN or inf in this step says so: a warning, and

@@ -48,6 +48,7 @@ TORCH_STATE_NAMES: dict[str, dict[str, str]] = {
     "RAdam": {"mu": "exp_avg", "nu": "exp_avg_sq"},
     "Muon": {"momentum_buffer": "momentum_buffer"},
 }
+_NO_STEP = {"SGD", "Muon"}  # torch's classes that keep no step (zero saves its count anyway)
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,12 @@ class StateNames:
         if field == "count":
             return STEP
         return TORCH_STATE_NAMES[self.torch_class].get(field, path)
+
+    def assumed(self, key: str) -> Any:
+        """The value of ``key`` a state dict may lack, or None: ``step`` where torch's class keeps
+        none (SGD, Muon), 1 (torch holds a state only once it has stepped; the count only tells a
+        started state from a fresh one there)."""
+        return 1 if key == STEP and self.torch_class in _NO_STEP else None
 
     def shown(self, path: str, leaf: Any) -> Any:
         """``leaf`` as torch keeps it: a count as torch's ``step`` (a 0-d float in torch's scalar

@@ -41,6 +41,9 @@ class Knob(float):
     def __hash__(self) -> int:
         return float.__hash__(self)
 
+    def __reduce__(self) -> tuple:  # copied or pickled with the optimizer that holds its kernel
+        return Knob, (float(self), self.name)
+
     def __repr__(self) -> str:
         return f"Knob({self.name}={float.__repr__(self)})"
 

@@ -1,0 +1,109 @@
+"""What a step does with gradients that hold NaN or inf (``nonfinite=``), for every zero optimizer.
+
+One NaN in one param's gradient on one rank reaches every param of every rank within a step (the
+reduction spreads it, Adam's moments keep it). The policy:
+
+- ``"warn"``: step as usual, and warn, once per step that has them;
+- ``"skip"``: skip the step on every rank together (no param, moment or count moves), and warn;
+- ``"raise"``: raise ``FloatingPointError`` on every rank, before anything is stepped.
+
+Each names the step, the params (by name) and where the values appeared. The policy lives here,
+once; what a rank checks and how the ranks agree is its executor's (a `StepGuard`: ZeRO's modes,
+FSDP2's pieces), handed to `zero.functional.adapters.face.OptimizerFace.begin_step`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+
+__all__ = ["POLICIES", "NonFinite", "StepGuard", "message", "all_finite", "l1_norm"]
+
+POLICIES = ("warn", "skip", "raise")
+
+
+class StepGuard(Protocol):
+    """The collective half of a step's checks, an executor's: what this rank's gradients hold,
+    the ranks' check-in (their settings compared, each rank's flag carried), and the names."""
+
+    def local_nonfinite(self) -> bool:
+        """Whether the gradients this rank checks hold NaN or inf (no collective)."""
+        ...
+
+    def check_in(self, flag: int) -> Callable[[], list[list[int]]]:
+        """Start the ranks' check-in for a step, carrying ``flag``; ``verify()`` returns every rank's."""
+        ...
+
+    def flagged_names(self) -> list[str]:
+        """Every rank's params whose gradients hold NaN or inf (a collective: every rank calls it)."""
+        ...
+
+    def where(self, ranks: list[int]) -> str:
+        """Where the values were found, the flagging ``ranks`` named."""
+        ...
+
+
+class NonFinite:
+    """A policy (see the module) and the steps it skipped."""
+
+    def __init__(self, policy: Any, overlap_with_ddp: bool = False):
+        if policy not in POLICIES:
+            raise ValueError(f"nonfinite must be one of {POLICIES}, got {policy!r}")
+        if policy == "skip" and overlap_with_ddp:
+            raise ValueError("nonfinite='skip' cannot be honoured with overlap_with_ddp=True: each DDP bucket is "
+                             "stepped inside backward as it arrives, before a later one can be checked; use "
+                             "nonfinite='raise' (raised at the end of backward) or overlap_with_ddp=False")
+        self.policy = policy
+        self.skipped = 0  # steps skipped for them (``"skip"``)
+
+    def settle(self, flags: list[list[int]], guard: StepGuard, step: int) -> bool:
+        """Every rank's flags (from the check-in): ``False`` when none flagged; otherwise the ranks
+        exchange the params' names, then warn (``True`` for ``"skip"``: skip the step) or raise.
+        Call on every rank alike."""
+        ranks = [r for r, row in enumerate(flags) if row and row[0]]
+        if not ranks:
+            return False
+        return self.report(message(step, guard.flagged_names(), guard.where(ranks), self.policy))
+
+    def report(self, text: str) -> bool:
+        """Raise, or warn (then ``True`` for ``"skip"``)."""
+        if self.policy == "raise":
+            raise FloatingPointError(text)
+        warnings.warn(text, RuntimeWarning, stacklevel=2)
+        self.skipped += self.policy == "skip"
+        return self.policy == "skip"
+
+
+def message(step: int, names: list[str], where: str, policy: str) -> str:
+    """What a warning or an error says of a step with non-finite gradients (see `NonFinite`)."""
+    shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "") if names else \
+        "(none of them by itself: values that overflowed only when summed over the ranks)"
+    then = {"warn": "stepped anyway (nonfinite='warn'; 'skip' skips such a step on every rank, 'raise' raises)",
+            "skip": "the step is skipped on every rank (nonfinite='skip')",
+            "raise": "nothing was stepped (nonfinite='raise')"}[policy]
+    return f"step {step}: gradients with NaN or inf in {shown}, {where}: {then}"
+
+
+def l1_norm(x: torch.Tensor) -> torch.Tensor:
+    """``sum |x|``: NaN or inf exactly when ``x`` holds one (16-bit values summed in float32, so
+    that a sum of finite ones does not overflow)."""
+    return torch.linalg.vector_norm(x, 1, dtype=torch.float32 if x.dtype in _SIXTEEN else None)
+
+
+def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether every element of ``tensors`` is finite (one pass over them, one sync)."""
+    tensors = [t for t in tensors if t.numel()]
+    if not tensors:
+        return True
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    norms = [n for dtype, ts in by_dtype.items()
+             for n in torch._foreach_norm(ts, 1, dtype=torch.float32 if dtype in _SIXTEEN else None)]
+    return bool(torch.isfinite(torch.stack([n.double().cpu() for n in norms]).sum()))
+
+
+_SIXTEEN = (torch.float16, torch.bfloat16)
