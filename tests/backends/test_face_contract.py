@@ -22,7 +22,8 @@ def worst(a, b) -> float:
 
 @pytest.mark.parametrize("kind, world_size, spec", [
     ("fsdp2", 3, ADAMW), ("fsdp2", 3, MUON), ("hsdp", 4, ADAMW), ("zero-whole", 2, ADAMW),
-    ("zero-flat", 3, TORCH_ADAMW), ("zero-hybrid", 2, MUON), ("zero2", 2, ADAMW)], ids=lambda v: v if isinstance(v, str) else None)
+    ("zero-flat", 3, TORCH_ADAMW), ("zero-hybrid", 2, MUON), ("zero2", 2, ADAMW)],
+    ids=lambda v: v if isinstance(v, str) else None)
 def test_torchs_get_state_dict_mid_run_takes_the_state_and_steps_nothing(kind, world_size, spec):
     """Before, every zero optimizer showed torch an empty ``state``: ``get_state_dict`` stepped it
     at lr=0 (zero's count advanced, its moments decayed) and saved no optimizer tensor."""
