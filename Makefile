@@ -1,12 +1,15 @@
 # `make demo` and `make test` each set up .venv first (once). The CPU build of torch is pinned
 # here so a fresh machine never downloads CUDA wheels; to keep a torch you already have, run with
 # TORCH= VENV_FLAGS=--system-site-packages (see README). torchao, the reference of the low-bit
-# Adam tests, installs with --no-deps so that it keeps the torch installed first.
+# Adam tests, and torchtitan, whose optimizer container and checkpoint helpers the torch-contract
+# tests drive, install with --no-deps so that they keep the torch installed first (torchtitan's
+# optimizer components need only tyro and spmd_types of its requirements: the dev extra has them).
 PY ?= python3
 VENV ?= .venv
 VENV_FLAGS ?=
 TORCH ?= torch==2.13.0
 TORCHAO ?= torchao==0.18.0
+TORCHTITAN ?= torchtitan==0.3.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
@@ -16,7 +19,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV_FLAGS) $(VENV)
 	$(if $(TORCH),$(BIN)/python -m pip install -q "$(TORCH)")
 	$(BIN)/python -m pip install -q -e ".[dev,jax]"
-	$(BIN)/python -m pip install -q --no-deps "$(TORCHAO)"
+	$(BIN)/python -m pip install -q --no-deps "$(TORCHAO)" "$(TORCHTITAN)"
 	touch $(STAMP)
 
 demo: $(STAMP)

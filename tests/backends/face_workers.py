@@ -6,6 +6,7 @@ user's checkpointer does, against one process."""
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import torch
 from fsdp2_workers import fixed_grads, full, groups, make_model, make_rule, set_grads, sharded
@@ -220,3 +221,131 @@ def placements(rank: int, world_size: int) -> list[str]:
     step("fsdp2", model, opt, 1)
     assert not torch.equal(entry["exp_avg"].to_local(), before), "a live view: the next step moves it"
     return [type(opt.state[p]["exp_avg"]).__name__ for p in list(model.parameters())[:4]]
+
+
+# -- torchtitan's OptimizersContainer over zero's rules (docs/torchtitan.md) ----------------------
+
+def titan_container(model: torch.nn.Module, world_size: int) -> Any:
+    """docs/torchtitan.md's container: Muon for the weights, zero's AdamW for the rest (torchtitan's
+    regex groups, torch's keyword names, its ``foreach`` key), with a warmup LR schedule."""
+    from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
+    from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
+
+    class ZeroOptimizers(OptimizersContainer):
+        @staticmethod
+        def _resolve_optimizer_factory(name: str) -> Any:
+            return {"Muon": F.torch_optimizer(F.contrib.muon), "AdamW": F.torch_optimizer(torch.optim.AdamW)}[name]
+
+    config = OptimizersContainer.Config(implementation="foreach", param_groups=[
+        ParamGroupConfig(pattern=r"weight$", optimizer_name="Muon",
+                         optimizer_kwargs={"lr": 1e-2, "weight_decay": 0.01}),
+        ParamGroupConfig(pattern=r".*", optimizer_name="AdamW",
+                         optimizer_kwargs={"lr": 1e-2, "betas": (0.9, 0.95), "weight_decay": 0.05})])
+    optimizers = ZeroOptimizers(config, model_parts=[model])
+    return optimizers, LRSchedulersContainer(optimizers, lambda step: min(1.0, (step + 1) / 4))
+
+
+def titan_run(rank: int, world_size: int, path_in: str | None, path_out: str | None, first: int, steps: int
+              ) -> list[torch.Tensor]:
+    """torchtitan's container over FSDP2 (plain params on one rank): ``steps`` steps from ``first``,
+    resuming from and saving to DCP checkpoints as torchtitan's checkpointer does (the container's
+    and the schedulers' ``state_dict``, the model's through torch's function)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    model = make_model()
+    model = sharded(model) if world_size > 1 else model
+    optimizers, schedulers = titan_container(model, world_size)
+    if path_in:
+        sd = {"model": get_model_state_dict(model), "optimizer": optimizers.state_dict(),
+              "lr_scheduler": schedulers.state_dict()}
+        dcp.load(sd, checkpoint_id=path_in)
+        set_model_state_dict(model, sd["model"])
+        optimizers.load_state_dict(sd["optimizer"])
+        schedulers.load_state_dict(sd["lr_scheduler"])
+    for k in range(first, first + steps):
+        set_grads(model, fixed_grads(model, k))
+        optimizers.step()
+        optimizers.zero_grad()
+        schedulers.step()
+    if path_out:
+        dcp.save({"model": get_model_state_dict(model), "optimizer": optimizers.state_dict(),
+                  "lr_scheduler": schedulers.state_dict()}, checkpoint_id=path_out)
+    return [full(p.detach()) for p in model.parameters()]
+
+
+def contract(rank: int, world_size: int, kind: str) -> dict:
+    """torch's generic optimizer checks (``test/test_optim.py``'s spirit) on a sharded zero
+    optimizer: step and state-dict hooks run, an lr scheduler's rate steps, two state dicts of one
+    state are alike, ``len(state)`` is the trainable params on every rank, printing works, and a
+    copy is refused by name (it holds process groups)."""
+    model, opt = built(kind, ADAMW_SPEC, world_size)
+    calls: list[str] = []
+    opt.register_step_pre_hook(lambda o, args, kwargs: calls.append("pre"))
+    opt.register_step_post_hook(lambda o, args, kwargs: calls.append("post"))
+    opt.register_state_dict_post_hook(lambda o, sd: calls.append("sd") or None)
+    opt.register_load_state_dict_post_hook(lambda o: calls.append("load"))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 0.5 ** k)
+    for k in range(3):
+        step(kind, model, opt, k)
+        scheduler.step()
+    first, second = opt.state_dict(), opt.state_dict()
+    same = first.keys() == second.keys() and all(
+        a.keys() == b.keys() for a, b in zip(first["state"].values(), second["state"].values()))
+    opt.load_state_dict(first)
+    elsewhere = ""
+    if kind.startswith("zero"):  # consolidated on rank 0: state_dict() there is the global dict, elsewhere an error
+        opt.consolidate_state_dict(to=0)
+        try:
+            elsewhere = str(sorted(opt.state_dict()["state"]))
+        except RuntimeError as e:
+            elsewhere = str(e)
+    try:
+        copy.deepcopy(opt)
+        copied = "copied"
+    except TypeError as e:
+        copied = str(e)
+    return {"calls": calls, "lr": opt.param_groups[0]["lr"], "same": same, "len": len(opt.state),
+            "trainable": sum(p.requires_grad for p in model.parameters()), "repr": "Parameter Group 0" in repr(opt),
+            "copied": copied, "elsewhere": elsewhere}
+
+
+ADAMW_SPEC = ("adamw", dict(learning_rate=1e-2, weight_decay=0.05))
+
+
+def settings_differ(rank: int, world_size: int, kind: str) -> str:
+    """Rank 0 builds lr 1e-3, the others 2e-3: the first step's check-in names the setting and the
+    ranks on every rank (before, over FSDP2 the ranks stepped on, drifting apart)."""
+    spec = ("adamw", dict(learning_rate=1e-3 if rank == 0 else 2e-3))
+    model, opt = built(kind, spec, world_size)
+    try:
+        step(kind, model, opt, 0)
+    except ValueError as e:
+        return str(e)
+    return "stepped"
+
+
+def nan_named(rank: int, world_size: int, kind: str, policy: str) -> dict:
+    """A NaN in rank 1's gradient rows of the first weight at the second step, under ``policy``:
+    what each rank says, and whether it stepped."""
+    import warnings
+
+    from torch.distributed.tensor import DTensor
+
+    model, opt = built(kind, ADAMW_SPEC, world_size)
+    opt.nonfinite = type(opt.nonfinite)(policy)
+    step(kind, model, opt, 0)
+    set_grads(model, fixed_grads(model, 1))
+    weight = next(model.parameters())
+    if rank == 1:
+        local = weight.grad.to_local() if isinstance(weight.grad, DTensor) else weight.grad
+        local.view(-1)[0] = float("nan")
+    before = full(weight.detach())
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        try:
+            opt.step()
+        except FloatingPointError as e:
+            return {"raised": str(e)}
+    return {"warned": [str(w.message) for w in said if "NaN" in str(w.message)],
+            "stepped": not torch.equal(before, full(weight.detach()))}

@@ -3,7 +3,6 @@ gloo ranks over the twin of `jax_mesh_twin` (the JAX side is `jax_mesh_checks.py
 
 from __future__ import annotations
 
-import optree
 import torch
 from jax_mesh_twin import SHAPES, STEPS, grads, initial
 from torch import nn
@@ -32,8 +31,6 @@ def run_plans(rank: int, world_size: int, plan_texts: list[str]) -> list[dict]:
             for p, g in zip(model.parameters(), grads(step)):
                 p.grad = torch.from_numpy(g)
             opt.step()
-        state = [leaf for leaf in optree.tree_leaves(opt.optim.state_dict()["tx_states"])
-                 if isinstance(leaf, torch.Tensor) and leaf.dim() > 0]  # per-param state, not the counts
         out.append({"params": [p.detach().numpy().tolist() for p in model.parameters()],
-                    "state_bytes": sum(t.nbytes for t in state)})
+                    "state_bytes": opt.optim.state_nbytes()})  # per-param state, not the counts
     return out

@@ -99,10 +99,12 @@ def test_needs_a_process_group(monkeypatch):
         Zero(params(), torch.optim.SGD, lr=0.1)
 
 
-def test_state_dict_before_consolidation_and_bad_target():
+def test_state_dict_without_consolidating_is_this_ranks_part_and_a_bad_target_is_named():
+    """torch's ZeRO raises at ``state_dict()`` before ``consolidate_state_dict``; zero's is this
+    rank's part in torch's form (what torch's ``get_state_dict`` saves), naming its layout."""
     opt = Zero(params(), torch.optim.Adam, lr=0.1)
-    with pytest.raises(RuntimeError, match=r"consolidate_state_dict\(to=0\)"):
-        opt.state_dict()
+    sd = opt.state_dict()
+    assert sd["sharded_layout"].startswith("rank 0 of ZeRO plan ") and len(sd["state"]) == len(opt.all_params())
     with pytest.raises(ValueError, match=r"to must be in \[0, 1\), got 3"):
         opt.consolidate_state_dict(to=3)
 
@@ -136,8 +138,8 @@ def test_functional_state_of_the_earlier_form_reloads_only_onto_its_plan():
     opt.consolidate_state_dict()
     sd = opt.state_dict()
     opt.load_state_dict(sd)
-    earlier = {"state": {}, "param_groups": sd["param_groups"], "tx_states": [opt.optim.state_dict()["tx_states"]],
-               "owner": [0, 0]}
+    local = [dict(opt.optim.set_states(k)) for k in range(len(opt.optim.param_groups))]
+    earlier = {"state": {}, "param_groups": sd["param_groups"], "tx_states": [local], "owner": [0, 0]}
     opt.load_state_dict(earlier)  # the same owners: fine
     with pytest.raises(ValueError, match="same plan and world size"):
         opt.load_state_dict({**earlier, "owner": [1, 0]})

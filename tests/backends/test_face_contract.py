@@ -87,3 +87,48 @@ def test_torch_state_dict_entries_are_views_in_the_params_placement():
     got = run_ranks(fw.placements, 2)
     assert got[0] == got[1] == ["DTensor"] * 4, got
 
+
+
+def test_a_torchtitan_container_of_zero_rules_resumes_at_another_world_size(tmp_path):
+    """docs/torchtitan.md: torchtitan's ``OptimizersContainer`` with zero's Muon for the weights and
+    from_torch(AdamW) for the rest (its regex groups, torch's keyword names, ``implementation=
+    "foreach"``), a warmup LR schedule, checkpointed as torchtitan's checkpointer does (its flat
+    FQN-keyed dict) at 3 FSDP2 ranks and resumed at 2: one process's run, to 1e-12."""
+    run_ranks(fw.titan_run, 3, None, str(tmp_path / "c"), 0, 3)
+    resumed = run_ranks(fw.titan_run, 2, str(tmp_path / "c"), None, 3, 3)[0]
+    assert worst(resumed, run_ranks(fw.titan_run, 1, None, None, 0, 6)[0]) <= 1e-12
+
+
+@pytest.mark.parametrize("kind, world_size", [("zero-flat", 2), ("fsdp2", 2), ("hsdp", 4)])
+def test_torchs_generic_optimizer_checks_on_sharded_optimizers(kind, world_size):
+    for r in run_ranks(fw.contract, world_size, kind):
+        assert r["calls"] == ["pre", "post"] * 3 + ["sd", "sd", "load"], r
+        assert r["lr"] == 1e-2 * 0.5 ** 3 and r["same"] and r["repr"], r
+        assert r["len"] == r["trainable"], r
+        assert "holds process groups and cannot be copied or pickled" in r["copied"], r
+    if kind.startswith("zero"):
+        assert r["elsewhere"].startswith("the optimizer state was consolidated on rank 0, not on rank 1"), r
+
+
+@pytest.mark.parametrize("kind, world_size", [("fsdp2", 3), ("hsdp", 4)])
+def test_ranks_that_build_different_settings_are_named_over_fsdp2(kind, world_size):
+    """One face, one check: over FSDP2 and HSDP as under ZeRO, a rank whose ``lr`` differs is a
+    ``ValueError`` on every rank naming the setting, both values and the rank."""
+    for said in run_ranks(fw.settings_differ, world_size, kind, fresh=True):
+        assert "differ at step() in param groups (sizes and settings such as lr): param group 0's lr is" in said, said
+        assert "on rank 0" in said or "on rank 1" in said, said
+
+
+@pytest.mark.parametrize("kind, world_size", [("fsdp2", 3), ("hsdp", 4)])
+def test_a_nan_in_one_ranks_rows_is_named_on_every_rank_and_its_policy_kept(kind, world_size):
+    """zero.functional.Optimizer over FSDP2 warns by default (it stepped a NaN into a param with no
+    word before); every rank names the param and the rank whose rows held it; "skip" skips on
+    every rank together, "raise" raises on every rank."""
+    name = "0.weight"
+    for r in run_ranks(fw.nan_named, world_size, kind, "warn"):
+        assert len(r["warned"]) == 1 and f"step 2: gradients with NaN or inf in {name}, in the gradient rows rank " \
+            in r["warned"][0] and r["stepped"], r
+    for r in run_ranks(fw.nan_named, world_size, kind, "skip"):
+        assert r["warned"][0].endswith("the step is skipped on every rank (nonfinite='skip')") and not r["stepped"], r
+    for r in run_ranks(fw.nan_named, world_size, kind, "raise"):
+        assert r["raised"].startswith(f"step 2: gradients with NaN or inf in {name}, in the gradient rows"), r

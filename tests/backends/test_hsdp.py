@@ -123,9 +123,9 @@ def _worst(a, b):
 
 def test_nan_gradients_are_named_skipped_or_raised():
     got = run_ranks(w.nonfinite_steps, 4, "warn")
-    holders = [r for r, (said, _, _) in enumerate(got) if "2.weight" in said]
-    assert holders == [0, 2], got  # the ranks whose rows hold the NaN name it, at no collective
-    assert [said for r, (said, _, _) in enumerate(got) if r not in holders] == ["silent", "silent"], got
+    # every rank names the param and the ranks whose rows held it (their flags rode in the check-in)
+    assert all(said.startswith("step 2: gradients with NaN or inf in 2.weight, in the gradient rows rank 0, 2 hold,")
+               for said, _, _ in got), got
     for policy in ("skip", "raise"):
         got = run_ranks(w.nonfinite_steps, 4, policy)
         assert all(moved == 0.0 for _, _, moved in got), (policy, got)  # every rank, together

@@ -289,9 +289,12 @@ class ZeroRedundancyOptimizer(TorchNames, OptimizerFace, Joinable):
         state = self.rank_state
         scaling = scaling_of(self, self.mode.gradients.scaler_sees_grads, state.scaler_follows_agreement)
         self._consolidated = self._consolidated_to = None
-        self.state_changed()
         with state.scaled(scaling):
             return self.mode.step(closure, kwargs, self._begin_step)
+
+    def state_key(self) -> Any:
+        # the steps every rank agreed to take: under overlap_with_ddp the step runs inside backward
+        return self.state_version, self.rank_state.steps
 
     def _begin_step(self) -> Callable[[], None]:
         """What every mode that steps here does first: check the params, then the start every zero

@@ -20,7 +20,8 @@ Where things live (every public name is re-exported here, one a line):
   contrib rule goes here.
 - ``kernels/``: in-place steps on torch's fused and multi-tensor kernels for chains that spell a
   torch rule (`explain` says which). A new kernel goes in ``kernels/``.
-- ``adapters/``: `from_torch`, `Optimizer` / `FunctionalOptimizer`, `from_optax`.
+- ``adapters/``: `from_torch`, `Optimizer` / `FunctionalOptimizer` (torch's optimizer contract, one face for
+  every zero optimizer), `torch_optimizer` (a rule where torch code expects an optimizer class), `from_optax`.
 """
 
 from zero._lazy import module_getattr
@@ -166,6 +167,7 @@ from zero.functional.adapters.optax_bridge import to_optax_state
 from zero.functional.adapters.optimizer import FunctionalOptimizer
 from zero.functional.adapters.optimizer import Optimizer
 from zero.functional.adapters.state_tree import split_state
+from zero.functional.adapters.torch_factory import torch_optimizer
 from zero.functional.adapters.torch_rules import from_torch
 from zero.functional.kernels.chains import Path
 from zero.functional.kernels.chains import explain
@@ -246,6 +248,7 @@ __all__ = [
     "from_optax",
     "from_optax_state",
     "from_torch",
+    "torch_optimizer",
     "fromage",
     "global_norm",
     "identity",

@@ -1,6 +1,7 @@
 """DCP's format: `get_state_dict` and `set_state_dict`, the model's and the optimizer's state dicts
-in `torch.distributed.checkpoint`'s layout (FSDP2's), each rank's pieces read from and written into
-its `RankState` (`zero.backends.checkpoint.dcp_pieces`)."""
+in `torch.distributed.checkpoint`'s layout (FSDP2's), keyed by FQN as torch's own functions key
+them. Every zero optimizer's ``state_dict()`` is torch's form already, each rank's pieces in their
+placements (`zero.functional.adapters.face`): here it is only re-keyed, one path for all."""
 
 from __future__ import annotations
 
@@ -11,10 +12,7 @@ import torch
 from torch import nn
 
 from zero.backends import comm
-from zero.backends.checkpoint.dcp_pieces import functional_entries, load_functional, load_torch, torch_entries
-from zero.backends.local_optimizer import is_functional
 from zero.backends.precision import MASTER_KEY
-from zero.backends.rank_state import RankState
 
 __all__ = ["get_state_dict", "set_state_dict", "model_fqns", "check_optimizer", "resolve_options",
            "unwrap_post_local_sgd"]
@@ -64,17 +62,6 @@ def model_fqns(model: nn.Module) -> dict[int, str]:
     return out
 
 
-def _param_names(state: RankState, model: nn.Module) -> list[str]:
-    fqns = model_fqns(model)
-    names = []
-    for i, p in enumerate(state.params):
-        if id(p) not in fqns:
-            raise ValueError(f"the optimizer's param {i} (shape {tuple(p.shape)}) is not a parameter of the model: "
-                             "pass the model whose parameters the optimizer steps")
-        names.append(fqns[id(p)])
-    return names
-
-
 def get_state_dict(model: nn.Module, optimizer: Any, *, options: Any = None,
                    masters: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
     """The model's and ``optimizer``'s state dicts in DCP's layout, this rank's pieces only.
@@ -120,29 +107,29 @@ def _model_state_dict(model: nn.Module, opts: _Options) -> dict[str, Any]:
     return {_clean(k): v for k, v in module.state_dict().items() if k not in frozen}
 
 
-def check_optimizer(optimizer: Any) -> RankState:
-    """The sharded optimizer's `RankState`; a ``TypeError`` for another optimizer."""
-    state = getattr(optimizer, "rank_state", None)
-    if not isinstance(state, RankState):
-        raise TypeError(f"optimizer must be a zero.backends.ZeroRedundancyOptimizer, got {type(optimizer).__name__} "
-                        "(for other optimizers use torch.distributed.checkpoint.state_dict.get_state_dict)")
-    return state
-
-
-def _face_names(optimizer: Any, model: nn.Module) -> list[str] | None:
-    """Every param's FQN when ``optimizer`` keeps torch's contract itself (a
-    `zero.functional.adapters.face.OptimizerFace`: its ``state_dict()`` is torch's form, this
-    rank's entries in their placements), else None."""
+def check_optimizer(optimizer: Any) -> Any:
+    """``optimizer``, one of zero's (`zero.functional.adapters.face.OptimizerFace`: its
+    ``state_dict()`` is torch's form, this rank's entries in their placements); a ``TypeError``
+    for another optimizer."""
     from zero.functional.adapters.face import OptimizerFace
 
     if not isinstance(optimizer, OptimizerFace):
-        return None
+        raise TypeError(f"optimizer must be one of zero's (ZeroRedundancyOptimizer, zero.functional.Optimizer), got "
+                        f"{type(optimizer).__name__} (for other optimizers use torch.distributed.checkpoint.state_dict."
+                        "get_state_dict)")
+    return optimizer
+
+
+def _face_names(optimizer: Any, model: nn.Module) -> list[str]:
+    """Every param's FQN, in the optimizer's order; a ``ValueError`` for one the model lacks."""
+    check_optimizer(optimizer)
     fqns = model_fqns(model)
     params = optimizer.all_params()
     missing = [i for i, p in enumerate(params) if id(p) not in fqns]
     if missing:
-        raise ValueError(f"the optimizer's param {missing[0]} is not a parameter of the model: pass the model whose "
-                         "parameters the optimizer steps")
+        i = missing[0]
+        raise ValueError(f"the optimizer's param {i} (shape {tuple(params[i].shape)}) is not a parameter of the model: "
+                         "pass the model whose parameters the optimizer steps")
     return [fqns[id(p)] for p in params]
 
 
@@ -150,7 +137,7 @@ def _by_fqn(optimizer: Any, names: list[str], masters: bool) -> dict[str, Any]:
     """``optimizer.state_dict()`` keyed by FQN, as torch's ``get_optimizer_state_dict`` keys it
     (``param_names`` left out: FQNs name the params, and a checkpoint of an optimizer built from
     unnamed params has none)."""
-    sd = optimizer.state_dict()
+    sd = optimizer.torch_state_dict()  # this rank's pieces (a ZeRO optimizer's, even just consolidated)
     state = {names[i]: {k: v for k, v in st.items() if masters or k != MASTER_KEY} for i, st in sd["state"].items()}
     groups = [{**{k: v for k, v in g.items() if k not in ("params", "param_names")},
                "params": [names[i] for i in g["params"]]} for g in sd["param_groups"]]
@@ -158,21 +145,7 @@ def _by_fqn(optimizer: Any, names: list[str], masters: bool) -> dict[str, Any]:
 
 
 def _optimizer_state_dict(optimizer: Any, model: nn.Module, opts: _Options, masters: bool) -> dict[str, Any]:
-    names = _face_names(optimizer, model)
-    if names is not None:
-        sd = _by_fqn(optimizer, names, masters)
-        return _flatten(sd) if opts.flatten_optimizer_state_dict else sd
-    held = check_optimizer(optimizer)
-    names = _param_names(held, model)
-    held.push()
-    entries = functional_entries if is_functional(held.optim) else torch_entries
-    state: dict[str, dict] = {}
-    for h, key, value in entries(held):
-        if key != MASTER_KEY or masters:
-            state.setdefault(names[h.param], {})[key] = value
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": fqns}
-              for g, fqns in zip(held.param_groups, _groups_of(held, names))]
-    sd = {"state": state, "param_groups": groups}
+    sd = _by_fqn(optimizer, _face_names(optimizer, model), masters)
     return _flatten(sd) if opts.flatten_optimizer_state_dict else sd
 
 
@@ -213,21 +186,12 @@ def _same(a: Any, b: torch.Tensor) -> bool:
 
 def _load_optimizer(optimizer: Any, model: nn.Module, sd: dict[str, Any]) -> None:
     names = _face_names(optimizer, model)
-    if names is not None:
-        groups, first = [], 0
-        for g in optimizer.param_groups:
-            groups.append(names[first:first + len(g["params"])])
-            first += len(g["params"])
-        sd = _unflatten(sd, groups) if _is_flat(sd) else sd
-        return _load_by_fqn(optimizer, names, groups, sd)
-    state = check_optimizer(optimizer)
-    names = _param_names(state, model)
-    sd = _unflatten(sd, _groups_of(state, names)) if _is_flat(sd) else sd
-    _check_groups(sd, state, names)
-    if is_functional(state.optim):
-        load_functional(state, names, sd)
-    else:
-        load_torch(state, names, sd)
+    groups, first = [], 0
+    for g in optimizer.param_groups:
+        groups.append(names[first:first + len(g["params"])])
+        first += len(g["params"])
+    sd = _unflatten(sd, groups) if _is_flat(sd) else sd
+    _load_by_fqn(optimizer, names, groups, sd)
 
 
 def _load_by_fqn(optimizer: Any, names: list[str], groups: list[list[str]], sd: dict[str, Any]) -> None:
@@ -246,27 +210,6 @@ def _load_by_fqn(optimizer: Any, names: list[str], groups: list[list[str]], sd: 
     param_groups = [{**({k: v for k, v in holder[g[0]].items() if k != "params"} if g else {}),
                      "params": [at[n] for n in g]} for g in groups]
     optimizer.load_state_dict({"state": state, "param_groups": param_groups})
-
-
-def _check_groups(sd: dict, state: RankState, names: list[str]) -> None:
-    if not isinstance(sd, dict) or "state" not in sd or "param_groups" not in sd:
-        raise ValueError("optim_state_dict must have 'state' and 'param_groups' (made by get_state_dict)")
-    saved = [list(g["params"]) for g in sd["param_groups"]]
-    mine = _groups_of(state, names)
-    if saved != mine:
-        missing = sorted(set(names) - {n for g in saved for n in g})
-        extra = sorted({n for g in saved for n in g} - set(names))
-        raise ValueError(f"optim_state_dict's param groups do not match this optimizer's: missing FQNs {missing}, "
-                         f"extra FQNs {extra}, group sizes {[len(g) for g in saved]} vs {[len(g) for g in mine]}")
-
-
-def _groups_of(state: RankState, names: list[str]) -> list[list[str]]:
-    """The FQNs of each of the optimizer's param groups."""
-    out, first = [], 0
-    for g in state.param_groups:
-        out.append(names[first:first + len(g["params"])])
-        first += len(g["params"])
-    return out
 
 
 def _flatten(sd: dict) -> dict[str, Any]:

@@ -75,8 +75,8 @@ class StateView(Mapping):
     def table(self) -> dict[int, dict[str, Any]]:
         """Param position -> its entries, for every trainable param (``{}``: held elsewhere)."""
         face = self._face
-        if self._version != face.state_version:
-            self._table, self._version = face.entries_table(saving=False), face.state_version
+        if self._version != face.state_key():
+            self._table, self._version = face.entries_table(saving=False), face.state_key()
         return self._table
 
     def __getitem__(self, param: torch.Tensor) -> dict[str, Any]:
@@ -128,6 +128,10 @@ class OptimizerFace(torch.optim.Optimizer):
     def state_changed(self) -> None:
         """Say that the state changed (a step, a load): the next read of ``state`` rebuilds it."""
         self.state_version += 1
+
+    def state_key(self) -> Any:
+        """What ``state``'s cached view is of: it is built again when this changes."""
+        return self.state_version
 
     def begin_step(self, guard: StepGuard, step: int, scaled: bool = False) -> tuple[bool, Callable[[], None]]:
         """The start of step ``step`` on every rank, whatever executes it: the ranks' check-in
