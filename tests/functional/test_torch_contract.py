@@ -260,9 +260,21 @@ def test_a_state_dict_of_other_params_or_another_rule_is_refused_by_name():
     model, opt = run("adamw", range(2))
     sd = opt.state_dict()
     other = build("sgd", make_model())
+    with pytest.raises(ValueError, match=r"param group 0 sets \['b1', 'b2', 'eps', 'eps_root', 'weight_decay'\], "
+                                         r"which this optimizer's group does not have \(its settings: \['lr', "
+                                         r"'momentum'\]\)"):
+        other.load_state_dict(sd)  # (adamw's settings in sgd's groups: they would be ignored)
+    same_settings = F.Optimizer(make_model().named_parameters(),
+                                F.inject_hyperparams(F.sgd)(learning_rate=0.1, momentum=0.9))
+    sd["param_groups"][0] = {k: v for k, v in sd["param_groups"][0].items() if k in ("lr", "params", "param_names")}
     with pytest.raises(ValueError, match=r"has no 'inner_state\.0\.trace' for param 0 \('0\.weight'\) .*saved by "
                                          r"another rule or optimizer than zero\.functional\.sgd"):
-        other.load_state_dict(sd)
+        same_settings.load_state_dict(sd)
+    keeps_less = F.Optimizer(make_model().named_parameters(), F.inject_hyperparams(F.sgd)(learning_rate=0.1))
+    with pytest.raises(ValueError, match=r"the state dict's \['inner_state\.0\.count', 'inner_state\.0\.mu', "
+                                         r"'inner_state\.0\.nu'\] for param 0 \('0\.weight'\), which "
+                                         r"zero\.functional\.sgd does not keep"):
+        keeps_less.load_state_dict(sd)
     one = F.Optimizer([torch.nn.Parameter(torch.zeros(2))], F.adamw(1e-2))
     with pytest.raises(ValueError, match=r"param groups hold \[4\] params and this optimizer's \[1\]"):
         one.load_state_dict(sd)

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from zero.functional import sharding
+from zero.functional.adapters.state_names import MASTER_KEY  # the state dict key of a param's master copy
 from zero.plans.meta import ParamMeta
 
 __all__ = ["MASTER_KEY", "Masters", "Scaling", "ShardedGradScaler", "resolve_dtype", "planned_master_dtype",
@@ -38,7 +39,6 @@ __all__ = ["MASTER_KEY", "Masters", "Scaling", "ShardedGradScaler", "resolve_dty
 
 logger = logging.getLogger(__name__)
 
-MASTER_KEY = "master"  # the state dict key of a param's master copy
 
 
 def resolve_dtype(value: Any, name: str) -> torch.dtype | None:

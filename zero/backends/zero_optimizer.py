@@ -373,7 +373,7 @@ class ZeroRedundancyOptimizer(TorchNames, OptimizerFace, Joinable):
         rank's part in torch's form (`state_dict` without consolidating; torch's ``set_state_dict``)."""
         self._consolidated = self._consolidated_to = None
         if consolidated.is_global(saved):
-            consolidated.load(self.rank_state, saved)
+            consolidated.load(self.rank_state, saved, self.check_settings)
         else:
             super().load_torch_state_dict(saved)
 

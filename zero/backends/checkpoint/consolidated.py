@@ -107,15 +107,20 @@ def is_global(saved: Any) -> bool:
                for k, v in saved["state"].items())
 
 
-def load(state: RankState, saved: dict[str, Any]) -> None:
+def load(state: RankState, saved: dict[str, Any], check_settings: Any = None) -> None:
     """Load a global state dict (ours at any world size and plan, torch's, a plain optimizer's):
     this rank's part of it into its local optimizer, which places each tensor where it keeps it.
     One saved by an earlier zero carries a checksum per tensor (``"zero_checksums"``), checked
-    first: a changed byte is a ``ValueError`` naming the param and key, before anything is loaded."""
+    first: a changed byte is a ``ValueError`` naming the param and key, before anything is loaded.
+    ``check_settings(groups)``: the optimizer's check of the saved groups' settings, after the
+    state's own checks (which name the optimizer that saved it)."""
     functional = is_functional(state.optim)
     check_compatible(saved, state.params, [len(g["params"]) for g in state.param_groups], functional)
     verify_state_dict(saved, lambda i: state.plan.metas[i].name)
     check_state_keys(saved, state.optim)
+    if check_settings is not None:
+        check_settings([{k: v for k, v in g.items() if k not in ("params", "param_names")}
+                        for g in saved["param_groups"]])
     if functional and "tx_states" not in saved:
         names = [f"param {i}" for i in range(len(state.params))]
         load_functional(state, names, {"state": {names[i]: st for i, st in saved["state"].items()},

@@ -19,7 +19,7 @@ import torch
 
 from zero.functional.adapters.face import Entry
 from zero.functional.adapters.nonfinite import StepGuard, all_finite
-from zero.functional.adapters.state_names import STEP, StateNames, per_param
+from zero.functional.adapters.state_names import MASTER_KEY, STEP, StateNames, per_param
 
 __all__ = ["EXECUTORS", "GroupExecutor", "LocalExecutor", "storage_kind", "executor_for", "load_sets",
            "same_value"]
@@ -124,12 +124,25 @@ def load_sets(optimizer: Any, entries: dict[int, dict[str, Any]], start: Callabl
                 raise ValueError(f"the state dict has no state for {missing[:5]}, which this optimizer steps together "
                                  f"with {opt.label(first + idx[0])}: it was saved before they had state, or for "
                                  "other params")
-            sets.load(idx, opt.names_of(k, idx), _filler(opt, first, idx, got, into, sets.names))
+            asked: set[str] = set()
+            sets.load(idx, opt.names_of(k, idx), _filler(opt, first, idx, got, into, sets.names, asked))
+            _check_all_taken(opt, first, idx, got, asked)
         first += n
 
 
-def _filler(opt: Any, first: int, idx: tuple[int, ...], got: list[dict], into: Any, names: StateNames) -> Any:
+def _check_all_taken(opt: Any, first: int, idx: tuple[int, ...], got: list[dict], asked: set[str]) -> None:
+    """A saved entry the rule does not keep would be dropped: a ``ValueError`` naming it."""
+    for i, saved in zip(idx, got):
+        extra = sorted(k for k in saved if k not in asked and k != MASTER_KEY)  # (masters: their executor's)
+        if extra:
+            raise ValueError(f"the state dict's {extra[:4]} for {opt.label(first + i)}, which "
+                             f"{opt.rule_label(first + i)} does not keep: it was saved by another rule or optimizer")
+
+
+def _filler(opt: Any, first: int, idx: tuple[int, ...], got: list[dict], into: Any, names: StateNames,
+            asked: set[str]) -> Any:
     def fill(key: str, pos: int | None, leaf: Any) -> Any:
+        asked.add(key)
         at = range(len(idx)) if pos is None else (pos,)
         if isinstance(leaf, torch.Tensor) and leaf.dim() and not leaf.numel() and key not in got[at[0]]:
             return leaf  # no element of it here (a rank's empty part of a param): nothing to load or save

@@ -227,9 +227,15 @@ class OptimizerFace(torch.optim.Optimizer):
         entries = {ids[k]: dict(v) for k, v in state_dict["state"].items()}
         settings = [{k: copy.deepcopy(v) for k, v in g.items() if k not in ("params", "param_names")}
                     for g in saved_groups]
+        self.check_settings(settings)
         self.executor.load(entries, settings)
         for group, saved in zip(self.param_groups, settings):
             group.update(saved)  # the params, and their names, stay this optimizer's
+
+    def check_settings(self, saved: list[dict]) -> None:
+        """A saved group setting this optimizer's group does not have would be ignored: a
+        ``ValueError`` naming it (a state dict of another optimizer, whose state may be empty)."""
+        _check_settings(saved, self.param_groups)
 
     def __getstate__(self) -> dict[str, Any]:
         if self.executor.layout_key is not None:
@@ -253,6 +259,23 @@ def _check_layout(saved: str | None, here: str | None) -> None:
                          f"{here or 'plain params'}: one rank's state_dict() loads only into the same rank of the same "
                          "layout; to reshard, save and load through torch.distributed.checkpoint (torch's "
                          "get_state_dict / set_state_dict, or zero.backends.checkpoint)")
+
+
+_KEPT = ("initial_lr",)  # what torch's lr schedulers add to a group: kept, whatever the rule
+
+
+def _check_settings(saved: list[dict], groups: list[dict]) -> None:
+    """A saved group setting this optimizer's group does not have would be ignored: a
+    ``ValueError`` naming it (a state dict of another optimizer, whose state may be empty)."""
+    from zero.functional.adapters.group_settings import looks_like_hyperparameter
+
+    for k, (settings, group) in enumerate(zip(saved, groups)):
+        foreign = sorted(key for key, value in settings.items()
+                         if key not in group and key not in _KEPT and looks_like_hyperparameter(value))
+        if foreign:
+            raise ValueError(f"the state dict's param group {k} sets {foreign}, which this optimizer's group does not "
+                             f"have (its settings: {sorted(k for k in group if k not in ('params', 'param_names'))}): "
+                             "it was saved by another optimizer, whose settings would be ignored here")
 
 
 def _checked_groups(state_dict: Any, groups: list[dict]) -> list[dict]:

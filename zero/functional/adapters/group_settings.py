@@ -21,7 +21,7 @@ from zero.functional.combine import chain
 from zero.functional.inject import inject_hyperparams
 
 __all__ = ["hyperparams_of", "settings_of", "with_group_hyperparams", "from_factory", "rule_name", "check_not_optax",
-           "check_group_settings", "sync_hyperparams", "show_scheduled"]
+           "check_group_settings", "sync_hyperparams", "show_scheduled", "looks_like_hyperparameter"]
 
 
 def rule_name(tx: GradientTransformation) -> str:
@@ -182,7 +182,7 @@ def check_group_settings(group: dict, known: dict, index: int) -> None:
     """A group setting that looks like a hyperparameter the transformation does not keep would be
     ignored: that is an error, naming it (other keys, e.g. a group's name, are left alone)."""
     ignored = sorted(k for k, v in group.items() if k not in ("params", "tx") and k not in known
-                     and _looks_like_hyperparameter(v))
+                     and looks_like_hyperparameter(v))
     if ignored:
         offer = f"its hyperparameters are {sorted(known)}" if known else "it keeps none in its state"
         raise ValueError(f"param group {index} sets {ignored}, which its transformation would ignore: {offer}. "
@@ -190,9 +190,9 @@ def check_group_settings(group: dict, known: dict, index: int) -> None:
                          "optax.inject_hyperparams inside from_optax) to make a setting per group")
 
 
-def _looks_like_hyperparameter(value: Any) -> bool:
+def looks_like_hyperparameter(value: Any) -> bool:
     if isinstance(value, (list, tuple)):
-        return bool(value) and all(_looks_like_hyperparameter(v) for v in value)
+        return bool(value) and all(looks_like_hyperparameter(v) for v in value)
     return isinstance(value, (bool, int, float, torch.Tensor))
 
 

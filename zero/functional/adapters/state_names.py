@@ -29,9 +29,11 @@ from zero.functional.adapters.torch_rules import torch_class_of
 from zero.functional.base import GradientTransformation
 from zero.functional.kernels.multi_tensor import scalar_dtype
 
-__all__ = ["StateNames", "TORCH_STATE_NAMES", "names_of", "named_leaves", "load_named", "per_param", "STEP"]
+__all__ = ["StateNames", "TORCH_STATE_NAMES", "names_of", "named_leaves", "load_named", "per_param", "STEP",
+           "MASTER_KEY"]
 
 STEP = "step"  # torch's key for a count
+MASTER_KEY = "master"  # a param's master weights, which a sharded executor keeps beside the rule's state
 
 # Per torch.optim class: the field of `from_torch`'s state (the last part of a leaf's path) -> torch's key.
 _ADAM = {"mu": "exp_avg", "nu": "exp_avg_sq", "nu_max": "max_exp_avg_sq"}
