@@ -42,7 +42,8 @@ PUBLIC = {
         "scale_by_rss", "scale_by_schedule", "scale_by_sign", "scale_by_sm3", "scale_by_stddev",
         "scale_by_trust_ratio", "scale_by_yogi", "set_to_zero", "sgd", "sgdr_schedule", "sign_sgd", "signum",
         "skip_large_updates", "skip_not_finite", "sm3", "split_state", "stateless", "stateless_with_tree_map",
-        "to_optax_state", "trace", "warmup_cosine_decay_schedule", "with_extra_args_support", "yogi", "zero_nans",
+        "to_optax_state", "torch_optimizer", "trace", "warmup_cosine_decay_schedule", "with_extra_args_support",
+        "yogi", "zero_nans",
     ),
     "zero.functional.contrib": (
         "MuonDimensionNumbers", "MuonState", "ScaleByLowBitAdamState", "ShampooState", "SoapState", "adam_4bit",

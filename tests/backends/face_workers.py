@@ -293,6 +293,7 @@ def contract(rank: int, world_size: int, kind: str) -> dict:
     same = first.keys() == second.keys() and all(
         a.keys() == b.keys() for a, b in zip(first["state"].values(), second["state"].values()))
     opt.load_state_dict(first)
+    seen = list(calls)  # (what follows calls state_dict again)
     elsewhere = ""
     if kind.startswith("zero"):  # consolidated on rank 0: state_dict() there is the global dict, elsewhere an error
         opt.consolidate_state_dict(to=0)
@@ -305,7 +306,7 @@ def contract(rank: int, world_size: int, kind: str) -> dict:
         copied = "copied"
     except TypeError as e:
         copied = str(e)
-    return {"calls": calls, "lr": opt.param_groups[0]["lr"], "same": same, "len": len(opt.state),
+    return {"calls": seen, "lr": opt.param_groups[0]["lr"], "same": same, "len": len(opt.state),
             "trainable": sum(p.requires_grad for p in model.parameters()), "repr": "Parameter Group 0" in repr(opt),
             "copied": copied, "elsewhere": elsewhere}
 
