@@ -1,8 +1,9 @@
 """torch's ``get_state_dict`` (what torchtitan's checkpointer calls at every save) on zero's
 optimizers against ``torch.optim.AdamW`` on the same FSDP2 model, in the same run.
 
-The GPT-style model of ``fsdp2_bench.py`` under ``fully_shard`` on gloo ranks, one step taken;
-then, taking turns, ``torch.distributed.checkpoint.state_dict.get_state_dict(model, opt)`` for:
+The GPT-style model of ``fsdp2_bench.py`` under ``fully_shard`` on gloo ranks; then, taking
+turns, a step (not timed: a checkpoint follows steps) and
+``torch.distributed.checkpoint.state_dict.get_state_dict(model, opt)`` (timed) for:
 ``torch.optim.AdamW(foreach=True)``, ``zero.functional.Optimizer`` with
 ``from_torch(torch.optim.AdamW)`` (torch's names), with ``zero.functional.adamw`` (zero's paths),
 and ``zero.ZeroRedundancyOptimizer(params, torch.optim.AdamW)`` (on a 1-D mesh: the same state as
@@ -52,13 +53,13 @@ def worker(rank: int, world_size: int, layers: int, width: int, repeat: int) -> 
         model = sharded(layers, width)
         opt = make(model)
         idx = torch.randint(0, 4096, (4, 128), generator=torch.Generator().manual_seed(rank))
-        model(idx).logsumexp(-1).mean().backward()
+        model(idx).logsumexp(-1).mean().backward()  # the gradients every round's step takes again
         opt.step()
-        opt.zero_grad()
         built.append((model, opt))
     times, tensors = [[] for _ in built], [0] * len(built)
     for _ in range(repeat):
         for k, (model, opt) in enumerate(built):
+            opt.step()  # a step between saves, as in training (not timed)
             dist.barrier()
             t0 = time.perf_counter()
             osd = get_state_dict(model, opt)[1]

@@ -83,11 +83,12 @@ def _placed_leaf(executor: Any, t: int, leaf: torch.Tensor, per: int, key: str, 
     """A leaf of a piece in its param's placement: per element (``per`` -1) a DTensor like the
     param, or over the replicas a ``ShardedTensor`` of its run's boxes; ``per`` k a
     ``ShardedTensor`` of runs (not ``saving``: a run is the leaf itself)."""
-    if per < 0 and executor.plan.replicas == 1:
-        return _per_element(executor, t, leaf)
-    if not saving:
+    if not saving and (per >= 0 or executor.plan.replicas > 1):
         return leaf
-    return _per_element(executor, t, leaf) if per < 0 else _as_runs(executor, t, leaf, per, key)
+    # a leaf stepped in place is the same tensor from save to save: its wrapper is made once
+    if per < 0:
+        return executor.placed(t, key, leaf, lambda: _per_element(executor, t, leaf))
+    return executor.placed(t, key, leaf, lambda: _as_runs(executor, t, leaf, per, key))
 
 
 def _whole_shaped(plan: Any, t: int, key: str, leaf: torch.Tensor, whole: tuple[int, ...] | None) -> torch.Tensor:

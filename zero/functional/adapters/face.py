@@ -144,10 +144,10 @@ class OptimizerFace(torch.optim.Optimizer):
         flag = 0 if policy is None or scaled else int(guard.local_nonfinite())
         verify = guard.check_in(flag)
         if policy is None:
-            return False, lambda: None if verify() else None
+            return False, lambda: _discard(verify())
         if policy.policy == "warn":
-            return False, lambda: None if policy.settle(verify(), guard, step) else None
-        return policy.settle(verify(), guard, step), _nothing
+            return False, lambda: _discard(policy.settle(verify(), guard, step))
+        return policy.settle(verify(), guard, step), _discard
 
     def entries_table(self, saving: bool) -> dict[int, dict[str, Any]]:
         """Param position -> its entries (`Executor.entries`), every trainable param present."""
@@ -247,7 +247,7 @@ class OptimizerFace(torch.optim.Optimizer):
         self.__dict__.update(state)
 
 
-def _nothing() -> None:
+def _discard(*_: Any) -> None:
     return None
 
 
