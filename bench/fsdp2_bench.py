@@ -16,7 +16,7 @@ every row and left out.
 
 Times are medians over ``--repeat`` iterations, the slowest rank's, each system taking turns with its
 reference (forward and backward dominate an iteration on CPU); one intra-op thread per rank.
-Usage: python bench/fsdp2_bench.py [--ranks 2] [--repeat 5] [--width 256] [--layers 12]
+Usage: python bench/fsdp2_bench.py [--ranks 2] [--repeat 5] [--width 256] [--layers 12] [--step-only]
 """
 
 from __future__ import annotations
@@ -114,9 +114,11 @@ def _nbytes(x: torch.Tensor) -> int:
     return x.nbytes
 
 
-def iterations_ms(pair: list, repeat: int, batch: int = 8, context: int = 128) -> list[tuple[float, int]]:
+def iterations_ms(pair: list, repeat: int, batch: int = 8, context: int = 128,
+                  step_only: bool = False) -> list[tuple[float, int]]:
     """Per (model, optimizer) of ``pair``, taking turns: the median ms of forward, backward, step
-    and zero_grad, and the bytes zero's collectives sent in one iteration."""
+    and zero_grad (``step_only``: of the step alone, the first backward's gradients taken again
+    each time), and the bytes zero's collectives sent in one iteration."""
     import torch.distributed as dist
 
     from zero.backends import comm
@@ -125,12 +127,16 @@ def iterations_ms(pair: list, repeat: int, batch: int = 8, context: int = 128) -
     idx = torch.randint(0, 4096, (batch, context), generator=gen)
 
     def once(model, opt):
+        if step_only:
+            return opt.step()
         model(idx).logsumexp(-1).mean().backward()
         opt.step()
         opt.zero_grad()
 
     times, sent = [[] for _ in pair], [0] * len(pair)
     for model, opt in pair:
+        if step_only:
+            model(idx).logsumexp(-1).mean().backward()
         once(model, opt)  # warm-up: state, the plan
     for _ in range(repeat):
         for k, (model, opt) in enumerate(pair):
@@ -162,7 +168,7 @@ PAIRS = {  # each system beside its reference, taking turns
 }
 
 
-def worker(rank: int, world_size: int, layers: int, width: int, repeat: int) -> dict:
+def worker(rank: int, world_size: int, layers: int, width: int, repeat: int, step_only: bool = False) -> dict:
     rows = {}
     for kind, systems in PAIRS.items():
         pair, names = [], [f"{kind}: {name}" for name in systems]
@@ -170,7 +176,7 @@ def worker(rank: int, world_size: int, layers: int, width: int, repeat: int) -> 
             for make in systems.values():
                 model = sharded(layers, width)
                 pair.append((model, make(model)))
-            timed = iterations_ms(pair, repeat)
+            timed = iterations_ms(pair, repeat, step_only=step_only)
         except Exception as e:  # noqa: BLE001 - a peer that cannot run on FSDP2's params: say why
             rows.update({n: (float("nan"), 0, 0, f"{type(e).__name__}: {str(e)[:80]}") for n in names})
             continue
@@ -221,6 +227,7 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--step-only", action="store_true", help="time the optimizer's step alone (fixed gradients)")
     args = parser.parse_args()
     from rich.console import Console
     from rich.table import Table
@@ -228,9 +235,10 @@ def main() -> int:
     from zero.tools.launch import run
 
     n = sum(p.numel() for p in GPT(args.layers, args.width).parameters())
-    ranks = run(worker, args.ranks, args.layers, args.width, args.repeat, timeout=3000)
+    ranks = run(worker, args.ranks, args.layers, args.width, args.repeat, args.step_only, timeout=3000)
+    what = "the optimizer's step alone" if args.step_only else "one iteration"
     table = Table(title=f"FSDP2 at {args.ranks} gloo ranks, GPT-style {args.layers} x {args.width} "
-                        f"({n / 1e6:.1f}M params): one iteration, the slowest rank")
+                        f"({n / 1e6:.1f}M params): {what}, the slowest rank")
     for column in ("system", "ms", "vs reference", "state MiB / rank", "step MiB sent / rank", "note"):
         table.add_column(column, justify="left" if column in ("system", "note") else "right")
     refs = {kind: f"{kind}: {next(iter(systems))}" for kind, systems in PAIRS.items()}

@@ -132,3 +132,24 @@ def test_a_nan_in_one_ranks_rows_is_named_on_every_rank_and_its_policy_kept(kind
         assert r["warned"][0].endswith("the step is skipped on every rank (nonfinite='skip')") and not r["stepped"], r
     for r in run_ranks(fw.nan_named, world_size, kind, "raise"):
         assert r["raised"].startswith(f"step 2: gradients with NaN or inf in {name}, in the gradient rows"), r
+
+
+def test_torchs_own_zero_under_torchs_get_state_dict_steps_then_raises(one_rank):
+    """The comparison docs/comparison.md draws: torch's ZeroRedundancyOptimizer shows torch's
+    ``get_state_dict`` an empty ``state``, so it is stepped at lr=0 (its moments made) and then
+    its ``state_dict()`` raises for want of ``consolidate_state_dict``; zero's takes the state."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
+
+    from zero import ZeroRedundancyOptimizer as Zero
+
+    for cls, raises in ((TorchZero, True), (Zero, False)):
+        model = torch.nn.Linear(3, 2)
+        opt = cls(model.parameters(), torch.optim.Adam, lr=1e-3)
+        try:
+            get_state_dict(model, opt)
+            raised = False
+        except RuntimeError:
+            raised = True
+        stepped = any(float(st["step"]) > 0 for st in opt.optim.state.values())  # the local Adam's step counts
+        assert (raised, stepped) == (raises, raises), cls
