@@ -10,8 +10,8 @@ on one rank. The owners' params come whole by `exchange.to_owners` and go back b
 `exchange.back_from_owners`.
 
 On HSDP's mesh each replica's ranks hold the same pieces. By default each replica steps them alone
-(its state replicated, as ``torch.optim`` over HSDP). An optimizer that asks for it
-(``over_replicas``, as `zero.ZeroRedundancyOptimizer` does) is stepped by a plan over the
+(its state replicated, as ``torch.optim`` over HSDP). An optimizer that asks for it (its
+``executor_options()``, as `zero.ZeroRedundancyOptimizer`'s does) is stepped by a plan over the
 replicas too: each rank steps its part of its pieces and the params it owns across the mesh, and
 `exchange.gather_replicas` gives every replica the updated pieces.
 """
@@ -38,11 +38,11 @@ from zero.plans.fsdp2 import Fsdp2Plan
 __all__ = ["Fsdp2Executor", "executor"]
 
 
-def executor(optimizer: Any) -> Fsdp2Executor:
-    """The executor `zero.functional.adapters.sharded_storage` finds for DTensor params; over
-    HSDP's replicas too when the optimizer's ``over_replicas`` says so."""
-    return Fsdp2Executor(optimizer, over_replicas=bool(getattr(optimizer, "over_replicas", False)),
-                         master_dtype=getattr(optimizer, "master_dtype", None))
+def executor(optimizer: Any, over_replicas: bool = False, master_dtype: torch.dtype | None = None) -> Fsdp2Executor:
+    """The executor `zero.functional.adapters.executor` finds for DTensor params, with the
+    options the optimizer asks for (``optimizer.executor_options()``): over HSDP's replicas too,
+    with master weights."""
+    return Fsdp2Executor(optimizer, over_replicas=over_replicas, master_dtype=master_dtype)
 
 
 class Fsdp2Executor:

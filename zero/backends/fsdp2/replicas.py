@@ -54,8 +54,6 @@ class ReplicaShardedOptimizer(Optimizer):
     reduction are a ``ValueError`` here.
     """
 
-    over_replicas = True  # read by zero.backends.fsdp2.executor
-
     def __init__(self, params: Iterable, optimizer_class: Any, *, master_dtype: torch.dtype | str | None = None,
                  nonfinite: str = "warn", **options: Any):
         given = {k: v for k, v in options.items() if k in _FSDP2_DECIDES and v is not _FSDP2_DECIDES[k]
@@ -67,3 +65,6 @@ class ReplicaShardedOptimizer(Optimizer):
         defaults = {k: v for k, v in options.items() if k not in _FSDP2_DECIDES}
         self.master_dtype = resolve_dtype(master_dtype, "master_dtype")
         super().__init__(params, rule_of(optimizer_class, defaults), nonfinite=nonfinite)
+
+    def executor_options(self) -> dict[str, Any]:
+        return {"over_replicas": True, "master_dtype": self.master_dtype}

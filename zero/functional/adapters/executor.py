@@ -220,4 +220,4 @@ def executor_for(optimizer: Any) -> GroupExecutor:
     modules = {EXECUTORS[kind] for kind in kinds}
     if len(modules) > 1:
         raise ValueError(f"zero.functional.Optimizer got params of several sharded kinds: {sorted(kinds)}")
-    return importlib.import_module(modules.pop()).executor(optimizer)
+    return importlib.import_module(modules.pop()).executor(optimizer, **optimizer.executor_options())

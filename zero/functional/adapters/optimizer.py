@@ -90,6 +90,12 @@ class Optimizer(OptimizerFace):
         self.nonfinite = NonFinite(nonfinite if nonfinite is not None else "warn") \
             if nonfinite is not None or sharded else None
 
+    def executor_options(self) -> dict[str, Any]:
+        """What a sharded executor is built with (`executor_for`): none here; an optimizer that
+        steps more itself says so (`zero.backends.fsdp2.ReplicaShardedOptimizer`: over HSDP's
+        replicas too, with master weights)."""
+        return {}
+
     def add_param_group(self, param_group: dict) -> None:
         if self.executor is not None and not isinstance(self.executor, LocalExecutor):
             raise ValueError("add_param_group on an optimizer of sharded params (FSDP2's): their plan, made when "
