@@ -350,3 +350,17 @@ def nan_named(rank: int, world_size: int, kind: str, policy: str) -> dict:
             return {"raised": str(e)}
     return {"warned": [str(w.message) for w in said if "NaN" in str(w.message)],
             "stepped": not torch.equal(before, full(weight.detach()))}
+
+
+def unused_layer(rank: int, world_size: int) -> list[torch.Tensor]:
+    """Three steps whose gradients never reach the last Linear (an unused layer): over FSDP2 (its
+    state started when the optimizer was built) as on one process, where the set of params with
+    gradients is decided by the first step."""
+    model = sharded(make_model()) if world_size > 1 else make_model()
+    opt = F.Optimizer(groups(model), make_rule(ADAMW_SPEC))
+    for k in range(3):
+        set_grads(model, fixed_grads(model, k))
+        for p in list(model.parameters())[-2:]:
+            p.grad = None
+        opt.step()
+    return [full(p.detach()) for p in model.parameters()]

@@ -410,3 +410,26 @@ def first_step_error(rank: int, world_size: int, spec) -> str:
     except ValueError as e:
         return str(e)
     return "stepped"
+
+
+def label_weights_and_a_bias(params: dict) -> dict:
+    """Muon's dimension numbers for every weight and, wrongly, the vector ``4.bias``."""
+    from zero.functional.contrib import MuonDimensionNumbers
+
+    return {n: MuonDimensionNumbers() if n.endswith("weight") or n == "4.bias" else None for n in params}
+
+
+def muon_label_error(rank: int, world_size: int, fsdp2: bool = True) -> str:
+    """The ValueError of Muon whose dimension numbers label a vector, built over FSDP2's params (or
+    one process's) in one group and stepped once."""
+    from zero.functional import contrib
+
+    model = sharded(make_model()) if fsdp2 else make_model()
+    try:
+        rule = contrib.muon(1e-2, muon_weight_dimension_numbers=label_weights_and_a_bias)
+        opt = F.Optimizer(model.named_parameters(), rule)
+        set_grads(model, fixed_grads(model, 0))
+        opt.step()
+    except ValueError as e:
+        return str(e)
+    return "stepped"

@@ -168,7 +168,9 @@ def leg(rank: int, world_size: int, where: tuple, load: str | None, save: str | 
         spec=ADAMW) -> list[torch.Tensor]:
     """One leg of a run across layouts: build on ``where`` (``("zero", replicas)``: zero over HSDP;
     ``("torch", replicas)``: ``torch.optim.AdamW`` over HSDP, saved by torch's own functions;
-    ``("zero2",)``: zero's ZeRO-2 over plain params, on real backwards), load ``load``, step
+    ``("zero_torch", replicas)``: ``zero.ZeroRedundancyOptimizer(params, torch.optim.AdamW)`` over HSDP,
+    built at another rate (the checkpoint's is loaded); ``("zero2",)``: zero's ZeRO-2 over plain
+    params, on real backwards), load ``load``, step
     ``first .. first + steps``, save to ``save``; the whole params after."""
     import torch.distributed.checkpoint as dcp
 
@@ -180,8 +182,11 @@ def leg(rank: int, world_size: int, where: tuple, load: str | None, save: str | 
                                            reduce_scatter_grads=True)
     else:
         model = hsdp(make_model(), world_size, where[1])
-        opt = zero_over(model, spec) if where[0] == "zero" else \
-            torch.optim.AdamW(groups(model), lr=1e-2, weight_decay=0.05, foreach=True)
+        if where[0] == "zero_torch":
+            opt = zero_over(model, ("torch", {"optimizer_class": "AdamW", "lr": 3e-2, "weight_decay": 0.05}))
+        else:
+            opt = zero_over(model, spec) if where[0] == "zero" else \
+                torch.optim.AdamW(groups(model), lr=1e-2, weight_decay=0.05, foreach=True)
     if load:
         checkpoint.load(load, model, opt)
     for k in range(first, first + steps):

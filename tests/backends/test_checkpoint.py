@@ -319,6 +319,24 @@ def test_torch_settings_the_functional_rule_does_not_have_are_refused_by_name(on
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before)), "nothing loaded before the refusal"
 
 
+@pytest.mark.parametrize("rule, cls, refused", [
+    (lambda F: F.adamw(1e-2, eps_root=1e-9), torch.optim.AdamW, r"has eps_root=1e-09, which torch\.optim\.AdamW"),
+    (lambda F: F.adamw(1e-2, weight_decay=0.1), torch.optim.Adam, r"weight_decay=0\.1, .* load it into AdamW"),
+    (lambda F: F.lion(1e-2), torch.optim.AdamW, r"saved by a zero\.functional rule .* adam into Adam or AdamW"),
+])
+def test_a_rules_settings_torchs_class_does_not_have_are_refused_by_name(one_rank, tmp_path, rule, cls, refused):
+    """The other way: zero.functional's checkpoint into the ZeRO stepping torch's class."""
+    import zero.functional as F
+    from zero.backends import checkpoint
+
+    checkpoint.save(tmp_path / "rule", *_one_rank_run(tmp_path, optimizer_class=rule(F)))
+    model, opt = _one_rank_run(tmp_path, optimizer_class=cls)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=refused):
+        checkpoint.load(tmp_path / "rule", model, opt)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before)), "nothing loaded before the refusal"
+
+
 def test_torch_steps_that_differ_within_a_group_are_refused_by_name(one_rank, tmp_path):
     """torch keeps a step per param (a param without a gradient skips one); the rule one count."""
     import zero.functional as F
@@ -334,11 +352,13 @@ def test_torch_steps_that_differ_within_a_group_are_refused_by_name(one_rank, tm
         checkpoint.load(tmp_path / "torch", model, opt)
 
 
-@pytest.mark.parametrize("saved_rule, loaded_rule", [("adamw", "f_adamw"), ("sgd_momentum", "f_sgd")])
+@pytest.mark.parametrize("saved_rule, loaded_rule", [("adamw", "f_adamw"), ("sgd_momentum", "f_sgd"),
+                                                     ("f_adamw", "adamw")])
 def test_a_torch_checkpoint_loads_into_the_functional_rule_with_the_same_maths(tmp_path, saved_rule, loaded_rule):
     """torch.optim.AdamW (SGD) on 2 ranks, saved; resumed at 3 ranks under another plan by
     zero.functional.adamw (sgd), built with other settings: it takes the checkpoint's moments,
-    steps and settings, and goes on as torch's own resumed run does."""
+    steps and settings, and goes on as torch's own resumed run does. And the other way: the
+    rule's checkpoint resumed by the ZeRO stepping torch.optim.AdamW."""
     run_ranks(cw.dcp_leg, 2, "flat", None, str(tmp_path / "a"), 0, 4, False, saved_rule)
     theirs = run_ranks(cw.dcp_leg, 3, "sorted_greedy", str(tmp_path / "a"), None, 4, 4, False, saved_rule)
     ours = run_ranks(cw.dcp_leg, 3, "sorted_greedy", str(tmp_path / "a"), None, 4, 4, False, loaded_rule)

@@ -153,3 +153,10 @@ def test_torchs_own_zero_under_torchs_get_state_dict_steps_then_raises(one_rank)
             raised = True
         stepped = any(float(st["step"]) > 0 for st in opt.optim.state.values())  # the local Adam's step counts
         assert (raised, stepped) == (raises, raises), cls
+
+
+def test_a_layer_no_gradient_reaches_steps_over_fsdp2_as_on_one_process():
+    """The state over FSDP2 starts when the optimizer is built, for every trainable param; a first
+    step whose gradients miss a layer still decides the set stepped together, as on one process."""
+    got = run_ranks(fw.unused_layer, 3)[0]
+    assert worst(got, run_ranks(fw.unused_layer, 1)[0]) <= 1e-12

@@ -167,3 +167,12 @@ def test_ranks_whose_plans_differ_are_told_which_param_differs():
     # rank 0 steps AdamW, rank 1 Muon: their plans differ, and the first step says where
     said = run_ranks(w.first_step_error, 2, [("adamw", dict(learning_rate=1e-2)), ("muon", dict(learning_rate=1e-2))])
     assert all("param 0 (name, shape, dtype, dim, owner, block) by rank: 0: ('0.weight'" in s for s in said), said
+
+
+def test_muons_label_on_a_vector_is_named_as_on_one_process():
+    """The dimension numbers label the vector 4.bias: over FSDP2 the optimizer's construction names
+    it (not a matrix in pieces, with a flat plan's advice), as one process names it."""
+    said = run_ranks(w.muon_label_error, 2)
+    one = w.muon_label_error(0, 1, fsdp2=False)
+    for s in said + [one]:
+        assert "labels '4.bias' (shape (64,)) as a Muon weight, but it has rank 1" in s, s

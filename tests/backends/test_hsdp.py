@@ -100,6 +100,17 @@ def test_torch_optims_hsdp_checkpoint_continues_under_zero_and_back(tmp_path):
     assert _worst(got, run_ranks(w.one_process_legs, 1, 9)[0]) <= 1e-12
 
 
+def test_zeros_adamw_checkpoint_continues_under_zero_stepping_torchs_adamw_and_back(tmp_path):
+    """zero.functional.adamw's state (Optax's paths) loads into ZeroRedundancyOptimizer(params,
+    torch.optim.AdamW) (torch's names), resharded 2x2 -> 1x4, with the saved rate; and back."""
+    d = str(tmp_path)
+    run_ranks(w.leg, 4, ("zero", 2), None, d + "/z", 0, 3)
+    got = run_ranks(w.leg, 4, ("zero_torch", 1), d + "/z", d + "/t", 3, 3)[0]
+    assert _worst(got, run_ranks(w.one_process_legs, 1, 6)[0]) <= 1e-12
+    got = run_ranks(w.leg, 4, ("zero", 2), d + "/t", None, 6, 3)[0]
+    assert _worst(got, run_ranks(w.one_process_legs, 1, 9)[0]) <= 1e-12
+
+
 def test_zero_functional_optimizer_over_hsdp_replicates_the_state_as_torch_optim_does():
     for spec in (w.ADAMW, MUON):
         got = run_ranks(w.functional_optimizer_on_hsdp, 4, spec)

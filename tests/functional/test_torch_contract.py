@@ -278,3 +278,20 @@ def test_a_state_dict_of_other_params_or_another_rule_is_refused_by_name():
     one = F.Optimizer([torch.nn.Parameter(torch.zeros(2))], F.adamw(1e-2))
     with pytest.raises(ValueError, match=r"param groups hold \[4\] params and this optimizer's \[1\]"):
         one.load_state_dict(sd)
+
+
+def test_a_state_read_before_the_first_step_leaves_that_steps_set_free():
+    """Reading ``state`` (torch's ``get_state_dict`` at step 0) starts every trainable param's
+    state; a first step whose gradients reach only some params (an unused layer) still steps them
+    alone, as it would have without the read. A stepped or loaded state's set must repeat."""
+    model = make_model()
+    opt = build("adamw", model)
+    assert len(opt.state) == 4 and int(opt.state[model[0].weight]["count"]) == 0  # started
+    grads_at(model, 0)
+    model[2].weight.grad = model[2].bias.grad = None  # the last layer unused at this step
+    opt.step()
+    assert list(opt.set_states(0)) == [(0, 1)]
+    grads_at(model, 1)
+    with pytest.raises(ValueError, match=r"params \[0, 1, 2, 3\] are stepped together, but some were stepped before "
+                                         r"with \[\(0, 1\)\]"):
+        opt.step()

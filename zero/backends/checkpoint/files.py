@@ -167,7 +167,8 @@ def load(checkpoint_id: Any, model: nn.Module, optimizer: Any, *, options: Any =
         model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
         if _missing(metadata, {"model": model_sd, "optim": optim_sd}, masters_only=True):
             model_sd, optim_sd = get_state_dict(model, optimizer, options=options, masters=False)
-        translated = from_torch(metadata, checkpoint_id, inner, optim_sd)  # torch.optim's state, same maths
+        translated = (from_torch(metadata, checkpoint_id, inner, optim_sd)  # torch.optim's state, same maths
+                      or _into_torch_maths(metadata, checkpoint_id, inner, optim_sd))  # or the other way
         request = {"model": model_sd, "optim": optim_sd if translated is None else translated.request}
         _check_against(metadata, request, resolve_options(options).strict, lambda: _whose(metadata, checkpoint_id,
                                                                                            inner))
@@ -178,6 +179,18 @@ def load(checkpoint_id: Any, model: nn.Module, optimizer: Any, *, options: Any =
         if translated is not None:
             translated.finish()
         set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options)
+
+
+def _into_torch_maths(metadata: Any, path: Any, optimizer: Any, optim_sd: dict) -> Any:
+    """A `zero.functional` rule's state loading into one of zero's optimizers that steps a torch
+    class's maths (`into_torch.ZeroTorchLoad`), or None when that is not the case."""
+    from zero.backends.checkpoint.into_torch import ZeroTorchLoad, torch_class_stepped
+    from zero.backends.checkpoint.torch_state import is_torch_state, state_keys
+
+    name = torch_class_stepped(optimizer)
+    if name is None or is_torch_state(metadata) or not state_keys(metadata):
+        return None
+    return ZeroTorchLoad(metadata, path, name, optim_sd)
 
 
 def _verified(path: Any, metadata: Any, group: Any) -> None:

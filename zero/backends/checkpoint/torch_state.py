@@ -23,7 +23,7 @@ import torch
 from zero.backends.precision import MASTER_KEY
 
 __all__ = ["saved_by", "loading", "from_torch", "TorchLoad", "TORCH_STATE_KEYS", "TORCH_RULES", "read_groups",
-           "state_keys", "is_torch_state"]
+           "state_keys", "is_torch_state", "local_optimizer"]
 
 # per-param state keys torch.optim's classes save (a checkpoint holding these is torch.optim's)
 TORCH_STATE_KEYS = frozenset({"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg",
@@ -121,14 +121,14 @@ def loading(optimizer: Any) -> str:
     from zero.backends.local_optimizer import is_functional
     from zero.functional.adapters.group_settings import rule_name
 
-    optim = _local(optimizer)
+    optim = local_optimizer(optimizer)
     if is_functional(optim):
         return rule_name(optim.rule(0))
     return f"{type(optim).__module__.split('.')[0]}.optim.{type(optim).__name__}" \
         if type(optim).__module__.startswith("torch.optim") else type(optim).__qualname__
 
 
-def _local(optimizer: Any) -> Any:
+def local_optimizer(optimizer: Any) -> Any:
     """The optimizer that steps the rule: a ZeroRedundancyOptimizer's local one, or itself (a
     `zero.functional.Optimizer` over FSDP2's params)."""
     state = getattr(optimizer, "rank_state", None)
@@ -275,7 +275,7 @@ def from_torch(metadata: Any, path: str | os.PathLike, optimizer: Any, optim_sd:
     from zero.backends.local_optimizer import is_functional
     from zero.functional.adapters.torch_rules import torch_class_of
 
-    local = _local(optimizer)
+    local = local_optimizer(optimizer)
     if not is_torch_state(metadata) or not is_functional(local) or torch_class_of(local.rule(0)) is not None:
         return None  # (a from_torch rule keeps torch's names itself: its state loads as it is)
     name = loading(optimizer)

@@ -45,6 +45,12 @@ def executor(optimizer: Any, over_replicas: bool = False, master_dtype: torch.dt
     return Fsdp2Executor(optimizer, over_replicas=over_replicas, master_dtype=master_dtype)
 
 
+# How a param is kept whole here (errors about pieces say it): the plan asks the rule at construction
+_WHOLE_HINT = ("over FSDP2 a param is stepped whole on an owner when its rule asks for it whole as the optimizer "
+               "is built (asked on meta tensors of the params' names and shapes): make the rule's choice depend "
+               "on those alone, not on values")
+
+
 class Fsdp2Executor:
     """Steps a `zero.functional.Optimizer`'s DTensor params by the plan of its rules
     (``self.plan``, the same on every rank: its fingerprint is compared when made)."""
@@ -71,7 +77,7 @@ class Fsdp2Executor:
         self._base = sharding.Sharding(
             {}, tuple(master_dtype or p.dtype for p in params), self._over_steppers(comm.summed, device),
             self._over_steppers(comm.maxed, device), every_group=True, names=tuple(m.name for m in metas),
-            numels=tuple(m.numel for m in metas), shapes=tuple(m.shape for m in metas))
+            numels=tuple(m.numel for m in metas), shapes=tuple(m.shape for m in metas), whole_hint=_WHOLE_HINT)
         self._optimizer = optimizer
         self.guard = Fsdp2Guard(self, optimizer)  # the start of each step: the ranks' check-in, NaN and inf
         start_states(self, optimizer)

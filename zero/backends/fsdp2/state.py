@@ -41,9 +41,7 @@ def start_states(executor: Any, optimizer: Any) -> None:
     """Start every trainable param's state, as its first step would (every rank calls this: an
     owner's matrices are gathered whole), so that reading ``optimizer.state`` needs no collective."""
     for k, group in enumerate(optimizer.param_groups):
-        idx = tuple(i for i, p in enumerate(group["params"]) if p.requires_grad)
-        with executor.starting(k, idx) as (keep, leaves):
-            optimizer.ensure_state(k, keep, leaves)
+        _start(executor, optimizer, k, tuple(i for i, p in enumerate(group["params"]) if p.requires_grad))
 
 
 def fsdp2_entries(executor: Any, optimizer: Any, saving: bool = True) -> Iterator[tuple[int, str, Any]]:
@@ -245,13 +243,14 @@ def load_fsdp2_entries(executor: Any, optimizer: Any, entries: dict[int, dict[st
             return leaf  # no part of this param here, nor an entry
         return _into(executor, t, leaf, saved, key)
 
-    load_sets(optimizer, entries, lambda k, idx: _no_start(executor, k, idx), into)
+    load_sets(optimizer, entries, lambda k, idx: _start(executor, optimizer, k, idx), into)
 
 
-def _no_start(executor: Any, k: int, idx: tuple[int, ...]) -> Any:
-    names = [executor.plan.metas[executor.layout.firsts[k] + i].name for i in idx]
-    raise ValueError(f"the state dict has state for {names[:5]}, which have none here: only trainable params have "
-                     "state over FSDP2 (started when the optimizer was built), and these were frozen then")
+def _start(executor: Any, optimizer: Any, k: int, idx: tuple[int, ...]) -> None:
+    """Start the state of group ``k``'s params at ``idx`` (with saved state, none here: not stepped
+    yet in this run) as a step would (every rank loads together: an owner's matrices are gathered)."""
+    with executor.starting(k, idx) as (keep, leaves):
+        optimizer.ensure_state(k, keep, leaves)
 
 
 def _into(executor: Any, t: int, leaf: torch.Tensor, saved: Any, key: str) -> torch.Tensor:

@@ -94,14 +94,14 @@ class LocalExecutor:
             first += len(group["params"])
 
     def load(self, entries: dict[int, dict[str, Any]], groups: list[dict]) -> None:
-        load_sets(self.optimizer, entries, lambda k, i: None)
+        load_sets(self.optimizer, entries, self.optimizer.ensure_state)
 
 
 def load_sets(optimizer: Any, entries: dict[int, dict[str, Any]], start: Callable[[int, tuple[int, ...]], Any],
               into: Callable[[int, int, str, Any, Any], Any] | None = None) -> None:
     """Load ``entries`` (by position across the groups) into a `zero.functional.Optimizer`'s sets,
     leaf by leaf. Trainable params with saved entries and no state here start one first
-    (``start(k, idx)``: the leaves a step would give the rule for them, None: the params); a set of
+    (``start(k, idx)``, as a step would start it, stepped together); a set of
     which no param has a saved entry starts afresh, as torch's empty state does. ``into(t, pos, key,
     leaf, saved)`` loads one saved value into a leaf (by default: in place for tensors with
     dimensions, checked by shape).
@@ -113,7 +113,7 @@ def load_sets(optimizer: Any, entries: dict[int, dict[str, Any]], start: Callabl
         saved = [i for i in range(n) if entries.get(first + i) and group["params"][i].requires_grad]
         fresh = tuple(i for i in saved if not sets.owns(i))
         if fresh:
-            opt.ensure_state(k, fresh, start(k, fresh))
+            start(k, fresh)
         for idx in sets.sets():
             got = [entries.get(first + i) or {} for i in idx]
             if not any(got):

@@ -244,11 +244,10 @@ class Optimizer(OptimizerFace):
         for group, saved_group, states, saved in zip(self.param_groups, state_dict["param_groups"], self._states,
                                                      state_dict["tx_states"]):
             group.update({k: v for k, v in saved_group.items() if k not in ("params", "param_names")})
-            states.states, states._owner = {}, {}
+            states.clear()
             for idx, state in saved.items():
                 device = group["params"][idx[0]].device
-                states.states[idx] = tree_map(lambda x, d=device: _to_device(x, d), state)
-                states._owner.update(dict.fromkeys(idx, idx))
+                states.adopt(idx, tree_map(lambda x, d=device: _to_device(x, d), state))
         self.state_changed()
 
 

@@ -62,6 +62,7 @@ class SetStates:
         self.max_errors = _max_errors(tx)
         self.states: dict[tuple[int, ...], Any] = {}
         self._owner: dict[int, tuple[int, ...]] = {}
+        self._fresh: set[tuple[int, ...]] = set()  # sets started (to be read or loaded into) but never stepped
 
     def owns(self, i: int) -> bool:
         """Whether the param at position ``i`` has a state."""
@@ -72,6 +73,11 @@ class SetStates:
         if group is not None and torch_class_of(self.tx) is not None:
             self.tx = with_torch_settings(self.tx, group, self.index)
         if idx in self.states or not any(i in self._owner for i in idx):
+            return self._step(idx, params, grads, group, names)
+        clash = {self._owner[i] for i in idx if i in self._owner}
+        if clash <= self._fresh:  # started before any step (state read, or made at construction): the first
+            for block in clash:   # step's set decides, as it does for a state not started yet
+                self.forget(block)
             return self._step(idx, params, grads, group, names)
         if not self.per_param:
             clash = sorted({self._owner[i] for i in idx if i in self._owner})
@@ -109,6 +115,7 @@ class SetStates:
         tree = as_tree(params, names)
         with sharding.stepping(tree):
             self.states[idx] = inplace_step(self.tx, tree, as_tree(grads, names), state, leaves=params)
+        self._fresh.discard(idx)
         if group is not None:
             show_scheduled(self.states[idx], group)
 
@@ -117,11 +124,22 @@ class SetStates:
         them), kept as their set's."""
         state = self.states[idx] = self.tx.init(as_tree(leaves, names))
         self._owner.update(dict.fromkeys(idx, idx))
+        self._fresh.add(idx)
         return state
+
+    def clear(self) -> None:
+        """No state for any param: each starts afresh at its next step."""
+        self.states, self._owner, self._fresh = {}, {}, set()
+
+    def adopt(self, idx: tuple[int, ...], state: Any) -> None:
+        """``state`` as set ``idx``'s (a state dict's, as it was saved)."""
+        self.states[idx] = state
+        self._owner.update(dict.fromkeys(idx, idx))
 
     def forget(self, idx: tuple[int, ...]) -> None:
         """Drop the state of set ``idx``: its params start afresh at their next step."""
         del self.states[idx]
+        self._fresh.discard(idx)
         for i in idx:
             del self._owner[i]
 
@@ -132,6 +150,7 @@ class SetStates:
     def load(self, idx: tuple[int, ...], names: list[str] | None, fill: Fill) -> None:
         """Load set ``idx``'s state leaf by leaf from ``fill`` (see `load_named`)."""
         self.states[idx] = load_named(self.states[idx], len(idx), names, self.names, fill)
+        self._fresh.discard(idx)  # (a loaded state is a run's: it must go on as it was)
 
     def guard_reports(self) -> list[tuple[int, int, int]]:
         """Per ``apply_if_finite`` in the states whose last step met NaN or inf: ``(consecutive,

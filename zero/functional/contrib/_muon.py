@@ -46,7 +46,7 @@ from zero.functional.contrib.newton_schulz import (
     fans,
     orthogonalize,
 )
-from zero.functional.contrib.routing import DimensionNumbers, check_cut, dims_per_leaf
+from zero.functional.contrib.routing import DimensionNumbers, check_cut, check_labelled, dims_per_leaf
 from zero.functional.elementwise import debias, moment
 
 __all__ = ["MuonState", "scale_by_muon", "scale_by_shape", "muon", "NS_COEFFS_PRESETS"]
@@ -176,8 +176,13 @@ def _labels(dimension_numbers: DimensionNumbers) -> Callable[[Any], Any]:
             return tree_map(lambda x: "muon" if x.ndim == 2 else "adam", tree)
         cut = sharding.cut_tensors(tree_leaves(tree))
         if cut is not None and any(cut):
+            if callable(dimension_numbers):  # a label wrong in itself is named before its pieces are
+                whole = sharding.whole_tree()[0]
+                check_labelled(dims_per_leaf(dimension_numbers, whole), whole)
             check_cut(dimension_numbers, tree, cut)
         dims = dims_per_leaf(dimension_numbers, tree)
+        if cut is None or not any(cut):
+            check_labelled(dims, tree)
         return optree.tree_structure(tree).unflatten(["adam" if d is None else "muon" for d in dims])
     return labels
 

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["MuonDimensionNumbers", "is_dimension_numbers", "PRECONDITIONINGS", "as_matrices", "fans",
+__all__ = ["MuonDimensionNumbers", "is_dimension_numbers", "split_axes", "PRECONDITIONINGS", "as_matrices", "fans",
            "newton_schulz", "orthogonalize_via_newton_schulz", "ns_dtype", "check_coeffs", "torch_newton_schulz",
            "orthogonalize", "matrix_axes"]
 
@@ -51,7 +51,7 @@ def matrix_axes(ndim: int, dims: Any) -> tuple[int, ...]:
     return _axes(ndim, dims.reduction_axis) + _axes(ndim, dims.output_axis)
 
 
-def _split_axes(shape: torch.Size, dims: Any) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+def split_axes(shape: torch.Size, dims: Any) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
     """(batch, reduction, output) axes of a weight of ``shape``; ``ValueError`` when they are not
     disjoint or the weight is not at least a matrix."""
     if len(shape) < 2:
@@ -68,14 +68,14 @@ def _split_axes(shape: torch.Size, dims: Any) -> tuple[tuple[int, ...], tuple[in
 
 def fans(shape: torch.Size, dims: Any) -> tuple[int, int]:
     """(fan_in, fan_out): the products of the reduction and of the output axes."""
-    _, red, out = _split_axes(shape, dims)
+    _, red, out = split_axes(shape, dims)
     return math.prod([shape[a] for a in red]), math.prod([shape[a] for a in out])  # lists: torch.compile
 
 
 def as_matrices(x: torch.Tensor, dims: Any):
     """``x`` as a ``(batch, rows, cols)`` stack of matrices, and the function that maps such a
     stack back to ``x``'s shape."""
-    batch, red, out = _split_axes(x.shape, dims)
+    batch, red, out = split_axes(x.shape, dims)
     order = batch + red + out
     sizes = [x.shape[a] for a in order]
     ends = (len(batch), len(batch) + len(red))

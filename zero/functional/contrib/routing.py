@@ -13,10 +13,10 @@ import optree
 import torch
 
 from zero.functional import sharding
-from zero.functional.contrib.newton_schulz import MuonDimensionNumbers, is_dimension_numbers
+from zero.functional.contrib.newton_schulz import MuonDimensionNumbers, is_dimension_numbers, split_axes
 from zero.functional.transforms.masking import MaskedNode
 
-__all__ = ["DimensionNumbers", "dims_per_leaf", "check_cut"]
+__all__ = ["DimensionNumbers", "dims_per_leaf", "check_cut", "check_labelled"]
 
 DimensionNumbers = MuonDimensionNumbers | Any | Callable[[Any], Any] | None
 
@@ -51,19 +51,37 @@ def check_cut(dimension_numbers: DimensionNumbers, tree: Any, cut: list[tuple[in
     the dimension numbers (``what``: a function of the params, asked about every whole param by
     name) label. ``ValueError`` naming it, else the shard's pieces would step unlabelled."""
     if not callable(dimension_numbers):
-        raise ValueError(f"{what} as a tree labels leaves by position, but this step holds "
-                         "flat shards of several params (a hybrid plan): pass a function of the params' tree, "
-                         "which is asked by name")
+        raise ValueError(f"{what} as a tree labels leaves by position, but this sharded step holds some "
+                         "params in pieces (a hybrid plan's flat shards, FSDP2's rows): pass a function of the "
+                         "params' tree, which is asked by name")
+    whole, order = sharding.whole_tree()
+    whole_dims = dims_per_leaf(dimension_numbers, whole)
     for d, ts in zip(dims_per_leaf(dimension_numbers, tree), cut):
         if ts and d is not None:
-            raise ValueError(f"{what} labels a flat shard (pieces of params "
-                             f"{', '.join(map(sharding.name_of, ts))}) as {role}: keep such params whole "
-                             f"(zero.make_plan(..., whole=...)); {others}")
-    tree, order = sharding.whole_tree()
-    labelled = {t for t, d in zip(order, dims_per_leaf(dimension_numbers, tree)) if d is not None}
+            raise ValueError(f"{what} labels a shard (pieces of params {', '.join(map(sharding.name_of, ts))}) as "
+                             f"{role}: {sharding.whole_hint()}; {others}")
+    labelled = {t for t, d in zip(order, whole_dims) if d is not None}
     for ts in cut:
         for t in ts:
             if t in labelled:
-                raise ValueError(f"{what} makes param {sharding.name_of(t)} {role}, "
-                                 "but the plan left it in the flat buffers, in pieces: keep it whole "
-                                 "(zero.make_plan(..., 'flat', whole=...))")
+                raise ValueError(f"{what} makes param {sharding.name_of(t)} {role}, but this step holds it in "
+                                 f"pieces: {sharding.whole_hint()}")
+
+
+def check_labelled(dims: list, tree: Any, what: str = "muon_weight_dimension_numbers",
+                   role: str = "a Muon weight") -> None:
+    """``ValueError`` naming the first leaf of ``tree`` (whole tensors) that ``dims`` (per leaf)
+    labels but that is no matrix under them: rank < 2, or reduction and output axes that overlap
+    (the rule's own check would fail later, on a shape without a name)."""
+    leaves = optree.tree_leaves(tree, none_is_leaf=True)
+    for j, (leaf, d) in enumerate(zip(leaves, dims)):
+        if d is None or not isinstance(leaf, torch.Tensor):
+            continue
+        try:
+            if leaf.ndim < 2:
+                raise ValueError(f"it has rank {leaf.ndim}, and the rule reads a matrix")
+            split_axes(leaf.shape, d)
+        except ValueError as e:
+            name = ".".join(map(str, optree.tree_paths(tree, none_is_leaf=True)[j]))
+            raise ValueError(f"{what} labels {name!r} (shape {tuple(leaf.shape)}) as {role}, but {e}: "
+                             "give it None (it then steps with the rule's element-wise part)") from None

@@ -24,10 +24,20 @@ with no gradients on this rank.
 
 from zero.functional.sharding.axes import AxesOf, axis_means, axis_sums, every_axis, reads_axes
 from zero.functional.sharding.blocks import block_sizes, quantized
-from zero.functional.sharding.context import Pieces, Sharding, every_group, installed, name_of, stepping, subset
+from zero.functional.sharding.context import (
+    Pieces,
+    Sharding,
+    every_group,
+    installed,
+    name_of,
+    stepping,
+    subset,
+    whole_hint,
+)
 from zero.functional.sharding.norms import all_finite, global_norm, tensor_norms, total_norm
 from zero.functional.sharding.whole import cut_tensors, needs_whole, whole_tensors, whole_tree
 
 __all__ = ["Pieces", "Sharding", "installed", "every_group", "stepping", "subset", "global_norm", "total_norm",
            "tensor_norms", "all_finite", "whole_tensors", "needs_whole", "axis_sums", "axis_means", "every_axis",
-           "quantized", "block_sizes", "cut_tensors", "whole_tree", "name_of", "AxesOf", "reads_axes"]
+           "quantized", "block_sizes", "cut_tensors", "whole_tree", "name_of", "whole_hint", "AxesOf",
+           "reads_axes"]

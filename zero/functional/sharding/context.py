@@ -14,7 +14,7 @@ import optree
 import torch
 
 __all__ = ["Pieces", "Sharding", "installed", "every_group", "stepping", "subset", "current", "sharded",
-           "stepping_whole", "whole_piece", "name_of", "flat_pieces", "SHARDING", "LEAVES"]
+           "stepping_whole", "whole_piece", "name_of", "flat_pieces", "whole_hint", "SHARDING", "LEAVES"]
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,9 @@ class Sharding:
     names: tuple[str, ...] = ()  # whole tensor t's name (for errors, and `whole_tree`)
     numels: tuple[int, ...] = ()  # whole tensor t's number of elements (for `whole_tensors`)
     shapes: tuple[tuple[int, ...], ...] = ()  # whole tensor t's shape (for `axis_sums`)
+    # How a user keeps a param whole under this backend (the way out errors about pieces give)
+    whole_hint: str = ("keep it whole (zero.make_plan(..., 'flat', whole=...): a hybrid plan), "
+                       "or use a whole-param plan")
 
     @property
     def n_tensors(self) -> int:
@@ -162,6 +165,12 @@ def name_of(t: int) -> str:
     """Whole tensor ``t``'s name in errors: its index, and its name when the step knows it."""
     sharding = current(SHARDING)
     return f"{t} ({sharding.names[t]})" if sharding is not None and sharding.names else str(t)
+
+
+def whole_hint() -> str:
+    """How to keep a param whole under the installed backend (`Sharding.whole_hint`)."""
+    sharding = current(SHARDING)
+    return sharding.whole_hint if sharding is not None else Sharding.whole_hint
 
 
 def flat_pieces(leaves: Sequence[torch.Tensor], what: str) -> tuple[Sharding, tuple[Pieces, ...]] | None:

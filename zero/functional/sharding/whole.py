@@ -20,6 +20,7 @@ from zero.functional.sharding.context import (
     name_of,
     sharded,
     stepping_whole,
+    whole_hint,
     whole_piece,
 )
 
@@ -55,8 +56,7 @@ def whole_tensors(leaves: Sequence[torch.Tensor], what: str,
         if cut:
             shape = f" of shape {shapes[cut[0]]}" if shapes else ""
             raise ValueError(f"{what} needs each tensor whole, but this sharded step holds pieces of param "
-                             f"{name_of(cut[0])}{shape} (a flat plan): keep it whole (zero.make_plan(..., 'flat', "
-                             "whole=...): a hybrid plan), or use a whole-param plan")
+                             f"{name_of(cut[0])}{shape}: {whole_hint()}")
 
 
 def needs_whole(tx: Any, params: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> list[str]:
@@ -88,6 +88,8 @@ def _asked(tx: Any, tree: dict[str, torch.Tensor], probe: ContextVar) -> set[str
     try:
         tx.update(grads, tx.init(tree), tree)
         return {index[i] for i in asked if i in index}
+    except (ValueError, TypeError):
+        raise  # the rule refuses these params (a label on a vector): one process would refuse them too
     except Exception:  # noqa: BLE001 - a link that reads data: ask its links, or take it as element-wise
         links = _links(tx)
         return set().union(*(_asked(link, tree, probe) for link in links)) if links else set()
