@@ -186,6 +186,28 @@ def test_zero_checkpoint_verify_checks_every_piece_without_loading(tmp_path, cap
     assert "no checksums (saved by DCP or FSDP2 directly, or an older zero)" in capsys.readouterr().out
 
 
+def test_zero_checkpoint_verify_exits_1_on_a_damaged_or_unfinished_checkpoint_and_2_without_one(tmp_path, capsys):
+    """docs/cli.md: exit status 1 if the checkpoint is damaged, its metadata included; 2 for no checkpoint."""
+    from zero.tools.cli import main
+
+    run_ranks(cw.dcp_leg, 2, "flat", None, str(tmp_path / "ck"), 0, 1)
+    capsys.readouterr()
+    meta = tmp_path / "ck" / ".metadata"
+    meta.write_bytes(meta.read_bytes()[:200])
+    assert main(["checkpoint", "verify", str(tmp_path / "ck")]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("DAMAGED: ") and ".metadata" in out and out.endswith("/ck: 1 problems found\n"), out
+    meta.unlink()  # a save that never finished writes no .metadata
+    assert main(["checkpoint", "verify", str(tmp_path / "ck")]) == 1
+    assert "its save did not finish" in capsys.readouterr().out
+    assert main(["checkpoint", "verify", str(tmp_path / "nothing")]) == 2
+    assert "no checkpoint at" in capsys.readouterr().err
+    (tmp_path / "jax" / "zero").mkdir(parents=True)
+    (tmp_path / "jax" / "zero" / "metadata").write_text("{ truncated")
+    assert main(["checkpoint", "verify", str(tmp_path / "jax")]) == 1
+    assert "has a damaged zero/metadata (JSONDecodeError" in capsys.readouterr().out
+
+
 def test_a_checkpoint_without_checksums_loads_with_a_warning_that_it_cannot_be_verified(tmp_path):
     run_ranks(cw.dcp_leg, 2, "flat", None, str(tmp_path / "old"), 0, 2)
     (tmp_path / "old" / ".zero-checksums.json").unlink()  # as an older zero, or FSDP2, saved it

@@ -140,3 +140,35 @@ def test_plan_for_fsdp2s_layout():
     assert "FSDP2 plan: 148 params over 8 ranks, muon, 50 stepped whole by an owner" in out
     bad = zero("plan", "--preset", "gpt2", "--engine", "fsdp2", "--strategy", "flat", check=False)
     assert bad.returncode != 0 and "--strategy shape zero's own plans" in bad.stderr
+
+
+_FACTORY = '''import torch
+from torch import nn
+
+
+def build():
+    """What model constructors do: tied weights, jitter in place under no_grad, a cast at the end."""
+    model = nn.Sequential(nn.Embedding(64, 16), nn.LayerNorm(16), nn.Linear(16, 64, bias=False))
+    model[2].weight = model[0].weight
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    return model.to(torch.bfloat16)
+'''
+
+
+def test_simulate_runs_a_factory_that_jitters_and_casts_and_fsdp2_takes_dtype(tmp_path, monkeypatch):
+    from zero.tools.simulate import main
+
+    (tmp_path / "jittered.py").write_text(_FACTORY)
+    monkeypatch.chdir(tmp_path)  # found beside the user, as the command finds it
+    out = tmp_path / "sim.json"
+    peaks = {}
+    for engine, dtype in (("zero", None), ("fsdp2", None), ("fsdp2", "float32")):
+        argv = ["--model", "jittered:build", "-w", "4", "--ranks", "0", "--engine", engine, "--json", str(out)]
+        assert main(argv + (["--dtype", dtype] if dtype else [])) == 0, (engine, dtype)
+        (r,) = json.loads(out.read_text())
+        assert r["measured_peak_bytes"] == pytest.approx(r["predicted_peak_bytes"], rel=0.03), (engine, dtype)
+        peaks[engine, dtype] = r["predicted_peak_bytes"]
+    # the factory's bf16 cast back to float32: every tensor doubles (to the padding of its shards)
+    assert peaks["fsdp2", "float32"] == pytest.approx(2 * peaks["fsdp2", None], rel=0.01)

@@ -1,7 +1,8 @@
 """What the simulations share (`zero.backends.simulate` of a ZeRO rank, `zero.backends.fsdp2_peer`
 of an FSDP2 one): torch's fake process group for a block (`fake_group`), a memory tracker that keeps
-the rank's peak alone (`peak_only`), the ``optimizer=`` names they run (`optimizer_class`), and the
-store of runs kept under ``ZERO_SIMULATE_CACHE`` (`cached`)."""
+the rank's peak alone (`peak_only`), the ``optimizer=`` names they run (`optimizer_class`), a model
+factory's model built without memory (`built_on_meta`, `as_fake`), and the store of runs kept under
+``ZERO_SIMULATE_CACHE`` (`cached`)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["fake_group", "require_no_group", "cached", "peak_only", "optimizer_class", "OPTIMIZER_CLASSES"]
+__all__ = ["fake_group", "require_no_group", "cached", "peak_only", "optimizer_class", "OPTIMIZER_CLASSES",
+           "built_on_meta", "as_fake"]
 
 # ``optimizer=`` names: the torch.optim class each runs and its settings (the plan's accounting
 # counts the state of the rule of the same name, `zero.plans.accounting.OPTIMIZERS`).
@@ -38,6 +40,40 @@ def fake_group(rank: int, world_size: int) -> Iterator[Any]:
         yield dist.group.WORLD
     finally:
         dist.destroy_process_group()
+
+
+def built_on_meta(factory: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+    """``factory()`` with ``meta`` the default device: no memory, and whatever a model's
+    constructor does works as on real tensors (in-place initialisation under ``no_grad``,
+    ``.to(dtype)``, tied weights), which fake parameters do not allow (``Module.to`` swaps them,
+    and torch cannot swap a fake parameter). A factory that returns no module is a ``TypeError``."""
+    with torch.device("meta"):
+        model = factory()
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"the model factory {getattr(factory, '__qualname__', factory)!r} returned "
+                        f"{type(model).__name__}, not an nn.Module")
+    return model
+
+
+def as_fake(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` (built on ``meta``) with each param and buffer a tensor of the active
+    ``FakeTensorMode`` of its shape, dtype and ``requires_grad`` (on the CPU), ties kept."""
+    made: dict[int, torch.Tensor] = {}
+
+    def fake(t: torch.Tensor, param: bool) -> torch.Tensor:
+        if id(t) not in made:
+            new = torch.empty(t.shape, dtype=t.dtype)
+            made[id(t)] = torch.nn.Parameter(new, requires_grad=t.requires_grad) if param else new
+        return made[id(t)]
+
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                module._parameters[name] = fake(p, True)
+        for name, b in module._buffers.items():
+            if b is not None:
+                module._buffers[name] = fake(b, False)
+    return model
 
 
 def require_no_group() -> None:

@@ -141,9 +141,12 @@ def read_meta(path: str | os.PathLike) -> dict:
     if not os.path.exists(where):
         raise ValueError(f"no zero Orbax checkpoint at {root!r}: it has no zero/metadata (written by "
                          "jax_mesh.save or zero checkpoint convert; an unfinished save leaves none)")
-    with open(where) as f:
-        meta = json.load(f)
-    if meta.get("format") != FORMAT:
+    try:
+        with open(where) as f:
+            meta = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"the checkpoint at {root!r} has a damaged zero/metadata ({type(e).__name__}: {e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise ValueError(f"the checkpoint at {root!r} is in format {meta.get('format')!r}, not {FORMAT!r}")
     return meta
 

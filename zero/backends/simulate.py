@@ -25,7 +25,15 @@ import torch
 from torch import nn
 
 from zero.backends import comm
-from zero.backends.fake_runs import cached, fake_group, optimizer_class, peak_only, require_no_group
+from zero.backends.fake_runs import (
+    as_fake,
+    built_on_meta,
+    cached,
+    fake_group,
+    optimizer_class,
+    peak_only,
+    require_no_group,
+)
 from zero.backends.local_optimizer import state_nbytes
 from zero.backends.sync import ParamSync
 from zero.plans.accounting import bus_bytes
@@ -100,6 +108,8 @@ def _run(params: Callable[[], nn.Module] | Sequence[ParamMeta], world_size: int,
 
     from zero.backends.zero_optimizer import ZeroRedundancyOptimizer
 
+    if callable(params):
+        params = built_on_meta(params)  # outside the fake mode: its params are plain meta tensors
     with fake_group(rank, world_size), FakeTensorMode(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", "Accessing the data pointer of FakeTensor")  # inside torch's own
         model = _model(params, dtype)
@@ -151,11 +161,12 @@ def _plan(model: nn.Module, world_size: int, strategy: str, optimizer: str, mast
                      master_dtype=master, whole=whole)
 
 
-def _model(params: Callable[[], nn.Module] | Sequence[ParamMeta], dtype: torch.dtype | None) -> nn.Module:
-    """The model (under the active ``FakeTensorMode``): built by ``params``, or a `ParameterList`
-    of ``params``' metadata (names, shapes, dtypes, frozen or not); ``dtype`` casts it."""
-    if callable(params):
-        model = params()
+def _model(params: nn.Module | Sequence[ParamMeta], dtype: torch.dtype | None) -> nn.Module:
+    """The model (under the active ``FakeTensorMode``): ``params`` (built on ``meta``) made fake,
+    or a `ParameterList` of ``params``' metadata (names, shapes, dtypes, frozen or not); ``dtype``
+    casts it."""
+    if isinstance(params, nn.Module):
+        model = as_fake(params)
     else:
         model = nn.ParameterList([nn.Parameter(torch.empty(m.shape, dtype=getattr(torch, m.dtype)),
                                                requires_grad=m.requires_grad) for m in params])

@@ -59,8 +59,8 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.Action]:
                                           "or a JAX mesh's Orbax one), verify it, or convert one into the other")
     c.add_argument("action", choices=("show", "verify", "train", "convert"),
                    help="show: each saved tensor, its shape, dtype, bytes and chunks; verify: every piece against its "
-                        "checksum, without loading (exit 1 if any differs); convert: PATH into DST in the format --to "
-                        "names; train: see zero checkpoint train -h")
+                        "checksum, without loading (exit 1 if any differs or the metadata is damaged); convert: "
+                        "PATH into DST in the format --to names; train: see zero checkpoint train -h")
     c.add_argument("path", type=Path, help="the checkpoint's directory")
     c.add_argument("dst", type=Path, nargs="?", help="convert: the directory to write")
     c.add_argument("--to", choices=("orbax", "dcp"), help="convert: the format to write")
@@ -204,20 +204,14 @@ def _key_column(table, rows) -> None:
 
 
 def _verify(path: Path) -> int:
-    """Every piece of the checkpoint at ``path`` against its checksum: 0 when all match, 1 if not."""
-    if (path / "zero" / "metadata").exists():
-        from zero.backends import orbax_format as orbax  # jax loads only here
-
-        meta = orbax.read_meta(path)
-        errors, sums = orbax.verify(path, meta), meta.get("checksums")
-        count = f"{sum(len(p) for p in sums.values())} pieces of {len(sums)} arrays" if sums else None
-    else:
-        from zero.backends.checkpoint import integrity, read_metadata  # torch loads only here
-
-        metadata = read_metadata(path)
-        errors, everything = integrity.verify(path, metadata), integrity.pieces(path, metadata)
-        count = f"{len(everything)} pieces in {len({p.file for p in everything})} files" \
-            if integrity.has_checksums(path) else None
+    """Every piece of the checkpoint at ``path`` against its checksum: 0 when all match, 1 if not
+    (a damaged or unfinished metadata file included); no directory there is a usage error (2)."""
+    if not path.is_dir():
+        raise ValueError(f"no checkpoint at {str(path)!r}: not a directory")
+    try:
+        errors, count = _checked(path)
+    except ValueError as e:  # the metadata itself is damaged, or the save never finished
+        errors, count = [str(e)], None
     for e in errors:
         print(f"DAMAGED: {e}")
     if errors:
@@ -227,6 +221,23 @@ def _verify(path: Path) -> int:
           f"{path}: no checksums (saved by DCP or FSDP2 directly, or an older zero): every file is there and long "
           "enough, but the bytes cannot be verified")
     return 0
+
+
+def _checked(path: Path) -> tuple[list[str], str | None]:
+    """The problems found in the checkpoint at ``path``, and how many pieces have checksums (None: none)."""
+    if (path / "zero" / "metadata").exists():
+        from zero.backends import orbax_format as orbax  # jax loads only here
+
+        meta = orbax.read_meta(path)
+        sums = meta.get("checksums")
+        return orbax.verify(path, meta), f"{sum(len(p) for p in sums.values())} pieces of {len(sums)} arrays" \
+            if sums else None
+    from zero.backends.checkpoint import integrity, read_metadata  # torch loads only here
+
+    metadata = read_metadata(path)
+    everything = integrity.pieces(path, metadata)
+    return integrity.verify(path, metadata), f"{len(everything)} pieces in {len({p.file for p in everything})} " \
+        "files" if integrity.has_checksums(path) else None
 
 
 def _convert(args: argparse.Namespace) -> int:

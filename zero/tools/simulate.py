@@ -30,7 +30,8 @@ def parser() -> argparse.ArgumentParser:
                                 "the memory and collectives measured with the plan's prediction.")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--preset", choices=sorted(PRESETS), help="a built-in shape list")
-    src.add_argument("--model", help="module:attr naming an nn.Module factory (called under fake tensors) or module")
+    src.add_argument("--model", help="module:attr naming an nn.Module factory (called on the meta device, its "
+                     "params then fake tensors) or module")
     p.add_argument("-w", "--world-size", type=int, default=64)
     p.add_argument("--strategy", default="sorted_greedy", help="a plan strategy (flat: element-level shards)")
     p.add_argument("--optimizer", default="adamw", help="the torch.optim rule each rank steps with: adamw, adam, "
@@ -99,13 +100,13 @@ def _simulate(args: argparse.Namespace) -> list[Any]:
 
 
 # zero's own options, which FSDP2 (placing the params and reducing the gradients itself) does not take
-_ZERO_ONLY = {"strategy": "sorted_greedy", "whole": None, "dtype": None, "master_dtype": None,
+_ZERO_ONLY = {"strategy": "sorted_greedy", "whole": None, "master_dtype": None,
               "reduce_scatter_grads": False, "reduce_dtype": None, "bucket_view": "default"}
 
 
 def _simulate_fsdp2(args: argparse.Namespace, ranks: list[int]) -> list[Any]:
     from zero.backends.fsdp2_peer import simulate_fsdp2
-    from zero.plans.meta import param_metas
+    from zero.plans.meta import ParamMeta, param_metas
 
     given = [k for k, default in _ZERO_ONLY.items() if getattr(args, k) != default]
     if given:
@@ -114,10 +115,16 @@ def _simulate_fsdp2(args: argparse.Namespace, ranks: list[int]) -> list[Any]:
         raise ValueError(f"--replicate {args.replicate} must be a positive divisor of -w {args.world_size}")
     source = preset(args.preset) if args.preset else _factory(args.model)
     if callable(source):
-        from torch._subclasses.fake_tensor import FakeTensorMode
+        from zero.backends.fake_runs import built_on_meta
 
-        with FakeTensorMode():
-            source = param_metas(source())
+        source = param_metas(built_on_meta(source))
+    import torch
+
+    dtype = _dtype(args.dtype, "--dtype")
+    if dtype is not None:  # as --engine zero casts them: the float params, to this dtype
+        name = str(dtype).removeprefix("torch.")
+        source = [ParamMeta(m.name, m.shape, name, m.device, m.group, m.requires_grad)
+                  if getattr(torch, m.dtype).is_floating_point else m for m in source]
     return [simulate_fsdp2(source, args.world_size, rank, replicas=args.replicate, optimizer=args.optimizer,
                            zero=args.zero_over_replicas) for rank in ranks]
 
