@@ -383,3 +383,50 @@ def load_or_error(rank: int, world_size: int, path: str, strategy: str = "sorted
     unchanged = all(torch.equal(a, b) for a, b in zip(model.parameters(), before)) and \
         all(torch.equal(state[k], after[k]) for k in state)
     return {"error": error, "unchanged": unchanged, "warnings": said}
+
+
+# The random-layout sweep's model (#65): an embedding, Linears of uneven widths, a LayerNorm
+def sweep_model() -> torch.nn.Module:
+    from torch import nn
+
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(10, 24), nn.Linear(24, 29), nn.Linear(29, 16), nn.Linear(16, 41),
+                         nn.LayerNorm(41)).double()
+
+
+def _sweep_run(rule, strategy: str, path: str | None, first: int, steps: int, load: str | None):
+    """Build, load ``load``, step ``first .. first + steps`` on fixed gradients, save to ``path``."""
+    from fsdp2_workers import make_rule
+
+    model = sweep_model()
+    opt = Zero(model.parameters(), make_rule(rule), strategy=strategy)
+    if load:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)  # the load must put every param back
+        checkpoint.load(load, model, opt)
+    for k in range(first, first + steps):
+        gen = torch.Generator().manual_seed(700 + k)
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=gen, dtype=p.dtype)
+        opt.step()
+    if path:
+        checkpoint.save(path, model, opt)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def resume_sweep(rank: int, world_size: int, root: str, rules: dict, strategies: tuple[str, ...],
+                 saved_at: int | None = None) -> dict[str, float]:
+    """Per rule and plan: 3 steps, saved (at ``saved_at`` ranks, by an earlier call, when given),
+    loaded into a new optimizer, 3 more; the largest difference from 6 steps uninterrupted at
+    this world size (0.0: bitwise)."""
+    out = {}
+    for name, rule in rules.items():
+        for strategy in strategies:
+            path = f"{root}/{name}-{strategy}"
+            whole = _sweep_run(rule, strategy, None, 0, 6, None)
+            if saved_at is None:
+                _sweep_run(rule, strategy, path, 0, 3, None)
+            resumed = _sweep_run(rule, strategy, None, 3, 3, path)
+            out[f"{name} {strategy}"] = max(float((a - b).abs().max()) for a, b in zip(whole, resumed))
+    return out

@@ -9,6 +9,7 @@ import json
 import os
 import re
 
+import alias_cases
 import checkpoint_workers as cw
 import numpy as np
 import plan_workers as pw
@@ -559,3 +560,26 @@ def test_both_formats_round_trip_every_mode_over_the_same_holdings(tmp_path):
     assert {r["mode"] for r in rows[0].values()} == {"WholeParams", "FlatShards", "ReduceScatteredShards",
                                                      "FlatShards hybrid", "FlatShards hybrid reduced", "DDPOverlap"}
     assert all(r["pieces"] > 0 for row in rows for r in row.values())
+
+
+SWEEP_RULES = {name: (name, {**alias_cases.ALIASES, **alias_cases.MORE_ALIASES, **alias_cases.CONTRIB}[name])
+               for name in ("adamw", "adafactor", "lion", "muon", "soap", "shampoo")}
+
+
+def test_every_rule_saves_under_every_plan_and_resumes_bitwise(tmp_path):
+    """The random-layout sweep's model (#65): each rule, under a flat plan (hybrid where the rule
+    needs matrices whole: Adafactor's vectors keep 1-element placeholders in flat shards) and a
+    whole-param plan, saved after 3 steps and resumed at the same world size: bitwise the
+    uninterrupted run, at 2 and 3 ranks."""
+    for world_size in (2, 3):
+        got = run_ranks(cw.resume_sweep, world_size, str(tmp_path / str(world_size)), SWEEP_RULES,
+                        ("flat", "sorted_greedy"))[0]
+        assert all(d == 0.0 for d in got.values()), (world_size, got)
+
+
+def test_every_rule_resumes_at_another_world_size(tmp_path):
+    """Saved at 2 ranks under a flat plan, resumed at 3: the run at 3 to rounding (the flat
+    shards' sums fall elsewhere), every rule, Adafactor's placeholders loaded as saved."""
+    run_ranks(cw.resume_sweep, 2, str(tmp_path), SWEEP_RULES, ("flat",))
+    got = run_ranks(cw.resume_sweep, 3, str(tmp_path), SWEEP_RULES, ("flat",), 2)[0]
+    assert all(d <= 1e-12 for d in got.values()), got

@@ -21,6 +21,7 @@ from zero.backends import comm
 from zero.backends.local_optimizer import initial_state, is_per_element
 from zero.backends.precision import MASTER_KEY
 from zero.backends.rank_state import RankState
+from zero.functional import sharding
 from zero.functional.adapters.state_names import per_param
 from zero.plans.chunks import Held, range_boxes
 
@@ -106,9 +107,10 @@ def _per_element(leaf: Any, local: torch.Tensor, h: Held, state: RankState, key:
     element per ``k`` of the param's, which the held piece cuts at multiples of ``k`` (a quantized
     moment's scales, one per block; 4-bit codes, two a byte), saved as pieces of a 1-D tensor of
     ``numel // k`` elements; 0 for a leaf of another shape (a factored statistic, a norm), saved
-    whole, which needs the whole param, or an empty placeholder (SOAP's factor of an axis it leaves
-    as it is), the same on every rank that holds a piece."""
-    if isinstance(leaf, torch.Tensor) and leaf.numel() == 0:
+    whole, which needs the whole param, or a placeholder (SOAP's empty factor of an axis it leaves
+    as it is, Adafactor's unused fields: `zero.functional.sharding.placeholder`), the same on every
+    rank that holds a piece."""
+    if isinstance(leaf, torch.Tensor) and (leaf.numel() == 0 or sharding.is_placeholder(leaf)):
         return 0
     if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape == local.shape:
         return 1

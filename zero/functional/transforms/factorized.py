@@ -67,11 +67,10 @@ def _factored_dims(shape: torch.Size, factored: bool, min_dim_size_to_factor: in
 def _zero_moments(p: torch.Tensor, dims: tuple[int, int] | None) -> tuple[torch.Tensor, ...]:
     """(v_row, v_col, v) for one param: the factors' zeros, or the full moment's, with 1-element
     placeholders for the unused fields (as Optax keeps them)."""
-    placeholder = torch.zeros(1, dtype=p.dtype, device=p.device)
     if dims is None:
-        return placeholder, placeholder, torch.zeros_like(p)
+        return sharding.placeholder(p), sharding.placeholder(p), torch.zeros_like(p)
     d1, d0 = dims
-    return torch.zeros_like(p.sum(d0)), torch.zeros_like(p.sum(d1)), placeholder
+    return torch.zeros_like(p.sum(d0)), torch.zeros_like(p.sum(d1)), sharding.placeholder(p)
 
 
 def scale_by_factored_rms(factored: bool = True, decay_rate: float = 0.8, step_offset: int = 0,
@@ -92,18 +91,17 @@ def scale_by_factored_rms(factored: bool = True, decay_rate: float = 0.8, step_o
 
     def one(g, v_row, v_col, v, p, decay):
         dims = _factored_dims(p.shape, factored, min_dim_size_to_factor)
-        placeholder = torch.zeros(1, dtype=p.dtype, device=p.device)
         g_sq = abs_sq(g) + epsilon
         if dims is None:
             new_v = (decay * v + (1.0 - decay) * g_sq).to(p.dtype)
-            return g * new_v ** -0.5, placeholder, placeholder, new_v
+            return g * new_v ** -0.5, sharding.placeholder(p), sharding.placeholder(p), new_v
         d1, d0 = dims
         new_row = (decay * v_row + (1.0 - decay) * g_sq.mean(d0)).to(p.dtype)
         new_col = (decay * v_col + (1.0 - decay) * g_sq.mean(d1)).to(p.dtype)
         reduced_d1 = d1 - 1 if d1 > d0 else d1
         row_factor = (new_row / new_row.mean(reduced_d1, keepdim=True)) ** -0.5
         update = g * row_factor.unsqueeze(d0) * (new_col ** -0.5).unsqueeze(d1)
-        return update, new_row, new_col, placeholder
+        return update, new_row, new_col, sharding.placeholder(p)
 
     def update(updates, state, params=None):
         if params is None:
