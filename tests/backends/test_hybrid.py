@@ -161,10 +161,12 @@ def _named_step(tx, whole):
 
 @pytest.mark.usefixtures("one_rank")
 @pytest.mark.parametrize("dims, whole, match", [
-    (hw.by_name, hw.first_weight, r"makes param 2 \(1.weight\) a Muon weight, but the plan left it in the flat"),
-    (lambda tree: {n: zf.contrib.MuonDimensionNumbers(1, 0) if n != "0.weight" else None for n in tree},
+    (hw.by_name, hw.first_weight, r"makes param 2 \(1.weight\) a Muon weight, but this step holds it in pieces: "
+     r"keep it whole \(zero.make_plan\(..., 'flat', whole=...\): a hybrid plan\)"),
+    (lambda tree: {n: zf.contrib.MuonDimensionNumbers(1, 0) if n != "0.weight" and "bias" not in n else None
+                   for n in tree},
      lambda m: m.name != "0.weight" and m.name != "0.bias" and m.requires_grad,
-     r"labels a flat shard \(pieces of params 0 \(0.weight\), 1 \(0.bias\)\) as a Muon weight"),
+     r"labels a shard \(pieces of params 0 \(0.weight\), 1 \(0.bias\)\) as a Muon weight"),
     (zf.contrib.MuonDimensionNumbers(1, 0), hw.matrices, "as a tree labels leaves by position"),
 ])
 def test_muon_routed_by_name_refuses_a_shard_it_would_route_to_newton_schulz(dims, whole, match):

@@ -247,5 +247,5 @@ def test_a_flat_piece_of_a_param_routed_by_name_is_refused():
     installed = sharding.Sharding({id(piece): sharding.Pieces((0,), (12,), (0,), 0)}, (torch.float32,),
                                   lambda x: x, numels=(24,), shapes=((4, 6),), names=("w",))
     with sharding.installed(installed), sharding.stepping({"flat0": piece}):
-        with pytest.raises(ValueError, match="labels a flat shard \\(pieces of params 0 \\(w\\)\\) as preconditioned"):
+        with pytest.raises(ValueError, match="labels a shard \\(pieces of params 0 \\(w\\)\\) as preconditioned"):
             tx.update({"flat0": torch.ones(12)}, tx.init({"flat0": piece}), {"flat0": piece})

@@ -181,7 +181,7 @@ def _labels(dimension_numbers: DimensionNumbers) -> Callable[[Any], Any]:
                 check_labelled(dims_per_leaf(dimension_numbers, whole), whole)
             check_cut(dimension_numbers, tree, cut)
         dims = dims_per_leaf(dimension_numbers, tree)
-        if cut is None or not any(cut):
+        if not any(cut or ()) and not sharding.pieces_unknown():  # whole leaves (a step's init checks nothing)
             check_labelled(dims, tree)
         return optree.tree_structure(tree).unflatten(["adam" if d is None else "muon" for d in dims])
     return labels

@@ -24,7 +24,7 @@ from zero.functional.sharding.context import (
     whole_piece,
 )
 
-__all__ = ["whole_tensors", "needs_whole", "cut_tensors", "whole_tree", "asked_of"]
+__all__ = ["whole_tensors", "needs_whole", "cut_tensors", "whole_tree", "asked_of", "pieces_unknown"]
 
 
 _PROBE: ContextVar[set[int] | None] = ContextVar("zero_whole_probe", default=None)  # see needs_whole
@@ -122,6 +122,12 @@ def cut_tensors(leaves: Sequence[torch.Tensor], what: str = "which tensors a lea
     sharding, pieces = sharded(leaves, what)
     return [() if whole_piece(sharding, pc) and pc.lengths[0] == leaf.numel() and _own_shape(sharding, pc, leaf)
             else pc.tensors for leaf, pc in zip(leaves, pieces)]
+
+
+def pieces_unknown() -> bool:
+    """A sharded step's init (outside `stepping`): its leaves may be pieces, but which is not known
+    yet (the step checks them)."""
+    return current(SHARDING) is not None and not stepping_whole() and current(LEAVES) is None
 
 
 def whole_tree() -> tuple[dict[str, torch.Tensor], list[int]]:
