@@ -172,3 +172,24 @@ def test_simulate_runs_a_factory_that_jitters_and_casts_and_fsdp2_takes_dtype(tm
         peaks[engine, dtype] = r["predicted_peak_bytes"]
     # the factory's bf16 cast back to float32: every tensor doubles (to the padding of its shards)
     assert peaks["fsdp2", "float32"] == pytest.approx(2 * peaks["fsdp2", None], rel=0.01)
+
+
+def test_plan_warns_when_one_rank_holds_far_more_state_and_says_how_to_route_it():
+    """GPT-2 under Muon's default routing: rank 0 steps the 50257x768 embedding whole (#65)."""
+    for engine in ("zero", "fsdp2"):
+        res = zero("plan", "--preset", "gpt2", "-w", "8", "--optimizer", "muon", "--engine", engine)
+        assert "warning: rank 0 holds 147." in res.stderr and "2.48x the mean" in res.stderr, res.stderr
+        assert "'wte.weight' (50257, 768) alone is 147.2 MiB" in res.stderr
+        assert "muon_weight_dimension_numbers=lambda ps: {n: None if n == 'wte.weight'" in res.stderr
+    assert zero("plan", "--preset", "gpt2", "-w", "8", "--optimizer", "adamw", "--strategy", "flat").stderr == ""
+    assert zero("plan", "--preset", "llama-7b", "-w", "64", "--optimizer", "muon").stderr == ""
+
+
+def test_state_imbalance_is_said_over_its_limit_only():
+    from zero.plans.balance import state_imbalance
+    from zero.plans.meta import ParamMeta
+
+    metas = (ParamMeta("emb", (1000, 10)), ParamMeta("w", (10, 10)))
+    assert state_imbalance([150, 100, 50], [[0], [1], []], metas, "adamw") is None  # 1.5x the mean: not over
+    said = state_imbalance([151, 100, 49], [[0], [1], []], metas, "adamw")
+    assert said.startswith("warning: rank 0 holds 0.0 MiB of optimizer state, 1.51x the mean") and "'emb'" in said

@@ -131,8 +131,19 @@ def _fsdp2_plan(args: argparse.Namespace, metas: list) -> int:
              if value != default]
     if given:
         raise SystemExit(f"zero plan --engine fsdp2: {', '.join(given)} shape zero's own plans, not FSDP2's layout")
-    print(make_fsdp2_plan(metas, args.world_size, args.optimizer).table())
+    plan = make_fsdp2_plan(metas, args.world_size, args.optimizer)
+    print(plan.table())
+    _warn_imbalance([plan.state_bytes(r) for r in range(plan.ranks)], [plan.owned(r) for r in range(plan.ranks)],
+                    plan.metas, plan.optimizer)
     return 0
+
+
+def _warn_imbalance(states: list[int], owned: list, metas: tuple, optimizer: str) -> None:
+    from zero.plans.balance import state_imbalance
+
+    said = state_imbalance(states, owned, metas, optimizer)
+    if said:
+        print(said, file=sys.stderr)
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -157,6 +168,11 @@ def _plan(args: argparse.Namespace) -> int:
     plan = make_plan(metas, args.world_size, args.strategy, args.weight, args.optimizer, args.alignment,
                      master_dtype=args.master_dtype)
     print(render(plan.table(args.rows)))
+    owned = [[] for _ in range(plan.world_size)]
+    for i, r in enumerate(plan.partition.owner if plan.partition is not None else ()):
+        if r >= 0:
+            owned[r].append(i)
+    _warn_imbalance([r.state_bytes for r in plan.ranks], owned, plan.metas, plan.optimizer)
     if args.json:
         args.json.write_text(plan.to_json())
         print(f"saved {args.json}")
