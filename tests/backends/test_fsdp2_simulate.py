@@ -65,3 +65,68 @@ def test_zero_simulate_engine_fsdp2(tmp_path):
     done = subprocess.run([sys.executable, "-m", "zero", "simulate", "--preset", "llama-7b", "--replicate", "8"],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 2 and "--engine fsdp2's" in done.stderr
+
+
+def _llama_metas(dim: int, layers: int, vocab: int = 1000):
+    """A small LLaMA's params, named as the presets name them (`zero.backends.preset_models`)."""
+    from zero.plans.meta import ParamMeta
+
+    hidden, out = 688 if dim == 256 else 1024, [ParamMeta("embed_tokens.weight", (vocab, dim))]
+    for i in range(layers):
+        p = f"layers.{i}."
+        out += [ParamMeta(p + f"self_attn.{x}_proj.weight", (dim, dim)) for x in "qkvo"]
+        out += [ParamMeta(p + "mlp.gate_proj.weight", (hidden, dim)), ParamMeta(p + "mlp.up_proj.weight", (hidden, dim)),
+                ParamMeta(p + "mlp.down_proj.weight", (dim, hidden)), ParamMeta(p + "input_layernorm.weight", (dim,)),
+                ParamMeta(p + "post_attention_layernorm.weight", (dim,))]
+    return out + [ParamMeta("norm.weight", (dim,)), ParamMeta("lm_head.weight", (vocab, dim))]
+
+
+def _real(rank, world_size, metas, batch, replicas):
+    from zero.backends.fsdp2_peer import batch_run
+
+    return batch_run(metas, batch, replicas=replicas)
+
+
+@pytest.mark.parametrize("dim, layers", [(256, 2), (384, 3)])
+def test_a_batch_run_on_fake_tensors_is_the_real_runs_peak_activations_included(dim, layers):
+    """The model's forward and backward on a batch, simulated on fake tensors (``run(..., batch=)``),
+    against the same model trained for real on gloo ranks, both measured by ``FSDPMemTracker``:
+    FSDP2 at 2 ranks and HSDP at 2 x 2, two batch sizes. Equal to the byte where the real rank's
+    collectives finish in order; a real rank may still hold the next unit's all-gather at its peak
+    (its collectives run beside its compute: seen once in a fresh process), at most one unit's
+    params more. Activations are most of the peak at the larger batch."""
+    from helpers import run_ranks
+
+    from zero.backends.fsdp2_peer import run
+    from zero.plans.fsdp2_memory import units
+
+    metas = _llama_metas(dim, layers)
+    unit = max(sum(metas[i].nbytes for i in u) for u in units(metas))
+    for world_size, replicas in ((2, 1), (4, 2)):
+        for batch in ((1, 64), (4, 256)):
+            real = run_ranks(_real, world_size, metas, batch, replicas)
+            for rank in (0, world_size - 1):
+                fake = run(metas, world_size, rank, batch=batch, replicas=replicas)
+                got = real[rank].measured_peak_bytes
+                assert fake.measured_peak_bytes <= got <= fake.measured_peak_bytes + unit, (world_size, batch, rank,
+                                                                                            got, fake)
+                act = fake.measured_by_category["act"]
+                assert act == real[rank].measured_by_category["act"] or got > fake.measured_peak_bytes
+            if batch == (4, 256):
+                assert act > 0.4 * fake.measured_peak_bytes, fake.measured_by_category
+
+
+def test_zero_simulate_batch_prints_the_activation_share(tmp_path):
+    out = tmp_path / "run.json"
+    done = subprocess.run([sys.executable, "-m", "zero", "simulate", "--preset", "llama-7b", "-w", "64", "--engine",
+                           "fsdp2", "--batch", "1,2048", "--ranks", "0", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    (d,) = json.loads(out.read_text())
+    assert d["batch"] == [1, 2048] and d["activation_bytes"] > 0.8 * d["measured_peak_bytes"], d
+    assert "of its peak), which the plan's prediction" in " ".join(done.stdout.split())
+    for argv, said in ((["--engine", "zero"], "--batch is --engine fsdp2's"),
+                       (["--engine", "fsdp2", "--dtype", "float32"], "with --batch the model runs as its factory")):
+        bad = subprocess.run([sys.executable, "-m", "zero", "simulate", "--preset", "llama-7b", "-w", "64", "--batch",
+                              "1,2048", *argv], capture_output=True, text=True, timeout=600)
+        assert bad.returncode == 2 and said in bad.stderr, bad.stderr

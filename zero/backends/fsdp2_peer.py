@@ -31,12 +31,14 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from zero.backends.fake_runs import OPTIMIZER_CLASSES, fake_group, peak_only
 from zero.plans.fsdp2_memory import units
 from zero.plans.meta import ParamMeta, param_metas
 
-__all__ = ["fsdp2_peak", "measure", "run", "Fsdp2Run", "Fsdp2RankRun", "simulate_fsdp2", "layered", "few_chunks"]
+__all__ = ["fsdp2_peak", "measure", "run", "batch_run", "tracked", "shard_units", "Fsdp2Run", "Fsdp2RankRun",
+           "simulate_fsdp2", "layered", "few_chunks"]
 
 # FSDPMemTracker's categories under the names of `zero.plans.fsdp2_memory`'s (its TEMP: the
 # gradients autograd makes in backward, the step's temporaries in the step)
@@ -164,19 +166,32 @@ class Fsdp2Run:
 
 def run(params: Callable[[], nn.Module] | Sequence[ParamMeta], world_size: int, rank: int, *,
         optimizer: str = "adamw", master_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
-        every_chunk: bool = False, replicas: int = 1, zero: bool = False) -> Fsdp2Run:
+        every_chunk: bool = False, replicas: int = 1, zero: bool = False,
+        batch: tuple[int, int] | None = None) -> Fsdp2Run:
     """`measure`'s run, on a ``replicas x world_size / replicas`` mesh (HSDP) when ``replicas`` > 1,
     stepped by ``torch.optim``'s ``optimizer`` or, with ``zero``, by `zero.ZeroRedundancyOptimizer`
-    over the same class (its state sharded over the replicas too)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    over the same class (its state sharded over the replicas too).
 
-    cls_name, settings = OPTIMIZER_CLASSES[optimizer]
+    ``batch`` ``(B, T)``: the model itself (a factory's, or a LLaMA preset's: `preset_models`) runs
+    forward and backward on ``B x T`` token ids, so activations and their temporaries are measured
+    too (`batch_run` measures the same on real tensors); without it, a forward reading each param
+    once (the params', gradients' and state's memory alone)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from zero.backends.fake_runs import as_fake, built_on_meta
+
+    if batch is not None:
+        meta_model = built_on_meta(params if callable(params) else lambda: _llama(params))
     with fake_group(rank, world_size), warnings.catch_warnings():
         warnings.filterwarnings("ignore", "Accessing the data pointer of FakeTensor")
         mesh = _mesh(world_size, replicas)  # outside FakeTensorMode: the mesh reads real tensors
         with FakeTensorMode():
+            if batch is not None:
+                model = as_fake(meta_model)
+                with contextlib.nullcontext() if every_chunk else few_chunks():
+                    shard_units(model, mesh)
+                return tracked(model, mesh, optimizer, zero, _tokens(model, batch), rank, world_size, replicas)
             metas = params if not callable(params) else param_metas(params())
             compute = {m.dtype for m in metas if m.requires_grad}
             policy = MixedPrecisionPolicy(
@@ -184,30 +199,100 @@ def run(params: Callable[[], nn.Module] | Sequence[ParamMeta], world_size: int, 
                 reduce_dtype=reduce_dtype)
             model = layered(metas, master_dtype)
             with contextlib.nullcontext() if every_chunk else few_chunks():
-                for layer in model.layers:
-                    fully_shard(layer, mesh=mesh, mp_policy=policy)
-                fully_shard(model, mesh=mesh, mp_policy=policy)
-            cls = getattr(torch.optim, cls_name)
-            opt = cls(model.parameters(), **settings) if not zero else _zero(model, cls, settings)
-            tracker = peak_only(FSDPMemTracker)(model, opt)
-            x = torch.zeros(())
-            tracker.track_inputs((x,))
-            with tracker:
-                for k in range(2):
-                    if k:  # the peak of the second iteration, as the plan predicts (see the module)
-                        tracker.restart_peak()
-                    with _sent(mesh) if k else contextlib.nullcontext() as sent:
-                        model(x).backward()
-                        opt.step()
-                    opt.zero_grad()
-                    tracker.reset_mod_stats()  # (the tracker's per-module records hold one iteration)
-            snapshot = {}
-            for device in tracker.get_tracker_snapshot("peak").values():
-                for key, value in device.items():
-                    name = str(getattr(key, "name", key)).lower()
-                    snapshot[name] = snapshot.get(name, 0) + int(value)
-            total = snapshot.pop("total")
-            return Fsdp2Run(rank, world_size, replicas, total, snapshot, dict(sent))
+                shard_units(model, mesh, policy)
+            return tracked(model, mesh, optimizer, zero, torch.zeros(()), rank, world_size, replicas)
+
+
+def batch_run(factory: Callable[[], nn.Module] | Sequence[ParamMeta], batch: tuple[int, int], *, replicas: int = 1,
+              optimizer: str = "adamw", zero: bool = False, seed: int = 0, iterations: int = 3) -> Fsdp2Run:
+    """What `run` with ``batch`` simulates, on real tensors: this rank of the default (real) process
+    group trains ``factory``'s model (or a LLaMA preset's) under FSDP2 (HSDP with ``replicas``),
+    measured by the same ``FSDPMemTracker``, in the last of ``iterations``: a real rank's collectives
+    run beside its compute, and in a process's first iterations one can still hold the next unit's
+    all-gather when the peak comes (measured: one unit's params more, once in a fresh process)."""
+    import torch.distributed as dist
+
+    torch.manual_seed(seed)
+    model = factory() if callable(factory) else _llama(factory)
+    world_size = dist.get_world_size()
+    mesh = _mesh(world_size, replicas)
+    shard_units(model, mesh)
+    return tracked(model, mesh, optimizer, zero, _tokens(model, batch), dist.get_rank(), world_size, replicas,
+                   iterations)
+
+
+def _llama(metas: Sequence[ParamMeta]) -> nn.Module:
+    from zero.backends.preset_models import llama_like
+
+    return llama_like(metas)
+
+
+def shard_units(model: nn.Module, mesh: Any, policy: Any = None) -> None:
+    """``fully_shard`` each unit of ``model`` (`zero.plans.fsdp2_memory.units`: a transformer layer,
+    or the module of one other param: the embedding, the final norm, the head), then the root, as
+    torchtitan wraps its models and as the plan predicts."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from zero.plans.fsdp2_memory import unit_of
+
+    policy = policy or MixedPrecisionPolicy()
+    done = set()
+    for name, _ in model.named_parameters():
+        unit = unit_of(name)
+        path = unit if unit != name else name.rpartition(".")[0]
+        if path and path not in done:
+            fully_shard(model.get_submodule(path), mesh=mesh, mp_policy=policy)
+            done.add(path)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+
+
+def _tokens(model: nn.Module, batch: tuple[int, int]) -> torch.Tensor:
+    """``B x T`` token ids below the first embedding's vocabulary (every token id is read the same way)."""
+    embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    if embedding is None:
+        raise ValueError("a batch runs the model on token ids: its forward must take them (an nn.Embedding first)")
+    b, t = batch
+    return torch.randint(0, embedding.num_embeddings, (b, t), generator=None)
+
+
+def _loss(out: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Cross entropy of the logits against the tokens (in float32, as training computes it), or, for
+    an output that is not logits per token, its mean."""
+    if out.shape[:-1] == tokens.shape and out.is_floating_point():
+        return F.cross_entropy(out.flatten(0, -2).float(), tokens.flatten())
+    return out.float().mean()
+
+
+def tracked(model: nn.Module, mesh: Any, optimizer: str, zero: bool, x: torch.Tensor, rank: int, world_size: int,
+            replicas: int, iterations: int = 2) -> Fsdp2Run:
+    """``iterations`` of ``model`` (sharded on ``mesh``) on input ``x`` under ``FSDPMemTracker``;
+    the last one's peak, its categories and the bytes it sent."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    cls_name, settings = OPTIMIZER_CLASSES[optimizer]
+    cls = getattr(torch.optim, cls_name)
+    opt = cls(model.parameters(), **settings) if not zero else _zero(model, cls, settings)
+    tracker = peak_only(FSDPMemTracker)(model, opt)
+    tracker.track_inputs((x,))
+    with tracker:
+        for k in range(iterations):
+            last = k == iterations - 1
+            if last:  # the steady state's peak, as the plan predicts (see the module)
+                tracker.restart_peak()
+            with _sent(mesh) if last else contextlib.nullcontext() as sent:
+                out = model(x)
+                (out if x.dim() == 0 else _loss(out, x)).backward()
+                del out
+                opt.step()
+            opt.zero_grad()
+            tracker.reset_mod_stats()  # (the tracker's per-module records hold one iteration)
+    snapshot = {}
+    for device in tracker.get_tracker_snapshot("peak").values():
+        for key, value in device.items():
+            name = str(getattr(key, "name", key)).lower()
+            snapshot[name] = snapshot.get(name, 0) + int(value)
+    total = snapshot.pop("total")
+    return Fsdp2Run(rank, world_size, replicas, total, snapshot, dict(sent))
 
 
 def _mesh(world_size: int, replicas: int) -> Any:
@@ -274,6 +359,7 @@ class Fsdp2RankRun:
 
     measured: Fsdp2Run
     predicted: Any
+    batch: tuple[int, int] | None = None  # the run's forward and backward on this batch (activations measured)
 
     @property
     def rank(self) -> int:
@@ -305,16 +391,27 @@ class Fsdp2RankRun:
                 "peak_phase": self.predicted.peak_phase, "by_category": by_category,
                 "collective_bytes": sum(self.measured.sent.values()),
                 "plan_collective_bytes": sum(self.predicted.sent.values()), "sent": sent,
-                "ddp_allreduce_bytes": 0, "collectives": []}
+                "ddp_allreduce_bytes": 0, "collectives": [],
+                **({"batch": list(self.batch), "activation_bytes": self.activation_bytes} if self.batch else {})}
+
+    @property
+    def activation_bytes(self) -> int:
+        """The activations autograd kept for backward, at the run's peak (``FSDPMemTracker``'s ``act``)."""
+        return self.measured.measured_by_category.get("act", 0)
 
 
 def simulate_fsdp2(params: Sequence[ParamMeta], world_size: int, rank: int, *, replicas: int = 1,
-                   optimizer: str = "adamw", zero: bool = False) -> Fsdp2RankRun:
+                   optimizer: str = "adamw", zero: bool = False, batch: tuple[int, int] | None = None,
+                   model: Callable[[], nn.Module] | None = None) -> Fsdp2RankRun:
     """``rank`` of ``world_size`` training ``params`` (metadata) under FSDP2 (HSDP with ``replicas``
     > 1), stepped by ``torch.optim``'s ``optimizer`` or zero's over the replicas (``zero``):
     measured (`run`, in a process of its own, as `fsdp2_peak`) beside the plan's prediction
     (`zero.plans.fsdp2_memory.fsdp2_footprint`). Kept under ``ZERO_SIMULATE_CACHE`` as
-    `zero.backends.simulate` keeps its runs."""
+    `zero.backends.simulate` keeps its runs.
+
+    ``batch`` ``(B, T)``: the run is the model's own forward and backward on ``B x T`` token ids
+    (``model``: a picklable factory of the model ``params`` describe; without it, a LLaMA preset's
+    module), so its peak holds the activations and temporaries the plan leaves out."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
@@ -325,8 +422,12 @@ def simulate_fsdp2(params: Sequence[ParamMeta], world_size: int, rank: int, *, r
     predicted = fsdp2_footprint(list(params), world_size, rank, replicas=replicas, optimizer=optimizer, zero=zero)
 
     def measured() -> Fsdp2Run:
+        source = model if batch is not None and model is not None else list(params)
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            return pool.submit(run, list(params), world_size, rank, optimizer=optimizer, replicas=replicas,
-                               zero=zero).result()
-    options = {"engine": "fsdp2", "replicas": replicas, "optimizer": optimizer, "zero": zero}
-    return Fsdp2RankRun(cached(tuple(params), world_size, rank, options, Fsdp2Run, measured), predicted)
+            return pool.submit(run, source, world_size, rank, optimizer=optimizer, replicas=replicas,
+                               zero=zero, batch=batch).result()
+    if batch is not None and model is not None:
+        return Fsdp2RankRun(measured(), predicted, batch)  # (a factory's run is not kept: see `cached`)
+    options = {"engine": "fsdp2", "replicas": replicas, "optimizer": optimizer, "zero": zero,
+               **({"batch": tuple(batch)} if batch is not None else {})}
+    return Fsdp2RankRun(cached(tuple(params), world_size, rank, options, Fsdp2Run, measured), predicted, batch)

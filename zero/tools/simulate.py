@@ -52,6 +52,9 @@ def parser() -> argparse.ArgumentParser:
                    help="with --engine fsdp2: step with zero.ZeroRedundancyOptimizer (the state over every rank) in "
                         "place of torch.optim's class")
     p.add_argument("--ranks", default=None, help="comma-separated ranks to run (default: first, middle and last)")
+    p.add_argument("--batch", type=_batch, metavar="B,T",
+                   help="with --engine fsdp2: run the model's forward and backward on B x T token ids (a LLaMA "
+                        "preset, or --model whose forward takes them), so activations are measured too")
     p.add_argument("--json", type=Path, help="write one object per rank here")
     return p
 
@@ -79,6 +82,8 @@ def _simulate(args: argparse.Namespace) -> list[Any]:
     ranks = _ranks(args.ranks, args.world_size)
     if args.engine == "fsdp2":
         return _simulate_fsdp2(args, ranks)
+    if args.batch is not None:
+        raise ValueError("--batch is --engine fsdp2's: --engine zero's run reads each param once (no activations)")
     if args.replicate != 1 or args.zero_over_replicas:
         raise ValueError("--replicate and --zero-over-replicas are --engine fsdp2's")
     options = {"optimizer": args.optimizer, "strategy": args.strategy,
@@ -114,10 +119,14 @@ def _simulate_fsdp2(args: argparse.Namespace, ranks: list[int]) -> list[Any]:
     if args.replicate < 1 or args.world_size % args.replicate:
         raise ValueError(f"--replicate {args.replicate} must be a positive divisor of -w {args.world_size}")
     source = preset(args.preset) if args.preset else _factory(args.model)
-    if callable(source):
+    factory = source if callable(source) else None
+    if factory is not None:
         from zero.backends.fake_runs import built_on_meta
 
         source = param_metas(built_on_meta(source))
+    if args.batch is not None and args.dtype is not None:
+        raise ValueError("--dtype casts a preset's or a model's params for a run without --batch: with --batch the "
+                         "model runs as its factory builds it")
     import torch
 
     dtype = _dtype(args.dtype, "--dtype")
@@ -126,7 +135,7 @@ def _simulate_fsdp2(args: argparse.Namespace, ranks: list[int]) -> list[Any]:
         source = [ParamMeta(m.name, m.shape, name, m.device, m.group, m.requires_grad)
                   if getattr(torch, m.dtype).is_floating_point else m for m in source]
     return [simulate_fsdp2(source, args.world_size, rank, replicas=args.replicate, optimizer=args.optimizer,
-                           zero=args.zero_over_replicas) for rank in ranks]
+                           zero=args.zero_over_replicas, batch=args.batch, model=factory) for rank in ranks]
 
 
 def _ranks(text: str | None, world_size: int) -> list[int]:
@@ -142,6 +151,16 @@ def _ranks(text: str | None, world_size: int) -> list[int]:
     if bad:
         raise ValueError(f"--ranks {bad} are not ranks of a world of {world_size}")
     return ranks
+
+
+def _batch(text: str) -> tuple[int, int]:
+    try:
+        b, t = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--batch takes B,T (two positive ints), got {text!r}") from None
+    if b < 1 or t < 1:
+        raise argparse.ArgumentTypeError(f"--batch takes B,T (two positive ints), got {text!r}")
+    return b, t
 
 
 def _dtype(name: str | None, flag: str) -> Any:
@@ -192,6 +211,11 @@ def _print(runs: list[Any], args: argparse.Namespace) -> None:
         if "sent" in d:  # --engine fsdp2: FSDP2's and zero's collectives, within and across replicas
             for where, pair in d["sent"].items():
                 table.add_row(f"sent per step, {where} replicas", _gib(pair["predicted"]), _gib(pair["measured"]))
+            if "batch" in d:
+                table.caption = (f"batch {d['batch'][0]}x{d['batch'][1]}: measured runs the model's forward and "
+                                 f"backward on fake tensors; its activations {_gib(d['activation_bytes'])} GiB "
+                                 f"({d['activation_bytes'] / max(r.measured_peak_bytes, 1):.1%} of its peak), "
+                                 "which the plan's prediction (model states and buffers) leaves out")
             print(render(table, width=100))
             continue
         table.add_row("sent per step, zero's collectives", _gib(d["plan_collective_bytes"]),
