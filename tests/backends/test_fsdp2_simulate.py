@@ -76,7 +76,8 @@ def _llama_metas(dim: int, layers: int, vocab: int = 1000):
         p = f"layers.{i}."
         out += [ParamMeta(p + f"self_attn.{x}_proj.weight", (dim, dim)) for x in "qkvo"]
         out += [ParamMeta(p + "mlp.gate_proj.weight", (hidden, dim)),
-                ParamMeta(p + "mlp.up_proj.weight", (hidden, dim)), ParamMeta(p + "mlp.down_proj.weight", (dim, hidden)),
+                ParamMeta(p + "mlp.up_proj.weight", (hidden, dim)),
+                ParamMeta(p + "mlp.down_proj.weight", (dim, hidden)),
                 ParamMeta(p + "input_layernorm.weight", (dim,)),
                 ParamMeta(p + "post_attention_layernorm.weight", (dim,))]
     return out + [ParamMeta("norm.weight", (dim,)), ParamMeta("lm_head.weight", (vocab, dim))]
