@@ -127,8 +127,8 @@ def test_zero_simulate_batch_prints_the_activation_share(tmp_path):
     (d,) = json.loads(out.read_text())
     assert d["batch"] == [1, 2048] and d["activation_bytes"] > 0.8 * d["measured_peak_bytes"], d
     assert "of its peak), which the plan's prediction" in " ".join(done.stdout.split())
-    for argv, said in ((["--engine", "zero"], "--batch is --engine fsdp2's"),
-                       (["--engine", "fsdp2", "--dtype", "float32"], "with --batch the model runs as its factory")):
-        bad = subprocess.run([sys.executable, "-m", "zero", "simulate", "--preset", "llama-7b", "-w", "64", "--batch",
-                              "1,2048", *argv], capture_output=True, text=True, timeout=600)
+    for argv, said in ((["llama-7b", "--engine", "fsdp2", "--dtype", "float32"], "with --batch the model runs as its"),
+                       (["gpt2"], "not a LLaMA preset (no 'embed_tokens.weight')")):
+        bad = subprocess.run([sys.executable, "-m", "zero", "simulate", "-w", "64", "--batch", "1,2048", "--preset",
+                              *argv], capture_output=True, text=True, timeout=600)
         assert bad.returncode == 2 and said in bad.stderr, bad.stderr

@@ -37,7 +37,8 @@ from zero.backends.fake_runs import OPTIMIZER_CLASSES, fake_group, peak_only
 from zero.plans.fsdp2_memory import units
 from zero.plans.meta import ParamMeta, param_metas
 
-__all__ = ["fsdp2_peak", "measure", "run", "batch_run", "tracked", "shard_units", "Fsdp2Run", "Fsdp2RankRun",
+__all__ = ["fsdp2_peak", "measure", "run", "batch_run", "tracked", "shard_units", "batch_tokens", "batch_loss",
+           "Fsdp2Run", "Fsdp2RankRun",
            "simulate_fsdp2", "layered", "few_chunks"]
 
 # FSDPMemTracker's categories under the names of `zero.plans.fsdp2_memory`'s (its TEMP: the
@@ -191,7 +192,7 @@ def run(params: Callable[[], nn.Module] | Sequence[ParamMeta], world_size: int, 
                 model = as_fake(meta_model)
                 with contextlib.nullcontext() if every_chunk else few_chunks():
                     shard_units(model, mesh)
-                return tracked(model, mesh, optimizer, zero, _tokens(model, batch), rank, world_size, replicas)
+                return tracked(model, mesh, optimizer, zero, batch_tokens(model, batch), rank, world_size, replicas)
             metas = params if not callable(params) else param_metas(params())
             compute = {m.dtype for m in metas if m.requires_grad}
             policy = MixedPrecisionPolicy(
@@ -217,7 +218,7 @@ def batch_run(factory: Callable[[], nn.Module] | Sequence[ParamMeta], batch: tup
     world_size = dist.get_world_size()
     mesh = _mesh(world_size, replicas)
     shard_units(model, mesh)
-    return tracked(model, mesh, optimizer, zero, _tokens(model, batch), dist.get_rank(), world_size, replicas,
+    return tracked(model, mesh, optimizer, zero, batch_tokens(model, batch), dist.get_rank(), world_size, replicas,
                    iterations)
 
 
@@ -246,7 +247,7 @@ def shard_units(model: nn.Module, mesh: Any, policy: Any = None) -> None:
     fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
-def _tokens(model: nn.Module, batch: tuple[int, int]) -> torch.Tensor:
+def batch_tokens(model: nn.Module, batch: tuple[int, int]) -> torch.Tensor:
     """``B x T`` token ids below the first embedding's vocabulary (every token id is read the same way)."""
     embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
     if embedding is None:
@@ -255,7 +256,7 @@ def _tokens(model: nn.Module, batch: tuple[int, int]) -> torch.Tensor:
     return torch.randint(0, embedding.num_embeddings, (b, t), generator=None)
 
 
-def _loss(out: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+def batch_loss(out: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """Cross entropy of the logits against the tokens (in float32, as training computes it), or, for
     an output that is not logits per token, its mean."""
     if out.shape[:-1] == tokens.shape and out.is_floating_point():
@@ -281,7 +282,7 @@ def tracked(model: nn.Module, mesh: Any, optimizer: str, zero: bool, x: torch.Te
                 tracker.restart_peak()
             with _sent(mesh) if last else contextlib.nullcontext() as sent:
                 out = model(x)
-                (out if x.dim() == 0 else _loss(out, x)).backward()
+                (out if x.dim() == 0 else batch_loss(out, x)).backward()
                 del out
                 opt.step()
             opt.zero_grad()

@@ -16,6 +16,7 @@ session; nothing is kept without it.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -40,7 +41,7 @@ from zero.plans.accounting import bus_bytes
 from zero.plans.footprint import Footprint, ddp_allreduce_bytes, footprint
 from zero.plans.meta import ParamMeta
 
-__all__ = ["RankRun", "simulate"]
+__all__ = ["RankRun", "simulate", "tracked_zero", "zero_batch_run"]
 
 @dataclass(frozen=True)
 class RankRun:
@@ -55,6 +56,8 @@ class RankRun:
     # bytes each rank sends in DDP's all-reduce beside ZeRO-1 (no reduce_scatter_grads): from the
     # plan, not simulated (no DDP runs here); 0 where zero reduces the gradients itself
     ddp_allreduce_bytes: int = 0
+    batch: tuple[int, int] | None = None  # the model's forward and backward ran on this batch
+    activation_bytes: int = 0  # what autograd kept for backward at the peak (MemTracker's activations)
 
     @property
     def predicted_peak_bytes(self) -> int:
@@ -78,24 +81,30 @@ class RankRun:
                 "measured_peak_bytes": self.measured_peak_bytes, "peak_phase": self.predicted.phase,
                 "by_category": by_category,
                 "collective_bytes": self.collective_bytes, "plan_collective_bytes": self.predicted.collective_bytes,
-                "ddp_allreduce_bytes": self.ddp_allreduce_bytes, "collectives": [list(c) for c in self.collectives]}
+                "ddp_allreduce_bytes": self.ddp_allreduce_bytes, "collectives": [list(c) for c in self.collectives],
+                **({"batch": list(self.batch), "activation_bytes": self.activation_bytes} if self.batch else {})}
 
 
 def simulate(params: Callable[[], nn.Module] | Sequence[ParamMeta], world_size: int, rank: int, *,
              optimizer: str = "adamw", strategy: str = "sorted_greedy", master_dtype: torch.dtype | None = None,
              reduce_scatter_grads: bool = False, reduce_dtype: torch.dtype | None = None, whole: Any = None,
-             parameters_as_bucket_view: bool | None = None, dtype: torch.dtype | None = None) -> RankRun:
+             parameters_as_bucket_view: bool | None = None, dtype: torch.dtype | None = None,
+             batch: tuple[int, int] | None = None) -> RankRun:
     """Run ``rank`` of ``world_size`` under the fake process group: build the params (``params``: a
     function building the model, called under ``FakeTensorMode``, or parameter metadata; ``dtype``
     casts them), the plan (`zero.make_plan` with ``strategy``, the state of ``optimizer``,
     ``master_dtype``; ``whole=``: a hybrid plan; flat plans in buckets sized as the optimizer's own),
     a `ZeroRedundancyOptimizer` executing it with ``torch.optim``'s rule, and two iterations.
-    Runs from metadata are kept under ``ZERO_SIMULATE_CACHE`` when it is set (see the module)."""
+    Runs from metadata are kept under ``ZERO_SIMULATE_CACHE`` when it is set (see the module).
+
+    ``batch`` ``(B, T)``: each iteration is the model's own forward and backward on ``B x T`` token
+    ids (a factory's model, or a LLaMA preset's: `zero.backends.preset_models`), so the peak holds
+    its activations (``activation_bytes``); without it, each param's gradient is made alone."""
     cls, settings = optimizer_class(optimizer)
     require_no_group()
     options = dict(optimizer=optimizer, strategy=strategy, master_dtype=master_dtype, whole=whole, dtype=dtype,
                    reduce_scatter_grads=reduce_scatter_grads, reduce_dtype=reduce_dtype,
-                   parameters_as_bucket_view=parameters_as_bucket_view)
+                   parameters_as_bucket_view=parameters_as_bucket_view, batch=batch)
     return cached(params, world_size, rank, options, RankRun,
                   lambda: _run(params, world_size, rank, cls, settings, **options))
 
@@ -103,34 +112,78 @@ def simulate(params: Callable[[], nn.Module] | Sequence[ParamMeta], world_size: 
 def _run(params: Callable[[], nn.Module] | Sequence[ParamMeta], world_size: int, rank: int, cls: type,
          settings: dict, *, optimizer: str, strategy: str, master_dtype: torch.dtype | None,
          reduce_scatter_grads: bool, reduce_dtype: torch.dtype | None, whole: Any,
-         parameters_as_bucket_view: bool | None, dtype: torch.dtype | None) -> RankRun:
+         parameters_as_bucket_view: bool | None, dtype: torch.dtype | None,
+         batch: tuple[int, int] | None) -> RankRun:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from zero.backends.zero_optimizer import ZeroRedundancyOptimizer
 
+    if batch is not None and not callable(params):
+        from zero.backends.preset_models import llama_like
+
+        params = functools.partial(llama_like, params)
     if callable(params):
         params = built_on_meta(params)  # outside the fake mode: its params are plain meta tensors
     with fake_group(rank, world_size), FakeTensorMode(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", "Accessing the data pointer of FakeTensor")  # inside torch's own
         model = _model(params, dtype)
         plan = _plan(model, world_size, strategy, optimizer, master_dtype, whole)
-        tracker = _tracker()
-        tracker.track_external(model)
-        with tracker:
-            opt = ZeroRedundancyOptimizer(model.parameters(), cls, plan=plan,
-                                          reduce_scatter_grads=reduce_scatter_grads, reduce_dtype=reduce_dtype,
-                                          parameters_as_bucket_view=parameters_as_bucket_view, **settings)
-            _iteration(model, opt)
-            opt.zero_grad()
-            with comm.recording() as collectives:
-                _iteration(model, opt)
+        peak, act, collectives, opt = tracked_zero(
+            model, lambda: ZeroRedundancyOptimizer(model.parameters(), cls, plan=plan,
+                                                   reduce_scatter_grads=reduce_scatter_grads, reduce_dtype=reduce_dtype,
+                                                   parameters_as_bucket_view=parameters_as_bucket_view, **settings),
+            batch)
         measured = _measured(model, opt)
-        peak = sum(snapshot["Total"] for snapshot in tracker.get_tracker_snapshot("peak").values())
     predicted = footprint(plan, rank, reduce_scatter_grads=reduce_scatter_grads, bucket_view=parameters_as_bucket_view,
                           reduce_dtype=None if reduce_dtype is None else str(reduce_dtype).removeprefix("torch."))
     return RankRun(rank, world_size, peak, measured, tuple((c.kind, c.dtype, c.group_size, c.bytes)
                                                            for c in collectives), predicted,
-                   0 if reduce_scatter_grads else ddp_allreduce_bytes(plan))
+                   0 if reduce_scatter_grads else ddp_allreduce_bytes(plan), batch, act)
+
+
+def tracked_zero(model: nn.Module, make_optimizer: Callable[[], Any], batch: tuple[int, int] | None
+                 ) -> tuple[int, int, list, Any]:
+    """Two iterations of ``model`` stepped by ``make_optimizer()`` (built under the tracker) under
+    torch's ``MemTracker``: the peak, the activations at it, the last step's collectives and the
+    optimizer. ``batch``: the model's forward and backward on token ids; else each param's gradient alone."""
+    from zero.backends.fsdp2_peer import batch_loss, batch_tokens
+
+    tracker = _tracker()
+    tracker.track_external(model)
+    with tracker:
+        opt = make_optimizer()
+        tokens = batch_tokens(model, batch) if batch is not None else None
+        step = (lambda: _iteration(model, opt)) if batch is None else \
+            (lambda: (batch_loss(model(tokens), tokens).backward(), opt.step()))
+        step()
+        opt.zero_grad()
+        tracker.reset_mod_stats()  # (its per-module records hold one iteration of a real forward)
+        with comm.recording() as collectives:
+            step()
+    snapshots = tracker.get_tracker_snapshot("peak").values()
+    peak = sum(snapshot["Total"] for snapshot in snapshots)
+    act = sum(v for snapshot in snapshots for k, v in snapshot.items() if getattr(k, "name", "") == "ACT")
+    return peak, act, list(collectives), opt
+
+
+def zero_batch_run(metas: Sequence[ParamMeta], batch: tuple[int, int], *, optimizer: str = "adamw",
+                   strategy: str = "sorted_greedy", seed: int = 0) -> tuple[int, int]:
+    """What `simulate` with ``batch`` simulates, on real tensors: this rank of the default (real)
+    process group trains a LLaMA preset's module (`zero.backends.preset_models`) with
+    `ZeroRedundancyOptimizer` over the same plan, measured by the same ``MemTracker`` over the same
+    two iterations: (peak, activations at it)."""
+    import torch.distributed as dist
+
+    from zero.backends.preset_models import llama_like
+    from zero.backends.zero_optimizer import ZeroRedundancyOptimizer
+
+    cls, settings = optimizer_class(optimizer)
+    torch.manual_seed(seed)
+    model = llama_like(metas)
+    plan = _plan(model, dist.get_world_size(), strategy, optimizer, None, None)
+    peak, act, _, _ = tracked_zero(model, lambda: ZeroRedundancyOptimizer(model.parameters(), cls, plan=plan,
+                                                                          **settings), batch)
+    return peak, act
 
 
 def _tracker() -> Any:

@@ -53,8 +53,8 @@ def parser() -> argparse.ArgumentParser:
                         "place of torch.optim's class")
     p.add_argument("--ranks", default=None, help="comma-separated ranks to run (default: first, middle and last)")
     p.add_argument("--batch", type=_batch, metavar="B,T",
-                   help="with --engine fsdp2: run the model's forward and backward on B x T token ids (a LLaMA "
-                        "preset, or --model whose forward takes them), so activations are measured too")
+                   help="run the model's forward and backward on B x T token ids (a LLaMA preset, or --model whose "
+                        "forward takes them), so activations are measured too")
     p.add_argument("--json", type=Path, help="write one object per rank here")
     return p
 
@@ -82,8 +82,6 @@ def _simulate(args: argparse.Namespace) -> list[Any]:
     ranks = _ranks(args.ranks, args.world_size)
     if args.engine == "fsdp2":
         return _simulate_fsdp2(args, ranks)
-    if args.batch is not None:
-        raise ValueError("--batch is --engine fsdp2's: --engine zero's run reads each param once (no activations)")
     if args.replicate != 1 or args.zero_over_replicas:
         raise ValueError("--replicate and --zero-over-replicas are --engine fsdp2's")
     options = {"optimizer": args.optimizer, "strategy": args.strategy,
@@ -91,7 +89,7 @@ def _simulate(args: argparse.Namespace) -> list[Any]:
                "master_dtype": _dtype(args.master_dtype, "--master-dtype"),
                "reduce_dtype": _dtype(args.reduce_dtype, "--reduce-dtype"),
                "parameters_as_bucket_view": {"default": None, "true": True, "false": False}[args.bucket_view],
-               "whole": (lambda m: len(m.shape) == 2) if args.whole else None}
+               "whole": (lambda m: len(m.shape) == 2) if args.whole else None, "batch": args.batch}
     source = preset(args.preset) if args.preset else _factory(args.model)
     runs = []
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
@@ -211,11 +209,7 @@ def _print(runs: list[Any], args: argparse.Namespace) -> None:
         if "sent" in d:  # --engine fsdp2: FSDP2's and zero's collectives, within and across replicas
             for where, pair in d["sent"].items():
                 table.add_row(f"sent per step, {where} replicas", _gib(pair["predicted"]), _gib(pair["measured"]))
-            if "batch" in d:
-                table.caption = (f"batch {d['batch'][0]}x{d['batch'][1]}: measured runs the model's forward and "
-                                 f"backward on fake tensors; its activations {_gib(d['activation_bytes'])} GiB "
-                                 f"({d['activation_bytes'] / max(r.measured_peak_bytes, 1):.1%} of its peak), "
-                                 "which the plan's prediction (model states and buffers) leaves out")
+            table.caption = _batch_caption(d, r.measured_peak_bytes)
             print(render(table, width=100))
             continue
         table.add_row("sent per step, zero's collectives", _gib(d["plan_collective_bytes"]),
@@ -224,8 +218,18 @@ def _print(runs: list[Any], args: argparse.Namespace) -> None:
             table.add_row("sent per step, DDP's all-reduce", _gib(d["ddp_allreduce_bytes"]), "not simulated")
             table.add_row("sent per step, in all", _gib(d["plan_collective_bytes"] + d["ddp_allreduce_bytes"]), "-")
         table.caption = ("sent: the bytes each rank sends (= receives) in a step, as nccl-tests count them: "
-                         "all-gather and reduce-scatter (W-1)/W of the buffer, all-reduce 2(W-1)/W, broadcast all")
+                         "all-gather and reduce-scatter (W-1)/W of the buffer, all-reduce 2(W-1)/W, broadcast all. "
+                         + (_batch_caption(d, r.measured_peak_bytes) or ""))
         print(render(table, width=100))
+
+
+def _batch_caption(d: dict, peak: int) -> str | None:
+    """With ``--batch``: what the measured column holds that the plan's prediction leaves out."""
+    if "batch" not in d:
+        return None
+    return (f"batch {d['batch'][0]}x{d['batch'][1]}: measured runs the model's forward and backward on fake "
+            f"tensors; its activations {_gib(d['activation_bytes'])} GiB ({d['activation_bytes'] / max(peak, 1):.1%} "
+            "of its peak), which the plan's prediction (model states and buffers) leaves out")
 
 
 def _gib(n: int) -> str:
