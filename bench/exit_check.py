@@ -12,7 +12,10 @@ non-zero exit (SIGABRT: ``terminate called without an active exception``).
     python bench/exit_check.py --runs 100 --ranks 3 --kind zero --destroy
 
 ``--destroy``: each rank calls ``dist.destroy_process_group()`` after its save, as torch asks of
-every script (the mitigation: the gloo worker threads end while the interpreter is whole).
+every script. ``--exit-now``: then ends with ``zero.tools.launch.exit_now()`` (its output flushed,
+``os._exit``: no interpreter finalization for a gloo thread to race with).
+
+    python bench/exit_check.py --runs 100 --ranks 3 --kind plain --destroy --exit-now
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import tempfile
 import time
 
 
-def worker(kind: str, load: str | None, save: str, steps: int, destroy: bool) -> None:
+def worker(kind: str, load: str | None, save: str, steps: int, destroy: bool, exit_now: bool = False) -> None:
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -67,15 +70,22 @@ def worker(kind: str, load: str | None, save: str, steps: int, destroy: bool) ->
     print(f"rank {dist.get_rank()} done", flush=True)
     if destroy:
         dist.destroy_process_group()
+    if exit_now:
+        from zero.tools.launch import exit_now as end
+
+        end()
 
 
-def launch(kind: str, ranks: int, load: str | None, save: str, destroy: bool) -> subprocess.CompletedProcess:
+def launch(kind: str, ranks: int, load: str | None, save: str, destroy: bool,
+           exit_now: bool = False) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", "--master_port=0",
            "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0", __file__, "--worker", "--kind", kind, "--save", save]
     if load:
         cmd += ["--load", load]
     if destroy:
         cmd.append("--destroy")
+    if exit_now:
+        cmd.append("--exit-now")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
 
@@ -87,28 +97,29 @@ def main() -> int:
     ap.add_argument("--kind", choices=("zero", "plain"), default="zero")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--destroy", action="store_true", help="destroy the process group before exit")
+    ap.add_argument("--exit-now", action="store_true", help="end with zero.tools.launch.exit_now() (os._exit)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--load", help=argparse.SUPPRESS)
     ap.add_argument("--save", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        worker(args.kind, args.load, args.save, args.steps, args.destroy)
+        worker(args.kind, args.load, args.save, args.steps, args.destroy, args.exit_now)
         return 0
     root = tempfile.mkdtemp(prefix="zero-exit-check-")
     try:
-        first = launch(args.kind, args.ranks, None, os.path.join(root, "start"), args.destroy)
+        first = launch(args.kind, args.ranks, None, os.path.join(root, "start"), args.destroy, args.exit_now)
         if first.returncode:
             print(first.stderr[-3000:])
             return 1
         failed, start = [], time.perf_counter()
         for run in range(args.runs):
             out = launch(args.kind, args.ranks, os.path.join(root, "start"), os.path.join(root, f"run{run}"),
-                         args.destroy)
+                         args.destroy, args.exit_now)
             aborted = "terminate called" in out.stderr
             if out.returncode or aborted:
                 failed.append((run, out.returncode, aborted))
             shutil.rmtree(os.path.join(root, f"run{run}"), ignore_errors=True)
-        kind = f"{args.kind}{' --destroy' if args.destroy else ''}"
+        kind = f"{args.kind}{' --destroy' if args.destroy else ''}{' --exit-now' if args.exit_now else ''}"
         print(f"{kind}: {args.runs} runs of {args.ranks} ranks under torchrun, each resuming a checkpoint, "
               f"{args.steps} steps, a save, a plain exit: {len(failed)} failed "
               f"({time.perf_counter() - start:.0f} s)")
