@@ -126,6 +126,8 @@ def test_zero_simulate_batch_prints_the_activation_share(tmp_path):
     assert done.returncode == 0, done.stderr
     (d,) = json.loads(out.read_text())
     assert d["batch"] == [1, 2048] and d["activation_bytes"] > 0.8 * d["measured_peak_bytes"], d
+    # all activations alive: the first layer backward meets, at its first op
+    assert d["measured_peak_phase"] == "backward of layers.31.post_attention_layernorm", d["measured_peak_phase"]
     assert "of its peak), which the plan's prediction" in " ".join(done.stdout.split())
     for argv, said in ((["llama-7b", "--engine", "fsdp2", "--dtype", "float32"], "with --batch the model runs as its"),
                        (["gpt2"], "not a LLaMA preset (no 'embed_tokens.weight')")):

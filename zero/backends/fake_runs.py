@@ -105,16 +105,27 @@ def peak_only(tracker_class: type) -> type:
     from copy import deepcopy
 
     class PeakOnly(tracker_class):
+        peak_moment = "before the first op"  # where the peak came: "backward of layers.3", "step"
+
         def _update_peak_stats(self, peak_state: Any) -> None:
             for device, snapshot in self._curr_mem_snap.items():
                 if self._peak_mem.get(device, 0) < snapshot["Total"]:
                     self._peak_mem[device] = snapshot["Total"]
                     self._peak_mem_snap[device] = deepcopy(snapshot)
+                    self.peak_moment = self._moment()
+
+        def _moment(self) -> str:
+            if getattr(self, "_in_opt", False):
+                return "step"
+            inner = max((p for p in self._mod_tracker.parents if p != "Global"), key=len, default="")
+            inner = inner.partition(".")[2] or "the model"  # (its name below the root's class name)
+            return f"{'backward' if self._mod_tracker.is_bw else 'forward'} of {inner}"
 
         def restart_peak(self) -> None:
             """The peak from now on: what is alive now and what comes, as though tracking began here."""
             self._peak_mem = {device: snapshot["Total"] for device, snapshot in self._curr_mem_snap.items()}
             self._peak_mem_snap = deepcopy(self._curr_mem_snap)
+            self.peak_moment = "between iterations"
 
     PeakOnly.__name__ = PeakOnly.__qualname__ = f"PeakOnly{tracker_class.__name__}"
     return PeakOnly

@@ -163,6 +163,7 @@ class Fsdp2Run:
     measured_peak_bytes: int
     measured_by_category: dict[str, int]
     sent: dict[str, int]
+    measured_moment: str = ""  # where the measured peak came ("backward of layers.1", "step")
 
 
 def run(params: Callable[[], nn.Module] | Sequence[ParamMeta], world_size: int, rank: int, *,
@@ -293,7 +294,7 @@ def tracked(model: nn.Module, mesh: Any, optimizer: str, zero: bool, x: torch.Te
             name = str(getattr(key, "name", key)).lower()
             snapshot[name] = snapshot.get(name, 0) + int(value)
     total = snapshot.pop("total")
-    return Fsdp2Run(rank, world_size, replicas, total, snapshot, dict(sent))
+    return Fsdp2Run(rank, world_size, replicas, total, snapshot, dict(sent), tracker.peak_moment)
 
 
 def _mesh(world_size: int, replicas: int) -> Any:
@@ -393,6 +394,7 @@ class Fsdp2RankRun:
                 "collective_bytes": sum(self.measured.sent.values()),
                 "plan_collective_bytes": sum(self.predicted.sent.values()), "sent": sent,
                 "ddp_allreduce_bytes": 0, "collectives": [],
+                "measured_peak_phase": self.measured.measured_moment,
                 **({"batch": list(self.batch), "activation_bytes": self.activation_bytes} if self.batch else {})}
 
     @property

@@ -58,6 +58,7 @@ class RankRun:
     ddp_allreduce_bytes: int = 0
     batch: tuple[int, int] | None = None  # the model's forward and backward ran on this batch
     activation_bytes: int = 0  # what autograd kept for backward at the peak (MemTracker's activations)
+    measured_moment: str = ""  # where the measured peak came ("backward of layers.1", "step")
 
     @property
     def predicted_peak_bytes(self) -> int:
@@ -82,6 +83,7 @@ class RankRun:
                 "by_category": by_category,
                 "collective_bytes": self.collective_bytes, "plan_collective_bytes": self.predicted.collective_bytes,
                 "ddp_allreduce_bytes": self.ddp_allreduce_bytes, "collectives": [list(c) for c in self.collectives],
+                "measured_peak_phase": self.measured_moment,
                 **({"batch": list(self.batch), "activation_bytes": self.activation_bytes} if self.batch else {})}
 
 
@@ -128,7 +130,7 @@ def _run(params: Callable[[], nn.Module] | Sequence[ParamMeta], world_size: int,
         warnings.filterwarnings("ignore", "Accessing the data pointer of FakeTensor")  # inside torch's own
         model = _model(params, dtype)
         plan = _plan(model, world_size, strategy, optimizer, master_dtype, whole)
-        peak, act, collectives, opt = tracked_zero(
+        peak, act, collectives, opt, moment = tracked_zero(
             model, lambda: ZeroRedundancyOptimizer(model.parameters(), cls, plan=plan,
                                                    reduce_scatter_grads=reduce_scatter_grads, reduce_dtype=reduce_dtype,
                                                    parameters_as_bucket_view=parameters_as_bucket_view, **settings),
@@ -138,14 +140,15 @@ def _run(params: Callable[[], nn.Module] | Sequence[ParamMeta], world_size: int,
                           reduce_dtype=None if reduce_dtype is None else str(reduce_dtype).removeprefix("torch."))
     return RankRun(rank, world_size, peak, measured, tuple((c.kind, c.dtype, c.group_size, c.bytes)
                                                            for c in collectives), predicted,
-                   0 if reduce_scatter_grads else ddp_allreduce_bytes(plan), batch, act)
+                   0 if reduce_scatter_grads else ddp_allreduce_bytes(plan), batch, act, moment)
 
 
 def tracked_zero(model: nn.Module, make_optimizer: Callable[[], Any], batch: tuple[int, int] | None
-                 ) -> tuple[int, int, list, Any]:
+                 ) -> tuple[int, int, list, Any, str]:
     """Two iterations of ``model`` stepped by ``make_optimizer()`` (built under the tracker) under
-    torch's ``MemTracker``: the peak, the activations at it, the last step's collectives and the
-    optimizer. ``batch``: the model's forward and backward on token ids; else each param's gradient alone."""
+    torch's ``MemTracker``: the peak, the activations at it, the last step's collectives, the
+    optimizer and where the peak came. ``batch``: the model's forward and backward on token ids;
+    else each param's gradient alone."""
     from zero.backends.fsdp2_peer import batch_loss, batch_tokens
 
     tracker = _tracker()
@@ -163,7 +166,7 @@ def tracked_zero(model: nn.Module, make_optimizer: Callable[[], Any], batch: tup
     snapshots = tracker.get_tracker_snapshot("peak").values()
     peak = sum(snapshot["Total"] for snapshot in snapshots)
     act = sum(v for snapshot in snapshots for k, v in snapshot.items() if getattr(k, "name", "") == "ACT")
-    return peak, act, list(collectives), opt
+    return peak, act, list(collectives), opt, tracker.peak_moment
 
 
 def zero_batch_run(metas: Sequence[ParamMeta], batch: tuple[int, int], *, optimizer: str = "adamw",
@@ -181,7 +184,7 @@ def zero_batch_run(metas: Sequence[ParamMeta], batch: tuple[int, int], *, optimi
     torch.manual_seed(seed)
     model = llama_like(metas)
     plan = _plan(model, dist.get_world_size(), strategy, optimizer, None, None)
-    peak, act, _, _ = tracked_zero(model, lambda: ZeroRedundancyOptimizer(model.parameters(), cls, plan=plan,
+    peak, act, _, _, _ = tracked_zero(model, lambda: ZeroRedundancyOptimizer(model.parameters(), cls, plan=plan,
                                                                           **settings), batch)
     return peak, act
 

@@ -198,7 +198,8 @@ def _print(runs: list[Any], args: argparse.Namespace) -> None:
 
     for r in runs:
         d = r.as_dict()
-        table = Table(title=f"rank {r.rank} of {r.world_size}: peak in {d['peak_phase']}, measured "
+        moment = f" (measured: {d['measured_peak_phase']})" if d.get("measured_peak_phase") else ""
+        table = Table(title=f"rank {r.rank} of {r.world_size}: peak in {d['peak_phase']}{moment}, measured "
                             f"{_gib(r.measured_peak_bytes)} vs predicted {_gib(r.predicted_peak_bytes)} GiB "
                             f"({(r.measured_peak_bytes / max(r.predicted_peak_bytes, 1) - 1):+.2%})")
         for col in ("GiB per rank", "predicted", "measured"):
