@@ -222,6 +222,10 @@ def _zero_real(rank, world_size, metas, batch, strategy):
     return zero_batch_run(metas, batch, strategy=strategy)
 
 
+def _zero_simulated(metas, world_size, batch, strategy):
+    return [simulate(metas, world_size, rank, strategy=strategy, batch=batch) for rank in range(world_size)]
+
+
 @pytest.mark.parametrize("strategy", ["sorted_greedy", "flat"])
 def test_a_batch_run_on_fake_tensors_is_the_real_zero_runs_peak_activations_included(strategy):
     """``simulate(..., batch=)``: the model's forward and backward on fake tensors under zero's ZeRO,
@@ -229,13 +233,12 @@ def test_a_batch_run_on_fake_tensors_is_the_real_zero_runs_peak_activations_incl
     same activations at the peak and the same peak to a few scalars (measured: 112 bytes more for
     real, of 27-31 MB), two batch sizes."""
     from helpers import run_ranks
-    from test_fsdp2_simulate import _llama_metas
+    from test_fsdp2_simulate import _llama_metas, in_fresh_process
 
     metas = _llama_metas(256, 2)
     for batch in ((1, 64), (4, 256)):
         real = run_ranks(_zero_real, 2, metas, batch, strategy)
-        for rank in range(2):
-            sim = simulate(metas, 2, rank, strategy=strategy, batch=batch)
+        for rank, sim in enumerate(in_fresh_process(_zero_simulated, metas, 2, batch, strategy)):
             assert sim.activation_bytes == real[rank][1], (batch, rank, sim, real)
             assert 0 <= real[rank][0] - sim.measured_peak_bytes <= 1024, (batch, rank, sim, real)
         if batch == (4, 256):

@@ -83,5 +83,5 @@ def check_labelled(dims: list, tree: Any, what: str = "muon_weight_dimension_num
             split_axes(leaf.shape, d)
         except ValueError as e:
             name = ".".join(map(str, optree.tree_paths(tree, none_is_leaf=True)[j]))
-            raise ValueError(f"{what} labels {name!r} (shape {tuple(leaf.shape)}) as {role}, but {e}: "
+            raise sharding.ParamsRefused(f"{what} labels {name!r} (shape {tuple(leaf.shape)}) as {role}, but {e}: "
                              "give it None (it then steps with the rule's element-wise part)") from None

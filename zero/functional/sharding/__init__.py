@@ -36,9 +36,16 @@ from zero.functional.sharding.context import (
 )
 from zero.functional.sharding.norms import all_finite, global_norm, tensor_norms, total_norm
 from zero.functional.sharding.placeholders import is_placeholder, placeholder
-from zero.functional.sharding.whole import cut_tensors, needs_whole, pieces_unknown, whole_tensors, whole_tree
+from zero.functional.sharding.whole import (
+    ParamsRefused,
+    cut_tensors,
+    needs_whole,
+    pieces_unknown,
+    whole_tensors,
+    whole_tree,
+)
 
 __all__ = ["Pieces", "Sharding", "installed", "every_group", "stepping", "subset", "global_norm", "total_norm",
            "tensor_norms", "all_finite", "whole_tensors", "needs_whole", "axis_sums", "axis_means", "every_axis",
            "quantized", "block_sizes", "cut_tensors", "whole_tree", "name_of", "whole_hint", "placeholder",
-           "pieces_unknown", "is_placeholder", "AxesOf", "reads_axes"]
+           "pieces_unknown", "ParamsRefused", "is_placeholder", "AxesOf", "reads_axes"]

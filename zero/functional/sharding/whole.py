@@ -24,10 +24,17 @@ from zero.functional.sharding.context import (
     whole_piece,
 )
 
-__all__ = ["whole_tensors", "needs_whole", "cut_tensors", "whole_tree", "asked_of", "pieces_unknown"]
+__all__ = ["whole_tensors", "needs_whole", "cut_tensors", "whole_tree", "asked_of", "pieces_unknown",
+           "ParamsRefused"]
 
 
 _PROBE: ContextVar[set[int] | None] = ContextVar("zero_whole_probe", default=None)  # see needs_whole
+
+
+class ParamsRefused(ValueError):
+    """A rule's refusal of the params themselves (a label on a vector): raised where it is found,
+    also while `needs_whole` asks the rule on meta tensors (other errors there are taken as a link
+    that cannot run on meta tensors, and the step checks it)."""
 
 
 def whole_tensors(leaves: Sequence[torch.Tensor], what: str,
@@ -88,7 +95,7 @@ def _asked(tx: Any, tree: dict[str, torch.Tensor], probe: ContextVar) -> set[str
     try:
         tx.update(grads, tx.init(tree), tree)
         return {index[i] for i in asked if i in index}
-    except (ValueError, TypeError):
+    except ParamsRefused:
         raise  # the rule refuses these params (a label on a vector): one process would refuse them too
     except Exception:  # noqa: BLE001 - a link that reads data: ask its links, or take it as element-wise
         links = _links(tx)
