@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -163,7 +163,8 @@ class Fsdp2Run:
     measured_peak_bytes: int
     measured_by_category: dict[str, int]
     sent: dict[str, int]
-    measured_moment: str = ""  # where the measured peak came ("backward of layers.1", "step")
+    # where the measured peak came ("backward of layers.1", "step"): a description, not compared
+    measured_moment: str = field(default="", compare=False)
 
 
 def run(params: Callable[[], nn.Module] | Sequence[ParamMeta], world_size: int, rank: int, *,
@@ -294,7 +295,7 @@ def tracked(model: nn.Module, mesh: Any, optimizer: str, zero: bool, x: torch.Te
             name = str(getattr(key, "name", key)).lower()
             snapshot[name] = snapshot.get(name, 0) + int(value)
     total = snapshot.pop("total")
-    return Fsdp2Run(rank, world_size, replicas, total, snapshot, dict(sent), tracker.peak_moment)
+    return Fsdp2Run(rank, world_size, replicas, total, snapshot, dict(sent), getattr(tracker, "peak_moment", ""))
 
 
 def _mesh(world_size: int, replicas: int) -> Any:

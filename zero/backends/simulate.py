@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -58,7 +58,8 @@ class RankRun:
     ddp_allreduce_bytes: int = 0
     batch: tuple[int, int] | None = None  # the model's forward and backward ran on this batch
     activation_bytes: int = 0  # what autograd kept for backward at the peak (MemTracker's activations)
-    measured_moment: str = ""  # where the measured peak came ("backward of layers.1", "step")
+    # where the measured peak came ("backward of layers.1", "step"): a description, not compared
+    measured_moment: str = field(default="", compare=False)
 
     @property
     def predicted_peak_bytes(self) -> int:
@@ -166,7 +167,7 @@ def tracked_zero(model: nn.Module, make_optimizer: Callable[[], Any], batch: tup
     snapshots = tracker.get_tracker_snapshot("peak").values()
     peak = sum(snapshot["Total"] for snapshot in snapshots)
     act = sum(v for snapshot in snapshots for k, v in snapshot.items() if getattr(k, "name", "") == "ACT")
-    return peak, act, list(collectives), opt, tracker.peak_moment
+    return peak, act, list(collectives), opt, getattr(tracker, "peak_moment", "")
 
 
 def zero_batch_run(metas: Sequence[ParamMeta], batch: tuple[int, int], *, optimizer: str = "adamw",
