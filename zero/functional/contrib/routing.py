@@ -70,9 +70,10 @@ def check_cut(dimension_numbers: DimensionNumbers, tree: Any, cut: list[tuple[in
 
 def check_labelled(dims: list, tree: Any, what: str = "muon_weight_dimension_numbers",
                    role: str = "a Muon weight") -> None:
-    """``ValueError`` naming the first leaf of ``tree`` (whole tensors) that ``dims`` (per leaf)
-    labels but that is no matrix under them: rank < 2, or reduction and output axes that overlap
-    (the rule's own check would fail later, on a shape without a name)."""
+    """`sharding.ParamsRefused` (a ``ValueError``) naming the first leaf of ``tree`` (whole tensors)
+    that ``dims`` (per leaf) labels but that is no matrix under them: rank < 2, or reduction and
+    output axes that overlap (the rule's own check would fail later, on a shape without a name).
+    Raised while a plan asks the rule on meta tensors too, so a sharded optimizer refuses it when built."""
     leaves = optree.tree_leaves(tree, none_is_leaf=True)
     for j, (leaf, d) in enumerate(zip(leaves, dims)):
         if d is None or not isinstance(leaf, torch.Tensor):
@@ -83,5 +84,6 @@ def check_labelled(dims: list, tree: Any, what: str = "muon_weight_dimension_num
             split_axes(leaf.shape, d)
         except ValueError as e:
             name = ".".join(map(str, optree.tree_paths(tree, none_is_leaf=True)[j]))
-            raise sharding.ParamsRefused(f"{what} labels {name!r} (shape {tuple(leaf.shape)}) as {role}, but {e}: "
-                             "give it None (it then steps with the rule's element-wise part)") from None
+            raise sharding.ParamsRefused(
+                f"{what} labels {name!r} (shape {tuple(leaf.shape)}) as {role}, but {e}: give it None (it then "
+                "steps with the rule's element-wise part)") from None
