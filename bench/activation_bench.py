@@ -11,23 +11,12 @@ from __future__ import annotations
 
 from zero.backends.fsdp2_peer import batch_run, run
 from zero.backends.simulate import simulate, zero_batch_run
-from zero.plans.meta import ParamMeta
+from zero.plans.presets import llama
 from zero.tools.launch import run as run_ranks
 
-SIZES = {"dim 256, 2 layers": (256, 2, 688), "dim 384, 3 layers": (384, 3, 1024)}
+SIZES = {"dim 256, 2 layers": (256, 688, 2), "dim 384, 3 layers": (384, 1024, 3)}  # (d, ff, layers)
 BATCHES = ((1, 64), (4, 256))
 MESHES = (("FSDP2, 2 ranks", 2, 1), ("HSDP, 2 x 2", 4, 2), ("ZeRO-1, 2 ranks", 2, 0))
-
-
-def llama_metas(dim: int, layers: int, hidden: int, vocab: int = 1000) -> list[ParamMeta]:
-    out = [ParamMeta("embed_tokens.weight", (vocab, dim))]
-    for i in range(layers):
-        p = f"layers.{i}."
-        out += [ParamMeta(p + f"self_attn.{x}_proj.weight", (dim, dim)) for x in "qkvo"]
-        out += [ParamMeta(p + f"mlp.{x}_proj.weight", (hidden, dim)) for x in ("gate", "up")]
-        out += [ParamMeta(p + "mlp.down_proj.weight", (dim, hidden))]
-        out += [ParamMeta(p + f"{x}_layernorm.weight", (dim,)) for x in ("input", "post_attention")]
-    return out + [ParamMeta("norm.weight", (dim,)), ParamMeta("lm_head.weight", (vocab, dim))]
 
 
 def _fsdp2(rank: int, world_size: int, metas, batch, replicas):
@@ -42,7 +31,8 @@ def main() -> None:
     print("| model | batch | mesh | real peak (MB) | simulated (MB) | simulated / real | activations at it (MB) |")
     print("|---|---|---|---:|---:|---:|---:|")
     for size, shape in SIZES.items():
-        metas = llama_metas(*shape)
+        d, ff, layers = shape
+        metas = llama(d, ff, layers, d, vocab=1000, dtype="float32")
         for batch in BATCHES:
             for mesh, world_size, replicas in MESHES:
                 if replicas:

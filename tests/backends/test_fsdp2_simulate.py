@@ -67,20 +67,11 @@ def test_zero_simulate_engine_fsdp2(tmp_path):
     assert done.returncode == 2 and "--engine fsdp2's" in done.stderr
 
 
-def _llama_metas(dim: int, layers: int, vocab: int = 1000):
-    """A small LLaMA's params, named as the presets name them (`zero.backends.preset_models`)."""
-    from zero.plans.meta import ParamMeta
+def _llama_metas(dim: int, layers: int):
+    """A small LLaMA in float32 (the presets' builder), heads of 128."""
+    from zero.plans.presets import llama
 
-    hidden, out = 688 if dim == 256 else 1024, [ParamMeta("embed_tokens.weight", (vocab, dim))]
-    for i in range(layers):
-        p = f"layers.{i}."
-        out += [ParamMeta(p + f"self_attn.{x}_proj.weight", (dim, dim)) for x in "qkvo"]
-        out += [ParamMeta(p + "mlp.gate_proj.weight", (hidden, dim)),
-                ParamMeta(p + "mlp.up_proj.weight", (hidden, dim)),
-                ParamMeta(p + "mlp.down_proj.weight", (dim, hidden)),
-                ParamMeta(p + "input_layernorm.weight", (dim,)),
-                ParamMeta(p + "post_attention_layernorm.weight", (dim,))]
-    return out + [ParamMeta("norm.weight", (dim,)), ParamMeta("lm_head.weight", (vocab, dim))]
+    return llama(dim, 688 if dim == 256 else 1024, layers, dim, vocab=1000, dtype="float32")
 
 
 def _real(rank, world_size, metas, batch, replicas):

@@ -1,7 +1,8 @@
 """What the simulations share (`zero.backends.simulate` of a ZeRO rank, `zero.backends.fsdp2_peer`
 of an FSDP2 one): torch's fake process group for a block (`fake_group`), a memory tracker that keeps
 the rank's peak alone (`peak_only`), the ``optimizer=`` names they run (`optimizer_class`), a model
-factory's model built without memory (`built_on_meta`, `as_fake`), and the store of runs kept under
+factory's model built without memory (`built_on_meta`, `as_fake`), the batch a run's forward takes
+and its loss (`batch_tokens`, `batch_loss`), and the store of runs kept under
 ``ZERO_SIMULATE_CACHE`` (`cached`)."""
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 __all__ = ["fake_group", "require_no_group", "cached", "peak_only", "optimizer_class", "OPTIMIZER_CLASSES",
-           "built_on_meta", "as_fake"]
+           "built_on_meta", "as_fake", "batch_tokens", "batch_loss"]
 
 # ``optimizer=`` names: the torch.optim class each runs and its settings (the plan's accounting
 # counts the state of the rule of the same name, `zero.plans.accounting.OPTIMIZERS`).
@@ -76,6 +78,23 @@ def as_fake(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def batch_tokens(model: nn.Module, batch: tuple[int, int]) -> torch.Tensor:
+    """``B x T`` token ids below the first embedding's vocabulary (every token id is read the same way)."""
+    embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    if embedding is None:
+        raise ValueError("a batch runs the model on token ids: its forward must take them (an nn.Embedding first)")
+    b, t = batch
+    return torch.randint(0, embedding.num_embeddings, (b, t))
+
+
+def batch_loss(out: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Cross entropy of the logits against the tokens (in float32, as training computes it), or, for
+    an output that is not logits per token, its mean."""
+    if out.shape[:-1] == tokens.shape and out.is_floating_point():
+        return torch.nn.functional.cross_entropy(out.flatten(0, -2).float(), tokens.flatten())
+    return out.float().mean()
+
+
 def require_no_group() -> None:
     if dist.is_initialized():
         raise RuntimeError("a default process group is already initialized: simulate in a process of its own")
@@ -99,9 +118,9 @@ def peak_only(tracker_class: type) -> type:
     also walks every module it has seen, to keep each one's own peak while it runs: 40% of a
     LLaMA-70B run's time at 1,024 ranks, and the simulations read only the rank's peak
     (``get_tracker_snapshot("peak")``), which this keeps as torch does, to the byte
-    (tests/backends/test_simulate.py, tests/backends/test_fsdp2_peer.py). The tracker's peak lives
-    in its private fields, which torch gives no other way to read or reset: they are touched here
-    only."""
+    (tests/backends/test_simulate.py, tests/backends/test_fsdp2_peer.py), and where it came
+    (``peak_moment``). The tracker's peak and its module context live in its private fields, which
+    torch gives no other way to read or reset: they are touched here only."""
     from copy import deepcopy
 
     class PeakOnly(tracker_class):

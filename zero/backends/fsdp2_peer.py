@@ -31,13 +31,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
-from zero.backends.fake_runs import OPTIMIZER_CLASSES, fake_group, peak_only
+from zero.backends.fake_runs import OPTIMIZER_CLASSES, batch_loss, batch_tokens, fake_group, peak_only
 from zero.plans.fsdp2_memory import units
 from zero.plans.meta import ParamMeta, param_metas
 
-__all__ = ["fsdp2_peak", "measure", "run", "batch_run", "tracked", "shard_units", "batch_tokens", "batch_loss",
+__all__ = ["fsdp2_peak", "measure", "run", "batch_run", "tracked", "shard_units",
            "Fsdp2Run", "Fsdp2RankRun",
            "simulate_fsdp2", "layered", "few_chunks"]
 
@@ -247,23 +246,6 @@ def shard_units(model: nn.Module, mesh: Any, policy: Any = None) -> None:
             fully_shard(model.get_submodule(path), mesh=mesh, mp_policy=policy)
             done.add(path)
     fully_shard(model, mesh=mesh, mp_policy=policy)
-
-
-def batch_tokens(model: nn.Module, batch: tuple[int, int]) -> torch.Tensor:
-    """``B x T`` token ids below the first embedding's vocabulary (every token id is read the same way)."""
-    embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
-    if embedding is None:
-        raise ValueError("a batch runs the model on token ids: its forward must take them (an nn.Embedding first)")
-    b, t = batch
-    return torch.randint(0, embedding.num_embeddings, (b, t), generator=None)
-
-
-def batch_loss(out: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """Cross entropy of the logits against the tokens (in float32, as training computes it), or, for
-    an output that is not logits per token, its mean."""
-    if out.shape[:-1] == tokens.shape and out.is_floating_point():
-        return F.cross_entropy(out.flatten(0, -2).float(), tokens.flatten())
-    return out.float().mean()
 
 
 def tracked(model: nn.Module, mesh: Any, optimizer: str, zero: bool, x: torch.Tensor, rank: int, world_size: int,

@@ -28,6 +28,8 @@ from torch import nn
 from zero.backends import comm
 from zero.backends.fake_runs import (
     as_fake,
+    batch_loss,
+    batch_tokens,
     built_on_meta,
     cached,
     fake_group,
@@ -150,8 +152,6 @@ def tracked_zero(model: nn.Module, make_optimizer: Callable[[], Any], batch: tup
     torch's ``MemTracker``: the peak, the activations at it, the last step's collectives, the
     optimizer and where the peak came. ``batch``: the model's forward and backward on token ids;
     else each param's gradient alone."""
-    from zero.backends.fsdp2_peer import batch_loss, batch_tokens
-
     tracker = _tracker()
     tracker.track_external(model)
     with tracker:

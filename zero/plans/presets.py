@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from zero.plans.meta import ParamMeta
 
-__all__ = ["PRESETS", "preset"]
+__all__ = ["PRESETS", "preset", "llama"]
 
 
 def gpt2() -> list[ParamMeta]:
@@ -23,9 +23,10 @@ def gpt2() -> list[ParamMeta]:
     return [ParamMeta(n, s) for n, s in shapes.items()]
 
 
-def _llama(d: int, ff: int, layers: int, kv: int, vocab: int = 32000) -> list[ParamMeta]:
-    """A LLaMA in bfloat16: ``layers`` blocks of width ``d`` with ``ff``-wide MLPs and key/value
-    projections ``kv`` wide (grouped-query attention when ``kv < d``)."""
+def llama(d: int, ff: int, layers: int, kv: int, vocab: int = 32000, dtype: str = "bfloat16") -> list[ParamMeta]:
+    """A LLaMA in ``dtype``: ``layers`` blocks of width ``d`` with ``ff``-wide MLPs and key/value
+    projections ``kv`` wide (grouped-query attention when ``kv < d``); the presets' and, small,
+    the simulations' tests' (`zero.backends.preset_models` runs it)."""
     shapes = {"embed_tokens.weight": (vocab, d)}
     for i in range(layers):
         p = f"layers.{i}."
@@ -35,17 +36,17 @@ def _llama(d: int, ff: int, layers: int, kv: int, vocab: int = 32000) -> list[Pa
                    p + "mlp.down_proj.weight": (d, ff),
                    p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,)}
     shapes |= {"norm.weight": (d,), "lm_head.weight": (vocab, d)}
-    return [ParamMeta(n, s, "bfloat16") for n, s in shapes.items()]
+    return [ParamMeta(n, s, dtype) for n, s in shapes.items()]
 
 
 def llama_7b() -> list[ParamMeta]:
     """LLaMA-7B in bfloat16 (291 tensors, 6.7B parameters)."""
-    return _llama(4096, 11008, 32, 4096)
+    return llama(4096, 11008, 32, 4096)
 
 
 def llama_70b() -> list[ParamMeta]:
     """LLaMA-2-70B in bfloat16 (723 tensors, 69.0B parameters; 8 key/value heads of 128)."""
-    return _llama(8192, 28672, 80, 1024)
+    return llama(8192, 28672, 80, 1024)
 
 
 def moe_100k() -> list[ParamMeta]:
