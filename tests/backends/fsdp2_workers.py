@@ -419,15 +419,17 @@ def label_weights_and_a_bias(params: dict) -> dict:
     return {n: MuonDimensionNumbers() if n.endswith("weight") or n == "4.bias" else None for n in params}
 
 
-def muon_label_error(rank: int, world_size: int, fsdp2: bool = True) -> str:
+def muon_label_error(rank: int, world_size: int, fsdp2: bool = True, zero_flat: bool = False) -> str:
     """The ValueError of Muon whose dimension numbers label a vector, built over FSDP2's params (or
-    one process's) in one group and stepped once."""
+    one process's, or under ZeRO's hybrid plan: ``zero_flat``) in one group and stepped once."""
+    import zero
     from zero.functional import contrib
 
-    model = sharded(make_model()) if fsdp2 else make_model()
+    model = sharded(make_model()) if fsdp2 and not zero_flat else make_model()
     try:
         rule = contrib.muon(1e-2, muon_weight_dimension_numbers=label_weights_and_a_bias)
-        opt = F.Optimizer(model.named_parameters(), rule)
+        opt = zero.ZeroRedundancyOptimizer(model.named_parameters(), rule, strategy="flat") if zero_flat else \
+            F.Optimizer(model.named_parameters(), rule)
         set_grads(model, fixed_grads(model, 0))
         opt.step()
     except ValueError as e:

@@ -172,7 +172,7 @@ def test_ranks_whose_plans_differ_are_told_which_param_differs():
 def test_muons_label_on_a_vector_is_named_as_on_one_process():
     """The dimension numbers label the vector 4.bias: over FSDP2 the optimizer's construction names
     it (not a matrix in pieces, with a flat plan's advice), as one process names it."""
-    said = run_ranks(w.muon_label_error, 2)
+    said = run_ranks(w.muon_label_error, 2) + run_ranks(w.muon_label_error, 2, True, True)  # and ZeRO's hybrid
     one = w.muon_label_error(0, 1, fsdp2=False)
     for s in said + [one]:
         assert "labels '4.bias' (shape (64,)) as a Muon weight, but it has rank 1" in s, s
