@@ -49,6 +49,13 @@ CONTRIB = {
     "soap": dict(learning_rate=1e-2, weight_decay=0.01, precondition_frequency=2),
     "shampoo": dict(learning_rate=1e-2, graft_type="rmsprop", start_preconditioning_step=2,
                     preconditioning_compute_steps=2, block_size=16),
+    # Optax's contrib rules (#66): element-wise, and Prodigy's sums over the model (one all-reduce a step)
+    "adopt": dict(learning_rate=1e-2, nesterov=True),
+    "ademamix": dict(learning_rate=1e-2, weight_decay=0.01),
+    "simplified_ademamix": dict(learning_rate=1e-2, alpha=2.0),
+    "schedule_free_adamw": dict(learning_rate=1e-2, warmup_steps=3, weight_decay=0.01),
+    "schedule_free_sgd": dict(learning_rate=1e-2, weight_decay=0.01),
+    "prodigy": dict(learning_rate=1.0, weight_decay=0.01),
 }
 
 
@@ -67,4 +74,6 @@ SCHEDULES = [
     lambda m: m.warmup_cosine_decay_schedule(0.0, 0.1, 10, 40, 0.01),
     lambda m: m.piecewise_constant_schedule(0.1, {10: 0.5, 25: 0.1}), lambda m: m.constant_schedule(0.3),
     lambda m: m.join_schedules([m.constant_schedule(0.1), m.linear_schedule(0.1, 0.0, 10)], [15]),
+    lambda m: m.warmup_constant_schedule(0.0, 0.1, 10),
+    lambda m: m.warmup_exponential_decay_schedule(0.0, 0.1, 10, 5, 0.7, 3, True, 0.02),
 ]

@@ -345,7 +345,8 @@ PROXIED = ["optax._src.alias", "optax._src.transform", "optax._src.combine", "op
 
 
 # Optax modules whose names resolve to a zero namespace other than zero.functional.
-PROXIED_ELSEWHERE = {"optax.contrib._muon": F.contrib}
+PROXIED_ELSEWHERE = {"optax.contrib._muon": F.contrib, "optax.contrib": F.contrib,
+                     "optax.contrib._schedule_free": F.contrib}
 
 
 def load(test_module: str) -> types.ModuleType:

@@ -29,6 +29,8 @@ MODULES = {
     "masking": "optax.transforms._masking_test",
     "monitoring": "optax.transforms._monitoring_test",
     "muon": "optax.contrib._muon_test",
+    "contrib": "optax.contrib._common_test",
+    "schedule_free": "optax.contrib._schedule_free_test",
 }
 
 # Test (``method`` or ``Class.method``) -> why it cannot apply to zero.
@@ -43,6 +45,10 @@ SKIPS: dict[str, str] = {
     "test_selective_bad_structure": JAX_010,
     "test_mask_compatible_callable_pytree": "a JAX-only pytree node (a dataclass registered with jax.tree_util), "
                                             "which torch's pytrees (optree) do not see into",
+    "ContribTest.test_optimizers": "runs each contrib rule 30,000 steps inside jax.lax.scan (a JAX loop, which cannot "
+                                   "call torch code) and then checks convergence of the params the loop left; zero's "
+                                   "rules equal Optax's step for step (test_functional_optax_parity), so they "
+                                   "converge as Optax's do",
     "test_lion_invalid_mode_raises": "zero raises the ValueError for an unknown mode when the transformation is "
                                      "built (the boundary); Optax at the first update, where this test expects it",
 }

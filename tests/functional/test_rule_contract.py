@@ -32,10 +32,15 @@ RULES = {
     # the vector v is read as (1, 8192) and preconditioned in blocks of 512 (whole); the bias b steps by the graft
     "shampoo": (F.contrib.shampoo, {"learning_rate": 1e-2, "graft_type": "rmsprop", "start_preconditioning_step": 2,
                                     "preconditioning_compute_steps": 2}, "shampoo", 0),
+    "adopt": (F.contrib.adopt, {"learning_rate": 1e-2}, "adopt", 0),
+    "ademamix": (F.contrib.ademamix, {"learning_rate": 1e-2, "weight_decay": 0.01}, "ademamix", 0),
+    "schedule_free_adamw": (F.contrib.schedule_free_adamw, {"learning_rate": 1e-2, "warmup_steps": 2},
+                            "schedule_free_adamw", 0),
+    "prodigy": (F.contrib.prodigy, {"weight_decay": 0.01}, "prodigy", 0),
 }
 # rules whose per-tensor norms (Shampoo's graft) join the pieces' partial sums: over pieces within 1e-12, as the
 # in-place routes, not bit for bit (a sum in two parts rounds as it will)
-JOINS_NORMS = {"shampoo"}
+JOINS_NORMS = {"shampoo", "prodigy"}  # (and Prodigy's sums over the model)
 SHAPES = {"w1": (64, 96), "w2": (96, 48), "v": (8192,), "b": (37,)}  # quantized matrices and vector, a small bias
 STEPS = 5
 

@@ -132,6 +132,11 @@ class Masters:
         if pairs:
             torch._foreach_copy_([s for _, s in pairs], [m for m, _ in pairs])
 
+    def every_pair(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every (master, stepped) pair, to round every master into its tensor (``write_back``)
+        after a change outside a step (`ZeroRedundancyOptimizer.eval`)."""
+        return list(self._pairs.values())
+
     @staticmethod
     def release(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         for master, _ in pairs:

@@ -285,12 +285,45 @@ class ZeroRedundancyOptimizer(TorchNames, OptimizerFace, Joinable):
         Driven by ``torch.amp.GradScaler.step`` (or `zero.backends.ShardedGradScaler`'s), the
         gradients are unscaled here and a step with a non-finite gradient on any rank is skipped
         on every rank (one all-reduce of the flag)."""
+        if not self.training:
+            raise ValueError("step() between optimizer.eval() and optimizer.train(): the params hold the schedule-free "
+                             "average x, and a step must start from the gradient point y; call optimizer.train() first")
         Join.notify_join_context(self)
         state = self.rank_state
         scaling = scaling_of(self, self.mode.gradients.scaler_sees_grads, state.scaler_follows_agreement)
         self._consolidated = self._consolidated_to = None
         with state.scaled(scaling):
             return self.mode.step(closure, kwargs, self._begin_step)
+
+    def eval(self) -> None:
+        """Schedule-free rules: the evaluation params into every rank's params (each rank swaps what
+        it steps, its masters rounded in, then the step's sync); a no-op for other rules, and for a
+        ``torch.optim`` class without ``eval``. A collective: every rank calls it."""
+        self._swap_mode("eval")
+
+    def train(self, mode: bool = True) -> None:
+        """Back to the params the rule steps at, after `eval` (``train(False)`` is `eval`)."""
+        self._swap_mode("train" if mode else "eval")
+
+    _evaluating = False  # between eval() and train(), when the local optimizer had params to swap
+
+    @property
+    def training(self) -> bool:
+        return not self._evaluating
+
+    @torch.no_grad()
+    def _swap_mode(self, to: str) -> None:
+        local, evaluating = self.optim, to == "eval"
+        swap = getattr(local, to, None)
+        if swap is None or evaluating == self._evaluating:
+            return
+        if is_functional(local) and not local.has_swap():  # (the rule's, alike on every rank)
+            return
+        swap()  # (schedulefree's torch classes swap their own params: the same contract)
+        state = self.rank_state
+        state.masters.write_back(state.masters.every_pair())
+        self.mode.sync_params()
+        self._evaluating = evaluating
 
     def state_key(self) -> Any:
         # the steps every rank agreed to take: under overlap_with_ddp the step runs inside backward

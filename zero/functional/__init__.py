@@ -131,6 +131,8 @@ from zero.functional.schedules.join import cosine_onecycle_schedule
 from zero.functional.schedules.join import sgdr_schedule
 from zero.functional.schedules.join import join_schedules
 from zero.functional.schedules.join import warmup_cosine_decay_schedule
+from zero.functional.schedules.join import warmup_constant_schedule
+from zero.functional.schedules.join import warmup_exponential_decay_schedule
 from zero.functional.aliases.adam import adam
 from zero.functional.aliases.adam import adamax
 from zero.functional.aliases.adam import adamw
@@ -318,6 +320,8 @@ __all__ = [
     "to_optax_state",
     "trace",
     "warmup_cosine_decay_schedule",
+    "warmup_constant_schedule",
+    "warmup_exponential_decay_schedule",
     "with_extra_args_support",
     "yogi",
     "zero_nans",

@@ -176,6 +176,13 @@ def tree_leaves(tree: Any) -> list:
     return optree.tree_leaves(tree)
 
 
+def lowest_dtype(tree: Any) -> torch.dtype:
+    """The leaves' least precise floating dtype (Optax's ``tree.dtype(params, 'lowest')``): the
+    dtype a rule keeps its 0-d scalars in (a float32 step size for bf16 and float32 params is bf16)."""
+    floats = [p.dtype for p in tree_leaves(tree) if p.is_floating_point()]
+    return min(floats, key=lambda d: torch.finfo(d).bits, default=torch.get_default_dtype())
+
+
 def zeros_like(tree: Any, dtype: torch.dtype | str | None = None) -> Any:
     dtype = as_dtype(dtype)
     return tree_map(lambda p: torch.zeros_like(p, dtype=dtype), tree)

@@ -121,11 +121,19 @@ def _scheduled(value: Any, dtype: torch.dtype) -> torch.Tensor:
     return _as_hyperparam(value, dtype)
 
 
+# Arguments that are never hyperparameters, whatever ``static_args`` says (Optax's contrib tests
+# name the same ones static): a function of the step that is not a schedule of the value (ADOPT's
+# ``clip_value_fn``, which a schedule's call would replace by its value), lengths that shape the
+# rule or its schedule (a float tensor there would break them).
+UNINJECTABLE = frozenset({"block_size", "warmup_steps", "num_betas", "clip_value_fn", "ns_steps", "rank",
+                          "update_proj_gap"})
+
+
 def _split(bound: dict, static: set[str]) -> tuple[dict, dict, dict]:
     """The factory's arguments as (scheduled, numeric, fixed)."""
     scheduled, numeric, fixed = {}, {}, {}
     for name, value in bound.items():
-        if name in static or isinstance(value, bool) or value is None:
+        if name in static or name in UNINJECTABLE or isinstance(value, bool) or value is None:
             fixed[name] = value
         elif _is_stateful_schedule(value):
             scheduled[name] = value
@@ -147,7 +155,9 @@ def inject_hyperparams(inner_factory: Callable[..., GradientTransformation],
     ``state.hyperparams = {"learning_rate": tensor(0.1), "b1": tensor(0.9), ...}``, which can be
     read and set between steps. A hyperparameter given as a schedule (a function of the step count,
     or a stateful schedule, see the module) is evaluated each step and its value stored there too.
-    Bools, ``None``, non-numbers and the names in ``static_args`` stay fixed.
+    Bools, ``None``, non-numbers, the names in ``static_args`` and those never hyperparameters
+    (`UNINJECTABLE`: ``warmup_steps``, ``clip_value_fn``, ``ns_steps`` ..., which Optax needs named
+    in ``static_args``) stay fixed.
 
     Float hyperparameters are kept in ``hyperparam_dtype``, by default the widest floating dtype of
     the params (so bf16 params give bf16 hyperparameters, as in Optax); a tensor keeps its own

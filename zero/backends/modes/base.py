@@ -61,6 +61,10 @@ class Mode:
         """One optimizer step: the gradients of what this rank steps, the local step, the sync."""
         raise NotImplementedError
 
+    def sync_params(self) -> None:
+        """Every rank's params from what their steppers hold now (the sync that ends a step)."""
+        raise NotImplementedError
+
     def trainability_changed(self) -> bool:
         """Whether a param was frozen or unfrozen since the mode was built (read every step)."""
         return [p.requires_grad for p in self.params] != self.trainable

@@ -157,6 +157,9 @@ class FlatShards(Mode):
             for i in self.plan.whole:
                 self.params[i].grad = None
 
+    def sync_params(self) -> None:
+        self.sync()
+
     @torch.no_grad()
     def sync(self) -> None:
         """The whole params by their owners' rows, then one all-gather per buffer: every rank's

@@ -57,6 +57,9 @@ class WholeParams(Mode):
         self.sync.sync()
         return loss
 
+    def sync_params(self) -> None:
+        self.sync.sync()
+
     def retrain(self, metas: list[ParamMeta]) -> None:
         logger.info("trainable params changed; rebuilding the sync buckets")
         self._build(metas)

@@ -85,7 +85,8 @@ def _injected(factory: Any, args: dict) -> GradientTransformation:
     Python float exactly: torch keeps group settings as Python numbers, and a float kept in the
     params' dtype would round: bf16 makes ``b2=0.999`` 1.0). A mask (or Muon's dimension numbers)
     is a function of the params, not a schedule of the step, and a block size shapes the state:
-    they stay fixed."""
+    they stay fixed, as do the arguments `inject_hyperparams` never injects (``clip_value_fn``,
+    ``warmup_steps`` ...)."""
     fixed = [k for k in args if "mask" in k or "dimension_numbers" in k or k == "block_size"]
     return inject_hyperparams(factory, static_args=fixed, hyperparam_dtype=torch.float64)(**args)
 

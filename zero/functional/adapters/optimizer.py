@@ -26,6 +26,7 @@ import optree
 import torch
 
 from zero.functional import sharding
+from zero.functional.adapters.eval_mode import EvalMode
 from zero.functional.adapters.executor import GroupExecutor, LocalExecutor, executor_for
 from zero.functional.adapters.face import OptimizerFace
 from zero.functional.adapters.group_settings import (
@@ -52,7 +53,7 @@ def _check_names(group: dict, index: int) -> None:
                          "params as a dict by name, so each name must be unique in its group")
 
 
-class Optimizer(OptimizerFace):
+class Optimizer(EvalMode, OptimizerFace):
     """A ``torch.optim.Optimizer`` that steps params with a `GradientTransformation`.
 
     ``params`` are tensors, ``(name, tensor)`` pairs, param-group dicts (a group may carry its own
@@ -72,6 +73,9 @@ class Optimizer(OptimizerFace):
     whose step starts with the ranks' check-in anyway (each rank's flag rides in it; it also
     compares the ranks' settings, naming a rank whose ``lr`` differs), and unchecked over plain
     params, as in ``torch.optim`` (a check there would cost a pass over the gradients and a sync).
+
+    ``train()`` / ``eval()`` (`zero.functional.adapters.eval_mode`): schedule-free rules'
+    evaluation params swapped into the params and back, as ``schedulefree``'s optimizers do.
     """
 
     def __init__(self, params: Iterable, tx: GradientTransformation, *, per_param: bool = False,
@@ -117,6 +121,7 @@ class Optimizer(OptimizerFace):
     @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure=None):
+        self.check_training()
         loss = None
         if closure is not None:
             with torch.enable_grad():

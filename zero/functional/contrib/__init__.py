@@ -1,10 +1,21 @@
 """Rules from ``optax.contrib``: one rule a module, each named and shaped as Optax's (its state
 layout included) and re-exported from here, as ``optax.contrib.<name>`` is; SOAP (named as Optax's
 pull request names it) and Shampoo (Scalable Shampoo's), with their whole-matrix kernels in
-`kronecker`; and torchao's low-bit Adam (``adamw_8bit`` ...), which Optax does not have, with state
-no sharding changes.
+`kronecker`; ADOPT, AdEMAMix (and its simplified form), schedule-free learning (with the
+in-place swap to and from its evaluation params that ``Optimizer.eval()`` runs) and Prodigy (its
+sums over the model asked of `zero.functional.sharding`); and torchao's low-bit Adam
+(``adamw_8bit`` ...), which Optax does not have, with state no sharding changes.
 """
 
+from zero.functional.contrib._ademamix import (
+    ScaleByAdemamixState,
+    ScaleBySimplifiedAdEMAMixState,
+    ademamix,
+    scale_by_ademamix,
+    scale_by_simplified_ademamix,
+    simplified_ademamix,
+)
+from zero.functional.contrib._adopt import adopt, scale_by_adopt
 from zero.functional.contrib._lowbit import (
     ScaleByLowBitAdamState,
     adam_4bit,
@@ -15,6 +26,17 @@ from zero.functional.contrib._lowbit import (
     scale_by_adam_8bit,
 )
 from zero.functional.contrib._muon import MuonState, muon, scale_by_muon, scale_by_shape
+from zero.functional.contrib._prodigy import ProdigyState, prodigy
+from zero.functional.contrib._schedule_free import (
+    ScheduleFreeState,
+    schedule_free,
+    schedule_free_adamw,
+    schedule_free_eval_params,
+    schedule_free_sgd,
+    schedule_free_states,
+    swap_eval,
+    swap_train,
+)
 from zero.functional.contrib._shampoo import ShampooState, scale_by_shampoo, shampoo
 from zero.functional.contrib._soap import SoapState, decay_after_update, scale_by_soap, soap
 from zero.functional.contrib.newton_schulz import MuonDimensionNumbers, orthogonalize_via_newton_schulz
@@ -22,4 +44,8 @@ from zero.functional.contrib.newton_schulz import MuonDimensionNumbers, orthogon
 __all__ = ["ScaleByLowBitAdamState", "adam_4bit", "adam_8bit", "adamw_4bit", "adamw_8bit", "scale_by_adam_4bit",
            "scale_by_adam_8bit", "MuonState", "muon", "scale_by_muon", "scale_by_shape", "MuonDimensionNumbers",
            "orthogonalize_via_newton_schulz", "SoapState", "scale_by_soap", "soap",
-           "decay_after_update", "ShampooState", "scale_by_shampoo", "shampoo"]
+           "decay_after_update", "ShampooState", "scale_by_shampoo", "shampoo", "adopt", "scale_by_adopt",
+           "ScaleByAdemamixState", "scale_by_ademamix", "ademamix", "ScaleBySimplifiedAdEMAMixState",
+           "scale_by_simplified_ademamix", "simplified_ademamix", "ScheduleFreeState", "schedule_free",
+           "schedule_free_sgd", "schedule_free_adamw", "schedule_free_eval_params", "schedule_free_states",
+           "swap_eval", "swap_train", "ProdigyState", "prodigy"]

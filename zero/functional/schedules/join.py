@@ -10,12 +10,14 @@ from zero.functional.schedules.basic import (
     _check_transition_steps,
     _elementwise,
     cosine_decay_schedule,
+    exponential_decay,
     linear_schedule,
     piecewise_interpolate_schedule,
     value_at,
 )
 
-__all__ = ["join_schedules", "warmup_cosine_decay_schedule", "linear_onecycle_schedule", "cosine_onecycle_schedule",
+__all__ = ["join_schedules", "warmup_cosine_decay_schedule", "warmup_constant_schedule",
+           "warmup_exponential_decay_schedule", "linear_onecycle_schedule", "cosine_onecycle_schedule",
            "sgdr_schedule"]
 
 
@@ -43,6 +45,22 @@ def warmup_cosine_decay_schedule(init_value: float, peak_value: float, warmup_st
     return join_schedules([linear_schedule(init_value, peak_value, warmup_steps),
                            cosine_decay_schedule(peak_value, decay_steps - warmup_steps, alpha, exponent)],
                           [warmup_steps])
+
+
+def warmup_constant_schedule(init_value: float, peak_value: float, warmup_steps: int) -> Schedule:
+    """Linear warm-up to ``peak_value``, then constant (``optax.warmup_constant_schedule``): the
+    schedule schedule-free rules take, since they need no decay."""
+    return linear_schedule(init_value, peak_value, warmup_steps)
+
+
+def warmup_exponential_decay_schedule(init_value: float, peak_value: float, warmup_steps: int,
+                                      transition_steps: int, decay_rate: float, transition_begin: int = 0,
+                                      staircase: bool = False, end_value: float | None = None) -> Schedule:
+    """Linear warm-up to ``peak_value``, then `exponential_decay` from it (counting from the end of
+    the warm-up), as ``optax.warmup_exponential_decay_schedule``."""
+    return join_schedules([linear_schedule(init_value, peak_value, warmup_steps),
+                           exponential_decay(peak_value, transition_steps, decay_rate, transition_begin, staircase,
+                                             end_value)], [warmup_steps])
 
 
 def linear_onecycle_schedule(transition_steps: int, peak_value: float, pct_start: float = 0.3,

@@ -5,7 +5,8 @@ over axes; `whole`: rules that need whole tensors; `blocks`: low-bit blocks), it
 Most rules are element-wise and step a piece of a tensor exactly as they would the whole. A
 few need quantities over whole tensors or the whole model: `clip_by_global_norm` (the global
 norm), `scale_by_trust_ratio` (LAMB, LARS: each tensor's norm), `apply_if_finite` (is every
-update finite). They ask this module, never compute those over their leaves themselves:
+update finite), Prodigy's sums over the model (`total_sums`). They ask this module, never
+compute those over their leaves themselves:
 
 - with no sharding installed (one process, or a plain optimizer) the answers come from the
   leaves alone;
@@ -34,7 +35,7 @@ from zero.functional.sharding.context import (
     subset,
     whole_hint,
 )
-from zero.functional.sharding.norms import all_finite, global_norm, tensor_norms, total_norm
+from zero.functional.sharding.norms import all_finite, global_norm, tensor_norms, total_norm, total_sums
 from zero.functional.sharding.placeholders import is_placeholder, placeholder
 from zero.functional.sharding.whole import (
     ParamsRefused,
@@ -46,6 +47,7 @@ from zero.functional.sharding.whole import (
 )
 
 __all__ = ["Pieces", "Sharding", "installed", "every_group", "stepping", "subset", "global_norm", "total_norm",
-           "tensor_norms", "all_finite", "whole_tensors", "needs_whole", "axis_sums", "axis_means", "every_axis",
+           "tensor_norms", "all_finite", "total_sums", "whole_tensors", "needs_whole", "axis_sums", "axis_means",
+           "every_axis",
            "quantized", "block_sizes", "cut_tensors", "whole_tree", "name_of", "whole_hint", "placeholder",
            "pieces_unknown", "ParamsRefused", "is_placeholder", "AxesOf", "reads_axes"]

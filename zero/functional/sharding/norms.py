@@ -12,7 +12,7 @@ import torch
 from zero.functional.foreach import ops, traced
 from zero.functional.sharding.context import Pieces, Sharding, sharded
 
-__all__ = ["global_norm", "total_norm", "tensor_norms", "all_finite", "expand"]
+__all__ = ["global_norm", "total_norm", "tensor_norms", "all_finite", "expand", "total_sums"]
 
 
 def _wide(x: torch.Tensor) -> torch.Tensor:
@@ -121,6 +121,41 @@ def expand(norms: torch.Tensor, pc: Pieces, leaf: torch.Tensor) -> torch.Tensor:
     out = torch.zeros(leaf.numel(), dtype=leaf.dtype, device=leaf.device)
     out[:pc.used] = torch.repeat_interleave(per_piece, lengths)
     return out.view(leaf.shape)
+
+
+def total_sums(*lists: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Per list of leaves (each leaf one of the stepped params' leaves, or a tensor shaped like
+    it), the sum of every element of the whole tensors: a 0-d tensor in the leaves' dtype.
+
+    Unsharded: the sum of the leaves' sums (Optax's ``tree.sum``; a dot product is the sum of a
+    product's leaves, ``tree.vdot``). Sharded: one partial sum per list over this rank's pieces (in
+    float64, padding left out) and one ``reduce`` of all the lists together, so a rule's several
+    global sums cost one collective and every rank gets the same numbers.
+    """
+    found = sharded(lists[0], "a sum over the whole model") if lists and lists[0] else None
+    if found is None:
+        return [_summed([leaf.sum() for leaf in leaves]) for leaves in lists]
+    sharding, pieces = found
+    partial = torch.zeros(len(lists), dtype=torch.float64)
+    for j, leaves in enumerate(lists):
+        if len(leaves) != len(pieces):
+            raise ValueError(f"a sum over the whole model got {len(leaves)} leaves for {len(pieces)} stepped params")
+        for leaf, pc in zip(leaves, pieces):
+            if pc.tensors:
+                partial[j] += leaf.reshape(-1)[:pc.used].to(torch.float64).sum().cpu()
+    total = sharding.reduce(partial)
+    dtype = functools.reduce(torch.promote_types, sharding.dtypes, torch.float32)
+    return [total[j].to(_dtype_of(leaves, dtype)) for j, leaves in enumerate(lists)]
+
+
+def _summed(sums: list[torch.Tensor]) -> torch.Tensor:
+    if not sums:
+        return torch.zeros(())
+    return functools.reduce(torch.add, sums)
+
+
+def _dtype_of(leaves: Sequence[torch.Tensor], default: torch.dtype) -> torch.dtype:
+    return functools.reduce(torch.promote_types, [leaf.dtype for leaf in leaves]) if leaves else default
 
 
 def all_finite(leaves: Sequence[torch.Tensor]) -> bool | torch.Tensor:

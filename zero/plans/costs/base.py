@@ -21,6 +21,9 @@ class RuleCost:
     (``step_temps_held``: Adam's ``denom``, until reassigned), and the most elements a step takes
     of a tensor at a time (``step_chunk``, 0: all; its temporaries then in float32).
 
+    A rule that sums over the whole model each step (Prodigy) says how many all-reduces that takes
+    when sharded (``step_reductions``): a few scalars each, never a gathered tensor.
+
     This base is the element-wise family: ``slots`` param-shaped state tensors in the state's dtype
     and ``scalar_bytes`` of per-parameter scalars (Adam's float32 ``step``), every param stepped
     element by element, nothing quantized.
@@ -31,6 +34,9 @@ class RuleCost:
     step_temps: int = 2
     step_temps_held: int = 1
     step_chunk: int = 0
+    # all-reduces of a few scalars one step makes when its params are sharded, for sums over the
+    # whole model (Prodigy's two sums ride in one: 1); element-wise rules make none
+    step_reductions: int = 0
 
     keeps_whole = False  # whether the family steps some params whole (a plan then keeps them whole)
 

@@ -37,6 +37,13 @@ COSTS: dict[str, RuleCost] = {
     "muon": NewtonSchulz(2, 4, matrix_slots=1, ns_steps=5),
     # zero.functional.contrib.soap and .shampoo at their defaults (another setting: pass Soap(...), Shampoo(...));
     # their step counts are one 0-d tensor per transformation, not per param
+    # zero.functional.contrib's Optax rules: a count per set of params (no per-param scalars)
+    "adopt": Elementwise(2),
+    "ademamix": Elementwise(3),
+    "simplified_ademamix": Elementwise(2),
+    "schedule_free_adamw": Elementwise(2),  # z and the second moment (Adam without its first)
+    "schedule_free_sgd": Elementwise(1),  # z
+    "prodigy": Elementwise(4, step_reductions=1),  # two moments, the sum s, the start x0; two sums a step
     "soap": Soap(),
     "shampoo": Shampoo(),
 }

@@ -1,0 +1,62 @@
+"""Schedule-free rules' ``eval()`` / ``train()`` under every executor, and Prodigy's sums over
+the model under a flat plan: each equal to one process (#66)."""
+
+import pytest
+import schedule_free_workers as w
+from helpers import run_ranks
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _close(got, want, what, tol):
+    for j, (a, b) in enumerate(zip(got, want)):
+        off = float((a - b).abs().max())
+        assert off <= tol, f"{what}: param {j} is off by {off:.2e}"
+
+
+def _check(phases, ref, where, tol=1e-12):
+    assert "train()" in phases["refused"], f"{where}: a step in eval mode was not refused: {phases['refused']!r}"
+    for phase in ("y", "x", "y again", "after"):
+        _close(phases[phase], ref[phase], f"{where}, {phase}", tol)
+    moved = max(float((a - b).abs().max()) for a, b in zip(phases["x"], phases["y"]))
+    assert moved > 1e-4, f"{where}: eval() left the params where they were"
+
+
+def test_one_process_eval_is_optaxs_eval_params():
+    import zero.functional as F
+
+    ref = w.one_process(0, 1)
+    model = w.fw.make_model()
+    tx = F.contrib.schedule_free_adamw(**w.RULE)
+    params = dict(model.named_parameters())
+    params = {n: p.detach().clone() for n, p in params.items()}
+    state = tx.init(params)
+    for k in range(4):
+        grads = dict(zip(params, w.fw.fixed_grads(model, k)))
+        updates, state = tx.update(grads, state, params)
+        params = F.apply_updates(params, updates)
+    x = F.contrib.schedule_free_eval_params(state, params)
+    _close(ref["x"], list(x.values()), "eval() against schedule_free_eval_params", 1e-12)
+
+
+@pytest.mark.parametrize("world_size, kind", [(2, "flat"), (3, "hybrid"), (2, "masters")])
+def test_zero_eval_and_train_equal_one_process(world_size, kind):
+    ref = w.one_process(0, 1, masters=kind == "masters")
+    for rank, phases in enumerate(run_ranks(w.zero_run, world_size, kind)):
+        # masters: float32 masters of bf16 params against float32 params with bf16 gradients, both rounded to bf16
+        _check(phases, ref, f"ZeRO {kind}, rank {rank}")
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_fsdp2_eval_and_train_equal_one_process(world_size):
+    ref = w.one_process(0, 1)
+    for rank, phases in enumerate(run_ranks(w.fsdp2_run, world_size)):
+        _check(phases, ref, f"FSDP2 at {world_size} ranks, rank {rank}")
+
+
+def test_prodigys_sums_cost_one_small_all_reduce_a_step():
+    """Two param groups, each its own Prodigy (as on one process): one all-reduce of its two sums each."""
+    for reduces, worst in run_ranks(w.prodigy_sums, 3):
+        sums = [r for r in reduces if r == ("all_reduce_sum", "float64", 16)]
+        assert len(sums) == 2, f"each group's two sums should ride in one all-reduce of 2 float64s: {reduces}"
+        assert worst <= 1e-12, f"Prodigy under a flat plan at 3 ranks is off one process by {worst:.2e}"

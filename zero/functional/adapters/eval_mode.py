@@ -1,0 +1,90 @@
+"""``train()`` / ``eval()`` on a `zero.functional.Optimizer`: for rules whose params to evaluate
+differ from the params they step at (schedule-free learning: its average ``x`` against the
+gradient point ``y``), the swap ``schedulefree``'s torch optimizers make, through the executor that
+steps the params (plain tensors, FSDP2's pieces and whole params by owner, masters), so each rank
+swaps what it steps and the executor writes it back as after a step.
+
+A rule with nothing to swap makes both calls no-ops, so a training loop may call them whatever
+the rule. A step in eval mode is a ``ValueError``: it would step from the average, not from ``y``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from zero.functional.adapters.state_tree import as_tree
+from zero.functional.base import tree_leaves
+from zero.functional.contrib._schedule_free import schedule_free_states, swap_eval, swap_train
+
+__all__ = ["EvalMode"]
+
+Swap = Callable[[Any, list[torch.Tensor]], None]
+
+
+class EvalMode:
+    """Mixed into `zero.functional.Optimizer`: ``train()``, ``eval()`` and ``training``."""
+
+    _evaluating = False  # whether eval() swapped evaluation params in (until train())
+
+    @property
+    def training(self) -> bool:
+        """False between ``eval()`` and ``train()`` when the rule has params to swap."""
+        return not self._evaluating
+
+    def eval(self) -> None:
+        """Write the params to evaluate at into the params, in place (schedule-free: ``x``); a
+        no-op for rules without them, and when already in eval mode. Every rank calls it."""
+        if not self._evaluating and self.has_swap():
+            self._swap(swap_eval)
+            self._evaluating = True
+
+    def train(self, mode: bool = True) -> None:
+        """Back to the params the rule steps at (schedule-free: ``y``); ``train(False)`` is ``eval()``."""
+        if not mode:
+            return self.eval()
+        if self._evaluating:
+            self._swap(swap_train)
+            self._evaluating = False
+
+    def check_training(self) -> None:
+        if self._evaluating:
+            raise ValueError("step() between optimizer.eval() and optimizer.train(): the params hold the schedule-free "
+                             "average x, and a step must start from the gradient point y. Call optimizer.train() "
+                             "before the training steps (as with schedulefree's optimizers)")
+
+    def has_swap(self) -> bool:
+        """Whether some group's rule keeps evaluation params, read off the rule (the state of no
+        params), not off this rank's states: every rank must agree, as the swap's exchanges pair up."""
+        return any(_swaps(self.set_states_of(k).tx) for k in range(len(self.param_groups)))
+
+    @torch.no_grad()
+    def _swap(self, swap: Swap) -> None:
+        for k, group in enumerate(self.param_groups):
+            sets = self.set_states_of(k)
+            # trainable params (alike on every rank: the exchanges pair up) and any with state (a
+            # ZeRO rank's flat shards, which are not leaves that require grad)
+            idx = tuple(i for i, p in enumerate(group["params"]) if p.requires_grad or sets.owns(i))
+            params = [group["params"][i] for i in idx]
+            run = self._swapper(k, sets, swap)
+            self.executor.step_group(k, idx, params, [torch.zeros_like(p) for p in params], run)
+
+    def _swapper(self, k: int, sets: Any, swap: Swap) -> Callable[..., None]:
+        """The executor's ``run``: each set's state swaps the leaves it steps, in its tree's order."""
+        def run(keep: tuple[int, ...], leaves: list[torch.Tensor], _grads: Any) -> None:
+            where = {i: j for j, i in enumerate(keep)}
+            for key, state in sets.states.items():
+                if all(i in where for i in key):
+                    tree = as_tree([leaves[where[i]] for i in key], self.names_of(k, key))
+                    swap(state, tree_leaves(tree))
+        return run
+
+
+def _swaps(tx: Any) -> bool:
+    try:
+        empty = tx.init({})
+    except Exception:  # a rule that cannot start on no params (it reads shapes): none of schedule-free's
+        return False
+    return bool(schedule_free_states(empty))
