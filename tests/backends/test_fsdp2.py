@@ -15,7 +15,16 @@ CHAINS = {"clip_by_global_norm + adamw": ("chain", [("clip_by_global_norm", dict
                                                     ("adamw", dict(learning_rate=1e-2, weight_decay=0.1))]),
           "centralize + sgd": ("chain", [("centralize", {}), ("sgd", dict(learning_rate=1e-2))]),
           "adaptive_grad_clip + adam": ("chain", [("adaptive_grad_clip", dict(clipping=0.1)),
-                                                  ("adam", dict(learning_rate=1e-2))])}
+                                                  ("adam", dict(learning_rate=1e-2))]),
+          # Optax's transformations over whole tensors or the whole model (#66)
+          "normalize_by_update_norm + sgd": ("chain", [("normalize_by_update_norm", dict(scale_factor=2.0)),
+                                                       ("sgd", dict(learning_rate=1e-2))]),
+          "scale_by_param_block_norm + adam": ("chain", [("scale_by_param_block_norm", dict(min_scale=0.5)),
+                                                         ("adam", dict(learning_rate=1e-2))]),
+          "distance_over_gradients": ("chain", [("scale_by_distance_over_gradients", dict(reps_rel=1e-2)),
+                                                ("scale", dict(step_size=-0.1))]),
+          "sgd + keep_params_nonnegative": ("chain", [("sgd", dict(learning_rate=0.3)),
+                                                      ("keep_params_nonnegative", {})])}
 RULES = {**{name: (name, kw) for name, kw in {**alias_cases.ALIASES, **alias_cases.MORE_ALIASES, **CONTRIB,
                                               "sm3": dict(learning_rate=1e-2)}.items()}, **CHAINS}
 

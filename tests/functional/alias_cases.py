@@ -56,6 +56,8 @@ CONTRIB = {
     "schedule_free_adamw": dict(learning_rate=1e-2, warmup_steps=3, weight_decay=0.01),
     "schedule_free_sgd": dict(learning_rate=1e-2, weight_decay=0.01),
     "prodigy": dict(learning_rate=1.0, weight_decay=0.01),
+    "dog": dict(weight_decay=0.01),
+    "dowg": dict(learning_rate=0.5),
 }
 
 

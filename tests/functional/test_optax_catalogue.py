@@ -10,7 +10,7 @@ pytest.importorskip("optax", reason="parity with Optax needs the zero[jax] extra
 
 import optax  # noqa: E402
 from helpers import assert_trees_close  # noqa: E402
-from optax_parity import run_both, x64  # noqa: E402, F401 (x64: a module fixture)
+from optax_parity import random_tree, run_both, to_jax, to_torch, x64  # noqa: E402, F401 (x64: a module fixture)
 
 import zero.functional as F  # noqa: E402
 
@@ -19,6 +19,10 @@ LR = 1e-2
 
 def _c(m):
     return m.contrib
+
+
+def _norm(m):
+    return F.global_norm if m is F else optax.tree.norm
 
 
 # name -> (zero or optax module -> the transformation); Optax's float32 schedules: ``SCHEDULED``
@@ -34,8 +38,26 @@ CASES = {
     "schedule_free_adam_base": lambda m: _c(m).schedule_free(m.adam(LR, b1=0.0), LR, b1=0.8),
     "prodigy": lambda m: _c(m).prodigy(),
     "prodigy_safeguarded": lambda m: _c(m).prodigy(0.5, weight_decay=0.01, safeguard_warmup=True, beta3=0.9),
+    "dog": lambda m: _c(m).dog(),
+    "dog_distance_decay": lambda m: _c(m).dog(0.5, init_step=("distance", 0.1), weight_decay=0.01),
+    "dog_learning_rate": lambda m: _c(m).dog(init_step=("learning_rate", 1e-3)),
+    "dowg": lambda m: _c(m).dowg(weight_decay=0.01),
+    "freeze": lambda m: m.chain(m.freeze(MASK), m.sgd(LR)),
+    "selective_transform": lambda m: m.selective_transform(m.adam(LR), freeze_mask=MASK),
+    "keep_params_nonnegative": lambda m: m.chain(m.sgd(0.3), m.keep_params_nonnegative()),
+    "normalize_by_update_norm": lambda m: m.chain(m.normalize_by_update_norm(2.0), m.sgd(LR)),
+    "scale_by_param_block_norm": lambda m: m.chain(m.scale_by_param_block_norm(0.5), m.scale(-LR)),
+    "scale_by_distance_over_gradients": lambda m: m.chain(m.scale_by_distance_over_gradients(reps_rel=1e-2),
+                                                          m.scale(-1.0)),
+    "flatten": lambda m: m.flatten(m.adam(LR)),
+    "monitor": lambda m: m.chain(m.monitor({"norm": _norm(m), "ema": m.measure_with_ema(_norm(m), 0.9)}), m.sgd(LR)),
+    "snapshot": lambda m: m.chain(m.snapshot("norm", _norm(m)), m.sgd(LR)),
 }
 SCHEDULED = {"ademamix_schedules", "schedule_free_adamw"}
+# frozen where True: the matrix and the deeper nested leaf
+MASK = {"w": True, "b": False, "nested": [False, True], "scalar": False}
+# scale_by_distance_over_gradients: Optax keeps each param's gradient sum as shape (1,), which turns a 0-d
+# param's update into shape (1,); zero keeps it 0-d (the same numbers): the harness's scalar is compared as numbers
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
@@ -55,9 +77,70 @@ def _layout(state):
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_state_layout_is_optaxs(name):
-    import jax.numpy as jnp
+    params = random_tree(np.random.default_rng(0), np.float64)
+    ours, theirs = CASES[name](F).init(to_torch(params)), CASES[name](optax).init(to_jax(params))
+    assert _layout(ours) == _layout(theirs)
+
+
+def test_monitor_and_snapshot_measure_as_optax_and_the_optimizer_reads_them():
+    """The measurements in the state equal Optax's each step, and ``Optimizer.measurements()``
+    reads them by name."""
     import torch
 
-    ours = CASES[name](F).init({"x": torch.zeros(3, dtype=torch.float64)})
-    theirs = CASES[name](optax).init({"x": jnp.zeros(3)})
-    assert _layout(ours) == _layout(theirs)
+    rng = np.random.default_rng(1)
+    params = random_tree(rng, np.float64)
+    make = lambda m: m.chain(m.monitor({"norm": _norm(m), "ema": m.measure_with_ema(_norm(m), 0.9)}),  # noqa: E731
+                             m.snapshot("last", _norm(m)), m.sgd(LR))
+    tx, otx = make(F), make(optax)
+    ts, js = tx.init(to_torch(params)), otx.init(to_jax(params))
+    leaves = [torch.nn.Parameter(t) for t in optree.tree_leaves(to_torch(params))]
+    opt = F.Optimizer(leaves, make(F))
+    for _ in range(5):
+        grads = random_tree(rng, np.float64)
+        _, ts = tx.update(to_torch(grads), ts, to_torch(params))
+        _, js = otx.update(to_jax(grads), js, to_jax(params))
+        for p, g in zip(leaves, optree.tree_leaves(to_torch(grads))):
+            p.grad = g
+        opt.step()
+        for name in ("norm", "ema"):
+            np.testing.assert_allclose(float(ts[0].measurements[name]), float(js[0].measurements[name]), rtol=1e-12)
+        np.testing.assert_allclose(float(ts[1].measurement["last"]), float(js[1].measurement["last"]), rtol=1e-12)
+        got = opt.measurements()
+        assert set(got) == {"norm", "ema", "last"}
+        np.testing.assert_allclose(float(got["norm"]), float(js[0].measurements["norm"]), rtol=1e-12)
+
+
+def test_per_example_layer_norm_clip_matches_optax():
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(2)
+    grads = {"w": rng.standard_normal((6, 3, 2)), "b": rng.standard_normal((6, 4))}
+    for uniform in (True, False):
+        ours = F.per_example_layer_norm_clip(to_torch(grads), 1.5, uniform)
+        theirs = optax.per_example_layer_norm_clip(optree.tree_map(jnp.asarray, grads), 1.5, uniform)
+        assert_trees_close(ours[0], theirs[0], rtol=1e-12, what=f"sums, uniform={uniform}")
+        assert_trees_close(ours[1], theirs[1], rtol=0, what=f"clipped counts, uniform={uniform}")
+    with pytest.raises(ValueError, match="batch dimension"):
+        F.per_example_layer_norm_clip({"s": to_torch(np.float64(1.0))}, 1.0)
+
+
+@pytest.mark.parametrize("factor", [0.0, 0.25, 1.0])
+def test_scale_gradient_scales_the_backward_as_optaxs(factor):
+    import jax
+    import torch
+
+    x = np.array([1.0, -2.0, 3.0])
+    tx = torch.tensor(x, requires_grad=True)
+    (F.scale_gradient({"a": tx}, factor)["a"] ** 2 + tx).sum().backward()  # (+ x: a graph at factor 0 too)
+    theirs = jax.grad(lambda v: (optax.scale_gradient({"a": v}, factor)["a"] ** 2 + v).sum())(jax.numpy.asarray(x))
+    np.testing.assert_allclose(tx.grad.numpy(), np.asarray(theirs), rtol=1e-15)
+
+
+def test_inject_stateful_hyperparams_warns_and_injects():
+    with pytest.warns(DeprecationWarning, match="inject_hyperparams"):
+        factory = F.inject_stateful_hyperparams(F.adam)
+    tx = factory(learning_rate=0.1)
+    import torch
+
+    state = tx.init({"x": torch.zeros(2)})
+    assert float(state.hyperparams["learning_rate"]) == pytest.approx(0.1)

@@ -37,10 +37,17 @@ RULES = {
     "schedule_free_adamw": (F.contrib.schedule_free_adamw, {"learning_rate": 1e-2, "warmup_steps": 2},
                             "schedule_free_adamw", 0),
     "prodigy": (F.contrib.prodigy, {"weight_decay": 0.01}, "prodigy", 0),
+    "dog": (F.contrib.dog, {"init_step": ("heuristic", 1e-4)}, "dog", 0),
+    # Optax's transformations that read whole tensors or the whole model, chained
+    "normalize_by_update_norm": (lambda: F.chain(F.normalize_by_update_norm(2.0), F.sgd(1e-2)), {}, "sgd", 0),
+    "param_block_norm": (lambda: F.chain(F.scale_by_param_block_norm(0.5), F.adam(1e-2)), {}, "adam", 0),
+    "distance_over_gradients": (lambda: F.chain(F.scale_by_distance_over_gradients(1e-2), F.scale(-0.1)), {},
+                                "sgd", 0),
 }
 # rules whose per-tensor norms (Shampoo's graft) join the pieces' partial sums: over pieces within 1e-12, as the
 # in-place routes, not bit for bit (a sum in two parts rounds as it will)
-JOINS_NORMS = {"shampoo", "prodigy"}  # (and Prodigy's sums over the model)
+JOINS_NORMS = {"shampoo", "prodigy", "dog", "normalize_by_update_norm", "param_block_norm",
+               "distance_over_gradients"}  # (and sums over the model)
 SHAPES = {"w1": (64, 96), "w2": (96, 48), "v": (8192,), "b": (37,)}  # quantized matrices and vector, a small bias
 STEPS = 5
 
@@ -105,11 +112,12 @@ def test_over_two_pieces_in_one_process(rule):
             leaves.append((n, start, end, leaf))
             cut_at = block if model.block_for(metas[n]) else 0
             pieces[id(leaf)] = sharding.Pieces((t,), (end - start,), (start,), cut_at)
-    installed = sharding.Sharding(pieces, (torch.float32,) * len(names), lambda x: x, numels=tuple(
+    installed = sharding.Sharding(pieces, (torch.float64,) * len(names), lambda x: x, numels=tuple(
         metas[n].numel for n in names), shapes=tuple(SHAPES[n] for n in names), names=tuple(names))
     tx, tree = factory(**kwargs), [leaf for *_, leaf in leaves]
     with sharding.installed(installed):
-        state = tx.init(tree)
+        with sharding.stepping(tree):  # as the optimizers start a state: a start that reads whole tensors asks
+            state = tx.init(tree)
         for step in range(STEPS):
             g = _grads(step)
             grads = [g[n] if leaf.shape == g[n].shape else g[n].reshape(-1)[s:e] for n, s, e, leaf in leaves]

@@ -119,6 +119,23 @@ from zero.functional.transforms.sign import ScaleByLionState
 from zero.functional.transforms.sign import ScaleByRpropState
 from zero.functional.transforms.sign import scale_by_lion
 from zero.functional.transforms.sign import scale_by_rprop
+from zero.functional.inject import inject_stateful_hyperparams
+from zero.functional.transforms.clipping import per_example_layer_norm_clip
+from zero.functional.transforms.masking import freeze
+from zero.functional.transforms.masking import selective_transform
+from zero.functional.transforms.constraining import NonNegativeParamsState
+from zero.functional.transforms.constraining import keep_params_nonnegative
+from zero.functional.transforms.monitoring import SnapshotState
+from zero.functional.transforms.monitoring import MonitorState
+from zero.functional.transforms.monitoring import snapshot
+from zero.functional.transforms.monitoring import measure_with_ema
+from zero.functional.transforms.monitoring import monitor
+from zero.functional.transforms.layouts import flatten
+from zero.functional.transforms.scaling import normalize_by_update_norm
+from zero.functional.transforms.scaling import scale_by_param_block_norm
+from zero.functional.transforms.scaling import ScaleByDistanceOverGradientsState
+from zero.functional.transforms.scaling import scale_by_distance_over_gradients
+from zero.functional.transforms.scaling import scale_gradient
 from zero.functional.schedules.basic import piecewise_interpolate_schedule
 from zero.functional.schedules.basic import constant_schedule
 from zero.functional.schedules.basic import cosine_decay_schedule
@@ -325,6 +342,23 @@ __all__ = [
     "with_extra_args_support",
     "yogi",
     "zero_nans",
+    "inject_stateful_hyperparams",
+    "per_example_layer_norm_clip",
+    "freeze",
+    "selective_transform",
+    "NonNegativeParamsState",
+    "keep_params_nonnegative",
+    "SnapshotState",
+    "MonitorState",
+    "snapshot",
+    "measure_with_ema",
+    "monitor",
+    "flatten",
+    "normalize_by_update_norm",
+    "scale_by_param_block_norm",
+    "ScaleByDistanceOverGradientsState",
+    "scale_by_distance_over_gradients",
+    "scale_gradient",
 ]
 
 

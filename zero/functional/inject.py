@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
@@ -30,7 +31,7 @@ from zero.functional.kernels.builds import Builds
 from zero.functional.kernels.chains import explain
 
 __all__ = ["InjectHyperparamsState", "InjectStatefulHyperparamsState", "WrappedScheduleState", "WrappedSchedule",
-           "inject_hyperparams"]
+           "inject_hyperparams", "inject_stateful_hyperparams"]
 
 
 class InjectHyperparamsState(NamedTuple):
@@ -241,3 +242,14 @@ def _initial(value: Any) -> Any:
         return value if traced() else float(value.detach())
     return float(value)
 
+
+
+def inject_stateful_hyperparams(inner_factory: Callable[..., GradientTransformation],
+                                static_args: str | Iterable[str] = (),
+                                hyperparam_dtype: torch.dtype | str | None = None
+                                ) -> Callable[..., GradientTransformation]:
+    """`inject_hyperparams`, under Optax's deprecated name (``optax.inject_stateful_hyperparams``,
+    which now warns the same and does the same): stateful schedules are taken there too."""
+    warnings.warn("inject_stateful_hyperparams is deprecated, use inject_hyperparams instead", DeprecationWarning,
+                  stacklevel=2)
+    return inject_hyperparams(inner_factory, static_args, hyperparam_dtype)

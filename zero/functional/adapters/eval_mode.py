@@ -25,7 +25,26 @@ Swap = Callable[[Any, list[torch.Tensor]], None]
 
 
 class EvalMode:
-    """Mixed into `zero.functional.Optimizer`: ``train()``, ``eval()`` and ``training``."""
+    """Mixed into `zero.functional.Optimizer`: ``train()``, ``eval()`` and ``training``, and
+    ``measurements()`` (what ``monitor``, ``snapshot`` and ``measure_with_ema`` keep)."""
+
+    def measurements(self, group: int | None = None) -> dict[str, Any]:
+        """The last step's measurements of every ``monitor`` and ``snapshot`` in the rule, by name
+        (``group``: of that param group only). A name measured in two places (two groups, two sets
+        of params) is a ``ValueError`` saying which: ask per group. Under a sharded optimizer a
+        measure sees this rank's pieces (see `zero.functional.transforms.monitoring`)."""
+        from zero.functional.transforms.monitoring import measurements_in
+
+        found: dict[str, Any] = {}
+        groups = range(len(self.param_groups)) if group is None else [group]
+        for k in groups:
+            for state in self.set_states_of(k).states.values():
+                for name, value in measurements_in(state):
+                    if name in found:
+                        raise ValueError(f"measurement {name!r} is taken in more than one place (param groups, "
+                                         "or sets of params stepped apart): ask optimizer.measurements(group=k)")
+                    found[name] = value
+        return found
 
     _evaluating = False  # whether eval() swapped evaluation params in (until train())
 

@@ -122,7 +122,9 @@ class SetStates:
     def start(self, idx: tuple[int, ...], leaves: list[torch.Tensor], names: list[str] | None) -> Any:
         """The state the params at ``idx`` start from (``leaves``: the tensors the rule steps for
         them), kept as their set's."""
-        state = self.states[idx] = self.tx.init(as_tree(leaves, names))
+        tree = as_tree(leaves, names)
+        with sharding.stepping(tree):  # a rule whose start reads whole tensors (DoG's norms) asks across ranks
+            state = self.states[idx] = self.tx.init(tree)
         self._owner.update(dict.fromkeys(idx, idx))
         self._fresh.add(idx)
         return state

@@ -16,6 +16,7 @@ from zero.functional.contrib._ademamix import (
     simplified_ademamix,
 )
 from zero.functional.contrib._adopt import adopt, scale_by_adopt
+from zero.functional.contrib._dog import DoGState, DoWGState, dog, dowg, scale_by_dog, scale_by_dowg
 from zero.functional.contrib._lowbit import (
     ScaleByLowBitAdamState,
     adam_4bit,
@@ -48,4 +49,5 @@ __all__ = ["ScaleByLowBitAdamState", "adam_4bit", "adam_8bit", "adamw_4bit", "ad
            "ScaleByAdemamixState", "scale_by_ademamix", "ademamix", "ScaleBySimplifiedAdEMAMixState",
            "scale_by_simplified_ademamix", "simplified_ademamix", "ScheduleFreeState", "schedule_free",
            "schedule_free_sgd", "schedule_free_adamw", "schedule_free_eval_params", "schedule_free_states",
-           "swap_eval", "swap_train", "ProdigyState", "prodigy"]
+           "swap_eval", "swap_train", "ProdigyState", "prodigy", "DoGState", "scale_by_dog", "dog", "DoWGState",
+           "scale_by_dowg", "dowg"]

@@ -23,7 +23,7 @@ from zero.functional.elementwise import abs_sq
 from zero.functional.foreach import elementwise_map, traced
 
 __all__ = ["clip", "global_norm", "clip_by_global_norm", "clip_by_block_rms", "adaptive_grad_clip",
-           "per_example_global_norm_clip"]
+           "per_example_global_norm_clip", "per_example_layer_norm_clip"]
 
 
 def clip(max_delta: float) -> GradientTransformation:
@@ -122,3 +122,19 @@ def per_example_global_norm_clip(grads: Any, l2_norm_clip: float) -> tuple[Any, 
     clipped = [torch.tensordot(multipliers, g.to(torch.promote_types(g.dtype, multipliers.dtype)), dims=1)
                for g in leaves]
     return optree.tree_unflatten(treedef, clipped), (multipliers < 1.0).sum()
+
+
+def per_example_layer_norm_clip(grads: Any, global_l2_norm_clip: float, uniform: bool = True) -> tuple[Any, Any]:
+    """Clip each example's gradient layer by layer (axis 0 of every leaf is the batch) and sum over
+    examples; returns the sums and, per layer, how many examples were clipped
+    (``optax.per_example_layer_norm_clip``). Each layer's bound is ``global_l2_norm_clip``
+    shared out equally (``uniform``) or by the layer's share of the elements, so the layers'
+    bounds square-sum to the global one."""
+    leaves, treedef = optree.tree_flatten(grads)
+    if not leaves or any(g.dim() == 0 for g in leaves):
+        raise ValueError("Unlike other transforms, `per_example_layer_norm_clip` expects `grads` to have a batch "
+                         f"dimension in the 0th axis; got shapes: {[tuple(g.shape) for g in leaves]}")
+    total = sum(g[0].numel() for g in leaves)
+    bounds = [global_l2_norm_clip * ((1.0 / len(leaves)) if uniform else g[0].numel() / total) ** 0.5 for g in leaves]
+    pairs = [per_example_global_norm_clip(g, bound) for g, bound in zip(leaves, bounds)]
+    return treedef.unflatten([s for s, _ in pairs]), treedef.unflatten([n for _, n in pairs])

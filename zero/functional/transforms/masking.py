@@ -1,5 +1,6 @@
 """Masks and routing by label: a transformation applied to some leaves only (``optax.masked``),
-or each leaf routed to the transformation of its label (``optax.partition``, ``multi_transform``)."""
+or each leaf routed to the transformation of its label (``optax.partition``, ``multi_transform``),
+and the freezing built on them (``optax.freeze``, ``selective_transform``)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from zero.functional.base import (
 from zero.functional.kernels.chains import Path, described, explain
 
 __all__ = ["MaskedNode", "MaskedState", "masked", "PartitionState", "MultiTransformState", "partition",
-           "multi_transform"]
+           "multi_transform", "freeze", "selective_transform"]
 
 
 class MaskedNode(NamedTuple):
@@ -167,3 +168,24 @@ def partition(transforms: Mapping[Hashable, GradientTransformation], param_label
 
 
 multi_transform = partition
+
+
+def freeze(mask: bool | Any) -> GradientTransformation:
+    """Zero updates where ``mask`` is True (a tree of bools like the params, or one bool):
+    ``masked(set_to_zero(), mask)`` (``optax.freeze``). A frozen leaf keeps no state."""
+    from zero.functional.base import set_to_zero
+
+    return masked(set_to_zero(), mask)
+
+
+def selective_transform(optimizer: GradientTransformation, *, freeze_mask: bool | Any) -> GradientTransformation:
+    """``optimizer`` on the leaves ``freeze_mask`` leaves unfrozen (False), zero updates and no
+    state on the frozen ones (``optax.selective_transform``)."""
+    from zero.functional.base import set_to_zero
+
+    def labels(params):
+        if isinstance(freeze_mask, bool):
+            return tree_map(lambda _: "freeze" if freeze_mask else "train", params)
+        return tree_map(lambda m: "freeze" if m else "train", freeze_mask)
+
+    return partition({"train": optimizer, "freeze": set_to_zero()}, labels)

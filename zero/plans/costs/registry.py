@@ -44,6 +44,8 @@ COSTS: dict[str, RuleCost] = {
     "schedule_free_adamw": Elementwise(2),  # z and the second moment (Adam without its first)
     "schedule_free_sgd": Elementwise(1),  # z
     "prodigy": Elementwise(4, step_reductions=1),  # two moments, the sum s, the start x0; two sums a step
+    "dog": Elementwise(1, step_reductions=1),  # the start; the distance and the gradients' norm a step
+    "dowg": Elementwise(1, step_reductions=1),
     "soap": Soap(),
     "shampoo": Shampoo(),
 }
