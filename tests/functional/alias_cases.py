@@ -58,6 +58,9 @@ CONTRIB = {
     "prodigy": dict(learning_rate=1.0, weight_decay=0.01),
     "dog": dict(weight_decay=0.01),
     "dowg": dict(learning_rate=0.5),
+    "madgrad": dict(learning_rate=1e-2, weight_decay=0.01),
+    "cocob": dict(weight_decay=0.01),
+    "acprop": dict(learning_rate=1e-2),
 }
 
 

@@ -42,6 +42,13 @@ CASES = {
     "dog_distance_decay": lambda m: _c(m).dog(0.5, init_step=("distance", 0.1), weight_decay=0.01),
     "dog_learning_rate": lambda m: _c(m).dog(init_step=("learning_rate", 1e-3)),
     "dowg": lambda m: _c(m).dowg(weight_decay=0.01),
+    "madgrad": lambda m: _c(m).madgrad(LR, weight_decay=0.01),
+    "madgrad_schedule": lambda m: _c(m).madgrad(m.linear_schedule(0.02, 0.005, 10), momentum=0.5),
+    "cocob": lambda m: _c(m).cocob(weight_decay=0.01),
+    "acprop": lambda m: _c(m).acprop(LR, weight_decay=0.01),
+    "dadapt_adamw": lambda m: _c(m).dadapt_adamw(0.5, weight_decay=0.01),
+    "mechanize_sgd": lambda m: _c(m).mechanize(m.sgd(0.1)),
+    "mechanize_adam": lambda m: _c(m).mechanize(m.adam(0.1), weight_decay=0.0, num_betas=3),
     "freeze": lambda m: m.chain(m.freeze(MASK), m.sgd(LR)),
     "selective_transform": lambda m: m.selective_transform(m.adam(LR), freeze_mask=MASK),
     "keep_params_nonnegative": lambda m: m.chain(m.sgd(0.3), m.keep_params_nonnegative()),
@@ -53,7 +60,9 @@ CASES = {
     "monitor": lambda m: m.chain(m.monitor({"norm": _norm(m), "ema": m.measure_with_ema(_norm(m), 0.9)}), m.sgd(LR)),
     "snapshot": lambda m: m.chain(m.snapshot("norm", _norm(m)), m.sgd(LR)),
 }
-SCHEDULED = {"ademamix_schedules", "schedule_free_adamw"}
+# Optax evaluates schedules in float32, and MADGRAD's weight (lr + eps) sqrt(count + 1) too (jnp.sqrt of its
+# int32 count is float32): in float64 these agree to float32's rounding; zero keeps the weight in float64
+SCHEDULED = {"ademamix_schedules", "schedule_free_adamw", "madgrad_schedule", "madgrad"}
 # frozen where True: the matrix and the deeper nested leaf
 MASK = {"w": True, "b": False, "nested": [False, True], "scalar": False}
 # scale_by_distance_over_gradients: Optax keeps each param's gradient sum as shape (1,), which turns a 0-d
@@ -67,6 +76,36 @@ def test_matches_optax(name, dtype):
     if name in SCHEDULED and dtype == np.float64:  # Optax evaluates schedules in float32
         rtol, atol = 1e-6, 1e-7
     for step, tp, jp in run_both(CASES[name](F), CASES[name](optax), steps=30, dtype=dtype):
+        assert_trees_close(tp, jp, rtol=rtol, atol=atol, what=f"{name} step {step}")
+
+
+VALUED = {  # rules that read the loss: the harness's loss is the params' squared norm
+    "momo": lambda m: _c(m).momo(0.5, weight_decay=0.01),
+    "momo_adaptive": lambda m: _c(m).momo(0.5, lower_bound=-1.0, adapt_lower_bound=True),
+    "momo_adam": lambda m: _c(m).momo_adam(weight_decay=0.01),
+    "momo_adam_adaptive": lambda m: _c(m).momo_adam(lower_bound=-1.0, adapt_lower_bound=True),
+}
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("name", sorted(VALUED))
+def test_rules_reading_the_loss_match_optax(name, dtype):
+    import jax
+    import torch
+
+    rtol, atol = (1e-9, 1e-12) if dtype == np.float64 else (1e-4, 1e-6)
+    rng = np.random.default_rng(3)
+    params = random_tree(rng, dtype)
+    tx, otx = VALUED[name](F), VALUED[name](optax)
+    tp, jp = to_torch(params), to_jax(params)
+    ts, js = tx.init(tp), otx.init(jp)
+    for step in range(25):
+        grads = random_tree(rng, dtype)
+        loss = sum(float((x.astype(np.float64) ** 2).sum()) for x in optree.tree_leaves(
+            optree.tree_map(np.asarray, optree.tree_map(lambda t: t.numpy(), tp))))
+        tu, ts = tx.update(to_torch(grads), ts, tp, value=torch.tensor(loss, dtype=torch.float64))
+        ju, js = otx.update(to_jax(grads), js, jp, value=jax.numpy.asarray(loss))
+        tp, jp = F.apply_updates(tp, tu), optax.apply_updates(jp, ju)
         assert_trees_close(tp, jp, rtol=rtol, atol=atol, what=f"{name} step {step}")
 
 

@@ -128,6 +128,13 @@ class RankState:
 
     # -- the local step ------------------------------------------------------------------------
 
+    def with_loss(self, kwargs: dict, loss: Any) -> dict:
+        """``kwargs`` of the local step given the loss of a closure run before it (a rule that reads
+        the loss, MoMo's, gets it as ``value=``, as the local optimizer's own closure would pass it)."""
+        if loss is None or not is_functional(self.optim) or "value" in kwargs:
+            return kwargs
+        return {**kwargs, "value": loss.detach() if isinstance(loss, torch.Tensor) else loss}
+
     def run(self, sharded: sharding.Sharding, closure: Any = None, grads: dict | None = None, **kwargs: Any) -> Any:
         """One step of the local optimizer; ``sharded`` answers a `zero.functional` rule's questions
         about whole tensors (global norms ...), since the local tensors are pieces of the model.
@@ -139,6 +146,7 @@ class RankState:
         if closure is not None and self.masters.dtype is not None:
             with torch.enable_grad():
                 loss, closure = closure(), None
+            kwargs = self.with_loss(kwargs, loss)
         pairs = self.masters.grads_in(self.optim, grads or {})
         if self.skipping or not self._finite(sharded):
             self.masters.release(pairs)

@@ -223,6 +223,15 @@ def step_count(count: Any) -> int | torch.Tensor:
     return torch.as_tensor(count).to(torch.float64)
 
 
+def first_or(count: Any, at_first: float, later: float) -> Any:
+    """``at_first`` at the first step (``count``, a `step_count`, is 0), else ``later``: a number
+    when eager, a float64 0-d tensor when traced (one graph for every step)."""
+    if isinstance(count, int):
+        return at_first if count == 0 else later
+    f64 = torch.float64
+    return torch.where(count == 0, torch.tensor(at_first, dtype=f64), torch.tensor(later, dtype=f64))
+
+
 def select(pred: torch.Tensor, if_true: Any, if_false: Any) -> Any:
     """``torch.where(pred, a, b)`` leaf by leaf over two trees of one structure: how a traced
     update (`traced`) takes one of two outcomes held in one graph, as Optax's ``lax.cond``."""
@@ -261,7 +270,7 @@ def stateless_with_tree_map(f: Callable[[torch.Tensor, torch.Tensor | None], tor
 
 @torch.no_grad()
 def inplace_step(tx: GradientTransformation, params: Any, grads: Any, state: Any,
-                 leaves: list[torch.Tensor] | None = None) -> Any:
+                 leaves: list[torch.Tensor] | None = None, extra_args: dict | None = None) -> Any:
     """One step of ``tx`` on a tree of params (a list, a dict by name ...), updating them in
     place; returns the new state. The outermost call: combinators step their inner
     transformations with `step_in_place`, and autograd is told once, here (``leaves``: the
@@ -270,8 +279,15 @@ def inplace_step(tx: GradientTransformation, params: Any, grads: Any, state: Any
     torch's fused kernels write params without telling autograd; a for-loop step does. Telling
     it makes a backward that saved a param before this step raise, as with torch.optim's default
     step (e.g. several RPC trainers), instead of mixing values.
+
+    ``extra_args`` (the loss as ``value=`` ...) reach a transformation that takes them, through its
+    ``update`` (an in-place kernel takes none).
     """
-    new_state = step_in_place(tx, params, grads, state)
+    if extra_args and takes_extra_args(tx):
+        updates, new_state = tx.update(grads, state, params, **extra_args)
+        add_updates(params, updates)
+    else:
+        new_state = step_in_place(tx, params, grads, state)
     torch.autograd.graph.increment_version(tree_leaves(params) if leaves is None else leaves)
     return new_state
 

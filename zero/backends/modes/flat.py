@@ -74,7 +74,7 @@ class FlatShards(Mode):
                 loss = closure()
         try:
             self.take_grads(self.state.masters.dtype)
-            out = self.state.run(self.sharding, grads=self.wide, **kwargs)
+            out = self.state.run(self.sharding, grads=self.wide, **self.state.with_loss(kwargs, loss))
         finally:
             self.clear_grads()
         verify()  # before any param moves: ranks that diverged get a ValueError, not mismatched collectives

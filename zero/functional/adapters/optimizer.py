@@ -120,12 +120,17 @@ class Optimizer(EvalMode, OptimizerFace):
     # hyperparameter tensors for data-dependent scalars. Compile `tx.update` for a compiled step.
     @torch.compiler.disable
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, **extra_args):
+        """One step of every group's rule (torch's ``step(closure)``). ``extra_args`` reach rules
+        that take them (Optax's ``update(..., value=loss)``: MoMo, a line search); a closure's loss
+        is passed as ``value`` unless one is given."""
         self.check_training()
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+            if loss is not None:
+                extra_args.setdefault("value", loss.detach() if isinstance(loss, torch.Tensor) else loss)
         executor = self.executor
         skip, after = self.begin_step(executor.guard, self._steps + 1)
         if skip:
@@ -140,7 +145,7 @@ class Optimizer(EvalMode, OptimizerFace):
                 if any(map(_SPARSE, grads)):
                     raise ValueError("zero.functional.Optimizer does not support sparse gradients")
                 executor.step_group(k, idx, params, grads, lambda keep, leaves, gs, k=k, group=group, states=states:
-                                    states.step(keep, leaves, gs, group, self.names_of(k, keep)))
+                                    states.step(keep, leaves, gs, group, self.names_of(k, keep), extra_args))
         self._steps += 1
         self.state_changed()
         after()

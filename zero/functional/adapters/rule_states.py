@@ -69,16 +69,16 @@ class SetStates:
         return i in self._owner
 
     def step(self, idx: tuple[int, ...], params: list, grads: list, group: dict | None = None,
-             names: list[str] | None = None) -> None:
+             names: list[str] | None = None, extra_args: dict | None = None) -> None:
         if group is not None and torch_class_of(self.tx) is not None:
             self.tx = with_torch_settings(self.tx, group, self.index)
         if idx in self.states or not any(i in self._owner for i in idx):
-            return self._step(idx, params, grads, group, names)
+            return self._step(idx, params, grads, group, names, extra_args)
         clash = {self._owner[i] for i in idx if i in self._owner}
         if clash <= self._fresh:  # started before any step (state read, or made at construction): the first
             for block in clash:   # step's set decides, as it does for a state not started yet
                 self.forget(block)
-            return self._step(idx, params, grads, group, names)
+            return self._step(idx, params, grads, group, names, extra_args)
         if not self.per_param:
             clash = sorted({self._owner[i] for i in idx if i in self._owner})
             raise ValueError(f"params {list(idx)} are stepped together, but some were stepped before with "
@@ -89,7 +89,8 @@ class SetStates:
         blocks = sorted({self._owner[i] for i in idx if i in self._owner})
         fresh = tuple(i for i in idx if i not in self._owner)
         for block in blocks + ([fresh] if fresh else []):
-            self._step(block, [params[where[i]] for i in block], [grads[where[i]] for i in block], group, None)
+            self._step(block, [params[where[i]] for i in block], [grads[where[i]] for i in block], group, None,
+                       extra_args)
 
     def _split_along(self, stepping: set[int]) -> None:
         """Split every set that is partly stepping into its stepping and its resting params."""
@@ -105,7 +106,7 @@ class SetStates:
                 self._owner.update(dict.fromkeys(key, key))
 
     def _step(self, idx: tuple[int, ...], params: list, grads: list, group: dict | None,
-              names: list[str] | None) -> None:
+              names: list[str] | None, extra_args: dict | None = None) -> None:
         state = self.states.get(idx)
         if state is None:
             state = self.start(idx, params, names)
@@ -114,7 +115,8 @@ class SetStates:
         # the leaves reach the transformation in the tree's order (a dict's sorted by name)
         tree = as_tree(params, names)
         with sharding.stepping(tree):
-            self.states[idx] = inplace_step(self.tx, tree, as_tree(grads, names), state, leaves=params)
+            self.states[idx] = inplace_step(self.tx, tree, as_tree(grads, names), state, leaves=params,
+                                            extra_args=extra_args)
         self._fresh.discard(idx)
         if group is not None:
             show_scheduled(self.states[idx], group)

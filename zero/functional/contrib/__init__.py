@@ -7,6 +7,7 @@ sums over the model asked of `zero.functional.sharding`); and torchao's low-bit 
 (``adamw_8bit`` ...), which Optax does not have, with state no sharding changes.
 """
 
+from zero.functional.contrib._acprop import acprop, scale_by_acprop
 from zero.functional.contrib._ademamix import (
     ScaleByAdemamixState,
     ScaleBySimplifiedAdEMAMixState,
@@ -16,6 +17,8 @@ from zero.functional.contrib._ademamix import (
     simplified_ademamix,
 )
 from zero.functional.contrib._adopt import adopt, scale_by_adopt
+from zero.functional.contrib._cocob import COCOBState, cocob, scale_by_cocob
+from zero.functional.contrib._dadapt_adamw import DAdaptAdamWState, dadapt_adamw
 from zero.functional.contrib._dog import DoGState, DoWGState, dog, dowg, scale_by_dog, scale_by_dowg
 from zero.functional.contrib._lowbit import (
     ScaleByLowBitAdamState,
@@ -26,6 +29,9 @@ from zero.functional.contrib._lowbit import (
     scale_by_adam_4bit,
     scale_by_adam_8bit,
 )
+from zero.functional.contrib._madgrad import MadgradState, madgrad, scale_by_madgrad
+from zero.functional.contrib._mechanic import MechanicState, mechanize
+from zero.functional.contrib._momo import MomoAdamState, MomoState, momo, momo_adam
 from zero.functional.contrib._muon import MuonState, muon, scale_by_muon, scale_by_shape
 from zero.functional.contrib._prodigy import ProdigyState, prodigy
 from zero.functional.contrib._schedule_free import (
@@ -50,4 +56,6 @@ __all__ = ["ScaleByLowBitAdamState", "adam_4bit", "adam_8bit", "adamw_4bit", "ad
            "scale_by_simplified_ademamix", "simplified_ademamix", "ScheduleFreeState", "schedule_free",
            "schedule_free_sgd", "schedule_free_adamw", "schedule_free_eval_params", "schedule_free_states",
            "swap_eval", "swap_train", "ProdigyState", "prodigy", "DoGState", "scale_by_dog", "dog", "DoWGState",
-           "scale_by_dowg", "dowg"]
+           "scale_by_dowg", "dowg", "acprop", "scale_by_acprop", "COCOBState", "cocob", "scale_by_cocob",
+           "MadgradState", "madgrad", "scale_by_madgrad", "DAdaptAdamWState", "dadapt_adamw", "MechanicState",
+           "mechanize", "MomoState", "momo", "MomoAdamState", "momo_adam"]

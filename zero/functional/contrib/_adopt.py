@@ -18,6 +18,7 @@ from zero.functional.base import (
     check_unit,
     count_inc,
     count_zero,
+    first_or,
     step_count,
     tree_map,
     zeros_like,
@@ -32,15 +33,6 @@ __all__ = ["scale_by_adopt", "adopt"]
 
 def _quarter_root(count: Any) -> Any:
     return count ** 0.25
-
-
-def _first_or(count: Any, at_first: float, later: float) -> Any:
-    """``at_first`` at the first step, else ``later``: a number when eager, a float64 0-d tensor
-    when traced (one graph for every step)."""
-    if isinstance(count, int):
-        return at_first if count == 0 else later
-    f64 = torch.float64
-    return torch.where(count == 0, torch.tensor(at_first, dtype=f64), torch.tensor(later, dtype=f64))
 
 
 def scale_by_adopt(b1: float = 0.9, b2: float = 0.9999, eps: float = 1e-6, mu_dtype: Any = None, *,
@@ -66,7 +58,7 @@ def scale_by_adopt(b1: float = 0.9, b2: float = 0.9999, eps: float = 1e-6, mu_dt
 
     def update(updates, state, params=None):
         count = step_count(state.count)
-        b1_, b2_ = _first_or(count, 1.0, b1), _first_or(count, 0.0, b2)
+        b1_, b2_ = first_or(count, 1.0, b1), first_or(count, 0.0, b2)
         clip = clip_value_fn(count) if use_clipping else None
 
         def normalised(g, nu):

@@ -46,6 +46,9 @@ COSTS: dict[str, RuleCost] = {
     "prodigy": Elementwise(4, step_reductions=1),  # two moments, the sum s, the start x0; two sums a step
     "dog": Elementwise(1, step_reductions=1),  # the start; the distance and the gradients' norm a step
     "dowg": Elementwise(1, step_reductions=1),
+    "madgrad": Elementwise(3),  # the sums of g and g^2, the start
+    "cocob": Elementwise(5),  # the start, and four sums and maxima
+    "acprop": Elementwise(2),
     "soap": Soap(),
     "shampoo": Shampoo(),
 }

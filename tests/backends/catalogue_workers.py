@@ -1,5 +1,6 @@
-"""Per-rank bodies of the schedule-free tests: ``eval()`` / ``train()`` on ZeRO (flat, hybrid,
-masters) and on FSDP2, against one process's `zero.functional.Optimizer`."""
+"""Per-rank bodies of the tests of #66's rules under the sharded executors: schedule-free's
+``eval()`` / ``train()`` on ZeRO (flat, hybrid, masters) and on FSDP2, Prodigy's sums, MoMo fed
+the loss by ``step(closure)``; each against one process's `zero.functional.Optimizer`."""
 
 from __future__ import annotations
 
@@ -97,3 +98,29 @@ def prodigy_sums(rank: int, world_size: int) -> tuple[list, float]:
         opt.step()
     reduces = [(c.kind, c.dtype, c.bytes) for c in made if c.kind.startswith("all_reduce")]
     return reduces, max(float((a - b).abs().max()) for a, b in zip(_snap(model), _snap(ref)))
+
+
+def _loss(model) -> torch.Tensor:
+    """A loss every rank computes alike from the whole params (what MoMo reads with the gradients)."""
+    return sum((fw.full(p.detach()).double() ** 2).sum() for p in model.parameters()) * 1e-2
+
+
+def momo_closure(rank: int, world_size: int, engine: str) -> list[torch.Tensor]:
+    """MoMo-Adam for 5 steps, its loss from ``step(closure)``, under ZeRO (float32 masters over bf16
+    params: the closure runs before the masters step) or FSDP2; ``engine`` "one": one process."""
+    masters = engine == "zero masters"
+    model = fw.make_model(torch.bfloat16) if masters else fw.make_model()
+    if engine == "fsdp2":
+        model = fw.sharded(model)
+    groups = fw.groups(model)
+    kwargs = dict(learning_rate=0.05, weight_decay=0.01)
+    if engine.startswith("zero"):
+        plan = zero.make_plan(zero.param_metas(groups), world_size, "flat", optimizer="adamw",
+                              master_dtype="float32" if masters else None)
+        opt = Zero(groups, F.contrib.momo_adam, plan=plan, master_dtype=torch.float32 if masters else None, **kwargs)
+    else:
+        opt = F.Optimizer(groups, F.contrib.momo_adam(**kwargs))
+    for k in range(5):
+        fw.set_grads(model, fw.fixed_grads(model, k))
+        opt.step(lambda: _loss(model))
+    return _snap(model)

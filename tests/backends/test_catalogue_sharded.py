@@ -1,8 +1,9 @@
-"""Schedule-free rules' ``eval()`` / ``train()`` under every executor, and Prodigy's sums over
-the model under a flat plan: each equal to one process (#66)."""
+"""#66's rules under the sharded executors: schedule-free's ``eval()`` / ``train()``, Prodigy's
+sums over the model, MoMo fed the loss by ``step(closure)``: each equal to one process."""
 
+import catalogue_workers as w
 import pytest
-import schedule_free_workers as w
+import torch
 from helpers import run_ranks
 
 pytestmark = pytest.mark.timeout(300)
@@ -60,3 +61,18 @@ def test_prodigys_sums_cost_one_small_all_reduce_a_step():
         sums = [r for r in reduces if r == ("all_reduce_sum", "float64", 16)]
         assert len(sums) == 2, f"each group's two sums should ride in one all-reduce of 2 float64s: {reduces}"
         assert worst <= 1e-12, f"Prodigy under a flat plan at 3 ranks is off one process by {worst:.2e}"
+
+
+@pytest.mark.parametrize("engine, world_size", [("zero", 3), ("fsdp2", 2)])
+def test_momo_reads_the_closures_loss_as_one_process_does(engine, world_size):
+    ref = w.momo_closure(0, 1, "one")
+    for rank, got in enumerate(run_ranks(w.momo_closure, world_size, engine)):
+        _close(got, ref, f"MoMo-Adam under {engine} at {world_size} ranks, rank {rank}", 1e-12)
+
+
+def test_momo_with_masters_gets_the_loss_the_closure_returned():
+    """With masters the ZeRO rank runs the closure itself before casting the gradients up: the loss
+    still reaches the rule (it once was dropped, and MoMo refused: 'needs the loss')."""
+    got = run_ranks(w.momo_closure, 2, "zero masters")
+    assert all(torch.isfinite(p).all() for params in got for p in params)
+    assert all(torch.equal(a, b) for a, b in zip(got[0], got[1])), "the ranks' params differ"
