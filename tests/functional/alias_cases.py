@@ -61,6 +61,7 @@ CONTRIB = {
     "madgrad": dict(learning_rate=1e-2, weight_decay=0.01),
     "cocob": dict(weight_decay=0.01),
     "acprop": dict(learning_rate=1e-2),
+    "dadapt_adamw": dict(learning_rate=0.5, weight_decay=0.01),
 }
 
 

@@ -49,6 +49,9 @@ COSTS: dict[str, RuleCost] = {
     "madgrad": Elementwise(3),  # the sums of g and g^2, the start
     "cocob": Elementwise(5),  # the start, and four sums and maxima
     "acprop": Elementwise(2),
+    "dadapt_adamw": Elementwise(3, step_reductions=1),
+    "momo": Elementwise(1, step_reductions=1),
+    "momo_adam": Elementwise(2, step_reductions=1),
     "soap": Soap(),
     "shampoo": Shampoo(),
 }
