@@ -341,12 +341,13 @@ PROXIED = ["optax._src.alias", "optax._src.transform", "optax._src.combine", "op
            "optax.transforms._clipping", "optax.transforms._adding", "optax.transforms._conditionality",
            "optax.transforms._constraining", "optax.transforms._freezing", "optax.transforms._layouts",
            "optax.transforms._monitoring", "optax.schedules._inject", "optax.schedules._schedule",
-           "optax.schedules._join"]
+           "optax.schedules._join", "optax._src.lookahead"]
 
 
 # Optax modules whose names resolve to a zero namespace other than zero.functional.
 PROXIED_ELSEWHERE = {"optax.contrib._muon": F.contrib, "optax.contrib": F.contrib,
-                     "optax.contrib._schedule_free": F.contrib}
+                     "optax.contrib._schedule_free": F.contrib, "optax.contrib._reduce_on_plateau": F.contrib,
+                     "optax.contrib._sam": F.contrib}
 
 
 def load(test_module: str) -> types.ModuleType:

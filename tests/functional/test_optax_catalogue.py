@@ -49,6 +49,9 @@ CASES = {
     "dadapt_adamw": lambda m: _c(m).dadapt_adamw(0.5, weight_decay=0.01),
     "mechanize_sgd": lambda m: _c(m).mechanize(m.sgd(0.1)),
     "mechanize_adam": lambda m: _c(m).mechanize(m.adam(0.1), weight_decay=0.0, num_betas=3),
+    "sam_transparent": lambda m: _c(m).sam(m.adam(LR), m.chain(_c(m).normalize(), m.sgd(0.05)), sync_period=3),
+    "sam_keep_adv_state": lambda m: _c(m).sam(m.sgd(LR, momentum=0.9), m.chain(_c(m).normalize(), m.adam(0.05)),
+                                              reset_state=False),
     "freeze": lambda m: m.chain(m.freeze(MASK), m.sgd(LR)),
     "selective_transform": lambda m: m.selective_transform(m.adam(LR), freeze_mask=MASK),
     "keep_params_nonnegative": lambda m: m.chain(m.sgd(0.3), m.keep_params_nonnegative()),
@@ -80,6 +83,8 @@ def test_matches_optax(name, dtype):
 
 
 VALUED = {  # rules that read the loss: the harness's loss is the params' squared norm
+    "reduce_on_plateau": lambda m: m.chain(m.adam(LR), _c(m).reduce_on_plateau(0.5, patience=2, cooldown=1,
+                                                                                 accumulation_size=2, rtol=0.2)),
     "momo": lambda m: _c(m).momo(0.5, weight_decay=0.01),
     "momo_adaptive": lambda m: _c(m).momo(0.5, lower_bound=-1.0, adapt_lower_bound=True),
     "momo_adam": lambda m: _c(m).momo_adam(weight_decay=0.01),
@@ -183,3 +188,44 @@ def test_inject_stateful_hyperparams_warns_and_injects():
 
     state = tx.init({"x": torch.zeros(2)})
     assert float(state.hyperparams["learning_rate"]) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("reset_state", [False, True])
+def test_lookahead_matches_optax(reset_state):
+    """Over LookaheadParams (Optax's form): fast and slow params after 10 steps of random gradients."""
+    rng = np.random.default_rng(4)
+    params = random_tree(rng, np.float64)
+    make = lambda m: m.lookahead(m.adam(0.1), sync_period=3, slow_step_size=0.4, reset_state=reset_state)  # noqa
+    tx, otx = make(F), make(optax)
+    tp, jp = F.LookaheadParams.init_synced(to_torch(params)), optax.LookaheadParams.init_synced(to_jax(params))
+    ts, js = tx.init(tp), otx.init(jp)
+    for step in range(10):
+        grads = random_tree(rng, np.float64)
+        tu, ts = tx.update(to_torch(grads), ts, tp)
+        ju, js = otx.update(to_jax(grads), js, jp)
+        tp, jp = F.apply_updates(tp, tu), optax.apply_updates(jp, ju)
+        assert_trees_close(tuple(tp), tuple(jp), rtol=1e-12, atol=1e-14, what=f"step {step}")
+    with pytest.raises(TypeError, match="LookaheadParams"):
+        tx.update(to_torch(grads), ts, to_torch(params))
+
+
+def test_sam_opaque_takes_its_adversarial_gradients_from_grad_fn():
+    """Opaque SAM against Optax's, both asking a quadratic's gradient at the adversarial points."""
+    import torch
+
+    rng = np.random.default_rng(5)
+    params = random_tree(rng, np.float64)
+    make = lambda m: _c(m).sam(m.sgd(LR), m.chain(_c(m).normalize(), m.sgd(0.05)), sync_period=3,  # noqa: E731
+                               opaque_mode=True)
+    tx, otx = make(F), make(optax)
+    tp, jp = to_torch(params), to_jax(params)
+    ts, js = tx.init(tp), otx.init(jp)
+    for step in range(6):
+        grads = random_tree(rng, np.float64)
+        tu, ts = tx.update(to_torch(grads), ts, tp, grad_fn=lambda p, i: optree.tree_map(lambda x: 2 * x, p))
+        ju, js = otx.update(to_jax(grads), js, jp, grad_fn=lambda p, i: optree.tree_map(lambda x: 2 * x, p))
+        tp, jp = F.apply_updates(tp, tu), optax.apply_updates(jp, ju)
+        assert_trees_close(tp, jp, rtol=1e-12, atol=1e-14, what=f"step {step}")
+    with pytest.raises(ValueError, match="grad_fn"):
+        tx.update(to_torch(grads), ts, tp)
+    assert isinstance(ts.steps_since_sync, torch.Tensor)

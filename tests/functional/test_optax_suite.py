@@ -31,6 +31,9 @@ MODULES = {
     "muon": "optax.contrib._muon_test",
     "contrib": "optax.contrib._common_test",
     "schedule_free": "optax.contrib._schedule_free_test",
+    "reduce_on_plateau": "optax.contrib._reduce_on_plateau_test",
+    "sam": "optax.contrib._sam_test",
+    "lookahead": "optax._src.lookahead_test",
 }
 
 # Test (``method`` or ``Class.method``) -> why it cannot apply to zero.

@@ -39,6 +39,7 @@ RULES = {
     "prodigy": (F.contrib.prodigy, {"weight_decay": 0.01}, "prodigy", 0),
     "dog": (F.contrib.dog, {"init_step": ("heuristic", 1e-4)}, "dog", 0),
     "mechanize": (lambda: F.contrib.mechanize(F.adam(1e-2)), {}, "adam", 0),
+    "sam": (lambda: F.contrib.sam(F.adam(1e-2), F.chain(F.contrib.normalize(), F.sgd(0.05))), {}, "adam", 0),
     # Optax's transformations that read whole tensors or the whole model, chained
     "normalize_by_update_norm": (lambda: F.chain(F.normalize_by_update_norm(2.0), F.sgd(1e-2)), {}, "sgd", 0),
     "param_block_norm": (lambda: F.chain(F.scale_by_param_block_norm(0.5), F.adam(1e-2)), {}, "adam", 0),
@@ -47,7 +48,7 @@ RULES = {
 }
 # rules whose per-tensor norms (Shampoo's graft) join the pieces' partial sums: over pieces within 1e-12, as the
 # in-place routes, not bit for bit (a sum in two parts rounds as it will)
-JOINS_NORMS = {"shampoo", "prodigy", "dog", "mechanize", "normalize_by_update_norm", "param_block_norm",
+JOINS_NORMS = {"shampoo", "prodigy", "dog", "mechanize", "sam", "normalize_by_update_norm", "param_block_norm",
                "distance_over_gradients"}  # (and sums over the model)
 SHAPES = {"w1": (64, 96), "w2": (96, 48), "v": (8192,), "b": (37,)}  # quantized matrices and vector, a small bias
 STEPS = 5

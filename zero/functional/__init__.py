@@ -136,6 +136,9 @@ from zero.functional.transforms.scaling import scale_by_param_block_norm
 from zero.functional.transforms.scaling import ScaleByDistanceOverGradientsState
 from zero.functional.transforms.scaling import scale_by_distance_over_gradients
 from zero.functional.transforms.scaling import scale_gradient
+from zero.functional.transforms.lookahead import LookaheadState
+from zero.functional.transforms.lookahead import LookaheadParams
+from zero.functional.transforms.lookahead import lookahead
 from zero.functional.schedules.basic import piecewise_interpolate_schedule
 from zero.functional.schedules.basic import constant_schedule
 from zero.functional.schedules.basic import cosine_decay_schedule
@@ -342,6 +345,9 @@ __all__ = [
     "with_extra_args_support",
     "yogi",
     "zero_nans",
+    "LookaheadState",
+    "LookaheadParams",
+    "lookahead",
     "inject_stateful_hyperparams",
     "per_example_layer_norm_clip",
     "freeze",

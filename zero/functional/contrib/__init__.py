@@ -34,6 +34,8 @@ from zero.functional.contrib._mechanic import MechanicState, mechanize
 from zero.functional.contrib._momo import MomoAdamState, MomoState, momo, momo_adam
 from zero.functional.contrib._muon import MuonState, muon, scale_by_muon, scale_by_shape
 from zero.functional.contrib._prodigy import ProdigyState, prodigy
+from zero.functional.contrib._reduce_on_plateau import ReduceLROnPlateauState, reduce_on_plateau
+from zero.functional.contrib._sam import NormalizeState, SAMState, normalize, sam
 from zero.functional.contrib._schedule_free import (
     ScheduleFreeState,
     schedule_free,
@@ -58,4 +60,5 @@ __all__ = ["ScaleByLowBitAdamState", "adam_4bit", "adam_8bit", "adamw_4bit", "ad
            "swap_eval", "swap_train", "ProdigyState", "prodigy", "DoGState", "scale_by_dog", "dog", "DoWGState",
            "scale_by_dowg", "dowg", "acprop", "scale_by_acprop", "COCOBState", "cocob", "scale_by_cocob",
            "MadgradState", "madgrad", "scale_by_madgrad", "DAdaptAdamWState", "dadapt_adamw", "MechanicState",
-           "mechanize", "MomoState", "momo", "MomoAdamState", "momo_adam"]
+           "mechanize", "MomoState", "momo", "MomoAdamState", "momo_adam", "ReduceLROnPlateauState",
+           "reduce_on_plateau", "NormalizeState", "SAMState", "normalize", "sam"]

@@ -1,6 +1,6 @@
 """Optax's gradient transformations on torch tensors, one module per topic: `scaling`, `adam`, `rms`,
 `sign`, `momentum`, `adding`, `layerwise`, `factorized`, `clipping`, `masking`, `conditionality`,
-`accumulation`, `constraining`, `monitoring`, `layouts`. Each mirrors the Optax function of the
+`accumulation`, `constraining`, `monitoring`, `layouts`, `lookahead`. Each mirrors the Optax function of the
 same name formula for formula (same arguments, defaults and state fields). A new transformation
 goes in the module of its topic, in its ``__all__``, and is re-exported from `zero.functional`, one
 name a line: that is the one list of the names. This package holds each module's ``__all__``
@@ -17,6 +17,7 @@ from zero.functional.transforms import (
     factorized,
     layerwise,
     layouts,
+    lookahead,
     masking,
     momentum,
     monitoring,
@@ -26,6 +27,6 @@ from zero.functional.transforms import (
 )
 
 _TOPICS = (scaling, adam, rms, sign, momentum, adding, layerwise, factorized, clipping, masking, conditionality,
-           accumulation, constraining, monitoring, layouts)
+           accumulation, constraining, monitoring, layouts, lookahead)
 globals().update({name: getattr(topic, name) for topic in _TOPICS for name in topic.__all__})
 __all__ = sorted(name for topic in _TOPICS for name in topic.__all__)
