@@ -347,7 +347,9 @@ PROXIED = ["optax._src.alias", "optax._src.transform", "optax._src.combine", "op
 # Optax modules whose names resolve to a zero namespace other than zero.functional.
 PROXIED_ELSEWHERE = {"optax.contrib._muon": F.contrib, "optax.contrib": F.contrib,
                      "optax.contrib._schedule_free": F.contrib, "optax.contrib._reduce_on_plateau": F.contrib,
-                     "optax.contrib._sam": F.contrib}
+                     "optax.contrib._sam": F.contrib, "optax.contrib._privacy": F.contrib,
+                     "optax.contrib._complex_valued": F.contrib,
+                     "optax.microbatching._microbatching": F.microbatching, "optax.microbatching": F.microbatching}
 
 
 def load(test_module: str) -> types.ModuleType:

@@ -229,3 +229,53 @@ def test_sam_opaque_takes_its_adversarial_gradients_from_grad_fn():
     with pytest.raises(ValueError, match="grad_fn"):
         tx.update(to_torch(grads), ts, tp)
     assert isinstance(ts.steps_since_sync, torch.Tensor)
+
+
+def test_dpsgd_without_noise_is_optaxs_and_its_noise_has_the_stated_spread():
+    """Noise-free, DP-SGD equals Optax's on per-example gradients; with noise, the noise's spread is
+    ``l2_norm_clip * noise_multiplier / batch`` (torch's generator, not JAX's keys: the law, not the
+    draws); gradients shaped like the params are refused by name."""
+    import torch
+
+    rng = np.random.default_rng(6)
+    params = {"w": rng.standard_normal((3, 2)), "b": rng.standard_normal(2)}
+    per_example = {k: rng.standard_normal((8,) + v.shape) for k, v in params.items()}
+    tx = F.contrib.dpsgd(0.1, l2_norm_clip=0.5, noise_multiplier=0.0, seed=1, momentum=0.9)
+    otx = optax.contrib.dpsgd(0.1, l2_norm_clip=0.5, noise_multiplier=0.0, seed=1, momentum=0.9)
+    ts, js = tx.init(to_torch(params)), otx.init(to_jax(params))
+    for step in range(3):
+        tu, ts = tx.update(to_torch(per_example), ts, to_torch(params))
+        ju, js = otx.update(to_jax(per_example), js, to_jax(params))
+        assert_trees_close(tu, ju, rtol=1e-12, atol=1e-15, what=f"step {step}")
+    big = {"w": torch.zeros(4, 20000, dtype=torch.float64)}
+    noisy = F.contrib.differentially_private_aggregate(1.0, 2.0, key=3)
+    out, state = noisy.update(big, noisy.init({"w": torch.zeros(20000)}), {"w": torch.zeros(20000)})
+    assert abs(float(out["w"].std()) - 2.0 / 4) < 0.01 and int(state.rng_key) == 4
+    with pytest.raises(ValueError, match="per-example"):
+        noisy.update({"w": torch.zeros(20000)}, state, {"w": torch.zeros(20000)})
+
+
+def test_linear_algebra_matches_optax_and_the_truth():
+    import jax.numpy as jnp
+    import torch
+
+    rng = np.random.default_rng(7)
+    a = rng.standard_normal((6, 6))
+    sym = a @ a.T + np.eye(6)
+    eig, vec = F.power_iteration(torch.tensor(sym), num_iters=500, error_tolerance=1e-12)
+    true = np.linalg.eigvalsh(sym)[-1]
+    assert abs(float(eig) - true) <= 1e-9 * true
+    np.testing.assert_allclose(np.abs(sym @ vec.numpy()), np.abs(true * vec.numpy()), rtol=1e-6)
+    w, u = np.linalg.eigh(sym)
+    for p in (1, 2, 4, 8):
+        ours, err = F.matrix_inverse_pth_root(torch.tensor(sym), p, ridge_epsilon=0.0)
+        theirs, _ = optax.matrix_inverse_pth_root(jnp.asarray(sym), p, ridge_epsilon=0.0)
+        exact = (u * w ** (-1.0 / p)) @ u.T
+        # both iterate in float32: each within float32's reach of the exact root and of the other
+        assert np.abs(ours.numpy() - exact).max() <= 1e-5 * np.abs(exact).max(), p
+        assert np.abs(ours.numpy() - np.asarray(theirs)).max() <= 1e-5 * np.abs(exact).max(), p
+    b, y = rng.standard_normal((9, 4)), rng.standard_normal(9)
+    x = F.nnls(torch.tensor(b), torch.tensor(y), 300)
+    np.testing.assert_allclose(x.numpy(), np.asarray(optax.nnls(jnp.asarray(b), jnp.asarray(y), 300)), rtol=1e-10,
+                               atol=1e-12)
+    assert (x >= 0).all()

@@ -34,6 +34,9 @@ MODULES = {
     "reduce_on_plateau": "optax.contrib._reduce_on_plateau_test",
     "sam": "optax.contrib._sam_test",
     "lookahead": "optax._src.lookahead_test",
+    "privacy": "optax.contrib._privacy_test",
+    "complex_valued": "optax.contrib._complex_valued_test",
+    "microbatching": "optax.microbatching._microbatching_test",
 }
 
 # Test (``method`` or ``Class.method``) -> why it cannot apply to zero.

@@ -139,6 +139,10 @@ from zero.functional.transforms.scaling import scale_gradient
 from zero.functional.transforms.lookahead import LookaheadState
 from zero.functional.transforms.lookahead import LookaheadParams
 from zero.functional.transforms.lookahead import lookahead
+from zero.functional.linalg import power_iteration
+from zero.functional.linalg import matrix_inverse_pth_root
+from zero.functional.linalg import nnls
+from zero.functional.microbatching import microbatch
 from zero.functional.schedules.basic import piecewise_interpolate_schedule
 from zero.functional.schedules.basic import constant_schedule
 from zero.functional.schedules.basic import cosine_decay_schedule
@@ -194,6 +198,7 @@ from zero.functional.adapters.torch_rules import from_torch
 from zero.functional.kernels.chains import Path
 from zero.functional.kernels.chains import explain
 from zero.functional import contrib
+from zero.functional import microbatching
 
 __all__ = [
     "AddNoiseState",
@@ -257,6 +262,7 @@ __all__ = [
     "centralize",
     "chain",
     "contrib",
+    "microbatching",
     "clip",
     "clip_by_block_rms",
     "clip_by_global_norm",
@@ -345,6 +351,10 @@ __all__ = [
     "with_extra_args_support",
     "yogi",
     "zero_nans",
+    "power_iteration",
+    "matrix_inverse_pth_root",
+    "nnls",
+    "microbatch",
     "LookaheadState",
     "LookaheadParams",
     "lookahead",

@@ -18,6 +18,11 @@ from zero.functional.contrib._ademamix import (
 )
 from zero.functional.contrib._adopt import adopt, scale_by_adopt
 from zero.functional.contrib._cocob import COCOBState, cocob, scale_by_cocob
+from zero.functional.contrib._complex_valued import (
+    SplitRealAndImaginaryArrays,
+    SplitRealAndImaginaryState,
+    split_real_and_imaginary,
+)
 from zero.functional.contrib._dadapt_adamw import DAdaptAdamWState, dadapt_adamw
 from zero.functional.contrib._dog import DoGState, DoWGState, dog, dowg, scale_by_dog, scale_by_dowg
 from zero.functional.contrib._lowbit import (
@@ -33,6 +38,11 @@ from zero.functional.contrib._madgrad import MadgradState, madgrad, scale_by_mad
 from zero.functional.contrib._mechanic import MechanicState, mechanize
 from zero.functional.contrib._momo import MomoAdamState, MomoState, momo, momo_adam
 from zero.functional.contrib._muon import MuonState, muon, scale_by_muon, scale_by_shape
+from zero.functional.contrib._privacy import (
+    DifferentiallyPrivateAggregateState,
+    differentially_private_aggregate,
+    dpsgd,
+)
 from zero.functional.contrib._prodigy import ProdigyState, prodigy
 from zero.functional.contrib._reduce_on_plateau import ReduceLROnPlateauState, reduce_on_plateau
 from zero.functional.contrib._sam import NormalizeState, SAMState, normalize, sam
@@ -61,4 +71,6 @@ __all__ = ["ScaleByLowBitAdamState", "adam_4bit", "adam_8bit", "adamw_4bit", "ad
            "scale_by_dowg", "dowg", "acprop", "scale_by_acprop", "COCOBState", "cocob", "scale_by_cocob",
            "MadgradState", "madgrad", "scale_by_madgrad", "DAdaptAdamWState", "dadapt_adamw", "MechanicState",
            "mechanize", "MomoState", "momo", "MomoAdamState", "momo_adam", "ReduceLROnPlateauState",
-           "reduce_on_plateau", "NormalizeState", "SAMState", "normalize", "sam"]
+           "reduce_on_plateau", "NormalizeState", "SAMState", "normalize", "sam", "SplitRealAndImaginaryArrays",
+           "SplitRealAndImaginaryState", "split_real_and_imaginary", "DifferentiallyPrivateAggregateState",
+           "differentially_private_aggregate", "dpsgd"]

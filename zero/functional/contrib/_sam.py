@@ -13,7 +13,6 @@ from typing import Any, NamedTuple
 import torch
 
 from zero.functional import sharding
-from zero.functional.update import apply_updates
 from zero.functional.base import (
     EmptyState,
     GradientTransformation,
@@ -21,6 +20,7 @@ from zero.functional.base import (
     tree_leaves,
     tree_map,
 )
+from zero.functional.update import apply_updates
 
 __all__ = ["NormalizeState", "normalize", "SAMState", "sam"]
 
