@@ -124,3 +124,16 @@ def momo_closure(rank: int, world_size: int, engine: str) -> list[torch.Tensor]:
         fw.set_grads(model, fw.fixed_grads(model, k))
         opt.step(lambda: _loss(model))
     return _snap(model)
+
+
+def lbfgs_closure_refused(rank: int, world_size: int, strategy: str) -> str:
+    """L-BFGS's line search by ``step(closure)`` under ZeRO: the error every rank raises."""
+    model = fw.make_model()
+    groups = fw.groups(model)
+    opt = Zero(groups, F.lbfgs(), plan=zero.make_plan(zero.param_metas(groups), world_size, strategy))
+    fw.set_grads(model, fw.fixed_grads(model, 0))
+    try:
+        opt.step(lambda: _loss(model))
+    except ValueError as e:
+        return str(e)
+    return ""

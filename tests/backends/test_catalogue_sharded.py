@@ -56,10 +56,11 @@ def test_fsdp2_eval_and_train_equal_one_process(world_size):
 
 
 def test_prodigys_sums_cost_one_small_all_reduce_a_step():
-    """Two param groups, each its own Prodigy (as on one process): one all-reduce of its two sums each."""
+    """Two param groups, each its own Prodigy (as on one process): one all-reduce of its two sums each,
+    per whole tensor (the model's 8, and which are in the step), in float64: (2 + 1) x 8 x 8 bytes."""
     for reduces, worst in run_ranks(w.prodigy_sums, 3):
-        sums = [r for r in reduces if r == ("all_reduce_sum", "float64", 16)]
-        assert len(sums) == 2, f"each group's two sums should ride in one all-reduce of 2 float64s: {reduces}"
+        sums = [r for r in reduces if r == ("all_reduce_sum", "float64", 3 * 8 * 8)]
+        assert len(sums) == 2, f"each group's two sums should ride in one all-reduce of float64s: {reduces}"
         assert worst <= 1e-12, f"Prodigy under a flat plan at 3 ranks is off one process by {worst:.2e}"
 
 
@@ -76,3 +77,9 @@ def test_momo_with_masters_gets_the_loss_the_closure_returned():
     got = run_ranks(w.momo_closure, 2, "zero masters")
     assert all(torch.isfinite(p).all() for params in got for p in params)
     assert all(torch.equal(a, b) for a, b in zip(got[0], got[1])), "the ranks' params differ"
+
+
+@pytest.mark.parametrize("strategy", ["sorted_greedy", "flat"])
+def test_a_line_search_under_zero_is_refused_by_name_on_every_rank(strategy):
+    for rank, error in enumerate(run_ranks(w.lbfgs_closure_refused, 2, strategy)):
+        assert "line search" in error and "sharded" in error, f"rank {rank}: {error!r}"

@@ -35,6 +35,8 @@ MORE_ALIASES = {
     "optimistic_adam_v2": dict(learning_rate=LR, alpha=0.8, beta=0.3),
     "nadamw": dict(learning_rate=LR, weight_decay=0.02),
     "adafactor": dict(learning_rate=LR, min_dim_size_to_factor=2, momentum=0.9, weight_decay_rate=0.01),
+    # L-BFGS's direction at a fixed rate (its line searches need the loss: tests/functional/test_optax_catalogue.py)
+    "lbfgs": dict(learning_rate=LR, memory_size=3, linesearch=None),
 }
 
 

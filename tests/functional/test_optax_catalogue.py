@@ -279,3 +279,82 @@ def test_linear_algebra_matches_optax_and_the_truth():
     np.testing.assert_allclose(x.numpy(), np.asarray(optax.nnls(jnp.asarray(b), jnp.asarray(y), 300)), rtol=1e-10,
                                atol=1e-12)
     assert (x >= 0).all()
+
+
+def _rosenbrock(m):
+    return lambda p: sum((1.0 - x[:-1]) ** 2 + 100.0 * (x[1:] - x[:-1] ** 2) ** 2 for x in [p["x"]]).sum() + \
+        (p["y"] ** 2).sum() * 0.5
+
+
+LINESEARCH_CASES = {
+    "lbfgs_zoom": lambda m: m.lbfgs(),
+    "lbfgs_memory_3_keep": lambda m: m.lbfgs(memory_size=3, linesearch=m.scale_by_zoom_linesearch(
+        15, initial_guess_strategy="keep", max_learning_rate=2.0)),
+    "lbfgs_backtracking": lambda m: m.lbfgs(linesearch=m.scale_by_backtracking_linesearch(20, store_grad=True)),
+    "sgd_backtracking": lambda m: m.chain(m.sgd(1e-3), m.scale_by_backtracking_linesearch(15, max_learning_rate=10.0,
+                                                                                           store_grad=True)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LINESEARCH_CASES))
+def test_line_searches_follow_optaxs_trajectory(name):
+    """12 steps on a Rosenbrock valley (and a quadratic leaf), float64: the same trials, the same
+    step sizes, the same params as Optax's."""
+    import jax.numpy as jnp
+    import torch
+
+    start = {"x": np.array([-1.2, 1.0, -0.5, 0.8]), "y": np.array([0.3, -2.0])}
+    tx, otx = LINESEARCH_CASES[name](F), LINESEARCH_CASES[name](optax)
+    f, of = _rosenbrock(torch), _rosenbrock(jnp)
+    tp, jp = to_torch(start), to_jax(start)
+    ts, js = tx.init(tp), otx.init(jp)
+    ovg = optax.value_and_grad_from_state(of)
+    import jax
+
+    oupdate = jax.jit(otx.update, static_argnames=("value_fn",))  # one compile: Optax's loops run in XLA
+    for step in range(12):
+        value, grad = F.value_and_grad_from_state(f)(tp, state=ts)
+        tu, ts = tx.update(grad, ts, tp, value=value, grad=grad, value_fn=f)
+        jvalue, jgrad = ovg(jp, state=js)
+        ju, js = oupdate(jgrad, js, jp, value=jvalue, grad=jgrad, value_fn=of)
+        tp, jp = F.apply_updates(tp, tu), optax.apply_updates(jp, ju)
+        assert_trees_close(tp, jp, rtol=1e-8, atol=1e-10, what=f"{name} step {step}")
+    assert float(f(tp)) < float(f(to_torch(start))) * 0.5
+
+
+def test_lbfgs_by_step_closure_is_the_pure_path_and_converges_as_torchs():
+    """``Optimizer.step(closure)`` (torch.optim.LBFGS's idiom) runs the same trials as the pure
+    update given ``value_fn``: the same params, bit for bit; and it reaches torch's LBFGS's loss."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(64, 5, generator=gen, dtype=torch.float64), torch.randn(5, 1, generator=gen, dtype=torch.float64)
+    y = x @ w + 0.01 * torch.randn(64, 1, generator=gen, dtype=torch.float64)
+
+    def model():
+        torch.manual_seed(1)
+        return torch.nn.Linear(5, 1).double()
+
+    def loss_of(p):
+        return ((x @ p["weight"].T + p["bias"] - y) ** 2).mean()
+
+    ours, torchs = model(), model()
+    opts = [F.Optimizer(ours.named_parameters(), F.lbfgs()),
+            torch.optim.LBFGS(torchs.parameters(), line_search_fn="strong_wolfe", max_iter=1)]
+    tx, params = F.lbfgs(), {n: p.detach().clone() for n, p in model().named_parameters()}
+    state = tx.init(params)
+    for _ in range(6):
+        for m, opt in zip((ours, torchs), opts):
+            def closure(m=m, opt=opt):
+                opt.zero_grad()
+                loss = ((m(x) - y) ** 2).mean()
+                loss.backward()
+                return loss
+            opt.step(closure)
+        value, grad = F.value_and_grad_from_state(loss_of)(params, state=state)
+        u, state = tx.update(grad, state, params, value=value, grad=grad, value_fn=loss_of)
+        params = F.apply_updates(params, u)
+    for n, p in ours.named_parameters():
+        assert torch.allclose(p, params[n], rtol=1e-12, atol=1e-14), n
+    final = [float(((m(x) - y) ** 2).mean()) for m in (ours, torchs)]
+    assert final[0] <= final[1] * 1.01, final

@@ -143,6 +143,16 @@ from zero.functional.linalg import power_iteration
 from zero.functional.linalg import matrix_inverse_pth_root
 from zero.functional.linalg import nnls
 from zero.functional.microbatching import microbatch
+from zero.functional.transforms.lbfgs import ScaleByLBFGSState
+from zero.functional.transforms.lbfgs import scale_by_lbfgs
+from zero.functional.transforms.linesearch import BacktrackingLinesearchInfo
+from zero.functional.transforms.linesearch import ScaleByBacktrackingLinesearchState
+from zero.functional.transforms.linesearch import scale_by_backtracking_linesearch
+from zero.functional.transforms.linesearch import ZoomLinesearchInfo
+from zero.functional.transforms.linesearch import ScaleByZoomLinesearchState
+from zero.functional.transforms.linesearch import scale_by_zoom_linesearch
+from zero.functional.transforms.linesearch import value_and_grad_from_state
+from zero.functional.aliases.lbfgs import lbfgs
 from zero.functional.schedules.basic import piecewise_interpolate_schedule
 from zero.functional.schedules.basic import constant_schedule
 from zero.functional.schedules.basic import cosine_decay_schedule
@@ -351,6 +361,16 @@ __all__ = [
     "with_extra_args_support",
     "yogi",
     "zero_nans",
+    "ScaleByLBFGSState",
+    "scale_by_lbfgs",
+    "BacktrackingLinesearchInfo",
+    "ScaleByBacktrackingLinesearchState",
+    "scale_by_backtracking_linesearch",
+    "ZoomLinesearchInfo",
+    "ScaleByZoomLinesearchState",
+    "scale_by_zoom_linesearch",
+    "value_and_grad_from_state",
+    "lbfgs",
     "power_iteration",
     "matrix_inverse_pth_root",
     "nnls",

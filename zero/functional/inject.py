@@ -126,7 +126,7 @@ def _scheduled(value: Any, dtype: torch.dtype) -> torch.Tensor:
 # name the same ones static): a function of the step that is not a schedule of the value (ADOPT's
 # ``clip_value_fn``, which a schedule's call would replace by its value), lengths that shape the
 # rule or its schedule (a float tensor there would break them).
-UNINJECTABLE = frozenset({"block_size", "warmup_steps", "num_betas", "clip_value_fn", "ns_steps", "rank",
+UNINJECTABLE = frozenset({"block_size", "warmup_steps", "num_betas", "clip_value_fn", "ns_steps", "rank", "memory_size",
                           "update_proj_gap"})
 
 

@@ -26,6 +26,7 @@ import optree
 import torch
 
 from zero.functional import sharding
+from zero.functional.adapters.closure_args import CLOSURE
 from zero.functional.adapters.eval_mode import EvalMode
 from zero.functional.adapters.executor import GroupExecutor, LocalExecutor, executor_for
 from zero.functional.adapters.face import OptimizerFace
@@ -123,7 +124,8 @@ class Optimizer(EvalMode, OptimizerFace):
     def step(self, closure=None, **extra_args):
         """One step of every group's rule (torch's ``step(closure)``). ``extra_args`` reach rules
         that take them (Optax's ``update(..., value=loss)``: MoMo, a line search); a closure's loss
-        is passed as ``value`` unless one is given."""
+        is passed as ``value`` unless one is given, and a line search gets ``grad`` and ``value_fn``
+        from it (its trials rerun the closure at other params, as ``torch.optim.LBFGS``'s do)."""
         self.check_training()
         loss = None
         if closure is not None:
@@ -131,6 +133,7 @@ class Optimizer(EvalMode, OptimizerFace):
                 loss = closure()
             if loss is not None:
                 extra_args.setdefault("value", loss.detach() if isinstance(loss, torch.Tensor) else loss)
+                extra_args.setdefault(CLOSURE, closure)  # a line search's trials (`closure_args`)
         executor = self.executor
         skip, after = self.begin_step(executor.guard, self._steps + 1)
         if skip:

@@ -19,6 +19,7 @@ import optree
 import torch
 
 from zero.functional import sharding
+from zero.functional.adapters.closure_args import CLOSURE, with_closure_args
 from zero.functional.adapters.group_settings import show_scheduled, sync_hyperparams
 from zero.functional.adapters.state_names import load_named, named_leaves, names_of
 from zero.functional.adapters.state_tree import as_tree, split_state
@@ -113,10 +114,12 @@ class SetStates:
         if group is not None:
             state = sync_hyperparams(state, group)
         # the leaves reach the transformation in the tree's order (a dict's sorted by name)
-        tree = as_tree(params, names)
+        tree, grad_tree = as_tree(params, names), as_tree(grads, names)
+        if extra_args and CLOSURE in extra_args:  # the loss again at other params, for this set (a line search)
+            extra_args = with_closure_args(extra_args, tree, grad_tree)
+            grad_tree = extra_args["grad"]  # (a copy: the closure's own zero_grad must not write the step's)
         with sharding.stepping(tree):
-            self.states[idx] = inplace_step(self.tx, tree, as_tree(grads, names), state, leaves=params,
-                                            extra_args=extra_args)
+            self.states[idx] = inplace_step(self.tx, tree, grad_tree, state, leaves=params, extra_args=extra_args)
         self._fresh.discard(idx)
         if group is not None:
             show_scheduled(self.states[idx], group)

@@ -128,24 +128,44 @@ def total_sums(*lists: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     it), the sum of every element of the whole tensors: a 0-d tensor in the leaves' dtype.
 
     Unsharded: the sum of the leaves' sums (Optax's ``tree.sum``; a dot product is the sum of a
-    product's leaves, ``tree.vdot``). Sharded: one partial sum per list over this rank's pieces (in
-    float64, padding left out) and one ``reduce`` of all the lists together, so a rule's several
-    global sums cost one collective and every rank gets the same numbers.
+    product's leaves, ``tree.vdot``). Sharded: one sum per whole tensor (its pieces' partial sums
+    in float64, padding left out) and one ``reduce`` of every list's together, so a rule's several
+    global sums cost one collective, every rank gets the same numbers, and the tensors' sums are
+    added in the tensors' order, in their dtypes: where each rank holds whole tensors (a whole-param
+    plan) the step is the unsharded step's bit for bit.
     """
     found = sharded(lists[0], "a sum over the whole model") if lists and lists[0] else None
     if found is None:
         return [_summed([leaf.sum() for leaf in leaves]) for leaves in lists]
     sharding, pieces = found
-    partial = torch.zeros(len(lists), dtype=torch.float64)
+    per_tensor = torch.zeros(len(lists), sharding.n_tensors, dtype=torch.float64)
+    held = torch.zeros(sharding.n_tensors, dtype=torch.float64)  # which tensors this step has, on any rank
     for j, leaves in enumerate(lists):
         if len(leaves) != len(pieces):
             raise ValueError(f"a sum over the whole model got {len(leaves)} leaves for {len(pieces)} stepped params")
         for leaf, pc in zip(leaves, pieces):
             if pc.tensors:
-                partial[j] += leaf.reshape(-1)[:pc.used].to(torch.float64).sum().cpu()
-    total = sharding.reduce(partial)
-    dtype = functools.reduce(torch.promote_types, sharding.dtypes, torch.float32)
-    return [total[j].to(_dtype_of(leaves, dtype)) for j, leaves in enumerate(lists)]
+                if leaf.is_complex():
+                    raise ValueError("a sum over the whole model of complex pieces is not supported: sum their real "
+                                     "parts (a real inner product), or use a whole-param plan")
+                _add_pieces(per_tensor[j], leaf, pc)
+                held[list(pc.tensors)] = 1.0
+    total = sharding.reduce(torch.cat([per_tensor.reshape(-1), held]))
+    sums, present = total[:-sharding.n_tensors].view(len(lists), -1), total[-sharding.n_tensors:] > 0
+    at = [t for t in range(sharding.n_tensors) if present[t]]
+    return [_summed([sums[j, t].to(_dtype_of(leaves, sharding.dtypes[t])) for t in at])
+            for j, leaves in enumerate(lists)]
+
+
+def _add_pieces(into: torch.Tensor, leaf: torch.Tensor, pc: Pieces) -> None:
+    """Each piece's sum into its tensor's slot: a whole tensor summed in its own dtype (as unsharded),
+    pieces of one in float64."""
+    flat, start = leaf.reshape(-1), 0
+    for t, n in zip(pc.tensors, pc.lengths):
+        part = flat[start:start + n]
+        whole = len(pc.tensors) == 1 and part.numel() == leaf.numel()
+        into[t] += float(part.sum()) if whole else float(part.to(torch.float64).sum())
+        start += n
 
 
 def _summed(sums: list[torch.Tensor]) -> torch.Tensor:
