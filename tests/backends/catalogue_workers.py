@@ -137,3 +137,23 @@ def lbfgs_closure_refused(rank: int, world_size: int, strategy: str) -> str:
     except ValueError as e:
         return str(e)
     return ""
+
+
+def hutchinson_refused(rank: int, world_size: int) -> str:
+    """Sophia's Hutchinson estimate under a flat plan: the error every rank raises."""
+    model = fw.make_model()
+    groups = fw.groups(model)
+    plan = zero.make_plan(zero.param_metas(groups), world_size, "flat", optimizer="sophia")
+    opt = Zero(groups, F.contrib.sophia(1e-2), plan=plan)
+    fw.set_grads(model, fw.fixed_grads(model, 0))
+    try:
+        opt.step(obj_fn=lambda p: sum((x ** 2).sum() for x in optree_leaves(p)))
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def optree_leaves(tree):
+    import optree
+
+    return optree.tree_leaves(tree)

@@ -83,3 +83,8 @@ def test_momo_with_masters_gets_the_loss_the_closure_returned():
 def test_a_line_search_under_zero_is_refused_by_name_on_every_rank(strategy):
     for rank, error in enumerate(run_ranks(w.lbfgs_closure_refused, 2, strategy)):
         assert "line search" in error and "sharded" in error, f"rank {rank}: {error!r}"
+
+
+def test_hutchinsons_estimate_under_a_flat_plan_is_refused_by_name():
+    for rank, error in enumerate(run_ranks(w.hutchinson_refused, 2)):
+        assert "hutchinson" in error and "sharded" in error, f"rank {rank}: {error!r}"

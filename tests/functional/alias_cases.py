@@ -64,6 +64,7 @@ CONTRIB = {
     "cocob": dict(weight_decay=0.01),
     "acprop": dict(learning_rate=1e-2),
     "dadapt_adamw": dict(learning_rate=0.5, weight_decay=0.01),
+    "galore": dict(learning_rate=1e-2, rank=4, update_proj_gap=2),
 }
 
 

@@ -21,6 +21,19 @@ def _c(m):
     return m.contrib
 
 
+def _tree_map(m):
+    import jax
+
+    return jax.tree.map if m is optax else optree.tree_map
+
+
+def _galore_dims(m):
+    """The 3-D leaf as (rows: axis 0, columns: axes 1 and 2), the matrix as default, the rest as they are."""
+    dims = _c(m).GaLoreDimensionNumbers
+    return lambda tree: _tree_map(m)(lambda p: dims(0, (1, 2)) if p.ndim == 3 else dims() if p.ndim == 2 else None,
+                                     tree)
+
+
 def _norm(m):
     return F.global_norm if m is F else optax.tree.norm
 
@@ -52,6 +65,11 @@ CASES = {
     "sam_transparent": lambda m: _c(m).sam(m.adam(LR), m.chain(_c(m).normalize(), m.sgd(0.05)), sync_period=3),
     "sam_keep_adv_state": lambda m: _c(m).sam(m.sgd(LR, momentum=0.9), m.chain(_c(m).normalize(), m.adam(0.05)),
                                               reset_state=False),
+    "galore": lambda m: _c(m).galore(LR, rank=2, update_proj_gap=3, weight_decay=0.01),
+    "galore_sgd_3d": lambda m: _c(m).galore(LR, rank=2, base_optimizer=m.sgd(1.0, momentum=0.9),
+                                            weight_dimension_numbers=_galore_dims(m)),
+    "sophia_gauss_newton": lambda m: _c(m).sophia(LR, update_interval=2, hessian_diagonal_fn=m.stateless(
+        lambda u, p: _tree_map(m)(lambda g: g * g, u))),
     "freeze": lambda m: m.chain(m.freeze(MASK), m.sgd(LR)),
     "selective_transform": lambda m: m.selective_transform(m.adam(LR), freeze_mask=MASK),
     "keep_params_nonnegative": lambda m: m.chain(m.sgd(0.3), m.keep_params_nonnegative()),
@@ -65,7 +83,9 @@ CASES = {
 }
 # Optax evaluates schedules in float32, and MADGRAD's weight (lr + eps) sqrt(count + 1) too (jnp.sqrt of its
 # int32 count is float32): in float64 these agree to float32's rounding; zero keeps the weight in float64
-SCHEDULED = {"ademamix_schedules", "schedule_free_adamw", "madgrad_schedule", "madgrad"}
+SCHEDULED = {"ademamix_schedules", "schedule_free_adamw", "madgrad_schedule", "madgrad",
+             # GaLore's SVD runs in float32 on both sides (LAPACK's and XLA's differ in float32's last places)
+             "galore", "galore_sgd_3d"}
 # frozen where True: the matrix and the deeper nested leaf
 MASK = {"w": True, "b": False, "nested": [False, True], "scalar": False}
 # scale_by_distance_over_gradients: Optax keeps each param's gradient sum as shape (1,), which turns a 0-d
@@ -358,3 +378,31 @@ def test_lbfgs_by_step_closure_is_the_pure_path_and_converges_as_torchs():
         assert torch.allclose(p, params[n], rtol=1e-12, atol=1e-14), n
     final = [float(((m(x) - y) ** 2).mean()) for m in (ours, torchs)]
     assert final[0] <= final[1] * 1.01, final
+
+
+def test_sophias_hutchinson_estimate_is_exact_on_a_diagonal_quadratic_and_reaches_the_optimizer():
+    """Every Rademacher draw gives z (H z) = diag(H) when H is diagonal; ``Optimizer.step(obj_fn=...)``
+    hands the loss function to the estimator as the pure update's ``obj_fn`` does."""
+    import torch
+
+    c = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+    loss = lambda p: (c * p["x"] ** 2).sum()  # noqa: E731
+    est = F.contrib.hutchinson_estimator_diag_hessian(random_seed=5)
+    p = {"x": torch.ones(3, dtype=torch.float64)}
+    state = est.init(p)
+    for _ in range(3):
+        diag, state = est.update(None, state, p, obj_fn=loss)
+        assert torch.equal(diag["x"], 2 * c)
+    x = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
+    opt = F.Optimizer([("x", x)], F.contrib.sophia(0.1, update_interval=1))
+    tx, q = F.contrib.sophia(0.1, update_interval=1), {"x": torch.ones(3, dtype=torch.float64)}
+    s = tx.init(q)
+    for _ in range(4):
+        x.grad = 2 * c * x.detach()
+        opt.step(obj_fn=loss)
+        u, s = tx.update({"x": 2 * c * q["x"]}, s, q, obj_fn=loss)
+        q = F.apply_updates(q, u)
+    assert torch.equal(x.detach(), q["x"])
+    with pytest.raises(ValueError, match="obj_fn"):
+        x.grad = torch.ones(3, dtype=torch.float64)
+        F.Optimizer([("x", x)], F.contrib.sophia(0.1)).step()

@@ -39,6 +39,9 @@ RULES = {
     "prodigy": (F.contrib.prodigy, {"weight_decay": 0.01}, "prodigy", 0),
     "dog": (F.contrib.dog, {"init_step": ("heuristic", 1e-4)}, "dog", 0),
     "mechanize": (lambda: F.contrib.mechanize(F.adam(1e-2)), {}, "adam", 0),
+    "galore": (F.contrib.galore, {"learning_rate": 1e-2, "rank": 8, "update_proj_gap": 2}, "galore", 0),
+    "sophia": (lambda: F.contrib.sophia(1e-2, update_interval=2, hessian_diagonal_fn=F.stateless(
+        lambda u, p: F.base.tree_map(lambda g: g * g, u))), {}, "sophia", 0),
     "sam": (lambda: F.contrib.sam(F.adam(1e-2), F.chain(F.contrib.normalize(), F.sgd(0.05))), {}, "adam", 0),
     # Optax's transformations that read whole tensors or the whole model, chained
     "normalize_by_update_norm": (lambda: F.chain(F.normalize_by_update_norm(2.0), F.sgd(1e-2)), {}, "sgd", 0),

@@ -25,6 +25,7 @@ from zero.functional.contrib._complex_valued import (
 )
 from zero.functional.contrib._dadapt_adamw import DAdaptAdamWState, dadapt_adamw
 from zero.functional.contrib._dog import DoGState, DoWGState, dog, dowg, scale_by_dog, scale_by_dowg
+from zero.functional.contrib._galore import GaLoreDimensionNumbers, GaLoreState, galore, scale_by_galore
 from zero.functional.contrib._lowbit import (
     ScaleByLowBitAdamState,
     adam_4bit,
@@ -58,6 +59,13 @@ from zero.functional.contrib._schedule_free import (
 )
 from zero.functional.contrib._shampoo import ShampooState, scale_by_shampoo, shampoo
 from zero.functional.contrib._soap import SoapState, decay_after_update, scale_by_soap, soap
+from zero.functional.contrib._sophia import (
+    HutchinsonState,
+    SophiaState,
+    hutchinson_estimator_diag_hessian,
+    scale_by_sophia,
+    sophia,
+)
 from zero.functional.contrib.newton_schulz import MuonDimensionNumbers, orthogonalize_via_newton_schulz
 
 __all__ = ["ScaleByLowBitAdamState", "adam_4bit", "adam_8bit", "adamw_4bit", "adamw_8bit", "scale_by_adam_4bit",
@@ -73,4 +81,6 @@ __all__ = ["ScaleByLowBitAdamState", "adam_4bit", "adam_8bit", "adamw_4bit", "ad
            "mechanize", "MomoState", "momo", "MomoAdamState", "momo_adam", "ReduceLROnPlateauState",
            "reduce_on_plateau", "NormalizeState", "SAMState", "normalize", "sam", "SplitRealAndImaginaryArrays",
            "SplitRealAndImaginaryState", "split_real_and_imaginary", "DifferentiallyPrivateAggregateState",
-           "differentially_private_aggregate", "dpsgd"]
+           "differentially_private_aggregate", "dpsgd", "GaLoreDimensionNumbers", "GaLoreState", "galore",
+           "scale_by_galore", "HutchinsonState", "SophiaState", "hutchinson_estimator_diag_hessian", "scale_by_sophia",
+           "sophia"]

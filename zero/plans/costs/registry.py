@@ -12,6 +12,7 @@ import re
 
 from zero.plans.costs.base import Elementwise, RuleCost
 from zero.plans.costs.kronecker import Shampoo, Soap
+from zero.plans.costs.low_rank import LowRank
 from zero.plans.costs.lowbit import LOW_BIT_MIN_NUMEL, LowBit
 from zero.plans.costs.newton_schulz import NewtonSchulz
 
@@ -52,6 +53,8 @@ COSTS: dict[str, RuleCost] = {
     "dadapt_adamw": Elementwise(3, step_reductions=1),
     "momo": Elementwise(1, step_reductions=1),
     "momo_adam": Elementwise(2, step_reductions=1),
+    "galore": LowRank(2),  # at its defaults (rank 128, a new projection every 200 steps); Adam's two moments
+    "sophia": Elementwise(2),  # the momentum and the Hessian's diagonal
     "soap": Soap(),
     "shampoo": Shampoo(),
 }
