@@ -91,10 +91,21 @@ def scale_by_galore(rank: int = 128, update_proj_gap: int = 200, scale: float = 
         return weight_dimension_numbers
 
     def flat_dims(tree: Any) -> tuple[list, list, Any]:
+        """The leaves, their dimension numbers, and the check that each projected matrix is whole
+        here: by the whole tensors' shapes (a flat shard's 1-D pieces would read as vectors, and
+        step element-wise: silently another rule), or, for dimension numbers chosen by a function
+        or a tree, by refusing any cut tensor."""
         leaves, treedef = optree.tree_flatten(tree)
+        what = "scale_by_galore (an SVD of each whole matrix)"
+        if weight_dimension_numbers is None or isinstance(weight_dimension_numbers, GaLoreDimensionNumbers):
+            exactly_2d = weight_dimension_numbers is None  # the default projects matrices; given numbers, rank >= 2
+            sharding.whole_tensors(leaves, what, needs=lambda shape: len(shape) == 2 if exactly_2d else len(shape) >= 2)
+        elif any(sharding.cut_tensors(leaves, what) or ()):
+            cut = next(t for ts in sharding.cut_tensors(leaves, what) for t in ts)
+            raise ValueError(f"{what} with weight_dimension_numbers chosen by a function or a tree reads each param's "
+                             f"shape, but this sharded step holds pieces of param {sharding.name_of(cut)}: "
+                             f"{sharding.whole_hint()}")
         dims = treedef.flatten_up_to(dims_of(tree)) if leaves else []
-        sharding.whole_tensors(leaves, "scale_by_galore (an SVD of each whole matrix)",
-                               [d is not None for d in dims])
         return leaves, dims, treedef
 
     def init(params):

@@ -134,7 +134,8 @@ def total_sums(*lists: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     added in the tensors' order, in their dtypes: where each rank holds whole tensors (a whole-param
     plan) the step is the unsharded step's bit for bit.
     """
-    found = sharded(lists[0], "a sum over the whole model") if lists and lists[0] else None
+    # (a rank with no params in this step still joins the ranks' sum: the others wait for it)
+    found = sharded(lists[0], "a sum over the whole model") if lists else None
     if found is None:
         return [_summed([leaf.sum() for leaf in leaves]) for leaves in lists]
     sharding, pieces = found

@@ -54,16 +54,28 @@ def whole_tensors(leaves: Sequence[torch.Tensor], what: str,
         probe.update(id(leaf) for j, leaf in enumerate(leaves)
                      if (flags[j] if flags is not None else needs is None or needs(tuple(leaf.shape))))
         return
-    shapes = current(SHARDING).shapes if current(SHARDING) is not None else ()
-    for j, pieces_of in enumerate(cut_tensors(leaves, what) or ()):  # None: every rank steps whole tensors
+    sharding = current(SHARDING)
+    shapes = sharding.shapes if sharding is not None else ()
+    found = cut_tensors(leaves, what)
+    if found is None:  # every rank steps whole tensors (or a start outside a step: the step checks)
+        return
+    bad = set()
+    for j, pieces_of in enumerate(found):
         if flags is not None:
-            cut = list(pieces_of) if flags[j] else []
+            bad.update(pieces_of if flags[j] else ())
         else:
-            cut = [t for t in pieces_of if needs is None or not shapes or needs(shapes[t])]
-        if cut:
-            shape = f" of shape {shapes[cut[0]]}" if shapes else ""
-            raise ValueError(f"{what} needs each tensor whole, but this sharded step holds pieces of param "
-                             f"{name_of(cut[0])}{shape}: {whole_hint()}")
+            bad.update(t for t in pieces_of if needs is None or not shapes or needs(shapes[t]))
+    # Every rank decides together: a rank whose pieces are all fine would otherwise go on into the
+    # step's collectives while another refuses, and wait for it forever (one small all-reduce).
+    flagged = torch.zeros(sharding.n_tensors, dtype=torch.float64)
+    if bad:
+        flagged[sorted(bad)] = 1.0
+    everyone = sharding.reduce(flagged)
+    if bool((everyone > 0).any()):
+        t = int(torch.nonzero(everyone > 0)[0])
+        shape = f" of shape {shapes[t]}" if shapes else ""
+        raise ValueError(f"{what} needs each tensor whole, but this sharded step holds pieces of param "
+                         f"{name_of(t)}{shape}: {whole_hint()}")
 
 
 def needs_whole(tx: Any, params: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> list[str]:
