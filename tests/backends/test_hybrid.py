@@ -175,16 +175,15 @@ def test_muon_routed_by_name_refuses_a_shard_it_would_route_to_newton_schulz(dim
 
 
 @pytest.mark.timeout(120)
-def test_a_rank_without_the_cut_tensor_is_told_which_ranks_stopped():
-    """What users meet at 4 ranks: the 3x40 matrix left in the shards lies on ranks 1-3, which
-    raise the ValueError naming it; rank 0 holds none of it, steps on, and its next collective
-    fails naming the ranks that stopped (not a silent hang)."""
+def test_a_rank_without_the_cut_tensor_refuses_with_the_others():
+    """What users meet at 4 ranks: the 3x40 matrix left in the shards lies on ranks 1-3, none of it
+    on rank 0. Every rank decides together (one small all-reduce of the cut tensors), so rank 0
+    raises the same ValueError naming it, instead of stepping on into a collective the others
+    never join (it once did, and failed there after the group's timeout)."""
     errors = run_ranks(hw.refused, 4, "muon", hw.all_but_last_weight, pg_timeout=30)
-    for error in errors[1:]:
+    for rank, error in enumerate(errors):
         assert error.startswith("ValueError: muon's routing of matrices needs each tensor whole") and \
-            "of shape (3, 40)" in error, error
-    assert errors[0].startswith("RuntimeError: rank 0 (of 4) waited for") and "rank 1, 2, 3 did not answer" in \
-        errors[0], errors[0]
+            "of shape (3, 40)" in error, f"rank {rank}: {error}"
 
 
 @pytest.mark.usefixtures("one_rank")

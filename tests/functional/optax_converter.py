@@ -139,10 +139,18 @@ def _containers(x: Any, leaf) -> Any:
 
 
 def _torch_face(fn):
-    """A JAX-side callable (a schedule, a mask function) called by zero with torch values."""
+    """A JAX-side callable (a schedule, a mask function, a loss) called by zero with torch values;
+    as a loss, its value and gradient come from ``jax.value_and_grad`` (``value_and_grad``: what a
+    zero line search asks of a loss it cannot differentiate with torch's autograd)."""
     @functools.wraps(fn)
     def call(*args, **kwargs):
         return to_torch(fn(*to_jax(args), **to_jax(kwargs)))
+
+    def value_and_grad(params, *args, **kwargs):
+        value, grad = jax.value_and_grad(fn)(to_jax(params), *to_jax(args), **to_jax(kwargs))
+        return to_torch(value, data=True), to_torch(grad, data=True)
+
+    call.value_and_grad = value_and_grad
     return call
 
 
@@ -341,14 +349,15 @@ PROXIED = ["optax._src.alias", "optax._src.transform", "optax._src.combine", "op
            "optax.transforms._clipping", "optax.transforms._adding", "optax.transforms._conditionality",
            "optax.transforms._constraining", "optax.transforms._freezing", "optax.transforms._layouts",
            "optax.transforms._monitoring", "optax.schedules._inject", "optax.schedules._schedule",
-           "optax.schedules._join", "optax._src.lookahead"]
+           "optax.schedules._join", "optax._src.lookahead", "optax._src.linesearch", "optax._src.linear_algebra"]
 
 
 # Optax modules whose names resolve to a zero namespace other than zero.functional.
 PROXIED_ELSEWHERE = {"optax.contrib._muon": F.contrib, "optax.contrib": F.contrib,
                      "optax.contrib._schedule_free": F.contrib, "optax.contrib._reduce_on_plateau": F.contrib,
                      "optax.contrib._sam": F.contrib, "optax.contrib._privacy": F.contrib,
-                     "optax.contrib._complex_valued": F.contrib,
+                     "optax.contrib._complex_valued": F.contrib, "optax.contrib._galore": F.contrib,
+                     "optax.contrib._mechanic": F.contrib,
                      "optax.microbatching._microbatching": F.microbatching, "optax.microbatching": F.microbatching}
 
 

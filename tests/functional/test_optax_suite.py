@@ -37,6 +37,10 @@ MODULES = {
     "privacy": "optax.contrib._privacy_test",
     "complex_valued": "optax.contrib._complex_valued_test",
     "microbatching": "optax.microbatching._microbatching_test",
+    "galore": "optax.contrib._galore_test",
+    "mechanic": "optax.contrib._mechanic_test",
+    "linesearch": "optax._src.linesearch_test",
+    "linear_algebra": "optax._src.linear_algebra_test",
 }
 
 # Test (``method`` or ``Class.method``) -> why it cannot apply to zero.

@@ -46,7 +46,8 @@ class GaLoreState(NamedTuple):
 
 
 def _is_dims(x: Any) -> bool:
-    return x is None or isinstance(x, GaLoreDimensionNumbers)
+    """Dimension numbers: zero's, or any object with their two fields (Optax's own class)."""
+    return x is None or (hasattr(x, "reduction_axis") and hasattr(x, "output_axis"))
 
 
 def _reshapes(x: torch.Tensor, dims: GaLoreDimensionNumbers) -> tuple[Callable, Callable]:
@@ -84,9 +85,9 @@ def scale_by_galore(rank: int = 128, update_proj_gap: int = 200, scale: float = 
     def dims_of(tree: Any) -> Any:
         if weight_dimension_numbers is None:
             return optree.tree_map(lambda p: GaLoreDimensionNumbers() if p.dim() == 2 else None, tree)
-        if callable(weight_dimension_numbers) and not isinstance(weight_dimension_numbers, GaLoreDimensionNumbers):
+        if callable(weight_dimension_numbers) and not _is_dims(weight_dimension_numbers):
             return weight_dimension_numbers(tree)
-        if isinstance(weight_dimension_numbers, GaLoreDimensionNumbers):
+        if _is_dims(weight_dimension_numbers):
             return optree.tree_map(lambda p: weight_dimension_numbers if p.dim() >= 2 else None, tree)
         return weight_dimension_numbers
 
@@ -97,7 +98,7 @@ def scale_by_galore(rank: int = 128, update_proj_gap: int = 200, scale: float = 
         or a tree, by refusing any cut tensor."""
         leaves, treedef = optree.tree_flatten(tree)
         what = "scale_by_galore (an SVD of each whole matrix)"
-        if weight_dimension_numbers is None or isinstance(weight_dimension_numbers, GaLoreDimensionNumbers):
+        if _is_dims(weight_dimension_numbers):
             exactly_2d = weight_dimension_numbers is None  # the default projects matrices; given numbers, rank >= 2
             sharding.whole_tensors(leaves, what, needs=lambda shape: len(shape) == 2 if exactly_2d else len(shape) >= 2)
         elif any(sharding.cut_tensors(leaves, what) or ()):
@@ -146,6 +147,7 @@ def scale_by_galore(rank: int = 128, update_proj_gap: int = 200, scale: float = 
                 out.append(u)
                 continue
             m, n = _reshapes(g, d)[0](g).shape
+            u = u.to(q.dtype)  # (a base rule may keep its moments, and so its updates, in another dtype)
             full = q @ u if m >= n else u @ q.T
             out.append((scale * _reshapes(g, d)[1](full)).to(g.dtype))
         return treedef.unflatten(out), GaLoreState(count_inc(state.count), base_state, treedef.unflatten(projectors))

@@ -21,6 +21,15 @@ import torch
 from zero.functional.base import GradientTransformation, tree_leaves, tree_map, zeros_like
 from zero.functional.sharding import total_sums
 
+# Optax's diagnostics, word for word (its tests read them)
+FLAG_INTERVAL_NOT_FOUND = ("No interval satisfying curvature condition. Consider increasing maximal possible "
+                           "stepsize of the linesearch.")
+FLAG_INTERVAL_TOO_SMALL = "Length of searched interval has been reduced below threshold."
+FLAG_CURVATURE_COND_NOT_SATISFIED = ("Returning stepsize with sufficient decrease but curvature condition not "
+                                     "satisfied.")
+FLAG_NO_STEPSIZE_FOUND = "Linesearch failed, no stepsize satisfying sufficient decrease found."
+FLAG_NOT_A_DESCENT_DIRECTION = "The linesearch failed because the provided direction is not a descent direction. "
+
 __all__ = ["BacktrackingLinesearchInfo", "ScaleByBacktrackingLinesearchState", "scale_by_backtracking_linesearch",
            "ZoomLinesearchInfo", "ScaleByZoomLinesearchState", "scale_by_zoom_linesearch",
            "value_and_grad_from_state"]
@@ -240,6 +249,8 @@ class _Zoom:
                 prev, (new, value, slope)
         found = set_high or set_low or err <= s["tol"]
         self.done = err <= s["tol"] or (reached and not found)
+        if s["verbose"] and reached and not found:
+            print(self._info(new, dec, curv) + FLAG_INTERVAL_NOT_FOUND + "\n" + FLAG_CURVATURE_COND_NOT_SATISFIED)
         self.failed = self.count + 1 >= s["max_linesearch_steps"] and not self.done
         self.interval_found = found
         self.cubic_ref, self.value_cubic_ref = self.low, self.value_low
@@ -286,19 +297,52 @@ class _Zoom:
         self.stepsize, self.value, self.grad, self.slope = step, value, grad, slope
         self.decrease_error, self.curvature_error, self.error = dec, curv, err
 
+    def _info(self, step: float, dec: float, curv: float) -> str:
+        return (f"INFO: optax.scale_by_zoom_linesearch:\nValue at current params: {self.value_init}\n"
+                f"Slope along update direction: {self.slope_init}\nStepsize reached: {step}\n"
+                f"Decrease Error: {dec}\nCurvature Error: {curv}")
+
     def safe_step(self) -> None:
+        if self.s["verbose"]:
+            self._report()
         if self.safe_stepsize > 0.0 or math.isinf(self.decrease_error):
             self.stepsize, self.value, self.grad = self.safe_stepsize, self.safe_value, self.safe_grad
+
+    def _report(self) -> None:
+        """Optax's account of a failed search (``_try_safe_step`` and ``_failure_diagnostic``)."""
+        lines = [self._info(self.stepsize, self.decrease_error, self.curvature_error)]
+        length = abs(self.low - self.high)
+        if length <= self.s["interval_threshold"]:
+            lines.append(FLAG_INTERVAL_TOO_SMALL + f" Interval length: {length}.")
+        if self.safe_stepsize > 0.0:
+            lines.append(FLAG_CURVATURE_COND_NOT_SATISFIED + f" Stepsize ensuring sufficient decrease: "
+                                                            f"{self.safe_stepsize}.")
+        else:
+            lines.append(FLAG_NO_STEPSIZE_FOUND)
+            descent = self.slope_init < 0.0
+            if not descent:
+                lines.append(FLAG_NOT_A_DESCENT_DIRECTION + f"The slope (={self.slope_init}) at stepsize=0 should be "
+                                                           "negative")
+            else:
+                lines.append("Consider augmenting the maximal number of linesearch iterations.")
+                if self.stepsize < float(torch.finfo(torch.float32).eps):
+                    lines.append(f"Computed stepsize (={self.stepsize}) is below machine precision, consider passing "
+                                 "to higher precision (float64).")
+                if abs(self.slope_init) > 1e16:
+                    lines.append("Very large absolute slope at stepsize=0. The objective is badly conditioned.")
+            if math.isinf(self.decrease_error):
+                lines.append("Cannot even make a step without getting Inf or Nan. The linesearch won't make a step and "
+                             "the optimizer is stuck.")
+            else:
+                lines.append("Making an unsafe step, not decreasing enough the objective. Convergence of the solver "
+                             "is compromised as it does not reduce values.")
+        print("\n".join(lines))
 
     def run(self) -> None:
         while not (self.done or self.failed):
             self.zoom() if self.interval_found else self.search_interval()
             if self.failed:
                 self.safe_step()
-        if self.failed and self.s["verbose"]:
-            print(f"INFO: scale_by_zoom_linesearch: no step size satisfied the conditions (value {self.value_init}, "
-                  f"slope {self.slope_init}, step size {self.stepsize}, decrease error {self.decrease_error}, "
-                  f"curvature error {self.curvature_error})")
 
 
 def scale_by_zoom_linesearch(max_linesearch_steps: int, max_learning_rate: float | None = None, tol: float = 0.0,
@@ -344,24 +388,28 @@ def value_and_grad_from_state(value_fn: Callable[..., Any]) -> Callable[..., tup
     call ``value_and_grad(params, state=opt_state)``."""
 
     def value_and_grad(params: Any, *args: Any, state: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
-        found = _find(state, ("value", "grad"))
-        if found is None:
+        value, grad = _get(state, "value"), _get(state, "grad")
+        if value is None or grad is None:
             raise ValueError("Value or gradient not found in the state. Make sure that these values are stored in the "
                              "state by the optimizer.")
-        value, grad = found
         if torch.isfinite(torch.as_tensor(value)) and grad is not None:
             return value, grad
+        own = getattr(value_fn, "value_and_grad", None)
+        if own is not None:
+            return own(params, *args, **kwargs)
         return value_and_grad_of(lambda p, **kw: value_fn(p, *args, **kw), params, **kwargs)
 
     return value_and_grad
 
 
-def _find(state: Any, fields: tuple[str, ...]) -> tuple | None:
-    """The first node of ``state`` with every one of ``fields`` (Optax's ``tree.get``)."""
+def _get(state: Any, field: str) -> Any:
+    """The one ``field`` of the state's nodes (Optax's ``tree.get``): None when no node has it, a
+    ``KeyError`` naming it when several do."""
     def has(node: Any) -> bool:
-        return all(f in getattr(node, "_fields", ()) for f in fields)
+        return field in getattr(node, "_fields", ())
 
-    for node in optree.tree_leaves(state, is_leaf=has, none_is_leaf=True):
-        if has(node):
-            return tuple(getattr(node, f) for f in fields)
-    return None
+    found = [getattr(n, field) for n in optree.tree_leaves(state, is_leaf=has, none_is_leaf=True) if has(n)]
+    if len(found) > 1:
+        raise KeyError(f"the state holds {len(found)} fields named {field!r}: value_and_grad_from_state needs exactly "
+                       "one (a line search's)")
+    return found[0] if found else None
