@@ -15,6 +15,8 @@ Where things live (every public name is re-exported here, one a line):
 - ``transforms/``: Optax's transformations, one module per topic (``adam``, ``rms``, ``clipping``,
   ``masking`` ...). A new transformation goes in the module of its topic.
 - ``schedules/``: step count -> hyperparameter functions. A new schedule goes here.
+- ``linalg``, ``microbatching``: Optax's linear algebra (power iteration, inverse p-th roots,
+  non-negative least squares) and its microbatching of a function over a batch.
 - ``aliases/``: the optimizers (one `chain` each), one module per family. A new alias goes here.
 - ``contrib/``: ``optax.contrib``'s rules, one rule a module, and torchao's low-bit Adam. A new
   contrib rule goes here.
