@@ -150,7 +150,10 @@ def _torch_face(fn):
         value, grad = jax.value_and_grad(fn)(to_jax(params), *to_jax(args), **to_jax(kwargs))
         return to_torch(value, data=True), to_torch(grad, data=True)
 
-    call.value_and_grad = value_and_grad
+    def hvp(params, v):  # a Hessian-vector product (Sophia's Hutchinson estimate of a JAX loss)
+        return to_torch(jax.jvp(jax.grad(fn), (to_jax(params),), (to_jax(v),))[1], data=True)
+
+    call.value_and_grad, call.hvp = value_and_grad, hvp
     return call
 
 

@@ -26,7 +26,11 @@ from torch._dynamo.testing import CompileCounterWithBackend  # noqa: E402
 
 import zero.functional as F  # noqa: E402
 
-CASES = ALIASES | MORE_ALIASES
+# L-BFGS steps eagerly only: its memory slot and inner products steer Python (the same rule on the
+# pure path, eager, is tested against Optax in test_optax_catalogue); traced, it says so
+# (test_lbfgs_refuses_tracing_by_name below).
+EAGER_ONLY = {"lbfgs"}
+CASES = {name: kw for name, kw in (ALIASES | MORE_ALIASES).items() if name not in EAGER_ONLY}
 STEPS = 4
 RNG = np.random.default_rng(0)
 P0, CURVE, TILT = (random_tree(RNG, np.float64) for _ in range(3))
@@ -340,3 +344,11 @@ def test_muon_hypergradient_equals_jax_grad_and_compiles_once():
     assert_leaves_close(ours, theirs, 1e-9, ["d/dlr"])
     worst, compilations = compiled_against_eager(F.contrib.muon(0.02))
     assert compilations == 1 and worst <= 1e-6
+
+
+def test_lbfgs_refuses_tracing_by_name():
+    tx = F.lbfgs(**MORE_ALIASES["lbfgs"])
+    params = {"x": torch.ones(3, dtype=torch.float64)}
+    state = tx.init(params)
+    with pytest.raises(RuntimeError, match="scale_by_lbfgs steps eagerly"):
+        torch.func.grad(lambda p: sum(u.sum() for u in tx.update({"x": p["x"] * 2}, state, p)[0].values()))(params)

@@ -125,8 +125,9 @@ def _scheduled(value: Any, dtype: torch.dtype) -> torch.Tensor:
 # Arguments that are never hyperparameters, whatever ``static_args`` says (Optax's contrib tests
 # name the same ones static): a function of the step that is not a schedule of the value (ADOPT's
 # ``clip_value_fn``, which a schedule's call would replace by its value), lengths that shape the
-# rule or its schedule (a float tensor there would break them).
-UNINJECTABLE = frozenset({"block_size", "warmup_steps", "num_betas", "clip_value_fn", "ns_steps", "rank", "memory_size",
+# rule's state or its schedule (a float tensor there would break them). (Muon's ``ns_steps``, which
+# Optax's tests also keep static for JAX's loops, stays a group setting here: torch loops in Python.)
+UNINJECTABLE = frozenset({"block_size", "warmup_steps", "num_betas", "clip_value_fn", "rank", "memory_size",
                           "update_proj_gap"})
 
 

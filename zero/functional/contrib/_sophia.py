@@ -77,15 +77,26 @@ def hutchinson_estimator_diag_hessian(random_seed: int | torch.Tensor | None = N
         dtype = lowest_dtype(params)
         signs = tree_map(lambda p: (torch.randint(0, 2, p.shape, generator=gen) * 2 - 1).to(dtype), params)
         leaves, treedef = optree.tree_flatten(params)
-        with torch.enable_grad():
-            xs = [p.detach().requires_grad_() for p in leaves]
-            grads = torch.autograd.grad(obj_fn(treedef.unflatten(xs)), xs, create_graph=True)
-            hvp = torch.autograd.grad(grads, xs, grad_outputs=treedef.flatten_up_to(signs), allow_unused=True)
+        hvp = _hvp(obj_fn, params, signs)
         product = [torch.zeros_like(x) if h is None else h.detach() * z
-                   for x, h, z in zip(xs, hvp, treedef.flatten_up_to(signs))]
+                   for x, h, z in zip(leaves, treedef.flatten_up_to(hvp), treedef.flatten_up_to(signs))]
         return treedef.unflatten(product), HutchinsonState(state.key + 1)
 
     return GradientTransformation(init, update)
+
+
+def _hvp(obj_fn: Callable, params: Any, v: Any) -> Any:
+    """The Hessian of ``obj_fn`` at ``params`` times ``v``: ``obj_fn.hvp(params, v)`` when it has
+    one (a loss whose second derivative another framework computes), else twice torch's autograd."""
+    own = getattr(obj_fn, "hvp", None)
+    if own is not None:
+        return own(params, v)
+    leaves, treedef = optree.tree_flatten(params)
+    with torch.enable_grad():
+        xs = [p.detach().requires_grad_() for p in leaves]
+        grads = torch.autograd.grad(obj_fn(treedef.unflatten(xs)), xs, create_graph=True)
+        out = torch.autograd.grad(grads, xs, grad_outputs=treedef.flatten_up_to(v), allow_unused=True)
+    return treedef.unflatten([torch.zeros_like(x) if h is None else h for x, h in zip(xs, out)])
 
 
 def scale_by_sophia(b1: float = 0.965, b2: float = 0.99, eps: float = 1e-8, gamma: float = 0.01,

@@ -12,6 +12,7 @@ import optree
 import torch
 
 from zero.functional.base import GradientTransformation, tree_leaves, tree_map, zeros_like
+from zero.functional.foreach import traced
 from zero.functional.sharding import total_sums
 
 __all__ = ["ScaleByLBFGSState", "scale_by_lbfgs"]
@@ -59,6 +60,9 @@ def scale_by_lbfgs(memory_size: int = 10, scale_init_precond: bool = True) -> Gr
                                  tree_map(torch.clone, stacked), torch.zeros(memory_size, dtype=high))
 
     def update(updates, state, params=None):
+        if traced():
+            raise RuntimeError("scale_by_lbfgs steps eagerly: its memory slot and inner products steer Python, which "
+                               "torch.func and torch.compile cannot trace; step it outside them")
         count = int(state.count)
         idx, prev = count % memory_size, (count - 1) % memory_size
         gs, ps = tree_leaves(updates), tree_leaves(params)
