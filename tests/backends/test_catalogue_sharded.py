@@ -88,3 +88,27 @@ def test_a_line_search_under_zero_is_refused_by_name_on_every_rank(strategy):
 def test_hutchinsons_estimate_under_a_flat_plan_is_refused_by_name():
     for rank, error in enumerate(run_ranks(w.hutchinson_refused, 2)):
         assert "hutchinson" in error and "sharded" in error, f"rank {rank}: {error!r}"
+
+
+def test_a_checkpoint_saved_in_eval_mode_resumes_as_it_was_left():
+    """Save in eval mode (the model holds x), load into a fresh model and optimizer, train(): the
+    params are y again and the next steps equal an uninterrupted run's (one process)."""
+    import zero.functional as F
+
+    def run(resume: bool):
+        model = w.fw.make_model()
+        opt = F.Optimizer(w.fw.groups(model), F.contrib.schedule_free_adamw(**w.RULE))
+        w._run(opt, model, 4)
+        opt.eval()
+        if resume:
+            saved = ({k: v.clone() for k, v in model.state_dict().items()}, opt.state_dict())
+            model = w.fw.make_model()
+            opt = F.Optimizer(w.fw.groups(model), F.contrib.schedule_free_adamw(**w.RULE))
+            model.load_state_dict(saved[0])
+            opt.load_state_dict(saved[1])
+            assert not opt.training
+        opt.train()
+        w._run(opt, model, 3, first=4)
+        return w._snap(model)
+
+    _close(run(True), run(False), "resumed from a save in eval mode", 1e-12)

@@ -311,6 +311,17 @@ class ZeroRedundancyOptimizer(TorchNames, OptimizerFace, Joinable):
     def training(self) -> bool:
         return not self._evaluating
 
+    def mark_evaluating(self, evaluating: bool) -> None:
+        """A state dict saved in eval mode was loaded: this rank's local optimizer goes back to eval
+        mode too, so ``train()`` swaps the saved average back to the gradient point."""
+        if evaluating and is_functional(self.optim) and self.optim.has_swap():
+            self.optim.mark_evaluating(True)
+            self._evaluating = True
+        elif not evaluating:
+            self._evaluating = False
+            if is_functional(self.optim):
+                self.optim.mark_evaluating(False)
+
     @torch.no_grad()
     def _swap_mode(self, to: str) -> None:
         local, evaluating = self.optim, to == "eval"

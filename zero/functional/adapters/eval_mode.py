@@ -6,6 +6,8 @@ swaps what it steps and the executor writes it back as after a step.
 
 A rule with nothing to swap makes both calls no-ops, so a training loop may call them whatever
 the rule. A step in eval mode is a ``ValueError``: it would step from the average, not from ``y``.
+A state dict saved in eval mode says so, and loading it puts the optimizer back in eval mode (the
+model's params saved with it hold ``x``), so ``train()`` after a resume swaps ``y`` back in.
 """
 
 from __future__ import annotations
@@ -67,6 +69,11 @@ class EvalMode:
         if self._evaluating:
             self._swap(swap_train)
             self._evaluating = False
+
+    def mark_evaluating(self, evaluating: bool) -> None:
+        """A state dict saved in eval mode was loaded (the model's saved params are ``x``): the next
+        ``train()`` swaps them to ``y``, and a step before it is refused, as before the save."""
+        self._evaluating = evaluating and self.has_swap()
 
     def check_training(self) -> None:
         if self._evaluating:

@@ -41,6 +41,7 @@ __all__ = ["OptimizerFace", "StateView", "Executor", "Entry", "LAYOUT_KEY"]
 
 Entry = tuple[int, str, Any]  # (param position across the groups, state key, value)
 LAYOUT_KEY = "sharded_layout"  # in a state_dict of one rank's pieces: whose (torch's loaders ignore it)
+EVAL_KEY = "schedule_free_eval"  # in a state_dict saved in eval mode: the params saved with it hold the average x
 
 
 class Executor(Protocol):
@@ -199,13 +200,19 @@ class OptimizerFace(torch.optim.Optimizer):
         sd: dict[str, Any] = {"state": self.entries_table(saving=True), "param_groups": groups}
         if self.executor.layout_key is not None:
             sd[LAYOUT_KEY] = self.executor.layout_key
+        if not getattr(self, "training", True):  # saved between eval() and train(): the params hold x, not y
+            sd[EVAL_KEY] = True
         return sd
+
+    def mark_evaluating(self, evaluating: bool) -> None:
+        """What a loaded state dict says of eval mode (`EVAL_KEY`): an optimizer without one ignores it."""
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load torch's form (`state_dict`'s, or torch's own optimizer's of the same rule): state
         keyed by position, or by the FQNs the groups' ``params`` list (torch's ``set_state_dict``),
         mapped onto this optimizer's params by order, as torch maps them; then the groups' settings."""
         state_dict = state_dict.copy()
+        self.mark_evaluating(bool(state_dict.pop(EVAL_KEY, False)))  # the next train() swaps the saved x back to y
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
             if result is not None:
