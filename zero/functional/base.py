@@ -183,6 +183,12 @@ def lowest_dtype(tree: Any) -> torch.dtype:
     return min(floats, key=lambda d: torch.finfo(d).bits, default=torch.get_default_dtype())
 
 
+def highest_dtype(tree: Any) -> torch.dtype:
+    """The leaves' most precise floating dtype (Optax's ``tree.dtype(params, 'highest')``)."""
+    floats = [p.dtype for p in tree_leaves(tree) if p.is_floating_point()]
+    return max(floats, key=lambda d: torch.finfo(d).bits, default=torch.get_default_dtype())
+
+
 def zeros_like(tree: Any, dtype: torch.dtype | str | None = None) -> Any:
     dtype = as_dtype(dtype)
     return tree_map(lambda p: torch.zeros_like(p, dtype=dtype), tree)

@@ -6,11 +6,11 @@ data-parallel optimizer, the loss averaged over the ranks."""
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
-from zero.functional.base import GradientTransformation, lowest_dtype, tree_leaves, tree_map
+from zero.functional.base import GradientTransformation, highest_dtype, lowest_dtype, tree_map
 
 __all__ = ["ReduceLROnPlateauState", "reduce_on_plateau"]
 
@@ -31,10 +31,6 @@ class ReduceLROnPlateauState(NamedTuple):
     count: torch.Tensor
     avg_value: torch.Tensor
 
-
-def _highest(params: Any) -> torch.dtype:
-    floats = [p.dtype for p in tree_leaves(params) if p.is_floating_point()]
-    return max(floats, key=lambda d: torch.finfo(d).bits, default=torch.get_default_dtype())
 
 
 def _check(factor: float, rtol: float, atol: float) -> None:
@@ -67,7 +63,7 @@ def reduce_on_plateau(factor: float = 0.1, patience: int = 10, rtol: float = 1e-
     _check(factor, rtol, atol)
 
     def init(params):
-        high = _highest(params)
+        high = highest_dtype(params)
         zero = torch.zeros((), dtype=torch.int32)
         return ReduceLROnPlateauState(torch.tensor(1.0, dtype=lowest_dtype(params)),
                                       torch.tensor(float("inf"), dtype=high), zero, zero.clone(), zero.clone(),

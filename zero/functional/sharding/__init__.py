@@ -35,7 +35,14 @@ from zero.functional.sharding.context import (
     subset,
     whole_hint,
 )
-from zero.functional.sharding.norms import all_finite, global_norm, tensor_norms, total_norm, total_sums
+from zero.functional.sharding.norms import (
+    all_finite,
+    global_norm,
+    inner_products,
+    tensor_norms,
+    total_norm,
+    total_sums,
+)
 from zero.functional.sharding.placeholders import is_placeholder, placeholder
 from zero.functional.sharding.whole import (
     ParamsRefused,
@@ -47,7 +54,7 @@ from zero.functional.sharding.whole import (
 )
 
 __all__ = ["Pieces", "Sharding", "installed", "every_group", "stepping", "subset", "global_norm", "total_norm",
-           "tensor_norms", "all_finite", "total_sums", "whole_tensors", "needs_whole", "axis_sums", "axis_means",
-           "every_axis",
+           "tensor_norms", "all_finite", "total_sums", "inner_products", "whole_tensors", "needs_whole", "axis_sums",
+           "axis_means", "every_axis",
            "quantized", "block_sizes", "cut_tensors", "whole_tree", "name_of", "whole_hint", "placeholder",
            "pieces_unknown", "ParamsRefused", "is_placeholder", "AxesOf", "reads_axes"]

@@ -12,7 +12,7 @@ import torch
 from zero.functional.foreach import ops, traced
 from zero.functional.sharding.context import Pieces, Sharding, sharded
 
-__all__ = ["global_norm", "total_norm", "tensor_norms", "all_finite", "expand", "total_sums"]
+__all__ = ["global_norm", "total_norm", "tensor_norms", "all_finite", "expand", "total_sums", "inner_products"]
 
 
 def _wide(x: torch.Tensor) -> torch.Tensor:
@@ -156,6 +156,15 @@ def total_sums(*lists: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     at = [t for t in range(sharding.n_tensors) if present[t]]
     return [_summed([sums[j, t].to(_dtype_of(leaves, sharding.dtypes[t])) for t in at])
             for j, leaves in enumerate(lists)]
+
+
+def inner_products(*pairs: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]) -> list[torch.Tensor]:
+    """Per pair of leaf lists ``(xs, ys)``, the real part of ``<x, y>`` over the whole model (Optax's
+    ``tree.real(tree.vdot(x, y))``): `total_sums` of the products, every pair in one collective."""
+    def real(t: torch.Tensor) -> torch.Tensor:
+        return t.real if t.is_complex() else t
+
+    return total_sums(*[[real(x.conj() * y) for x, y in zip(xs, ys)] for xs, ys in pairs])
 
 
 def _add_pieces(into: torch.Tensor, leaf: torch.Tensor, pc: Pieces) -> None:

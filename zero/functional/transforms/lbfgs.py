@@ -1,6 +1,6 @@
 """L-BFGS's preconditioning (mirrors ``optax.scale_by_lbfgs`` and ``ScaleByLBFGSState``): the
 two-loop recursion over the last ``memory_size`` differences of params and gradients. Its inner
-products are over the whole model, asked of `zero.functional.sharding` (`total_sums`: one small
+products are over the whole model, asked of `zero.functional.sharding` (`inner_products`: one small
 all-reduce per product when sharded; the differences themselves are element-wise, so each rank
 keeps its pieces' history)."""
 
@@ -11,9 +11,9 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from zero.functional.base import GradientTransformation, tree_leaves, tree_map, zeros_like
+from zero.functional.base import GradientTransformation, highest_dtype, tree_leaves, tree_map, zeros_like
 from zero.functional.foreach import traced
-from zero.functional.sharding import total_sums
+from zero.functional.sharding import inner_products
 
 __all__ = ["ScaleByLBFGSState", "scale_by_lbfgs"]
 
@@ -35,15 +35,6 @@ class ScaleByLBFGSState(NamedTuple):
     weights_memory: torch.Tensor
 
 
-def _dots(*pairs: tuple[list[torch.Tensor], list[torch.Tensor]]) -> list[torch.Tensor]:
-    """Real inner products over the whole model, all in one collective when sharded."""
-    return total_sums(*[[_real(a.conj() * b) for a, b in zip(xs, ys)] for xs, ys in pairs])
-
-
-def _real(x: torch.Tensor) -> torch.Tensor:
-    return x.real if x.is_complex() else x
-
-
 def scale_by_lbfgs(memory_size: int = 10, scale_init_precond: bool = True) -> GradientTransformation:
     r"""L-BFGS's direction (``optax.scale_by_lbfgs``): the updates preconditioned by the inverse
     Hessian estimate of the last ``memory_size`` steps' :math:`(\Delta x, \Delta g)`, scaled at
@@ -54,8 +45,7 @@ def scale_by_lbfgs(memory_size: int = 10, scale_init_precond: bool = True) -> Gr
 
     def init(params):
         stacked = tree_map(lambda p: torch.zeros((memory_size,) + tuple(p.shape), dtype=p.dtype), params)
-        high = max((p.dtype for p in tree_leaves(params) if p.is_floating_point()),
-                   key=lambda d: torch.finfo(d).bits, default=torch.get_default_dtype())
+        high = highest_dtype(params)
         return ScaleByLBFGSState(torch.zeros((), dtype=torch.int32), zeros_like(params), zeros_like(params), stacked,
                                  tree_map(torch.clone, stacked), torch.zeros(memory_size, dtype=high))
 
@@ -70,7 +60,7 @@ def scale_by_lbfgs(memory_size: int = 10, scale_init_precond: bool = True) -> Gr
         dg = [g - q for g, q in zip(gs, tree_leaves(state.updates))]
         if count == 0:
             dx, dg = [torch.zeros_like(x) for x in dx], [torch.zeros_like(x) for x in dg]
-        dg_dx, dg_dg, g_g = _dots((dg, dx), (dg, dg), (gs, gs))
+        dg_dx, dg_dg, g_g = inner_products((dg, dx), (dg, dg), (gs, gs))
         weight = 0.0 if count == 0 or float(dg_dx) == 0.0 else 1.0 / dg_dx
         mem_x, mem_g = _stored(state.diff_params_memory, dx, prev), _stored(state.diff_updates_memory, dg, prev)
         rhos = state.weights_memory.clone()
@@ -103,12 +93,12 @@ def _two_loops(gs, mem_x, mem_g, rhos, gamma, idx) -> list[torch.Tensor]:
     order = [(idx + k) % m for k in range(m)]
     vec, alphas = list(gs), {}
     for i in reversed(order):
-        (dot,) = _dots(([x[i] for x in mem_x], vec))
+        (dot,) = inner_products(([x[i] for x in mem_x], vec))
         alphas[i] = rhos[i] * dot
         vec = [(v - alphas[i] * g[i]).to(v.dtype) for v, g in zip(vec, mem_g)]
     vec = [gamma * v for v in vec]
     for i in order:
-        (dot,) = _dots(([g[i] for g in mem_g], vec))
+        (dot,) = inner_products(([g[i] for g in mem_g], vec))
         beta = rhos[i] * dot
         vec = [(v + (alphas[i] - beta) * x[i]).to(v.dtype) for v, x in zip(vec, mem_x)]
     return vec

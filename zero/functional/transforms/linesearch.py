@@ -6,7 +6,7 @@ torch's autograd, or ``value_fn.value_and_grad`` when it has one: what
 `zero.functional.Optimizer` builds from a ``step(closure)``).
 
 Eager loops for JAX's ``while_loop``: the same trials, the same decisions, in Python floats for
-the scalars. The slopes are inner products over the whole model (`total_sums`)."""
+the scalars. The slopes are inner products over the whole model (`inner_products`)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import optree
 import torch
 
 from zero.functional.base import GradientTransformation, tree_leaves, tree_map, zeros_like
-from zero.functional.sharding import total_sums
+from zero.functional.sharding import inner_products
 
 # Optax's diagnostics, word for word (its tests read them)
 FLAG_INTERVAL_NOT_FOUND = ("No interval satisfying curvature condition. Consider increasing maximal possible "
@@ -71,12 +71,8 @@ class ScaleByZoomLinesearchState(NamedTuple):
 
 
 def _slope(a: Any, b: Any) -> float:
-    (s,) = total_sums([_real(x.conj() * y) for x, y in zip(tree_leaves(a), tree_leaves(b))])
+    (s,) = inner_products((tree_leaves(a), tree_leaves(b)))
     return float(s)
-
-
-def _real(x: torch.Tensor) -> torch.Tensor:
-    return x.real if x.is_complex() else x
 
 
 def _along(params: Any, step: float, updates: Any) -> Any:
