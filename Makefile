@@ -4,12 +4,15 @@
 # Adam tests, and torchtitan, whose optimizer container and checkpoint helpers the torch-contract
 # tests drive, install with --no-deps so that they keep the torch installed first (torchtitan's
 # optimizer components need only tyro and spmd_types of its requirements: the dev extra has them).
+# gram-newton-schulz (the Gram iteration's reference) likewise: its CUDA kernels are not installed,
+# and its pure-torch path needs none of them.
 PY ?= python3
 VENV ?= .venv
 VENV_FLAGS ?=
 TORCH ?= torch==2.13.0
 TORCHAO ?= torchao==0.18.0
 TORCHTITAN ?= torchtitan==0.3.0
+GRAMNS ?= gram-newton-schulz==0.1.6
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
@@ -19,7 +22,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV_FLAGS) $(VENV)
 	$(if $(TORCH),$(BIN)/python -m pip install -q "$(TORCH)")
 	$(BIN)/python -m pip install -q -e ".[dev,jax]"
-	$(BIN)/python -m pip install -q --no-deps "$(TORCHAO)" "$(TORCHTITAN)"
+	$(BIN)/python -m pip install -q --no-deps "$(TORCHAO)" "$(TORCHTITAN)" "$(GRAMNS)"
 	touch $(STAMP)
 
 demo: $(STAMP)

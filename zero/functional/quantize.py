@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import torch
 
 __all__ = ["Quantized", "qmap", "quantize", "codes_of", "dequantize", "zeros", "advance", "direction", "SCALE_FLOOR",
-           "CHUNK_NUMEL"]
+           "CHUNK_NUMEL", "linear_zeros", "quantize_linear", "dequantize_linear"]
 
 CHUNK_NUMEL = 1 << 16  # elements the in-place step takes at a time (a whole number of blocks of it)
 SCALE_FLOOR = 1e-12  # a block of zeros keeps a positive scale, so dividing by it stays finite
@@ -205,3 +205,40 @@ def _toward(x: torch.Tensor, target: torch.Tensor, beta: float) -> torch.Tensor:
 def direction(m: torch.Tensor, v: torch.Tensor, count: int, b1: float, b2: float, eps: float) -> torch.Tensor:
     """Adam's step direction from this step's moments, in torchao's order of operations."""
     return (m / (1 - b1**count)) / (v.sqrt() / math.sqrt(1 - b2**count) + eps)
+
+
+# Blockwise *linear* int8 codes (8-bit Muon, arXiv:2509.23106): a block's largest magnitude is
+# its scale, and each element the nearest of 255 even steps of it, code * scale / 127. A partial
+# last block is its own block. Each element's code depends only on its value and its block's
+# scale (one IEEE operation at a time), so a whole tensor quantizes the same on any rank.
+
+def linear_zeros(like: torch.Tensor, block_size: int) -> Quantized:
+    """A moment of zeros in linear int8 codes, shaped like ``like``."""
+    blocks = -(-like.numel() // block_size)
+    return Quantized(torch.zeros(like.shape, dtype=torch.int8, device=like.device),
+                     torch.zeros(blocks, dtype=torch.float32, device=like.device))
+
+
+def _padded(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    flat = x.reshape(-1)
+    pad = -flat.numel() % block_size
+    return torch.nn.functional.pad(flat, (0, pad)).view(-1, block_size) if pad else flat.view(-1, block_size)
+
+
+def quantize_linear(x: torch.Tensor, block_size: int) -> Quantized:
+    """``x`` in linear int8 codes, blocks of ``block_size`` in its own flattened order (float64
+    rounded to float32 first)."""
+    blocks = _padded(x.to(torch.float32), block_size)
+    scale = blocks.abs().amax(-1).clamp(min=SCALE_FLOOR)
+    codes = torch.round(blocks / scale.view(-1, 1) * 127.0).clamp_(-127, 127).to(torch.int8)
+    return Quantized(codes.reshape(-1)[:x.numel()].view(x.shape), scale)
+
+
+def dequantize_linear(q: Quantized, block_size: int) -> torch.Tensor:
+    """The float32 values linear codes ``q`` (blocks of ``block_size``) hold, in the codes' shape."""
+    blocks = _padded(q.codes.to(torch.float32), block_size)
+    if blocks.shape[0] != q.scale.numel():
+        raise ValueError(f"linear codes of {q.codes.numel()} elements in blocks of {block_size} need "
+                         f"{blocks.shape[0]} scales, got {q.scale.numel()}: the state was made with another block size")
+    values = blocks * q.scale.view(-1, 1) / 127.0
+    return values.reshape(-1)[:q.codes.numel()].view(q.codes.shape)

@@ -38,7 +38,7 @@ from zero.functional.contrib._lowbit import (
 from zero.functional.contrib._madgrad import MadgradState, madgrad, scale_by_madgrad
 from zero.functional.contrib._mechanic import MechanicState, mechanize
 from zero.functional.contrib._momo import MomoAdamState, MomoState, momo, momo_adam
-from zero.functional.contrib._muon import MuonState, muon, scale_by_muon, scale_by_shape
+from zero.functional.contrib._muon import MuonState, muon, muon_8bit, scale_by_muon, scale_by_shape
 from zero.functional.contrib._privacy import (
     DifferentiallyPrivateAggregateState,
     differentially_private_aggregate,
@@ -69,7 +69,7 @@ from zero.functional.contrib._sophia import (
 from zero.functional.contrib.newton_schulz import MuonDimensionNumbers, orthogonalize_via_newton_schulz
 
 __all__ = ["ScaleByLowBitAdamState", "adam_4bit", "adam_8bit", "adamw_4bit", "adamw_8bit", "scale_by_adam_4bit",
-           "scale_by_adam_8bit", "MuonState", "muon", "scale_by_muon", "scale_by_shape", "MuonDimensionNumbers",
+           "scale_by_adam_8bit", "MuonState", "muon", "muon_8bit", "scale_by_muon", "scale_by_shape", "MuonDimensionNumbers",
            "orthogonalize_via_newton_schulz", "SoapState", "scale_by_soap", "soap",
            "decay_after_update", "ShampooState", "scale_by_shampoo", "shampoo", "adopt", "scale_by_adopt",
            "ScaleByAdemamixState", "scale_by_ademamix", "ademamix", "ScaleBySimplifiedAdEMAMixState",

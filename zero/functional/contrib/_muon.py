@@ -39,24 +39,36 @@ from zero.functional.base import (
     zeros_like,
 )
 from zero.functional.combine import chain
+from zero.functional import quantize as Q
 from zero.functional.contrib.newton_schulz import (
     PRECONDITIONINGS,
     MuonDimensionNumbers,
     check_coeffs,
+    check_method,
     fans,
     orthogonalize,
 )
 from zero.functional.contrib.routing import DimensionNumbers, check_cut, check_labelled, dims_per_leaf
 from zero.functional.elementwise import debias, moment
 
-__all__ = ["MuonState", "scale_by_muon", "scale_by_shape", "muon", "NS_COEFFS_PRESETS"]
+__all__ = ["MuonState", "scale_by_muon", "scale_by_shape", "muon", "muon_8bit", "NS_COEFFS_PRESETS",
+           "MU_BLOCK_SIZE"]
 
 DEFAULT_NS_COEFFS = (3.4445, -4.7750, 2.0315)
+# Polar Express (Amsel et al., arXiv:2505.16932, Table/Algorithm 1's five steps), each step's (a, b, c)
+# divided by (1.05, 1.05^3, 1.05^5) for safety, as the gram-newton-schulz package ships them
+_POLAR_EXPRESS = ((8.28721201814563, -23.595886519098837, 17.300387312530933),
+                  (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+                  (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+                  (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+                  (2.300652019954817, -1.6689039845747493, 0.4188073119525673))
 NS_COEFFS_PRESETS = {
     "standard": DEFAULT_NS_COEFFS,
     "dion": ((4.0848, -6.8946, 2.9270), (3.9505, -6.3029, 2.6377), (3.7418, -5.5913, 2.3037),
              (2.8769, -3.1427, 1.2046), (2.8366, -3.0525, 1.2012)),
+    "polar_express": tuple((a / 1.05, b / 1.05**3, c / 1.05**5) for a, b, c in _POLAR_EXPRESS),
 }
+MU_BLOCK_SIZE = 2048  # 8-bit Muon's block of momentum elements sharing one scale (arXiv:2509.23106)
 
 
 class MuonState(NamedTuple):
@@ -75,8 +87,9 @@ class MuonState(NamedTuple):
 
 def scale_by_muon(ns_coeffs: Any = DEFAULT_NS_COEFFS, ns_steps: int = 5, beta: float = 0.95, eps: float = 1e-8,
                   mu_dtype: torch.dtype | str | None = None, *, nesterov: bool = True, adaptive: bool = False,
-                  preconditioning: str = "frobenius",
-                  weight_dimension_numbers: DimensionNumbers = None) -> GradientTransformation:
+                  preconditioning: str = "frobenius", weight_dimension_numbers: DimensionNumbers = None,
+                  ns_method: str = "standard", ns_restarts: Any = None,
+                  mu_block_size: int = MU_BLOCK_SIZE) -> GradientTransformation:
     r"""Muon's rescaling (mirrors ``optax.contrib.scale_by_muon``).
 
     .. math::
@@ -92,53 +105,76 @@ def scale_by_muon(ns_coeffs: Any = DEFAULT_NS_COEFFS, ns_steps: int = 5, beta: f
         ns_steps: Newton-Schulz steps (a table of triples uses its last ``ns_steps`` rows).
         beta: the momentum's decay, in [0, 1).
         eps: added to the rescaling's denominator.
-        mu_dtype: the momentum's dtype (``None``: the updates').
+        mu_dtype: the momentum's dtype (``None``: the updates'), or ``"int8"``: 8-bit Muon, the
+            momentum kept in blockwise linear int8 codes (``mu_block_size`` elements a float32
+            scale, in each whole matrix's own element order: the same bits on any rank count),
+            dequantized to float32 for the step and quantized again after it.
         nesterov: the look-ahead momentum above.
         adaptive: scale each update by ``<m_hat, u>`` (the dual norm of the momentum).
         preconditioning: the rescaling before the steps: ``"frobenius"``, ``"spectral"``,
             ``"aol"`` or ``"schatten"``.
         weight_dimension_numbers: how each leaf reads as matrices (`MuonDimensionNumbers`, a
             tree of them, or a function of the updates returning one); ``None``: every leaf is
-            a 2-D matrix.
+            a 2-D matrix. A `MuonDimensionNumbers` with ``heads`` orthogonalises each head's
+            block of the output axis alone.
+        ns_method: ``"standard"`` or ``"gram"`` (Gram Newton-Schulz: the same polynomial iterated
+            on ``X X^H``, cheaper for matrices far from square; square ones iterate as standard).
+        ns_restarts: the Gram iteration's restart steps (``None``: before the third).
+        mu_block_size: the block of ``mu_dtype="int8"``.
 
     Returns:
         A transformation with state `MuonState`. Every leaf it sees must be whole: under a flat
         plan, which steps pieces of tensors, it is a ``ValueError``.
     """
-    mu_dtype = as_dtype(mu_dtype, "mu_dtype")
+    int8 = mu_dtype in ("int8", torch.int8)
+    mu_dtype = None if int8 else as_dtype(mu_dtype, "mu_dtype")
     check_unit("beta", beta)
     check_non_negative("eps", eps)
     check_positive("ns_steps", ns_steps)
+    check_positive("mu_block_size", mu_block_size)
     if preconditioning not in PRECONDITIONINGS:
         raise ValueError(f"unknown preconditioning {preconditioning!r}; choose one of {PRECONDITIONINGS}")
     coeffs = check_coeffs(ns_coeffs, ns_steps)
+    restarts = check_method(ns_method, ns_restarts, ns_steps)
 
     def init(params):
         dtype = torch.float64 if any(p.dtype == torch.float64 for p in tree_leaves(params)) else torch.float32
-        return MuonState(count_zero(), zeros_like(params, mu_dtype), coeffs.to(dtype))
+        mu = tree_map(lambda p: Q.linear_zeros(p, mu_block_size), params) if int8 else zeros_like(params, mu_dtype)
+        return MuonState(count_zero(), mu, coeffs.to(dtype))
+
+    def momentum(g, m):
+        if not int8:
+            return moment(g, m, beta, 1)
+        return moment(g.to(torch.promote_types(g.dtype, torch.float32)), Q.dequantize_linear(m, mu_block_size), beta, 1)
 
     def update(updates, state, params=None):
         leaves, treedef = optree.tree_flatten(updates)
         sharding.whole_tensors(leaves, "scale_by_muon (Newton-Schulz on whole matrices)")
         dims = dims_per_leaf(weight_dimension_numbers, updates)
         count = count_inc(state.count)
-        mu = [moment(g, m, beta, 1) for g, m in zip(leaves, treedef.flatten_up_to(state.mu))]
+        mu = [momentum(g, m) for g, m in zip(leaves, treedef.flatten_up_to(state.mu))]
         c = step_count(count)
         if nesterov:
             hat = [beta * debias(m, beta, c + 1) + (1 - beta) * debias(g, beta, c) for m, g in zip(mu, leaves)]
         else:
             hat = [debias(m, beta, c) for m in mu]
-        out = [orthogonalize(h, state.ns_coeffs, ns_steps, preconditioning, eps, d) for h, d in zip(hat, dims)]
+        out = [orthogonalize(h, state.ns_coeffs, ns_steps, preconditioning, eps, d, ns_method, restarts)
+               for h, d in zip(hat, dims)]
         if adaptive:
             out = [torch.sum(h.conj() * o) * o for h, o in zip(hat, out)]
-        if mu_dtype is not None:
+        if int8:  # the step ran in float32 (at least): the updates take the gradients' dtype
+            out = [o.to(g.dtype) for o, g in zip(out, leaves)]
+        if int8:
+            mu = [Q.quantize_linear(m, mu_block_size) for m in mu]
+        elif mu_dtype is not None:
             mu = [m.to(mu_dtype) for m in mu]
         return treedef.unflatten(out), MuonState(count, treedef.unflatten(mu), state.ns_coeffs)
 
     spec = Spec("scale_by_muon", {"ns_coeffs": ns_coeffs, "ns_steps": ns_steps, "beta": beta, "eps": eps,
                                   "mu_dtype": mu_dtype, "nesterov": nesterov, "adaptive": adaptive,
                                   "preconditioning": preconditioning,
-                                  "weight_dimension_numbers": weight_dimension_numbers})
+                                  "weight_dimension_numbers": weight_dimension_numbers, "ns_method": ns_method,
+                                  "ns_restarts": ns_restarts, "mu_block_size": mu_block_size})
     return GradientTransformation(init, update, spec=spec)
 
 
@@ -194,7 +230,8 @@ def muon(learning_rate: ScalarOrSchedule, ns_coeffs: Any = DEFAULT_NS_COEFFS, ns
          preconditioning: str = "frobenius", adam_b1: float = 0.9, adam_b2: float = 0.999,
          adam_eps_root: float = 0.0, adam_weight_decay: ScalarOrSchedule = 0.0,
          adam_learning_rate: ScalarOrSchedule | None = None, muon_weight_dimension_numbers: DimensionNumbers = None,
-         consistent_rms: float | None = None) -> GradientTransformation:
+         consistent_rms: float | None = None, ns_method: str = "standard", ns_restarts: Any = None,
+         mu_block_size: int = MU_BLOCK_SIZE) -> GradientTransformation:
     r"""Muon for the matrices, AdamW for the rest (mirrors ``optax.contrib.muon``).
 
     .. math::
@@ -207,14 +244,17 @@ def muon(learning_rate: ScalarOrSchedule, ns_coeffs: Any = DEFAULT_NS_COEFFS, ns
     Args:
         learning_rate: a float or a schedule.
         ns_coeffs: the Newton-Schulz coefficients, a table of them, or a preset's name
-            (``"standard"``, ``"dion"``; see ``NS_COEFFS_PRESETS``).
-        ns_steps, beta, eps, mu_dtype, nesterov, adaptive, preconditioning: as in `scale_by_muon`.
+            (``"standard"``, ``"dion"``, ``"polar_express"``; see ``NS_COEFFS_PRESETS``).
+        ns_steps, beta, eps, mu_dtype, nesterov, adaptive, preconditioning, ns_method, ns_restarts,
+            mu_block_size: as in `scale_by_muon` (``mu_dtype="int8"``: 8-bit Muon; the AdamW
+            of the other leaves then keeps its moments in their own dtype).
         weight_decay, weight_decay_mask: decoupled decay of the matrices, and where.
         adam_b1, adam_b2, adam_eps_root, adam_weight_decay, adam_learning_rate: the AdamW of the
             other leaves (``adam_learning_rate=None``: ``learning_rate``).
         muon_weight_dimension_numbers: which leaves are Muon's and how they read as matrices: a
             `MuonDimensionNumbers` tree (None: Adam) or a function of the params returning one;
-            ``None``: the 2-D leaves, each ``(in, out)``.
+            ``None``: the 2-D leaves, each ``(in, out)``. ``heads=H`` makes a weight H matrices
+            (per-head Muon: each attention head's rows of Q, K, V orthogonalised alone).
         consistent_rms: see `scale_by_shape`.
 
     Returns:
@@ -242,10 +282,27 @@ def muon(learning_rate: ScalarOrSchedule, ns_coeffs: Any = DEFAULT_NS_COEFFS, ns
     dims = MuonDimensionNumbers() if muon_weight_dimension_numbers is None else muon_weight_dimension_numbers
     matrices = chain(
         scale_by_muon(ns_coeffs, ns_steps, beta, eps, mu_dtype, nesterov=nesterov, adaptive=adaptive,
-                      preconditioning=preconditioning, weight_dimension_numbers=dims),
+                      preconditioning=preconditioning, weight_dimension_numbers=dims, ns_method=ns_method,
+                      ns_restarts=ns_restarts, mu_block_size=mu_block_size),
         scale_by_shape(dims, consistent_rms),
         T.add_decayed_weights(weight_decay, weight_decay_mask),
         T.scale_by_learning_rate(learning_rate))
+    adam_mu_dtype = None if mu_dtype in ("int8", torch.int8) else mu_dtype
     others = adamw(learning_rate if adam_learning_rate is None else adam_learning_rate, adam_b1, adam_b2, eps,
-                   adam_eps_root, mu_dtype, adam_weight_decay, nesterov=nesterov)
+                   adam_eps_root, adam_mu_dtype, adam_weight_decay, nesterov=nesterov)
     return T.partition({"muon": matrices, "adam": others}, _labels(muon_weight_dimension_numbers))
+
+
+@alias
+def muon_8bit(learning_rate: ScalarOrSchedule, ns_coeffs: Any = DEFAULT_NS_COEFFS, ns_steps: int = 5,
+              beta: float = 0.95, eps: float = 1e-8, weight_decay: ScalarOrSchedule = 0.0, *,
+              mu_block_size: int = MU_BLOCK_SIZE, **kwargs: Any) -> GradientTransformation:
+    """8-bit Muon (Gupta et al., arXiv:2509.23106): `muon` with ``mu_dtype="int8"``, each
+    matrix's momentum in blockwise linear int8 codes (``mu_block_size`` elements a float32 scale:
+    about 1.002 bytes an element, a quarter of float32's), the other leaves' AdamW at full
+    precision. Every other argument is `muon`'s."""
+    if "mu_dtype" in kwargs:
+        raise ValueError(f"muon_8bit keeps its momentum in int8 codes; mu_dtype={kwargs['mu_dtype']!r} would be "
+                         "ignored (use muon(mu_dtype=...) for another dtype)")
+    return muon(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, mu_dtype="int8",
+                mu_block_size=mu_block_size, **kwargs)

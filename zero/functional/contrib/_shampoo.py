@@ -33,6 +33,7 @@ from zero.functional.base import (
 )
 from zero.functional.combine import chain
 from zero.functional.contrib import kronecker
+from zero.functional.contrib.newton_schulz import block_shape, heads_of, join_heads, split_heads
 from zero.plans.costs.kronecker import BlockLayout
 
 __all__ = ["ShampooState", "scale_by_shampoo", "shampoo", "GRAFTS", "PRECONDITIONER_TYPES"]
@@ -101,6 +102,18 @@ def _gathered(layout: BlockLayout, g: torch.Tensor, stats: tuple, b2: float) -> 
     return tuple(s * b2 + w2 * gram for s, gram in zip(stats, grams))
 
 
+def _out_axis(shape: tuple[int, ...], d: Any) -> int:
+    axes = d.output_axis if isinstance(d.output_axis, int) else d.output_axis[0]
+    return axes % len(shape)
+
+
+def _scaled(x: torch.Tensor, scale: torch.Tensor, d: Any) -> torch.Tensor:
+    """``x`` times its graft scale: one for the tensor, or one per head's block."""
+    if heads_of(d) == 1:
+        return x * scale
+    return join_heads(split_heads(x, d) * scale, d)
+
+
 def _graft(kind: str, g: torch.Tensor, second: torch.Tensor, b2: float, eps: float):
     """The graft's second moment after ``g``, and its direction."""
     if kind == "adagrad":
@@ -150,7 +163,9 @@ def scale_by_shampoo(b1: float = 0.9, b2: float = 0.999, *, moving_average_for_m
             of `zero.functional.contrib.MuonDimensionNumbers` with None for the leaves the graft
             alone steps, or a function of the params returning one): embeddings and heads as the
             user says. Shampoo reads only whether a leaf is labelled; its axes are merged and
-            blocked by its own layout. ``None``: every leaf by its layout.
+            blocked by its own layout; with ``heads`` each head's block of the output axis is a
+            param of its own (Distributed Shampoo's ``head_split_size``: its blocks, factors and
+            graft norm per head, its axes not merged). ``None``: every leaf by its layout.
 
     Returns:
         A transformation with state `ShampooState`. A tensor with factors must be whole; the
@@ -175,12 +190,35 @@ def scale_by_shampoo(b1: float = 0.9, b2: float = 0.999, *, moving_average_for_m
                                 skip_preconditioning_rank_lt, no_preconditioning_for_layers_with_dim_gt,
                                 inverse_exponent_override)
 
+    def head_layout(shape, d) -> BlockLayout:
+        """A layout of whole heads: a head's block laid out as a tensor of its own (its axes not
+        merged), its blocks repeated for each head along the output axis."""
+        one = BlockLayout.of(block_shape(shape, d), block_size, False, preconditioner_type,
+                             skip_preconditioning_rank_lt, no_preconditioning_for_layers_with_dim_gt,
+                             inverse_exponent_override)
+        o = _out_axis(shape, d)
+        splits = tuple(sizes * heads_of(d) if a == o else sizes for a, sizes in enumerate(one.splits))
+        return dataclasses.replace(one, original=tuple(shape), shape=tuple(shape), splits=splits)
+
     def layouts(tree, leaves) -> list[BlockLayout]:
-        """Per leaf, its layout; without factors where ``weight_dimension_numbers`` labels it None."""
+        """Per leaf, its layout; without factors where ``weight_dimension_numbers`` labels it None,
+        by heads where it gives heads."""
         named = kronecker.labels(weight_dimension_numbers, tree, leaves, "weight_dimension_numbers")
-        lays = [layout(p.shape) for p in leaves]
-        return lays if named is None else [lay if d is not None else dataclasses.replace(lay, preconditioned=False)
-                                           for lay, d in zip(lays, named)]
+        if named is None:
+            return [layout(p.shape) for p in leaves]
+        return [dataclasses.replace(layout(p.shape), preconditioned=False) if d is None else
+                head_layout(p.shape, d) if heads_of(d) > 1 else layout(p.shape) for p, d in zip(leaves, named)]
+
+    def graft_scales(graft_dirs, shampoo_dirs, dims):
+        """Each direction's size set to its graft's: per tensor, or per head where there are heads
+        (a head is a param of its own, and the tensor is whole: it has factors)."""
+        scales = [a / (b + 1e-16) for a, b in zip(sharding.tensor_norms(graft_dirs), sharding.tensor_norms(shampoo_dirs))]
+        for j, d in enumerate(dims):
+            if heads_of(d) > 1:
+                norms = [split_heads(x, d).reshape(heads_of(d), -1).norm(dim=1) for x in (graft_dirs[j], shampoo_dirs[j])]
+                per = norms[0] / (norms[1] + 1e-16)
+                scales[j] = per.view(-1, *[1] * graft_dirs[j].ndim)
+        return scales
 
     def init(params):
         leaves, treedef = optree.tree_flatten(params)
@@ -216,9 +254,9 @@ def scale_by_shampoo(b1: float = 0.9, b2: float = 0.999, *, moving_average_for_m
             leaves, *cols, lays)]
         shampoo_dirs, graft_dirs = [f[0] for f in firsts], [f[1] for f in firsts]
         if graft_type != "none":
-            scales = [a / (b + 1e-16) for a, b in zip(sharding.tensor_norms(graft_dirs),
-                                                        sharding.tensor_norms(shampoo_dirs))]
-            shampoo_dirs = [d * s for d, s in zip(shampoo_dirs, scales)]
+            dims = _dims(updates, leaves)
+            scales = graft_scales(graft_dirs, shampoo_dirs, dims)
+            shampoo_dirs = [_scaled(x, sc, d) for x, sc, d in zip(shampoo_dirs, scales, dims)]
         if weight_decay:
             shampoo_dirs = [d + weight_decay * p for d, p in zip(shampoo_dirs, ps)]
             graft_dirs = [d + weight_decay * p for d, p in zip(graft_dirs, ps)]
@@ -229,6 +267,10 @@ def scale_by_shampoo(b1: float = 0.9, b2: float = 0.999, *, moving_average_for_m
             count_inc(state.count), treedef.unflatten(moms), treedef.unflatten([f[2] for f in firsts]),
             treedef.unflatten(graft_moms), treedef.unflatten([f[3] for f in firsts]),
             treedef.unflatten([f[4] for f in firsts]))
+
+    def _dims(tree, leaves) -> list:
+        found = kronecker.labels(weight_dimension_numbers, tree, leaves, "weight_dimension_numbers")
+        return [None] * len(leaves) if found is None else found
 
     def _when(t):
         """(gather the factors, compute their roots, precondition): bools eager, tensors traced."""

@@ -32,6 +32,7 @@ from zero.functional.base import (
 )
 from zero.functional.combine import chain
 from zero.functional.contrib import kronecker
+from zero.functional.contrib.newton_schulz import block_shape, heads_of, join_heads, split_heads
 from zero.functional.foreach import traced
 from zero.plans.costs.kronecker import soap_axes
 
@@ -120,7 +121,9 @@ def scale_by_soap(b1: float = 0.95, b2: float = 0.95, shampoo_beta: float = -1, 
             leaves without factors, or a function of the params returning one): a labelled
             leaf keeps a factor for its reduction and output axes (each up to
             ``max_precond_dim``), the others step as Adam (embeddings and heads, as the user
-            says). ``None``: every leaf by ``max_precond_dim`` and ``precondition_1d``. The plans'
+            says); with ``heads`` each head's block of the output axis keeps factors of its own
+            (per-head SOAP: SOAP on each head as a param of its own, the factors stacked by head).
+            ``None``: every leaf by ``max_precond_dim`` and ``precondition_1d``. The plans'
             cost model (``optimizer="soap"``) counts the default.
 
     Returns:
@@ -135,26 +138,32 @@ def scale_by_soap(b1: float = 0.95, b2: float = 0.95, shampoo_beta: float = -1, 
     beta = b2 if shampoo_beta < 0 else shampoo_beta
     check_unit("shampoo_beta", beta)
 
-    def axes(tree, leaves) -> list[tuple[bool, ...]]:
-        """Per leaf, whether each axis keeps a factor."""
-        named = kronecker.labels(weight_dimension_numbers, tree, leaves, "weight_dimension_numbers")
-        if named is None:
-            return [soap_axes(tuple(p.shape), max_precond_dim, precondition_1d) for p in leaves]
-        return [tuple(a in kronecker.named_axes(p.shape, d) and n <= max_precond_dim for a, n in enumerate(p.shape))
-                for p, d in zip(leaves, named)]
+    def named(tree, leaves) -> list:
+        """Per leaf, its dimension numbers (None everywhere without ``weight_dimension_numbers``)."""
+        found = kronecker.labels(weight_dimension_numbers, tree, leaves, "weight_dimension_numbers")
+        return [None] * len(leaves) if found is None else found
 
-    def factors(p, keep):
-        return tuple(torch.zeros(d, d, dtype=p.dtype, device=p.device) if k else _empty(p)
-                     for d, k in zip(p.shape, keep))
+    def axes(tree, leaves) -> list[tuple[bool, ...]]:
+        """Per leaf, whether each axis (of a head's block, with heads) keeps a factor."""
+        if weight_dimension_numbers is None:
+            return [soap_axes(tuple(p.shape), max_precond_dim, precondition_1d) for p in leaves]
+        return [tuple(a in kronecker.named_axes(p.shape, d) and n <= max_precond_dim
+                      for a, n in enumerate(block_shape(p.shape, d))) for p, d in zip(leaves, named(tree, leaves))]
+
+    def factors(p, keep, d):
+        """Per axis a factor (one per head, stacked, with heads), or an empty tensor."""
+        lead = (heads_of(d),) if heads_of(d) > 1 else ()
+        return tuple(torch.zeros(*lead, n, n, dtype=p.dtype, device=p.device) if k else _empty(p)
+                     for n, k in zip(block_shape(p.shape, d), keep))
 
     def init(params):
         leaves, treedef = optree.tree_flatten(params)
-        kept = axes(params, leaves)
+        kept, dims = axes(params, leaves), named(params, leaves)
 
         def like(make):
-            return treedef.unflatten([make(p, k) for p, k in zip(leaves, kept)])
+            return treedef.unflatten([make(p, k, d) for p, k, d in zip(leaves, kept, dims)])
 
-        zeros = lambda p, k: torch.zeros_like(p)  # noqa: E731
+        zeros = lambda p, k, d: torch.zeros_like(p)  # noqa: E731
         return SoapState(count_zero(), like(zeros), like(zeros), like(factors), like(factors))
 
     def update(updates, state, params=None):
@@ -168,12 +177,24 @@ def scale_by_soap(b1: float = 0.95, b2: float = 0.95, shampoo_beta: float = -1, 
             c == 0, (c > 0) & (torch.remainder(c, precondition_frequency) == 0))
         t = c if not traced() else torch.clamp(c, min=1)  # the discarded first-step branch stays finite
         scale = 0.0 if first is True else (1 - b2**t) ** 0.5 / (1 - b1**t)
-        out = [_leaf(g, *st, first, refresh, scale) for g, *st in zip(
-            leaves, *(treedef.flatten_up_to(x) for x in (state.exp_avg, state.exp_avg_sq, state.gg, state.q)))]
+        dims = named(updates, leaves)
+        out = [_heads(g, *st, d, first, refresh, scale) for g, *st, d in zip(
+            leaves, *(treedef.flatten_up_to(x) for x in (state.exp_avg, state.exp_avg_sq, state.gg, state.q)), dims)]
         if not out:  # no tensors here (a rank that steps none of this group's params)
             return updates, state._replace(count=count_inc(state.count))
         u, mu, nu, gg, q = (treedef.unflatten(list(col)) for col in zip(*out))
         return u, SoapState(count_inc(state.count), mu, nu, gg, q)
+
+    def _heads(g, mu, nu, gg, q, d, first, refresh, scale):
+        """`_leaf`, or with heads `_leaf` on each head's block and its own factors."""
+        if heads_of(d) == 1:
+            return _leaf(g, mu, nu, gg, q, first, refresh, scale)
+        per = [_leaf(gh, mh, nh, tuple(f[i] if f.numel() else f for f in gg),
+                     tuple(b[i] if b.numel() else b for b in q), first, refresh, scale)
+               for i, (gh, mh, nh) in enumerate(zip(*(split_heads(x, d) for x in (g, mu, nu))))]
+        u, mu, nu, gg, q = zip(*per)
+        stacked = lambda fs: tuple(torch.stack(col) if col[0].numel() else col[0] for col in zip(*fs))  # noqa: E731
+        return (*(join_heads(torch.stack(x), d) for x in (u, mu, nu)), stacked(gg), stacked(q))
 
     def _leaf(g, mu, nu, gg, q, first, refresh, scale):
         gg = _gathered(g, gg, beta)
