@@ -69,8 +69,8 @@ from zero.functional.contrib._sophia import (
 from zero.functional.contrib.newton_schulz import MuonDimensionNumbers, orthogonalize_via_newton_schulz
 
 __all__ = ["ScaleByLowBitAdamState", "adam_4bit", "adam_8bit", "adamw_4bit", "adamw_8bit", "scale_by_adam_4bit",
-           "scale_by_adam_8bit", "MuonState", "muon", "muon_8bit", "scale_by_muon", "scale_by_shape", "MuonDimensionNumbers",
-           "orthogonalize_via_newton_schulz", "SoapState", "scale_by_soap", "soap",
+           "scale_by_adam_8bit", "MuonState", "muon", "muon_8bit", "scale_by_muon", "scale_by_shape",
+           "MuonDimensionNumbers", "orthogonalize_via_newton_schulz", "SoapState", "scale_by_soap", "soap",
            "decay_after_update", "ShampooState", "scale_by_shampoo", "shampoo", "adopt", "scale_by_adopt",
            "ScaleByAdemamixState", "scale_by_ademamix", "ademamix", "ScaleBySimplifiedAdEMAMixState",
            "scale_by_simplified_ademamix", "simplified_ademamix", "ScheduleFreeState", "schedule_free",

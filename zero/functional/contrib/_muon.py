@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
+from zero.functional import quantize as Q
 from zero.functional import sharding
 from zero.functional import transforms as T
 from zero.functional.aliases import ScalarOrSchedule, alias
@@ -39,7 +40,6 @@ from zero.functional.base import (
     zeros_like,
 )
 from zero.functional.combine import chain
-from zero.functional import quantize as Q
 from zero.functional.contrib.newton_schulz import (
     PRECONDITIONINGS,
     MuonDimensionNumbers,

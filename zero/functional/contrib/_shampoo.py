@@ -212,11 +212,13 @@ def scale_by_shampoo(b1: float = 0.9, b2: float = 0.999, *, moving_average_for_m
     def graft_scales(graft_dirs, shampoo_dirs, dims):
         """Each direction's size set to its graft's: per tensor, or per head where there are heads
         (a head is a param of its own, and the tensor is whole: it has factors)."""
-        scales = [a / (b + 1e-16) for a, b in zip(sharding.tensor_norms(graft_dirs), sharding.tensor_norms(shampoo_dirs))]
+        norms = zip(sharding.tensor_norms(graft_dirs), sharding.tensor_norms(shampoo_dirs))
+        scales = [a / (b + 1e-16) for a, b in norms]
         for j, d in enumerate(dims):
             if heads_of(d) > 1:
-                norms = [split_heads(x, d).reshape(heads_of(d), -1).norm(dim=1) for x in (graft_dirs[j], shampoo_dirs[j])]
-                per = norms[0] / (norms[1] + 1e-16)
+                graft, own = (split_heads(x, d).reshape(heads_of(d), -1).norm(dim=1)
+                              for x in (graft_dirs[j], shampoo_dirs[j]))
+                per = graft / (own + 1e-16)
                 scales[j] = per.view(-1, *[1] * graft_dirs[j].ndim)
         return scales
 
