@@ -7,6 +7,7 @@ replicate dim's the one a plan over the replicas shards the step over too."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +17,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from zero.backends import comm
 from zero.backends.local_optimizer import check_one_rank_steps_all, mentions
 from zero.backends.options import low_bit_name, rule_cost_name
-from zero.functional.sharding import block_sizes, needs_whole, reads_axes
+from zero.functional.sharding import block_sizes, head_counts, needs_whole, reads_axes
 from zero.plans.fsdp2 import Fsdp2Plan, make_fsdp2_plan
 from zero.plans.meta import ParamMeta
 
@@ -96,7 +97,9 @@ def plan_for(layout: Layout, rules: list[Any], replicas: int = 1) -> Fsdp2Plan:
             check_one_rank_steps_all(tx, layout.world_size * replicas)
             whole += list(shapes)
             continue
-        whole += needs_whole(tx, shapes)
+        by_heads = head_counts(tx, shapes)  # per-head Muon: whole heads suffice, where FSDP2's rows fall on head edges
+        whole += [name for name in needs_whole(tx, shapes) if name not in by_heads]
+        blocks.update({name: math.prod(shapes[name][0]) // h for name, h in by_heads.items()})
         across = {m.name for m, d in zip(layout.metas, layout.dims)
                   if m.group == k and (replicas > 1 or any(s > 1 for s in m.shape[:d]))}
         whole += [name for name in reads_axes(tx, shapes) if name in across]  # Shard(1) rows are not runs

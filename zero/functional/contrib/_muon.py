@@ -46,6 +46,7 @@ from zero.functional.contrib.newton_schulz import (
     check_coeffs,
     check_method,
     fans,
+    heads_of,
     orthogonalize,
 )
 from zero.functional.contrib.routing import DimensionNumbers, check_cut, check_labelled, dims_per_leaf
@@ -149,8 +150,11 @@ def scale_by_muon(ns_coeffs: Any = DEFAULT_NS_COEFFS, ns_steps: int = 5, beta: f
 
     def update(updates, state, params=None):
         leaves, treedef = optree.tree_flatten(updates)
-        sharding.whole_tensors(leaves, "scale_by_muon (Newton-Schulz on whole matrices)")
         dims = dims_per_leaf(weight_dimension_numbers, updates)
+        # whole matrices, or whole heads of them where a plan cut them at head edges (not 8-bit
+        # Muon's codes, whose blocks lie in each whole matrix)
+        held = sharding.whole_heads(leaves, "scale_by_muon (Newton-Schulz on whole matrices)",
+                                    [None if int8 else _first_axis_heads(x, d) for x, d in zip(leaves, dims)])
         count = count_inc(state.count)
         mu = [momentum(g, m) for g, m in zip(leaves, treedef.flatten_up_to(state.mu))]
         c = step_count(count)
@@ -158,8 +162,8 @@ def scale_by_muon(ns_coeffs: Any = DEFAULT_NS_COEFFS, ns_steps: int = 5, beta: f
             hat = [beta * debias(m, beta, c + 1) + (1 - beta) * debias(g, beta, c) for m, g in zip(mu, leaves)]
         else:
             hat = [debias(m, beta, c) for m in mu]
-        out = [orthogonalize(h, state.ns_coeffs, ns_steps, preconditioning, eps, d, ns_method, restarts)
-               for h, d in zip(hat, dims)]
+        out = [_held_orthogonalized(h, d, k, shape, state.ns_coeffs)
+               for h, d, (k, shape) in zip(hat, dims, held)]
         if adaptive:
             out = [torch.sum(h.conj() * o) * o for h, o in zip(hat, out)]
         if int8:  # the step ran in float32 (at least): the updates take the gradients' dtype
@@ -169,6 +173,14 @@ def scale_by_muon(ns_coeffs: Any = DEFAULT_NS_COEFFS, ns_steps: int = 5, beta: f
         elif mu_dtype is not None:
             mu = [m.to(mu_dtype) for m in mu]
         return treedef.unflatten(out), MuonState(count, treedef.unflatten(mu), state.ns_coeffs)
+
+    def _held_orthogonalized(h, d, k, shape, coeffs):
+        """A leaf orthogonalised as the matrices (or the ``k`` heads) it holds."""
+        if shape == tuple(h.shape) and k == heads_of(d):  # a whole tensor
+            return orthogonalize(h, coeffs, ns_steps, preconditioning, eps, d, ns_method, restarts)
+        d = MuonDimensionNumbers(d.reduction_axis, d.output_axis, k)
+        out = orthogonalize(h.reshape(shape), coeffs, ns_steps, preconditioning, eps, d, ns_method, restarts)
+        return out.reshape(h.shape)
 
     spec = Spec("scale_by_muon", {"ns_coeffs": ns_coeffs, "ns_steps": ns_steps, "beta": beta, "eps": eps,
                                   "mu_dtype": mu_dtype, "nesterov": nesterov, "adaptive": adaptive,
@@ -194,11 +206,21 @@ def scale_by_shape(weight_dimension_numbers: DimensionNumbers = None,
     def update(updates, state, params=None):
         leaves, treedef = optree.tree_flatten(updates)
         dims = dims_per_leaf(weight_dimension_numbers, updates)
-        return treedef.unflatten([scale_of(u.shape, d) * u for u, d in zip(leaves, dims)]), state
+        shapes = sharding.whole_shapes(leaves)  # a piece of heads scales as its whole matrix
+        return treedef.unflatten([scale_of(s, d) * u for u, d, s in zip(leaves, dims, shapes)]), state
 
     spec = Spec("scale_by_shape", {"weight_dimension_numbers": weight_dimension_numbers,
                                    "consistent_rms": consistent_rms})
     return stateless_tx(update)._replace(spec=spec)
+
+
+def _first_axis_heads(x: torch.Tensor, d: Any) -> int | None:
+    """The heads dimension numbers ``d`` cut the first axis of the whole tensor into (None when
+    they cut another axis, or none), so a plan may cut that axis at head edges."""
+    if heads_of(d) < 2:
+        return None
+    out = d.output_axis if isinstance(d.output_axis, int) else d.output_axis[0]
+    return heads_of(d) if out == 0 or (x.ndim > 1 and out % x.ndim == 0) else None
 
 
 def _labels(dimension_numbers: DimensionNumbers) -> Callable[[Any], Any]:
@@ -215,7 +237,7 @@ def _labels(dimension_numbers: DimensionNumbers) -> Callable[[Any], Any]:
             if callable(dimension_numbers):  # a label wrong in itself is named before its pieces are
                 whole = sharding.whole_tree()[0]
                 check_labelled(dims_per_leaf(dimension_numbers, whole), whole)
-            check_cut(dimension_numbers, tree, cut)
+            check_cut(dimension_numbers, tree, cut, pieces_ok=lambda d: heads_of(d) > 1)
         dims = dims_per_leaf(dimension_numbers, tree)
         if not any(cut or ()) and not sharding.pieces_unknown():  # whole leaves (a step's init checks nothing)
             check_labelled(dims, tree)

@@ -46,10 +46,13 @@ def dims_per_leaf(dimension_numbers: DimensionNumbers, tree: Any) -> list:
 
 def check_cut(dimension_numbers: DimensionNumbers, tree: Any, cut: list[tuple[int, ...]],
               what: str = "muon_weight_dimension_numbers", role: str = "a Muon weight",
-              others: str = "shards step with AdamW") -> None:
+              others: str = "shards step with AdamW", pieces_ok: Callable[[Any], bool] | None = None) -> None:
     """Under a hybrid plan: no flat shard may be labelled (``role``), nor hold a piece of a param
     the dimension numbers (``what``: a function of the params, asked about every whole param by
-    name) label. ``ValueError`` naming it, else the shard's pieces would step unlabelled."""
+    name) label. ``ValueError`` naming it, else the shard's pieces would step unlabelled. Labels
+    for which ``pieces_ok`` is true may hold pieces (per-head Muon's heads: the rule checks that
+    each piece is whole heads)."""
+    ok = pieces_ok or (lambda d: False)
     if not callable(dimension_numbers):
         raise ValueError(f"{what} as a tree labels leaves by position, but this sharded step holds some "
                          "params in pieces (a hybrid plan's flat shards, FSDP2's rows): pass a function of the "
@@ -57,10 +60,10 @@ def check_cut(dimension_numbers: DimensionNumbers, tree: Any, cut: list[tuple[in
     whole, order = sharding.whole_tree()
     whole_dims = dims_per_leaf(dimension_numbers, whole)
     for d, ts in zip(dims_per_leaf(dimension_numbers, tree), cut):
-        if ts and d is not None:
+        if ts and d is not None and not ok(d):
             raise ValueError(f"{what} labels a shard (pieces of params {', '.join(map(sharding.name_of, ts))}) as "
                              f"{role}: {sharding.whole_hint()}; {others}")
-    labelled = {t for t, d in zip(order, whole_dims) if d is not None}
+    labelled = {t for t, d in zip(order, whole_dims) if d is not None and not ok(d)}
     for ts in cut:
         for t in ts:
             if t in labelled:

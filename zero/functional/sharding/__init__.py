@@ -1,6 +1,7 @@
 """Whole-tensor and whole-model quantities when a rank steps only pieces of the model: a package
 of its concerns (`context`: the installed sharding and the stepped pieces; `norms`; `axes`: sums
-over axes; `whole`: rules that need whole tensors; `blocks`: low-bit blocks), its names here.
+over axes; `whole`: rules that need whole tensors; `heads`: or whole heads of them; `blocks`:
+low-bit blocks), its names here.
 
 Most rules are element-wise and step a piece of a tensor exactly as they would the whole. A
 few need quantities over whole tensors or the whole model: `clip_by_global_norm` (the global
@@ -35,6 +36,7 @@ from zero.functional.sharding.context import (
     subset,
     whole_hint,
 )
+from zero.functional.sharding.heads import head_counts, whole_heads, whole_shapes
 from zero.functional.sharding.norms import (
     all_finite,
     global_norm,
@@ -57,4 +59,5 @@ __all__ = ["Pieces", "Sharding", "installed", "every_group", "stepping", "subset
            "tensor_norms", "all_finite", "total_sums", "inner_products", "whole_tensors", "needs_whole", "axis_sums",
            "axis_means", "every_axis",
            "quantized", "block_sizes", "cut_tensors", "whole_tree", "name_of", "whole_hint", "placeholder",
-           "pieces_unknown", "ParamsRefused", "is_placeholder", "AxesOf", "reads_axes"]
+           "pieces_unknown", "ParamsRefused", "is_placeholder", "AxesOf", "reads_axes", "whole_heads", "head_counts",
+           "whole_shapes"]

@@ -25,10 +25,11 @@ from zero.functional.sharding.context import (
 )
 
 __all__ = ["whole_tensors", "needs_whole", "cut_tensors", "whole_tree", "asked_of", "pieces_unknown",
-           "ParamsRefused"]
+           "ParamsRefused", "refuse_together", "PROBE"]
 
 
-_PROBE: ContextVar[set[int] | None] = ContextVar("zero_whole_probe", default=None)  # see needs_whole
+PROBE: ContextVar[set[int] | None] = ContextVar("zero_whole_probe", default=None)  # see needs_whole
+_PROBE = PROBE
 
 
 class ParamsRefused(ValueError):
@@ -65,17 +66,22 @@ def whole_tensors(leaves: Sequence[torch.Tensor], what: str,
             bad.update(pieces_of if flags[j] else ())
         else:
             bad.update(t for t in pieces_of if needs is None or not shapes or needs(shapes[t]))
-    # Every rank decides together: a rank whose pieces are all fine would otherwise go on into the
-    # step's collectives while another refuses, and wait for it forever (one small all-reduce).
+    refuse_together(sharding, bad, f"{what} needs each tensor whole")
+
+
+def refuse_together(sharding: Sharding, bad: set[int], what: str) -> None:
+    """``ValueError`` on every rank when any rank found a tensor in ``bad`` (held in pieces a rule
+    cannot step): every rank decides together, since a rank whose pieces are all fine would
+    otherwise go on into the step's collectives while another refuses, and wait for it forever
+    (one small all-reduce)."""
     flagged = torch.zeros(sharding.n_tensors, dtype=torch.float64)
     if bad:
         flagged[sorted(bad)] = 1.0
     everyone = sharding.reduce(flagged)
     if bool((everyone > 0).any()):
         t = int(torch.nonzero(everyone > 0)[0])
-        shape = f" of shape {shapes[t]}" if shapes else ""
-        raise ValueError(f"{what} needs each tensor whole, but this sharded step holds pieces of param "
-                         f"{name_of(t)}{shape}: {whole_hint()}")
+        shape = f" of shape {sharding.shapes[t]}" if sharding.shapes else ""
+        raise ValueError(f"{what}, but this sharded step holds pieces of param {name_of(t)}{shape}: {whole_hint()}")
 
 
 def needs_whole(tx: Any, params: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> list[str]:
@@ -99,19 +105,23 @@ def asked_of(tx: Any, params: dict[str, tuple[tuple[int, ...], torch.dtype]], pr
     return [name for name in params if name in asked]
 
 
-def _asked(tx: Any, tree: dict[str, torch.Tensor], probe: ContextVar) -> set[str]:
+def _asked(tx: Any, tree: dict[str, torch.Tensor], probe: ContextVar, found: dict | None = None) -> set[str]:
+    """The names ``tx``'s step records ids of in ``probe``; with ``found``, the probe is that dict
+    (id -> what the rule said), filled by name into ``found`` too."""
     grads = {name: torch.empty_like(t) for name, t in tree.items()}
     index = {id(t): name for pair in (tree, grads) for name, t in pair.items()}
-    asked: set[int] = set()
+    asked: set[int] | dict[int, Any] = set() if found is None else {}
     token = probe.set(asked)
     try:
         tx.update(grads, tx.init(tree), tree)
+        if found is not None:
+            found.update({index[i]: v for i, v in asked.items() if i in index})
         return {index[i] for i in asked if i in index}
     except ParamsRefused:
         raise  # the rule refuses these params (a label on a vector): one process would refuse them too
     except Exception:  # noqa: BLE001 - a link that reads data: ask its links, or take it as element-wise
         links = _links(tx)
-        return set().union(*(_asked(link, tree, probe) for link in links)) if links else set()
+        return set().union(*(_asked(link, tree, probe, found) for link in links)) if links else set()
     finally:
         probe.reset(token)
 

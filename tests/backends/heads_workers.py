@@ -1,0 +1,131 @@
+"""Per-rank bodies of the per-head Muon tests over FSDP2 and HSDP: a model whose projections hold
+heads of rows (one whose FSDP2 rows fall on head edges at 2 and 4 ranks, one whose rows never
+do, a fused projection of many small heads, a plain matrix), against one process."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import zero
+import zero.functional as F
+from zero.backends import comm
+from zero.functional.contrib import MuonDimensionNumbers as Dims
+from zero.functional.contrib import newton_schulz
+
+# (in, out, heads): 24 rows of 4 heads (rows at 2 ranks 12/12, at 4 ranks 6 each: whole heads);
+# 18 rows of 3 heads of 6 (9/9 and 5/5/5/3: never whole heads); 24 rows of 12 heads of 2; a plain 24 -> 5
+LAYERS = ((12, 24, 4), (24, 18, 3), (18, 24, 12), (24, 5, 0))
+
+
+def make_model(dtype: torch.dtype = torch.float64) -> nn.Sequential:
+    torch.manual_seed(0)
+    layers = [nn.Linear(a, b, dtype=dtype) for a, b, _ in LAYERS]
+    return nn.Sequential(*[m for layer in layers for m in (layer, nn.Tanh())][:-1])
+
+
+def dims(tree: dict) -> dict:
+    """Per name: the heads of each projection's rows (torch's (out, in) layout), the plain matrix
+    whole, the biases on AdamW."""
+    heads = {f"{2 * i}.weight": h for i, (_, _, h) in enumerate(LAYERS)}
+    return {n: (Dims(1, 0, heads=heads[n]) if heads[n] else Dims(1, 0)) if n in heads else None for n in tree}
+
+
+def rule(**kwargs) -> F.GradientTransformation:
+    return F.contrib.muon(0.02, muon_weight_dimension_numbers=dims, adam_learning_rate=0.01, **kwargs)
+
+
+def _sharded(model: nn.Module, mesh=None) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _grads(model: nn.Module, step: int) -> None:
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    gen = torch.Generator().manual_seed(500 + step)
+    for p in model.parameters():
+        g = torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype)
+        p.grad = distribute_tensor(g, p.device_mesh, p.placements) if isinstance(p, DTensor) else g
+
+
+def _full(p: torch.Tensor) -> torch.Tensor:
+    return p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+
+
+def against_one_process(rank: int, world_size: int, replicas: int = 1, kwargs: dict | None = None,
+                        steps: int = 8) -> dict:
+    """FSDP2 (``replicas`` 1: `zero.functional.Optimizer`) or HSDP (``replicas x world_size /
+    replicas``: ``zero.ZeroRedundancyOptimizer``, the step sharded over the replicas too)
+    against one process: the worst difference after ``steps`` steps, which params an owner
+    stepped whole, the bytes this rank sent in exchanges with owners and across replicas during
+    the last step with the plan's figures, and the Newton-Schulz runs this rank made in it."""
+    mesh = None
+    if replicas > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (replicas, world_size // replicas), mesh_dim_names=("replicate", "shard"))
+    one, two = make_model(), _sharded(make_model(), mesh)
+    sharded_opt = F.Optimizer if replicas == 1 else zero.ZeroRedundancyOptimizer
+    kwargs = kwargs or {}
+    opts = [F.Optimizer(list(one.named_parameters()), rule(**kwargs)),
+            sharded_opt(list(two.named_parameters()), rule(**kwargs))]
+    for k in range(steps):
+        for model, opt in zip((one, two), opts):
+            _grads(model, k)
+            if model is two and k == steps - 1:
+                calls = _count_newton_schulz()
+                with comm.recording() as made:
+                    opt.step()
+                runs = calls.pop()
+            else:
+                opt.step()
+    plan, me = opts[1].executor.plan, opts[1].executor.me
+    sent = {"within": {}, "across": {}}
+    for c in made:
+        where = {"exchange": "within", "all_gather_into": "across", "broadcast_from": "across"}.get(c.kind)
+        if where and c.dtype != "int64":  # (not the ranks' check-in)
+            sent[where][c.dtype] = sent[where].get(c.dtype, 0) + (c.bus_bytes if where == "within" else c.bytes)
+    planned = {"within": {d: a + b for d, (a, b) in plan.exchange_bytes(me).items() if a + b},
+               "across": plan.gather_bytes(me)}
+    worst = max(float((_full(a.detach()) - b.detach()).abs().max()) for a, b in zip(two.parameters(), one.parameters()))
+    whole = sorted(plan.metas[i].name for i in plan.whole)
+    return {"worst": worst, "whole": whole, "sent": sent, "planned": planned, "runs": runs}
+
+
+def _count_newton_schulz() -> list:
+    """Counts this rank's `newton_schulz` runs (matrices each) until popped: a list holding a
+    counter, the patch removed when the counter is read."""
+    real = newton_schulz.newton_schulz
+    count = {"runs": 0, "matrices": 0}
+
+    def counted(x, *args, **kwargs):
+        count["runs"] += 1
+        count["matrices"] += x.shape[0]
+        return real(x, *args, **kwargs)
+
+    newton_schulz.newton_schulz = counted
+
+    class Popper(list):
+        def pop(self, *_):
+            newton_schulz.newton_schulz = real
+            return count
+
+    return Popper([count])
+
+
+def zero_on_plain_params(rank: int, world_size: int, kwargs: dict, steps: int = 8) -> float:
+    """``zero.ZeroRedundancyOptimizer`` over plain params (its default plan, which keeps the
+    matrices whole) against one process: the worst difference after ``steps`` steps."""
+    one, two = make_model(), make_model()
+    opts = [F.Optimizer(list(one.named_parameters()), rule(**kwargs)),
+            zero.ZeroRedundancyOptimizer(list(two.named_parameters()), rule(**kwargs))]
+    for k in range(steps):
+        for model, opt in zip((one, two), opts):
+            _grads(model, k)
+            opt.step()
+    return max(float((a.detach() - b.detach()).abs().max()) for a, b in zip(two.parameters(), one.parameters()))

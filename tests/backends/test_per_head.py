@@ -1,0 +1,56 @@
+"""Per-head Muon (and Gram, 8-bit Muon) over FSDP2, HSDP and ZeRO against one process: rows that
+fall on head edges are stepped where they lie with no exchange, rows that do not go to an owner
+whole, each head is orthogonalised once in the mesh, and the bytes moved are the plan's."""
+
+import heads_workers as w
+import pytest
+from helpers import run_ranks
+
+pytestmark = pytest.mark.timeout(600)
+
+# at 2 and 4 ranks FSDP2's rows of 0.weight (4 heads of 6 rows) and 4.weight (12 heads of 2) are
+# whole heads; 2.weight's (3 heads of 6 rows: 9/9, 5/5/5/3) never are; 6.weight has no heads
+IN_PLACE = ["0.weight", "4.weight"]
+HEADS = 4 + 3 + 12 + 1  # matrices orthogonalised in a step: every head once, and the plain matrix
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_fsdp2_steps_whole_heads_where_they_lie(world_size):
+    """Equal to one process bit for bit; the head-aligned weights are stepped in pieces with no
+    exchange (the plan's owners hold the others only) and the bytes exchanged are the plan's;
+    across the ranks each head is orthogonalised once."""
+    out = run_ranks(w.against_one_process, world_size)
+    for r, o in enumerate(out):
+        assert o["worst"] == 0.0, (r, o["worst"])
+        assert o["whole"] == ["2.weight", "6.weight"]
+        assert o["sent"] == o["planned"], (r, o)
+    assert sum(o["runs"]["matrices"] for o in out) == HEADS
+
+
+def test_hsdp_steps_each_head_once_in_the_mesh():
+    """HSDP 2 x 2 under ZeroRedundancyOptimizer: the aligned heads are cut between the replicas
+    too (each rank steps whole heads of its shard's rows), so the mesh orthogonalises each head
+    once; bit for bit one process; bytes within and across replicas are the plan's."""
+    out = run_ranks(w.against_one_process, 4, 2)
+    for r, o in enumerate(out):
+        assert o["worst"] == 0.0, (r, o["worst"])
+        assert o["whole"] == ["2.weight", "6.weight"]
+        assert o["sent"] == o["planned"], (r, o)
+    assert sum(o["runs"]["matrices"] for o in out) == HEADS
+
+
+@pytest.mark.parametrize("kwargs", [{"ns_method": "gram", "ns_coeffs": "polar_express"}, {"mu_dtype": "int8"}],
+                         ids=["gram", "8bit"])
+def test_gram_and_8bit_muon_over_fsdp2_hsdp_and_zero(kwargs):
+    """Gram per-head Muon and 8-bit per-head Muon (its codes' blocks lie in whole matrices, which
+    an owner steps) equal one process bit for bit at 2 and 3 ranks over FSDP2, on HSDP 2 x 2,
+    and under ZeRO's default plan on plain params."""
+    for world_size in (2, 3):
+        for o in run_ranks(w.against_one_process, world_size, 1, kwargs):
+            assert o["worst"] == 0.0, (world_size, o["worst"])
+            assert o["sent"] == o["planned"]
+        assert max(run_ranks(w.zero_on_plain_params, world_size, kwargs)) == 0.0
+    hsdp = run_ranks(w.against_one_process, 4, 2, kwargs)
+    assert max(o["worst"] for o in hsdp) == 0.0
+    if kwargs.get("mu_dtype") == "int8":  # every matrix whole on an owner: the codes' blocks are the matrix's
+        assert all(o["whole"] == ["0.weight", "2.weight", "4.weight", "6.weight"] for o in hsdp)
