@@ -171,3 +171,86 @@ def test_a_plan_names_a_cost_with_settings_and_reads_it_back(name, settings):
     plan = zero.make_plan(preset("gpt2"), 4, "flat", optimizer=name)
     assert cost_of(plan.optimizer) == dataclasses.replace(cost_of(base), **settings)
     assert zero.Plan.from_json(plan.to_json()).optimizer == plan.optimizer
+
+
+# ---------------------------------------------------------------------------------------------
+# Muon's variants (#67): the Gram iteration, heads, 8-bit momentum
+
+def _counted_flops(shape, **kwargs) -> int:
+    """The matmul flops torch's own counter sees in one `orthogonalize_via_newton_schulz`."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from zero.functional.contrib import MuonDimensionNumbers, orthogonalize_via_newton_schulz
+
+    x = torch.randn(*shape, dtype=torch.float64)
+    with FlopCounterMode(display=False) as counter:
+        orthogonalize_via_newton_schulz(x, (3.4445, -4.7750, 2.0315), 5, dimension_numbers=MuonDimensionNumbers(-2, -1),
+                                        **kwargs)
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize("shape", [(24, 80), (80, 24), (32, 32)], ids=str)
+@pytest.mark.parametrize("method, restarts", [("standard", None), ("gram", None), ("gram", ()), ("gram", (1, 3))])
+def test_newton_schulz_flops_are_the_kernels(shape, method, restarts):
+    """`ns_flops` counts what the kernel multiplies, to the flop (torch's FlopCounterMode over
+    the kernel), for the standard and the Gram iteration, wide, tall and square, any restarts."""
+    from zero.plans.costs.newton_schulz import ns_flops
+
+    kwargs = {"ns_method": method} | ({"ns_restarts": restarts} if method == "gram" else {})
+    counted = _counted_flops(shape, **kwargs)
+    m, n = sorted(shape)
+    expected = ns_flops(m, n, 5, method, restarts if restarts is not None else ((2,) if method == "gram" else ()))
+    # the Frobenius rescaling's norm is no matmul; the model counts matmuls only
+    assert counted == expected
+
+
+def test_per_head_and_gram_costs():
+    """A 4096 x 4096 projection of 32 heads of 128 rows costs ~47x less per head than whole; Gram
+    on a 4096 x 11008 matrix ~1.29x less than standard (1.5x at 1:4), as square: the same."""
+    q = zero.ParamMeta("layers.0.q_proj.weight", (4096, 4096))
+    up = zero.ParamMeta("up", (11008, 4096))
+    per_head = cost_of("muon(heads={'layers.0.q_proj.weight': 32})")
+    assert 47 < (MUON.step_flops(q) - q.numel) / (per_head.step_flops(q) - q.numel) < 48
+    gram = cost_of("muon(ns_method='gram')")
+    assert 1.28 < (MUON.step_flops(up) - up.numel) / (gram.step_flops(up) - up.numel) < 1.30
+    assert gram.step_flops(q) == MUON.step_flops(q)  # square: the Gram iteration runs as standard
+    with pytest.raises(ValueError, match="unknown ns_method 'fast'"):
+        cost_of("muon(ns_method='fast')")
+
+
+def test_8bit_muon_state_bytes():
+    """8-bit Muon: a byte an element of each matrix and a float32 scale a 2,048 elements; AdamW's
+    vectors as Muon's; the rule's own name and muon(mu_dtype='int8') give the same model."""
+    import zero.functional as F
+    from zero.backends.options import rule_cost_name
+
+    w, b = zero.ParamMeta("w", (4096, 1000)), zero.ParamMeta("b", (1000,))
+    assert state_bytes(w, "muon_8bit") == 4096 * 1000 + 4 * 2000 + 4
+    assert state_bytes(b, "muon_8bit") == state_bytes(b, "muon")
+    as_option = rule_cost_name(F.contrib.muon(0.1, mu_dtype="int8"))
+    assert cost_of(as_option) == cost_of(rule_cost_name(F.contrib.muon_8bit(0.1)))
+
+
+def test_llama_on_64_ranks_with_per_head_muon_reaches_the_bound():
+    """LLaMA-7B's q, k and v read as 32 heads each: their Newton-Schulz work drops ~47x, the plan
+    balances the real work and reaches the best possible (the embedding alone, 1.0; whole-matrix
+    costs reach 1.083), asked of the rule itself as ZeroRedundancyOptimizer's default plan does."""
+    import zero.functional as F
+    from zero.backends.options import default_plan
+    from zero.functional.contrib import MuonDimensionNumbers as Dims
+
+    metas = preset("llama-7b")
+    qkv = ("q_proj", "k_proj", "v_proj")
+    rule = F.contrib.muon(0.02, muon_weight_dimension_numbers=lambda tree: {
+        n: (Dims(1, 0, heads=32) if any(k in n for k in qkv) else Dims(1, 0)) if len(p.shape) == 2 else None
+        for n, p in tree.items()})
+    few = [m for m in metas if m.name.startswith(("layers.0.", "embed"))]  # the rule asked on a few params' shapes
+    plan = default_plan(few, 4, "balanced", None, rule)
+    assert "heads=" in plan.optimizer and "layers.0.self_attn.q_proj.weight" in plan.optimizer
+    heads = {m.name: 32 for m in metas if any(k in m.name for k in qkv)}
+    from zero.backends.options import with_heads
+
+    per_head = zero.make_plan(metas, 64, "balanced", "step_flops", with_heads("muon", heads))
+    assert per_head.max_over_bound <= 1.05
+    assert zero.make_plan(metas, 64, "balanced", "step_flops", "muon").max_over_bound > 1.08

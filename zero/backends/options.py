@@ -3,6 +3,7 @@ the plan it makes when given none."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import Any
 
@@ -14,8 +15,8 @@ from zero.plans.layout import DDP_BUCKET_CAP_MB, default_bucket_numel
 from zero.plans.meta import ParamMeta, param_groups, param_metas
 from zero.plans.plan import PLAN_STRATEGIES, Plan, make_plan
 
-__all__ = ["default_plan", "quantized_params", "low_bit_name", "rule_cost_name", "check_blocks", "check_plan_arguments",
-           "check_sync_options",
+__all__ = ["default_plan", "quantized_params", "low_bit_name", "rule_cost_name", "with_heads", "check_blocks",
+           "check_plan_arguments", "check_sync_options",
            "check_torch_settings", "normalise_params"]
 
 
@@ -59,7 +60,22 @@ def _cost_name(metas: list[ParamMeta], optimizer_class: Any, defaults: dict) -> 
     SOAP, Shampoo: `rule_cost_name`), so the plan counts its factors and balances its work; None
     for other rules (Adam's figures serve)."""
     asked = _rule(metas, optimizer_class, defaults)
-    return rule_cost_name(asked[0]) if asked else None
+    if not asked:
+        return None
+    from zero.functional.sharding import head_counts
+
+    return with_heads(rule_cost_name(asked[0]), head_counts(*asked))
+
+
+def with_heads(name: str | None, heads: dict[str, int]) -> str | None:
+    """A cost's name with the heads its rule reads params by (per-head Muon: each head's
+    Newton-Schulz is its own, so the plan balances the heads' work, not whole matrices')."""
+    if not name or not heads or not hasattr(cost_of(name), "heads"):
+        return name
+    from zero.plans.costs.registry import cost_name
+
+    model = dataclasses.replace(cost_of(name), heads=tuple(sorted(heads.items())))
+    return cost_name(name.split("(")[0], model)
 
 
 def rule_cost_name(tx: Any) -> str | None:

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from zero.backends import comm
 from zero.backends.local_optimizer import check_one_rank_steps_all, mentions
-from zero.backends.options import low_bit_name, rule_cost_name
+from zero.backends.options import low_bit_name, rule_cost_name, with_heads
 from zero.functional.sharding import block_sizes, head_counts, needs_whole, reads_axes
 from zero.plans.fsdp2 import Fsdp2Plan, make_fsdp2_plan
 from zero.plans.meta import ParamMeta
@@ -89,7 +89,7 @@ def plan_for(layout: Layout, rules: list[Any], replicas: int = 1) -> Fsdp2Plan:
     their pieces are not rows of the param (a dim past the first; any piece cut over the
     replicas, which is a run of elements); a ``from_optax`` rule's params all whole (Optax's code
     cannot be told it steps pieces)."""
-    whole, blocks, low_bit = [], {}, set()
+    whole, blocks, low_bit, heads = [], {}, set(), {}
     for k, tx in enumerate(rules):
         metas = [m for m in layout.metas if m.group == k and m.requires_grad]
         shapes = {m.name: (m.shape, getattr(torch, m.dtype)) for m in metas}
@@ -100,13 +100,15 @@ def plan_for(layout: Layout, rules: list[Any], replicas: int = 1) -> Fsdp2Plan:
         by_heads = head_counts(tx, shapes)  # per-head Muon: whole heads suffice, where FSDP2's rows fall on head edges
         whole += [name for name in needs_whole(tx, shapes) if name not in by_heads]
         blocks.update({name: math.prod(shapes[name][0]) // h for name, h in by_heads.items()})
+        heads.update(by_heads)
         across = {m.name for m, d in zip(layout.metas, layout.dims)
                   if m.group == k and (replicas > 1 or any(s > 1 for s in m.shape[:d]))}
         whole += [name for name in reads_axes(tx, shapes) if name in across]  # Shard(1) rows are not runs
         found = block_sizes(tx, shapes)
         blocks.update({name: block for name, (_, block) in found.items()})
         low_bit.update(found.items())
-    optimizer = low_bit_name(dict(low_bit)) or next(filter(None, map(rule_cost_name, rules)), None) or "adam"
+    optimizer = low_bit_name(dict(low_bit)) or with_heads(next(filter(None, map(rule_cost_name, rules)), None),
+                                                          heads) or "adam"
     return make_fsdp2_plan(layout.metas, layout.world_size, optimizer, dims=_by_name(layout), whole=whole,
                            blocks=blocks, replicas=replicas)
 

@@ -267,9 +267,10 @@ def muon(learning_rate: ScalarOrSchedule, ns_coeffs: Any = DEFAULT_NS_COEFFS, ns
         learning_rate: a float or a schedule.
         ns_coeffs: the Newton-Schulz coefficients, a table of them, or a preset's name
             (``"standard"``, ``"dion"``, ``"polar_express"``; see ``NS_COEFFS_PRESETS``).
-        ns_steps, beta, eps, mu_dtype, nesterov, adaptive, preconditioning, ns_method, ns_restarts,
-            mu_block_size: as in `scale_by_muon` (``mu_dtype="int8"``: 8-bit Muon; the AdamW
-            of the other leaves then keeps its moments in their own dtype).
+        ns_steps, beta, eps, nesterov, adaptive, preconditioning: as in `scale_by_muon`.
+        mu_dtype: as in `scale_by_muon` (``"int8"``: 8-bit Muon; the AdamW of the other leaves
+            then keeps its moments in their own dtype).
+        ns_method, ns_restarts, mu_block_size: as in `scale_by_muon`.
         weight_decay, weight_decay_mask: decoupled decay of the matrices, and where.
         adam_b1, adam_b2, adam_eps_root, adam_weight_decay, adam_learning_rate: the AdamW of the
             other leaves (``adam_learning_rate=None``: ``learning_rate``).

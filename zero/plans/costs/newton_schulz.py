@@ -1,40 +1,112 @@
-"""Rules that orthogonalise each matrix by Newton-Schulz iterations (Muon): the matrix whole."""
+"""Rules that orthogonalise each matrix by Newton-Schulz iterations (Muon): the matrix whole, or
+each of its heads (per-head Muon), by the standard or the Gram iteration, its momentum at full
+precision or in 8-bit codes."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from zero.plans.costs.base import RuleCost
 from zero.plans.meta import ParamMeta
 
-__all__ = ["NewtonSchulz"]
+__all__ = ["NewtonSchulz", "ns_flops", "NS_METHODS"]
+
+NS_METHODS = ("standard", "gram")
+
+
+def ns_flops(m: int, n: int, steps: int, method: str = "standard", restarts: tuple[int, ...] = ()) -> int:
+    """Flops of orthogonalising one ``m x n`` matrix (``m <= n``, the orientation whose Gram matrix
+    is the smaller) in ``steps`` quintic steps, as `zero.functional.contrib.newton_schulz` runs them.
+
+    Standard: each step ``X X^T`` (2 m^2 n), its square (2 m^3) and the product with ``X``
+    (2 m^2 n). Gram (a square matrix iterates as standard): ``R = X X^T`` once (2 m^2 n); each step
+    ``R^2`` and, after the first step of a run, ``Q Z`` (2 m^3 each), and ``R``'s update (4 m^3)
+    unless the next step restarts or ends; a restart ``X <- Q X`` and a new ``R`` (4 m^2 n); at the
+    end ``X <- Q X`` (2 m^2 n)."""
+    if method == "standard" or m == n:
+        return steps * (4 * m * m * n + 2 * m**3)
+    flops = 2 * m * m * n
+    for i in range(steps):
+        if i in restarts:
+            flops += 4 * m * m * n
+        flops += 2 * m**3 + (2 * m**3 if i > 0 and i not in restarts else 0)
+        if i + 1 < steps and i + 1 not in restarts:
+            flops += 4 * m**3
+    return flops + 2 * m * m * n
 
 
 @dataclass(frozen=True)
 class NewtonSchulz(RuleCost):
     """Each 2-D param (a matrix, as `zero.functional.contrib.muon` routes them) holds
-    ``matrix_slots`` state tensors and costs ``ns_steps`` quintic Newton-Schulz steps, stepped
-    whole; the other params take the element-wise rule of ``slots`` (Muon's AdamW)."""
+    ``matrix_slots`` state tensors (``int8_block`` > 0: 8-bit Muon's momentum, a byte an element
+    and a float32 scale a block) and costs ``ns_steps`` quintic Newton-Schulz steps by
+    ``ns_method``, stepped whole, or per head: ``heads`` maps a param's name to the heads its first
+    axis (torch's output rows) is cut into, each a matrix of its own. The other params take the
+    element-wise rule of ``slots`` (Muon's AdamW)."""
 
     matrix_slots: int = 1
     ns_steps: int = 5
+    ns_method: str = "standard"
+    ns_restarts: tuple[int, ...] | None = None
+    heads: tuple[tuple[str, int], ...] = ()
+    int8_block: int = 0
 
     keeps_whole = True
+
+    def __post_init__(self) -> None:
+        if self.ns_method not in NS_METHODS:
+            raise ValueError(f"unknown ns_method {self.ns_method!r}; choose one of {NS_METHODS}")
+        if isinstance(self.heads, Mapping):  # as a user writes it: {"layers.0.wq": 32}
+            object.__setattr__(self, "heads", tuple(sorted(self.heads.items())))
+        if self.ns_restarts is not None:
+            object.__setattr__(self, "ns_restarts", tuple(self.ns_restarts))
+
+    @staticmethod
+    def from_rule(settings: dict) -> dict:
+        """The model's settings from a Muon rule's own arguments (``mu_dtype="int8"``: 8-bit)."""
+        out = dict(settings)
+        if str(out.pop("mu_dtype", None)) in ("int8", "torch.int8"):
+            out["int8_block"] = out.get("mu_block_size", 2048)
+        return out
+
+    @property
+    def restarts(self) -> tuple[int, ...]:
+        if self.ns_method == "standard":
+            return ()
+        return ((2,) if self.ns_steps > 2 else ()) if self.ns_restarts is None else self.ns_restarts
 
     def is_matrix(self, meta: ParamMeta) -> bool:
         return len(meta.shape) == 2
 
+    def heads_of(self, meta: ParamMeta) -> int:
+        """The heads of param ``meta`` (by name, in any case: a plan keeps its optimizer's name lowercased)."""
+        return {k.lower(): h for k, h in self.heads}.get(meta.name.lower(), 1)
+
     def slots_for(self, meta: ParamMeta) -> int:
         return self.matrix_slots if self.is_matrix(meta) else self.slots
+
+    def state_bytes(self, meta: ParamMeta, itemsize: int) -> int:
+        if self.int8_block and self.is_matrix(meta) and meta.requires_grad:
+            return meta.numel + 4 * math.ceil(meta.numel / self.int8_block) + self.scalar_bytes
+        return super().state_bytes(meta, itemsize)
+
+    def shard_state_bytes(self, numel: int, itemsize: int, block: int = 0) -> int:
+        """A piece cut at ``block`` > 0 is whole heads of a matrix (this family quantizes nothing a
+        plan cuts): its momentum; else a flat shard of the element-wise params."""
+        if block:
+            return self.matrix_slots * numel * itemsize + self.scalar_bytes
+        return super().shard_state_bytes(numel, itemsize, block)
 
     def whole(self, meta: ParamMeta) -> bool:
         return meta.requires_grad and self.is_matrix(meta)
 
     def step_flops(self, meta: ParamMeta) -> int:
-        """For a matrix, ``ns_steps`` quintic steps in the orientation whose Gram matrix is the
-        smaller (``m <= n``): ``X X^T`` (2 m^2 n), its square (2 m^3) and the product with ``X``
-        (2 m^2 n), plus its elements; element-wise params their elements."""
+        """For a matrix, `ns_flops` of each head's block (the whole matrix without heads), plus its
+        elements; element-wise params their elements."""
         if not meta.requires_grad or not self.is_matrix(meta):
             return super().step_flops(meta)
-        m, n = sorted(meta.shape)
-        return self.ns_steps * (4 * m * m * n + 2 * m**3) + meta.numel
+        h = self.heads_of(meta)
+        m, n = sorted((meta.shape[0] // h, meta.shape[1]))
+        return h * ns_flops(m, n, self.ns_steps, self.ns_method, self.restarts) + meta.numel

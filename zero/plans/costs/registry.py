@@ -36,6 +36,7 @@ COSTS: dict[str, RuleCost] = {
     "lamb": Elementwise(2, 4),
     # zero.functional.contrib.muon: a momentum per matrix (5 Newton-Schulz steps); AdamW for the rest
     "muon": NewtonSchulz(2, 4, matrix_slots=1, ns_steps=5),
+    "muon_8bit": NewtonSchulz(2, 4, matrix_slots=1, ns_steps=5, int8_block=2048),  # its momentum in int8 codes
     # zero.functional.contrib.soap and .shampoo at their defaults (another setting: pass Soap(...), Shampoo(...));
     # their step counts are one 0-d tensor per transformation, not per param
     # zero.functional.contrib's Optax rules: a count per set of params (no per-param scalars)
@@ -116,6 +117,7 @@ def rule_cost(name: str, settings: dict, strict: bool = False) -> RuleCost:
     arguments: the others are the rule's, not its cost's); ``strict``: an unknown one is a
     ``ValueError``."""
     model = COSTS[name]
+    settings = model.from_rule(settings) if hasattr(model, "from_rule") else settings
     fields = {f.name for f in dataclasses.fields(model)}
     unknown = sorted(set(settings) - fields)
     if strict and unknown:
