@@ -254,3 +254,13 @@ def test_llama_on_64_ranks_with_per_head_muon_reaches_the_bound():
     per_head = zero.make_plan(metas, 64, "balanced", "step_flops", with_heads("muon", heads))
     assert per_head.max_over_bound <= 1.05
     assert zero.make_plan(metas, 64, "balanced", "step_flops", "muon").max_over_bound > 1.08
+
+
+def test_per_head_soap_costs_are_each_heads():
+    """Per-head SOAP: a factor per head for each of its block's axes, its refreshes per head; the
+    rotations' flops (a product per element per side) shrink with the head's side."""
+    q = zero.ParamMeta("q", (64, 96))
+    whole, per = cost_of("soap"), cost_of("soap(heads={'q': 4})")
+    assert whole.state_bytes(q, 4) == (2 * 64 * 96 + 2 * 64 * 64 + 2 * 96 * 96) * 4
+    assert per.state_bytes(q, 4) == (2 * 64 * 96 + 4 * (2 * 16 * 16 + 2 * 96 * 96)) * 4
+    assert per.step_flops(q) == 8 * q.numel * (16 + 96) + 4 * (13654 + 2949120) // 10 + q.numel

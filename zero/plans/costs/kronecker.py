@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from zero.plans.costs.base import RuleCost
@@ -94,15 +95,27 @@ class Soap(RuleCost):
     max_precond_dim: int = 10000
     precondition_1d: bool = False
     precondition_frequency: int = 10
+    # per-head SOAP: a param's name -> the heads its first axis is cut into, each with factors of its own
+    heads: tuple[tuple[str, int], ...] = ()
 
     keeps_whole = True
 
+    def __post_init__(self) -> None:
+        if isinstance(self.heads, Mapping):  # as a user writes it: {"layers.0.wq": 32}
+            object.__setattr__(self, "heads", tuple(sorted(self.heads.items())))
+
+    def heads_of(self, meta: ParamMeta) -> int:
+        return {k.lower(): h for k, h in self.heads}.get(meta.name.lower(), 1)
+
     def sides(self, meta: ParamMeta) -> list[int]:
-        return [d for d, keep in zip(meta.shape, soap_axes(tuple(meta.shape), self.max_precond_dim,
-                                                             self.precondition_1d)) if keep]
+        """The factors' sides of one head's block (of the whole param without heads)."""
+        h = self.heads_of(meta)
+        block = (meta.shape[0] // h, *meta.shape[1:]) if meta.shape else ()
+        return [d for d, keep in zip(block, soap_axes(block, self.max_precond_dim, self.precondition_1d)) if keep]
 
     def state_bytes(self, meta: ParamMeta, itemsize: int) -> int:
-        return (self.slots * meta.numel + sum(2 * d * d for d in self.sides(meta))) * itemsize + self.scalar_bytes
+        factors = self.heads_of(meta) * sum(2 * d * d for d in self.sides(meta))
+        return (self.slots * meta.numel + factors) * itemsize + self.scalar_bytes
 
     def whole(self, meta: ParamMeta) -> bool:
         return meta.requires_grad and bool(self.sides(meta))
@@ -111,7 +124,8 @@ class Soap(RuleCost):
         if not meta.requires_grad:
             return 0
         products = sum(4 * 2 * meta.numel * d for d in self.sides(meta))  # three rotations and a gather
-        refresh = sum(math.ceil(10 * d**3 / 3) for d in self.sides(meta)) // self.precondition_frequency
+        refresh = self.heads_of(meta) * sum(math.ceil(10 * d**3 / 3) for d in self.sides(meta)) \
+            // self.precondition_frequency
         return products + refresh + meta.numel
 
 
