@@ -255,5 +255,5 @@ def test_muon_8bit_state_bytes_and_steps():
         assert rel < 0.05, (k, rel)
         assert (p8[k] - p32[k]).abs().max() > 0  # the codes do change the steps a little
     torch.testing.assert_close(p8["b"], p32["b"], rtol=0, atol=0)
-    with pytest.raises(ValueError, match="mu_dtype='bfloat16' would be ignored"):
-        F.contrib.muon_8bit(0.02, mu_dtype="bfloat16")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'mu_dtype'"):
+        F.contrib.muon_8bit(0.02, mu_dtype="bfloat16")  # its momentum is int8 codes: no dtype to choose

@@ -153,8 +153,9 @@ def scale_by_muon(ns_coeffs: Any = DEFAULT_NS_COEFFS, ns_steps: int = 5, beta: f
         dims = dims_per_leaf(weight_dimension_numbers, updates)
         # whole matrices, or whole heads of them where a plan cut them at head edges (not 8-bit
         # Muon's codes, whose blocks lie in each whole matrix)
-        held = sharding.whole_heads(leaves, "scale_by_muon (Newton-Schulz on whole matrices)",
-                                    [None if int8 else _first_axis_heads(x, d) for x, d in zip(leaves, dims)])
+        firsts = [None if int8 else _first_axis_heads(x, d) for x, d in zip(leaves, dims)]
+        held = sharding.whole_heads(leaves, "scale_by_muon (Newton-Schulz on whole matrices)", firsts)
+        held = [None if f is None else kept for f, kept in zip(firsts, held)]  # None: a whole leaf, as it is
         count = count_inc(state.count)
         mu = [momentum(g, m) for g, m in zip(leaves, treedef.flatten_up_to(state.mu))]
         c = step_count(count)
@@ -162,8 +163,7 @@ def scale_by_muon(ns_coeffs: Any = DEFAULT_NS_COEFFS, ns_steps: int = 5, beta: f
             hat = [beta * debias(m, beta, c + 1) + (1 - beta) * debias(g, beta, c) for m, g in zip(mu, leaves)]
         else:
             hat = [debias(m, beta, c) for m in mu]
-        out = [_held_orthogonalized(h, d, k, shape, state.ns_coeffs)
-               for h, d, (k, shape) in zip(hat, dims, held)]
+        out = [_held_orthogonalized(h, d, kept, state.ns_coeffs) for h, d, kept in zip(hat, dims, held)]
         if adaptive:
             out = [torch.sum(h.conj() * o) * o for h, o in zip(hat, out)]
         if int8:  # the step ran in float32 (at least): the updates take the gradients' dtype
@@ -174,10 +174,12 @@ def scale_by_muon(ns_coeffs: Any = DEFAULT_NS_COEFFS, ns_steps: int = 5, beta: f
             mu = [m.to(mu_dtype) for m in mu]
         return treedef.unflatten(out), MuonState(count, treedef.unflatten(mu), state.ns_coeffs)
 
-    def _held_orthogonalized(h, d, k, shape, coeffs):
-        """A leaf orthogonalised as the matrices (or the ``k`` heads) it holds."""
-        if shape == tuple(h.shape) and k == heads_of(d):  # a whole tensor
+    def _held_orthogonalized(h, d, kept, coeffs):
+        """A leaf orthogonalised as the matrices it is, or (``kept``: ``(k, shape)``) as the ``k``
+        heads of its first axis it holds, read in ``shape``."""
+        if kept is None or kept == (heads_of(d), tuple(h.shape)):  # a whole tensor
             return orthogonalize(h, coeffs, ns_steps, preconditioning, eps, d, ns_method, restarts)
+        k, shape = kept
         d = MuonDimensionNumbers(d.reduction_axis, d.output_axis, k)
         out = orthogonalize(h.reshape(shape), coeffs, ns_steps, preconditioning, eps, d, ns_method, restarts)
         return out.reshape(h.shape)
@@ -318,14 +320,21 @@ def muon(learning_rate: ScalarOrSchedule, ns_coeffs: Any = DEFAULT_NS_COEFFS, ns
 
 @alias
 def muon_8bit(learning_rate: ScalarOrSchedule, ns_coeffs: Any = DEFAULT_NS_COEFFS, ns_steps: int = 5,
-              beta: float = 0.95, eps: float = 1e-8, weight_decay: ScalarOrSchedule = 0.0, *,
-              mu_block_size: int = MU_BLOCK_SIZE, **kwargs: Any) -> GradientTransformation:
+              beta: float = 0.95, eps: float = 1e-8, weight_decay: ScalarOrSchedule = 0.0,
+              weight_decay_mask: Any = None, *, nesterov: bool = True, adaptive: bool = False,
+              preconditioning: str = "frobenius", adam_b1: float = 0.9, adam_b2: float = 0.999,
+              adam_eps_root: float = 0.0, adam_weight_decay: ScalarOrSchedule = 0.0,
+              adam_learning_rate: ScalarOrSchedule | None = None,
+              muon_weight_dimension_numbers: DimensionNumbers = None, consistent_rms: float | None = None,
+              ns_method: str = "standard", ns_restarts: Any = None,
+              mu_block_size: int = MU_BLOCK_SIZE) -> GradientTransformation:
     """8-bit Muon (Gupta et al., arXiv:2509.23106): `muon` with ``mu_dtype="int8"``, each
     matrix's momentum in blockwise linear int8 codes (``mu_block_size`` elements a float32 scale:
     about 1.002 bytes an element, a quarter of float32's), the other leaves' AdamW at full
-    precision. Every other argument is `muon`'s."""
-    if "mu_dtype" in kwargs:
-        raise ValueError(f"muon_8bit keeps its momentum in int8 codes; mu_dtype={kwargs['mu_dtype']!r} would be "
-                         "ignored (use muon(mu_dtype=...) for another dtype)")
-    return muon(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, mu_dtype="int8",
-                mu_block_size=mu_block_size, **kwargs)
+    precision. Every argument is `muon`'s."""
+    return muon(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, weight_decay_mask, "int8",
+                nesterov=nesterov, adaptive=adaptive, preconditioning=preconditioning, adam_b1=adam_b1,
+                adam_b2=adam_b2, adam_eps_root=adam_eps_root, adam_weight_decay=adam_weight_decay,
+                adam_learning_rate=adam_learning_rate, muon_weight_dimension_numbers=muon_weight_dimension_numbers,
+                consistent_rms=consistent_rms, ns_method=ns_method, ns_restarts=ns_restarts,
+                mu_block_size=mu_block_size)
