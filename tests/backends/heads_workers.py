@@ -31,8 +31,12 @@ def dims(tree: dict) -> dict:
     return {n: (Dims(1, 0, heads=heads[n]) if heads[n] else Dims(1, 0)) if n in heads else None for n in tree}
 
 
-def rule(**kwargs) -> F.GradientTransformation:
-    return F.contrib.muon(0.02, muon_weight_dimension_numbers=dims, adam_learning_rate=0.01, **kwargs)
+def rule(dims_as_dict: bool = False, **kwargs) -> F.GradientTransformation:
+    """Per-head Muon, its dimension numbers a function of the params or (``dims_as_dict``) a dict
+    by name (each rank's own params are picked from it by name)."""
+    names = [f"{2 * i}.{kind}" for i in range(len(LAYERS)) for kind in ("weight", "bias")]
+    by_name = dims(dict.fromkeys(names)) if dims_as_dict else dims
+    return F.contrib.muon(0.02, muon_weight_dimension_numbers=by_name, adam_learning_rate=0.01, **kwargs)
 
 
 def _sharded(model: nn.Module, mesh=None) -> nn.Module:

@@ -27,6 +27,13 @@ def test_fsdp2_steps_whole_heads_where_they_lie(world_size):
     assert sum(o["runs"]["matrices"] for o in out) == HEADS
 
 
+def test_dimension_numbers_as_a_dict_by_name():
+    """A dict of dimension numbers by param name labels each rank's own params by name (an owner's
+    whole matrices, the pieces of heads), as a function of the params does."""
+    for o in run_ranks(w.against_one_process, 2, 1, {"dims_as_dict": True}):
+        assert o["worst"] == 0.0 and o["whole"] == ["2.weight", "6.weight"]
+
+
 def test_hsdp_steps_each_head_once_in_the_mesh():
     """HSDP 2 x 2 under ZeroRedundancyOptimizer: the aligned heads are cut between the replicas
     too (each rank steps whole heads of its shard's rows), so the mesh orthogonalises each head

@@ -40,6 +40,8 @@ def dims_per_leaf(dimension_numbers: DimensionNumbers, tree: Any) -> list:
     dims = dimension_numbers(_unmasked(tree)) if callable(dimension_numbers) else dimension_numbers
     if _is_dims_leaf(dims):  # one for all (torch.compile cannot trace optree's broadcast)
         return [dims] * len(optree.tree_leaves(tree, none_is_leaf=True))
+    if isinstance(dims, dict) and isinstance(tree, dict) and set(tree) < set(dims) and not callable(dims):
+        dims = {k: dims[k] for k in tree}  # a rank's own params of a dict by name (an owner's, under FSDP2)
     full = optree.tree_broadcast_prefix(dims, tree, is_leaf=_is_dims_leaf, none_is_leaf=True)
     return optree.tree_leaves(full, is_leaf=_is_dims_leaf, none_is_leaf=True)
 
@@ -53,7 +55,8 @@ def check_cut(dimension_numbers: DimensionNumbers, tree: Any, cut: list[tuple[in
     for which ``pieces_ok`` is true may hold pieces (per-head Muon's heads: the rule checks that
     each piece is whole heads)."""
     ok = pieces_ok or (lambda d: False)
-    if not callable(dimension_numbers):
+    by_name = isinstance(dimension_numbers, dict) and isinstance(tree, dict) and set(tree) <= set(dimension_numbers)
+    if not callable(dimension_numbers) and not by_name:
         raise ValueError(f"{what} as a tree labels leaves by position, but this sharded step holds some "
                          "params in pieces (a hybrid plan's flat shards, FSDP2's rows): pass a function of the "
                          "params' tree, which is asked by name")
