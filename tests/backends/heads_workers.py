@@ -27,6 +27,8 @@ def make_model(dtype: torch.dtype = torch.float64) -> nn.Sequential:
 def dims(tree: dict) -> dict:
     """Per name: the heads of each projection's rows (torch's (out, in) layout), the plain matrix
     whole, the biases on AdamW."""
+    if not isinstance(tree, dict):  # a flat plan's shards: no names, none of them a matrix
+        return [None] * len(tree)
     heads = {f"{2 * i}.weight": h for i, (_, _, h) in enumerate(LAYERS)}
     return {n: (Dims(1, 0, heads=heads[n]) if heads[n] else Dims(1, 0)) if n in heads else None for n in tree}
 
@@ -133,3 +135,19 @@ def zero_on_plain_params(rank: int, world_size: int, kwargs: dict, steps: int = 
             _grads(model, k)
             opt.step()
     return max(float((a.detach() - b.detach()).abs().max()) for a, b in zip(two.parameters(), one.parameters()))
+
+
+def flat_plan_refusal(rank: int, world_size: int) -> str:
+    """ZeRO under a flat plan that cuts the matrices into its shards (not a hybrid plan): per-head
+    Muon's pieces there are not the params' own leaves, so the step is refused by name (never
+    stepped with AdamW, the shards' rule)."""
+    model = make_model()
+    named = list(model.named_parameters())
+    plan = zero.make_plan(zero.param_metas(named), world_size, "flat", optimizer="adamw")
+    opt = zero.ZeroRedundancyOptimizer(named, rule(), plan=plan)
+    _grads(model, 0)
+    try:
+        opt.step()
+    except ValueError as e:
+        return str(e)
+    return "stepped"

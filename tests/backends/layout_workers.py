@@ -23,6 +23,10 @@ RULES = {
     "lamb": (lambda: F.lamb(1e-2), "lamb"),
     "adafactor": (lambda: F.adafactor(1e-2, min_dim_size_to_factor=2), "adamw"),
     "muon": (lambda: F.contrib.muon(1e-2), "muon"),
+    # per-head (#67): each matrix's rows in the first of 4, 3, 2 heads that divides them, else whole
+    "per-head gram muon": (lambda: F.contrib.muon(1e-2, ns_method="gram", muon_weight_dimension_numbers=_heads),
+                           "muon"),
+    "muon_8bit": (lambda: F.contrib.muon_8bit(1e-2), "muon_8bit"),
     "adopt": (lambda: F.contrib.adopt(1e-2), "adopt"),
     "ademamix": (lambda: F.contrib.ademamix(1e-2), "ademamix"),
     "schedule_free_adamw": (lambda: F.contrib.schedule_free_adamw(1e-2, warmup_steps=2), "schedule_free_adamw"),
@@ -33,6 +37,14 @@ RULES = {
     "lbfgs": (lambda: F.lbfgs(1e-2, memory_size=3, linesearch=None), "sgd"),
     "normalize + sgd": (lambda: F.chain(F.normalize_by_update_norm(), F.sgd(1e-2)), "sgd"),
 }
+def _heads(tree: dict) -> dict:
+    from zero.functional.contrib import MuonDimensionNumbers as Dims
+
+    def of(p):
+        return Dims(1, 0, heads=next((h for h in (4, 3, 2) if p.shape[0] % h == 0), 1)) if p.ndim == 2 else None
+    return {n: of(p) for n, p in tree.items()}
+
+
 EXECUTORS = ("zero_flat", "zero_hybrid", "zero_whole", "fsdp2")
 STEPS = 4
 

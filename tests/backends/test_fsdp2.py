@@ -122,7 +122,7 @@ def _worst(a, b):
     return max(float((x - y).abs().max()) for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("rule", ["adamw", "muon", "adafactor"])
+@pytest.mark.parametrize("rule", ["adamw", "muon", "adafactor", "muon_8bit"])
 def test_a_dcp_checkpoint_resumes_at_another_mesh_size(tmp_path, rule):
     """Saved at 2 ranks (states of pieces as DTensors, owners' whole), resumed at 3, as one process."""
     spec = RULES[rule]

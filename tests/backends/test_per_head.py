@@ -61,3 +61,10 @@ def test_gram_and_8bit_muon_over_fsdp2_hsdp_and_zero(kwargs):
     assert max(o["worst"] for o in hsdp) == 0.0
     if kwargs.get("mu_dtype") == "int8":  # every matrix whole on an owner: the codes' blocks are the matrix's
         assert all(o["whole"] == ["0.weight", "2.weight", "4.weight", "6.weight"] for o in hsdp)
+
+
+def test_a_flat_plan_cutting_headed_matrices_is_refused_by_name():
+    """A flat shard holding pieces of a headed matrix is refused on every rank, naming the param,
+    rather than stepping them with the shards' AdamW."""
+    said = run_ranks(w.flat_plan_refusal, 2)
+    assert all("weight" in s and "Muon weight" in s for s in said), said

@@ -47,6 +47,7 @@ CONTRIB = {
     "adam_8bit": dict(learning_rate=1e-2),
     "adam_4bit": dict(learning_rate=1e-2),
     "muon": dict(learning_rate=1e-2, weight_decay=0.01),
+    "muon_8bit": dict(learning_rate=1e-2, weight_decay=0.01),  # its momentum in int8 codes (#67)
     # bases and roots recomputed within the tests' few steps
     "soap": dict(learning_rate=1e-2, weight_decay=0.01, precondition_frequency=2),
     "shampoo": dict(learning_rate=1e-2, graft_type="rmsprop", start_preconditioning_step=2,

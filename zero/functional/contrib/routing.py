@@ -62,14 +62,18 @@ def check_cut(dimension_numbers: DimensionNumbers, tree: Any, cut: list[tuple[in
                          "params' tree, which is asked by name")
     whole, order = sharding.whole_tree()
     whole_dims = dims_per_leaf(dimension_numbers, whole)
-    for d, ts in zip(dims_per_leaf(dimension_numbers, tree), cut):
+    leaf_dims = dims_per_leaf(dimension_numbers, tree)
+    for d, ts in zip(leaf_dims, cut):
         if ts and d is not None and not ok(d):
             raise ValueError(f"{what} labels a shard (pieces of params {', '.join(map(sharding.name_of, ts))}) as "
                              f"{role}: {sharding.whole_hint()}; {others}")
-    labelled = {t for t, d in zip(order, whole_dims) if d is not None and not ok(d)}
-    for ts in cut:
+    labelled = {t for t, d in zip(order, whole_dims) if d is not None}
+    for d, ts in zip(leaf_dims, cut):
+        # a piece may step labelled only as itself: a leaf of one tensor, labelled as it is (FSDP2's rows of
+        # heads); a flat shard's piece of a labelled param would step with the others' rule
+        own = len(ts) == 1 and d is not None and ok(d)
         for t in ts:
-            if t in labelled:
+            if t in labelled and not own:
                 raise ValueError(f"{what} makes param {sharding.name_of(t)} {role}, but this step holds it in "
                                  f"pieces: {sharding.whole_hint()}")
 
