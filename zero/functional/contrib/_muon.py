@@ -49,7 +49,7 @@ from zero.functional.contrib.newton_schulz import (
     heads_of,
     orthogonalize,
 )
-from zero.functional.contrib.routing import DimensionNumbers, check_cut, check_labelled, dims_per_leaf
+from zero.functional.contrib.routing import DimensionNumbers, check_cut, check_labelled, dims_per_leaf, local_dims
 from zero.functional.elementwise import debias, moment
 
 __all__ = ["MuonState", "scale_by_muon", "scale_by_shape", "muon", "muon_8bit", "NS_COEFFS_PRESETS",
@@ -238,7 +238,7 @@ def _labels(dimension_numbers: DimensionNumbers) -> Callable[[Any], Any]:
         if cut is not None and any(cut):
             if callable(dimension_numbers):  # a label wrong in itself is named before its pieces are
                 whole = sharding.whole_tree()[0]
-                check_labelled(dims_per_leaf(dimension_numbers, whole), whole)
+                check_labelled(local_dims(dimension_numbers, whole), whole)
             check_cut(dimension_numbers, tree, cut, pieces_ok=lambda d: heads_of(d) > 1)
         dims = dims_per_leaf(dimension_numbers, tree)
         if not any(cut or ()) and not sharding.pieces_unknown():  # whole leaves (a step's init checks nothing)

@@ -49,6 +49,7 @@ from zero.functional.sharding.placeholders import is_placeholder, placeholder
 from zero.functional.sharding.whole import (
     ParamsRefused,
     cut_tensors,
+    defer_refusal,
     needs_whole,
     pieces_unknown,
     whole_tensors,
@@ -60,4 +61,4 @@ __all__ = ["Pieces", "Sharding", "installed", "every_group", "stepping", "subset
            "axis_means", "every_axis",
            "quantized", "block_sizes", "cut_tensors", "whole_tree", "name_of", "whole_hint", "placeholder",
            "pieces_unknown", "ParamsRefused", "is_placeholder", "AxesOf", "reads_axes", "whole_heads", "head_counts",
-           "whole_shapes"]
+           "whole_shapes", "defer_refusal"]

@@ -14,7 +14,7 @@ import optree
 import torch
 
 __all__ = ["Pieces", "Sharding", "installed", "every_group", "stepping", "subset", "current", "sharded",
-           "stepping_whole", "whole_piece", "name_of", "flat_pieces", "whole_hint", "SHARDING", "LEAVES"]
+           "stepping_whole", "whole_piece", "name_of", "flat_pieces", "whole_hint", "SHARDING", "LEAVES", "DEFERRED"]
 
 
 @dataclass(frozen=True)
@@ -73,13 +73,19 @@ LEAVES: ContextVar[tuple[Pieces, ...] | None] = ContextVar("zero_sharded_leaves"
 @contextlib.contextmanager
 def installed(sharding: Sharding) -> Iterator[None]:
     """Make ``sharding`` the answer for the steps taken inside the block."""
-    token = SHARDING.set(sharding)
+    token, deferred = SHARDING.set(sharding), DEFERRED.set([])
     _OPEN[0] += 1
     try:
         yield
     finally:
         _OPEN[0] -= 1
+        DEFERRED.reset(deferred)
         SHARDING.reset(token)
+
+
+# Refusals a rank found alone (a label on a piece only it holds), raised on every rank together at
+# the step's next whole-tensor check (`whole.refuse_together`), which every rank reaches
+DEFERRED: ContextVar[list | None] = ContextVar("zero_deferred_refusals", default=None)
 
 
 # How many `installed` blocks are open, in a plain list that torch.compile can read: it cannot

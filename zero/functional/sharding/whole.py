@@ -12,6 +12,7 @@ import optree
 import torch
 
 from zero.functional.sharding.context import (
+    DEFERRED,
     LEAVES,
     SHARDING,
     Pieces,
@@ -25,7 +26,7 @@ from zero.functional.sharding.context import (
 )
 
 __all__ = ["whole_tensors", "needs_whole", "cut_tensors", "whole_tree", "asked_of", "pieces_unknown",
-           "ParamsRefused", "refuse_together", "PROBE"]
+           "ParamsRefused", "refuse_together", "defer_refusal", "PROBE"]
 
 
 PROBE: ContextVar[set[int] | None] = ContextVar("zero_whole_probe", default=None)  # see needs_whole
@@ -69,16 +70,31 @@ def whole_tensors(leaves: Sequence[torch.Tensor], what: str,
     refuse_together(sharding, bad, f"{what} needs each tensor whole")
 
 
+def defer_refusal(tensors: Sequence[int], message: str) -> None:
+    """Refuse the step for ``tensors`` with ``message`` on every rank: at the step's next
+    `refuse_together` (which every rank reaches), or at once outside a sharded step."""
+    deferred = current(DEFERRED)
+    if deferred is None:
+        raise ValueError(message)
+    deferred.append((tuple(tensors), message))
+
+
 def refuse_together(sharding: Sharding, bad: set[int], what: str) -> None:
     """``ValueError`` on every rank when any rank found a tensor in ``bad`` (held in pieces a rule
-    cannot step): every rank decides together, since a rank whose pieces are all fine would
-    otherwise go on into the step's collectives while another refuses, and wait for it forever
-    (one small all-reduce)."""
+    cannot step), or deferred a refusal (`defer_refusal`): every rank decides together, since a
+    rank whose pieces are all fine would otherwise go on into the step's collectives while
+    another refuses, and wait for it forever (one small all-reduce). A rank raises its own
+    deferred message where it has one."""
+    deferred = current(DEFERRED) or []
+    found, deferred[:] = list(deferred), []
     flagged = torch.zeros(sharding.n_tensors, dtype=torch.float64)
-    if bad:
-        flagged[sorted(bad)] = 1.0
+    marked = set(bad).union(*(ts for ts, _ in found))
+    if marked:
+        flagged[sorted(marked)] = 1.0
     everyone = sharding.reduce(flagged)
     if bool((everyone > 0).any()):
+        if found:
+            raise ValueError(found[0][1])
         t = int(torch.nonzero(everyone > 0)[0])
         shape = f" of shape {sharding.shapes[t]}" if sharding.shapes else ""
         raise ValueError(f"{what}, but this sharded step holds pieces of param {name_of(t)}{shape}: {whole_hint()}")
