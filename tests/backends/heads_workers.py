@@ -124,12 +124,14 @@ def _count_newton_schulz() -> list:
     return Popper([count])
 
 
-def zero_on_plain_params(rank: int, world_size: int, kwargs: dict, steps: int = 8) -> float:
-    """``zero.ZeroRedundancyOptimizer`` over plain params (its default plan, which keeps the
-    matrices whole) against one process: the worst difference after ``steps`` steps."""
+def zero_on_plain_params(rank: int, world_size: int, kwargs: dict, strategy: str | None = None,
+                         steps: int = 8) -> float:
+    """``zero.ZeroRedundancyOptimizer`` over plain params (its default whole-param plan, or
+    ``strategy="flat"``: a hybrid plan, the matrices whole, the rest in flat shards) against one
+    process: the worst difference after ``steps`` steps."""
     one, two = make_model(), make_model()
     opts = [F.Optimizer(list(one.named_parameters()), rule(**kwargs)),
-            zero.ZeroRedundancyOptimizer(list(two.named_parameters()), rule(**kwargs))]
+            zero.ZeroRedundancyOptimizer(list(two.named_parameters()), rule(**kwargs), strategy=strategy)]
     for k in range(steps):
         for model, opt in zip((one, two), opts):
             _grads(model, k)

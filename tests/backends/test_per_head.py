@@ -51,12 +51,13 @@ def test_hsdp_steps_each_head_once_in_the_mesh():
 def test_gram_and_8bit_muon_over_fsdp2_hsdp_and_zero(kwargs):
     """Gram per-head Muon and 8-bit per-head Muon (its codes' blocks lie in whole matrices, which
     an owner steps) equal one process bit for bit at 2 and 3 ranks over FSDP2, on HSDP 2 x 2,
-    and under ZeRO's default plan on plain params."""
+    and under ZeRO's default whole-param plan and its flat (hybrid) plan on plain params."""
     for world_size in (2, 3):
         for o in run_ranks(w.against_one_process, world_size, 1, kwargs):
             assert o["worst"] == 0.0, (world_size, o["worst"])
             assert o["sent"] == o["planned"]
-        assert max(run_ranks(w.zero_on_plain_params, world_size, kwargs)) == 0.0
+        for strategy in (None, "flat"):
+            assert max(run_ranks(w.zero_on_plain_params, world_size, kwargs, strategy)) == 0.0, strategy
     hsdp = run_ranks(w.against_one_process, 4, 2, kwargs)
     assert max(o["worst"] for o in hsdp) == 0.0
     if kwargs.get("mu_dtype") == "int8":  # every matrix whole on an owner: the codes' blocks are the matrix's
