@@ -32,7 +32,8 @@ ELSEWHERE = {
     "make docs": "test_the_site_builds_strict below runs its command",
     "make test TORCH= VENV_FLAGS=--system-site-packages": "a variant of make test for a torch of one's own",
     "pip install -e '.[dev,jax]'": "what make's set-up runs",
-    "pip install --no-deps torchao==0.18.0 torchtitan==0.3.0": "what make's set-up runs ($(TORCHAO) $(TORCHTITAN))",
+    "pip install --no-deps torchao==0.18.0 torchtitan==0.3.0 gram-newton-schulz==0.1.6":
+        "what make's set-up runs ($(TORCHAO) $(TORCHTITAN) $(GRAMNS))",
     "torchrun --nproc_per_node=2 -m zero.tools.demo --full": "tests/tools/test_demo.py runs it scaled down",
 }
 
