@@ -73,7 +73,7 @@ def _fsdp2(rank: int, world_size: int, scale: int, per_head: bool, steps: int) -
     dims = {f"{n}.weight": Dims(1, 0, heads=heads if n in ("q", "k", "v") else 1) for n in names}
     opt = F.Optimizer(list(model.named_parameters()), F.contrib.muon(0.02, muon_weight_dimension_numbers=dims))
     times = []
-    for k in range(steps + 2):
+    for _ in range(steps + 2):
         for p in model.parameters():
             p.grad = torch.distributed.tensor.distribute_tensor(torch.randn(p.shape), p.device_mesh, p.placements)
         dist.barrier()
