@@ -46,6 +46,7 @@ from zero.functional.contrib.newton_schulz import (
     check_coeffs,
     check_method,
     fans,
+    head_axis,
     heads_of,
     orthogonalize,
 )
@@ -221,8 +222,9 @@ def _first_axis_heads(x: torch.Tensor, d: Any) -> int | None:
     they cut another axis, or none), so a plan may cut that axis at head edges."""
     if heads_of(d) < 2:
         return None
-    out = d.output_axis if isinstance(d.output_axis, int) else d.output_axis[0]
-    return heads_of(d) if out == 0 or (x.ndim > 1 and out % x.ndim == 0) else None
+    first = d.output_axis if isinstance(d.output_axis, int) else d.output_axis[0]
+    # a piece may be a flat run (1-D): only a literal first axis is known to be the whole tensor's
+    return heads_of(d) if first == 0 or (x.ndim > 1 and head_axis(x.ndim, d) == 0) else None
 
 
 def _labels(dimension_numbers: DimensionNumbers) -> Callable[[Any], Any]:

@@ -33,7 +33,7 @@ from zero.functional.base import (
 )
 from zero.functional.combine import chain
 from zero.functional.contrib import kronecker
-from zero.functional.contrib.newton_schulz import block_shape, heads_of, join_heads, split_heads
+from zero.functional.contrib.newton_schulz import block_shape, head_axis, heads_of, join_heads, split_heads
 from zero.plans.costs.kronecker import BlockLayout
 
 __all__ = ["ShampooState", "scale_by_shampoo", "shampoo", "GRAFTS", "PRECONDITIONER_TYPES"]
@@ -100,11 +100,6 @@ def _gathered(layout: BlockLayout, g: torch.Tensor, stats: tuple, b2: float) -> 
     blocks = _blocks(layout, g.to(stats[0].dtype))
     grams = [kronecker.factor_of(block, a) for block in blocks for a, keep in enumerate(layout.axes) if keep]
     return tuple(s * b2 + w2 * gram for s, gram in zip(stats, grams))
-
-
-def _out_axis(shape: tuple[int, ...], d: Any) -> int:
-    axes = d.output_axis if isinstance(d.output_axis, int) else d.output_axis[0]
-    return axes % len(shape)
 
 
 def _scaled(x: torch.Tensor, scale: torch.Tensor, d: Any) -> torch.Tensor:
@@ -196,7 +191,7 @@ def scale_by_shampoo(b1: float = 0.9, b2: float = 0.999, *, moving_average_for_m
         one = BlockLayout.of(block_shape(shape, d), block_size, False, preconditioner_type,
                              skip_preconditioning_rank_lt, no_preconditioning_for_layers_with_dim_gt,
                              inverse_exponent_override)
-        o = _out_axis(shape, d)
+        o = head_axis(len(shape), d)
         splits = tuple(sizes * heads_of(d) if a == o else sizes for a, sizes in enumerate(one.splits))
         return dataclasses.replace(one, original=tuple(shape), shape=tuple(shape), splits=splits)
 

@@ -20,7 +20,7 @@ import torch
 __all__ = ["MuonDimensionNumbers", "is_dimension_numbers", "split_axes", "PRECONDITIONINGS", "as_matrices", "fans",
            "newton_schulz", "orthogonalize_via_newton_schulz", "ns_dtype", "check_coeffs", "torch_newton_schulz",
            "orthogonalize", "matrix_axes", "heads_of", "NS_METHODS", "check_method",
-           "split_heads", "join_heads", "block_shape"]
+           "split_heads", "join_heads", "block_shape", "head_axis"]
 
 PRECONDITIONINGS = ("frobenius", "spectral", "aol", "schatten")
 NS_METHODS = ("standard", "gram")
@@ -55,20 +55,21 @@ def heads_of(dims: Any) -> int:
     return 1 if dims is None else getattr(dims, "heads", 1)
 
 
-def _head_axis(ndim: int, dims: Any) -> int:
+def head_axis(ndim: int, dims: Any) -> int:
+    """The axis heads cut: the first output axis of a tensor of ``ndim`` axes."""
     return _axes(ndim, dims.output_axis)[0]
 
 
 def split_heads(x: torch.Tensor, dims: Any) -> torch.Tensor:
     """``x`` as ``(heads, *block)``: its output axis cut into the heads' blocks, the head axis
     moved in front (a view)."""
-    h, o = heads_of(dims), _head_axis(x.ndim, dims)
+    h, o = heads_of(dims), head_axis(x.ndim, dims)
     return x.unflatten(o, (h, x.shape[o] // h)).movedim(o, 0)
 
 
 def join_heads(blocks: torch.Tensor, dims: Any) -> torch.Tensor:
     """The inverse of `split_heads`: ``(heads, *block)`` back to one tensor."""
-    o = _head_axis(blocks.ndim - 1, dims)
+    o = head_axis(blocks.ndim - 1, dims)
     return blocks.movedim(0, o).flatten(o, o + 1)
 
 
@@ -77,7 +78,7 @@ def block_shape(shape: tuple[int, ...], dims: Any) -> tuple[int, ...]:
     h = heads_of(dims)
     if h == 1:
         return tuple(shape)
-    o = _head_axis(len(shape), dims)
+    o = head_axis(len(shape), dims)
     return tuple(n // h if a == o else n for a, n in enumerate(shape))
 
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from zero.plans.meta import ParamMeta
 
-__all__ = ["RuleCost", "Elementwise"]
+__all__ = ["RuleCost", "Elementwise", "heads_by_name", "heads_of"]
 
 
 @dataclass(frozen=True)
@@ -71,3 +72,15 @@ class RuleCost:
 
 
 Elementwise = RuleCost  # the family's name in the registry
+
+
+def heads_by_name(heads: object) -> tuple[tuple[str, int], ...]:
+    """A cost's ``heads`` setting as the frozen models keep it: ``{"layers.0.wq": 32}`` as a user
+    writes it, or the pairs themselves, sorted."""
+    return tuple(sorted(heads.items())) if isinstance(heads, Mapping) else tuple(heads)
+
+
+def heads_of(heads: tuple[tuple[str, int], ...], meta: ParamMeta) -> int:
+    """The heads ``heads`` gives param ``meta`` (by name, in any case: a plan keeps its optimizer's
+    name lowercased), 1 for a param it does not name."""
+    return {k.lower(): h for k, h in heads}.get(meta.name.lower(), 1)

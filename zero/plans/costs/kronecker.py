@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 
-from zero.plans.costs.base import RuleCost
+from zero.plans.costs.base import RuleCost, heads_by_name, heads_of
 from zero.plans.meta import ParamMeta
 
 __all__ = ["soap_axes", "merge_small_dims", "BlockLayout", "Soap", "Shampoo", "ROOT_FLOPS"]
@@ -101,11 +100,10 @@ class Soap(RuleCost):
     keeps_whole = True
 
     def __post_init__(self) -> None:
-        if isinstance(self.heads, Mapping):  # as a user writes it: {"layers.0.wq": 32}
-            object.__setattr__(self, "heads", tuple(sorted(self.heads.items())))
+        object.__setattr__(self, "heads", heads_by_name(self.heads))
 
     def heads_of(self, meta: ParamMeta) -> int:
-        return {k.lower(): h for k, h in self.heads}.get(meta.name.lower(), 1)
+        return heads_of(self.heads, meta)
 
     def sides(self, meta: ParamMeta) -> list[int]:
         """The factors' sides of one head's block (of the whole param without heads)."""

@@ -5,10 +5,9 @@ precision or in 8-bit codes."""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 
-from zero.plans.costs.base import RuleCost
+from zero.plans.costs.base import RuleCost, heads_by_name, heads_of
 from zero.plans.meta import ParamMeta
 
 __all__ = ["NewtonSchulz", "ns_flops", "NS_METHODS"]
@@ -58,8 +57,7 @@ class NewtonSchulz(RuleCost):
     def __post_init__(self) -> None:
         if self.ns_method not in NS_METHODS:
             raise ValueError(f"unknown ns_method {self.ns_method!r}; choose one of {NS_METHODS}")
-        if isinstance(self.heads, Mapping):  # as a user writes it: {"layers.0.wq": 32}
-            object.__setattr__(self, "heads", tuple(sorted(self.heads.items())))
+        object.__setattr__(self, "heads", heads_by_name(self.heads))
         if self.ns_restarts is not None:
             object.__setattr__(self, "ns_restarts", tuple(self.ns_restarts))
 
@@ -81,8 +79,7 @@ class NewtonSchulz(RuleCost):
         return len(meta.shape) == 2
 
     def heads_of(self, meta: ParamMeta) -> int:
-        """The heads of param ``meta`` (by name, in any case: a plan keeps its optimizer's name lowercased)."""
-        return {k.lower(): h for k, h in self.heads}.get(meta.name.lower(), 1)
+        return heads_of(self.heads, meta)
 
     def slots_for(self, meta: ParamMeta) -> int:
         return self.matrix_slots if self.is_matrix(meta) else self.slots
