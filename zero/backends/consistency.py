@@ -33,6 +33,7 @@ import pickle
 import threading
 import time
 import weakref
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -340,7 +341,7 @@ class OptimizerChecks:
         fields = {"steps taken": state.steps,
                   "param groups (sizes and settings such as lr)": checksum(groups),
                   "plan (params, groups, placement)": int(state.plan.fingerprint[:15], 16),
-                  "trainable params (requires_grad)": checksum(list(self.trainable())),
+                  "trainable params (requires_grad)": zlib.crc32(bytes(self.trainable())),  # bools: a byte each
                   "the call's argument (to=, or the new group)": argument}
         facts = {"param groups (sizes and settings such as lr)": lambda: group_facts(state.param_groups),
                  "plan (params, groups, placement)": lambda: self.plan_facts(state.plan),

@@ -69,6 +69,13 @@ class Holdings:
             out.setdefault(h.local, []).append(h)
         return {j: tuple(hs) for j, hs in out.items()}
 
+    @cached_property
+    def spans(self) -> tuple[tuple[int, int, int, bool], ...]:
+        """``(param, start, end, whole)`` of each of ``held``: whether the piece is all of its param
+        (read every step: a whole param's gradient is checked as it is, with no view made)."""
+        numels = [m.numel for m in self.plan.metas]
+        return tuple((h.param, h.start, h.end, h.start == 0 and h.end == numels[h.param]) for h in self.held)
+
     def pieces(self, local: int) -> tuple[Held, ...]:
         """The pieces of params local tensor ``local`` holds, in its element order."""
         return self._by_local.get(local, ())

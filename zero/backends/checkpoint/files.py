@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import os
@@ -27,9 +28,14 @@ __all__ = ["save", "load", "read_metadata", "describe"]
 
 def save(checkpoint_id: Any, model: nn.Module, optimizer: Any, *, masters: bool = True, options: Any = None,
          async_save: bool = False, **dcp_kwargs: Any) -> Any:
-    """`get_state_dict` saved with ``torch.distributed.checkpoint.save`` (``async_save``: its
-    ``async_save``, which copies the state before it returns; its future is returned) under
-    ``{"model": ..., "optim": ...}``, FSDP2's convention. Call on every rank.
+    """`get_state_dict` saved with ``torch.distributed.checkpoint.save`` under ``{"model": ...,
+    "optim": ...}``, FSDP2's convention. Call on every rank.
+
+    ``async_save``: DCP's ``async_save``. It returns once the state is copied (the only time
+    training waits); the write, the checksums, ``.metadata`` and the swap into place finish on a
+    background thread, and the returned future completes after them (its ``result()`` raises what
+    went wrong). Steps taken meanwhile do not change what is written. A later save (either kind)
+    first waits for this process's background saves, so saves land in the order they were asked.
 
     Saving over a checkpoint replaces it whole or not at all: the new one is written into a
     sibling directory (``<checkpoint_id>.saving-<id>``) and renamed into place by group rank 0
@@ -39,9 +45,11 @@ def save(checkpoint_id: Any, model: nn.Module, optimizer: Any, *, masters: bool 
     ``storage_writer`` (and ``checkpoint_id=None``) DCP writes where the writer says, in place."""
     import torch.distributed.checkpoint as dcp
 
+    _wait_for_background_saves()
     with quiet():
         model_sd, optim_sd = get_state_dict(model, optimizer, options=options, masters=masters)
         inner = unwrap_post_local_sgd(optimizer)[0]
+        model_sd = _written_here(model_sd, group_of(inner))
         group = comm.twin_group(group_of(inner)) if async_save else group_of(inner)
         final = None if checkpoint_id is None or "storage_writer" in dcp_kwargs else os.fspath(checkpoint_id)
         target = checkpoint_id if final is None else _staging(final, group)
@@ -61,12 +69,49 @@ def save(checkpoint_id: Any, model: nn.Module, optimizer: Any, *, masters: bool 
         future = dcp.async_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=target,
                                 process_group=group, **dcp_kwargs)
         if final is None:
+            _BACKGROUND.append(getattr(future, "upload_completion", future))
             return future
         rank = comm.group_rank(group)
         if hasattr(future, "upload_completion"):  # DCP's AsyncSaveResponse (its newer checkpointer types)
-            return dataclasses.replace(future, upload_completion=_published_when_done(
-                future.upload_completion, target, final, rank))
-        return _published_when_done(future, target, final, rank)
+            done = _published_when_done(future.upload_completion, target, final, rank)
+            _BACKGROUND.append(done)
+            return dataclasses.replace(future, upload_completion=done)
+        done = _published_when_done(future, target, final, rank)
+        _BACKGROUND.append(done)
+        return done
+
+
+def _written_here(model_sd: dict[str, Any], group: Any) -> dict[str, Any]:
+    """``model_sd`` with each replicated tensor (a plain tensor every rank of ``group`` holds alike:
+    a ZeRO or DDP model's) kept on one rank only, the ranks' bytes balanced (largest first); a
+    DTensor (the rank's own piece) and non-tensors stay. DCP writes a replicated tensor once anyway
+    (its dedup, planned after the state is staged): dropping the copies first spares every rank
+    staging the whole model for an asynchronous save, and planning it for a synchronous one."""
+    size = comm.group_size(group) if comm.in_group(group) else 1
+    if size == 1:
+        return model_sd
+    rank, loads, out = comm.group_rank(group), [0] * size, {}
+    plain = {k: v for k, v in model_sd.items() if type(v) in (torch.Tensor, nn.Parameter)}
+    for key in sorted(plain, key=lambda k: (-plain[k].nbytes, k)):  # the same order on every rank
+        writer = loads.index(min(loads))
+        loads[writer] += plain[key].nbytes
+        if writer == rank:
+            out[key] = plain[key]
+    return {k: v for k, v in model_sd.items() if k not in plain or k in out}
+
+
+# This process's background saves, oldest first. A save starts only once they have finished: two
+# writes in flight would run their collectives on one group from two threads, and an older save
+# finishing after a newer one would swap the older checkpoint into place over it.
+_BACKGROUND: list[Any] = []
+
+
+def _wait_for_background_saves() -> None:
+    """Wait for every background save of this process (each rank waits for its own, so the ranks
+    start the next save together); their errors stay with their futures."""
+    while _BACKGROUND:
+        with contextlib.suppress(Exception):
+            _BACKGROUND.pop(0).result()
 
 
 def group_of(optimizer: Any) -> Any:

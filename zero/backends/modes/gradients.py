@@ -77,10 +77,10 @@ class Gradients:
         """``(param, gradient piece)`` of each piece of a param this rank steps, averaged, as the
         step reads it: here from the params' ``.grad``."""
         out, params = [], self.state.params
-        for h in self.state.holdings.held:
-            grad = params[h.param].grad
+        for i, start, end, whole in self.state.holdings.spans:
+            grad = params[i].grad
             if grad is not None:
-                out.append((h.param, grad.reshape(-1)[h.start:h.end]))
+                out.append((i, grad if whole else grad.reshape(-1)[start:end]))
         return out
 
     def local_nonfinite(self) -> bool:

@@ -94,22 +94,29 @@ def l1_norm(x: torch.Tensor) -> torch.Tensor:
 
 
 def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
-    """Whether every element of ``tensors`` is finite: one fused pass per device and dtype, one
-    sync. The pass is torch's ``GradScaler``'s check (``_amp_foreach_non_finite_check_and_unscale_``)
+    """Whether every element of ``tensors`` is finite: one fused pass per device (mixed dtypes
+    in one call), one sync. The pass is torch's ``GradScaler``'s check (``_amp_foreach_non_finite_check_and_unscale_``)
     at scale 1, which leaves every value as it is: 3x faster on CPU than an L1 norm of each tensor
     (`l1_norm`), and one kernel a group on CUDA."""
+    if not tensors:
+        return True
+    try:  # one call when every tensor is on one device (it takes mixed dtypes and empty tensors)
+        return not _found(list(tensors), tensors[0].device)
+    except RuntimeError:  # several devices: one call each
+        pass
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for t in tensors:
         if t.numel():
             groups.setdefault((t.device, t.dtype), []).append(t)
     if not groups:
         return True
-    flags = []
-    for (device, _), ts in groups.items():
-        found, one = torch.zeros(1, device=device), torch.ones(1, device=device)
-        torch._amp_foreach_non_finite_check_and_unscale_(ts, found, one)
-        flags.append(found.cpu() if found.device.type != "cpu" else found)
-    return not bool(torch.cat(flags).any())
+    return not any(_found(ts, device) for (device, _), ts in groups.items())
+
+
+def _found(tensors: list[torch.Tensor], device: torch.device) -> bool:
+    found, one = torch.zeros(1, device=device), torch.ones(1, device=device)
+    torch._amp_foreach_non_finite_check_and_unscale_(tensors, found, one)
+    return bool(found)
 
 
 _SIXTEEN = (torch.float16, torch.bfloat16)
