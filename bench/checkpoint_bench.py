@@ -13,9 +13,9 @@
 
 Adam over a stack of ``Linear(width, width)`` (``--layers 24 --width 2048``: 100.7M params) in
 fp32 on ``--ranks`` gloo ranks (one thread each), after one step (so the state exists), each system
-in fresh processes. Times are
-the slowest rank's, from a barrier to a barrier (a load's: the median of ``--loads``); "peak" is each rank's resident memory above what
-it held before the save (or load), sampled every 2 ms, the largest over ranks. State per rank
+in fresh processes. Times are the slowest rank's, from a barrier to a barrier (a load's: the median
+of ``--loads``); "peak" is each rank's resident memory above what it held before the save (or
+load), sampled every 2 ms, the largest over ranks. State per rank
 is what its optimizer holds. Every rank's files go to a fresh directory under ``--dir``.
 
     python bench/checkpoint_bench.py [--layers 24] [--width 2048] [--ranks 4] [--loads 3] [--dir /tmp]

@@ -6,9 +6,9 @@ import itertools
 
 import pytest
 import torch
+import zero_workers as w
 from helpers import run_ranks
 
-import zero_workers as w
 from zero.backends.local_optimizer import FOREACH_ON_CPU, choose_foreach
 
 OPTIONS = {

@@ -19,7 +19,8 @@ from zero.functional.adapters.group_settings import check_not_optax, from_factor
 from zero.functional.adapters.torch_rules import TORCH_CLASSES, from_torch
 from zero.plans.holdings import Holdings, LocalTensor
 
-__all__ = ["make_local_optimizer", "rule_of", "local_groups", "copy_hyperparams", "choose_foreach", "is_functional", "check_state_keys",
+__all__ = ["make_local_optimizer", "rule_of", "local_groups", "copy_hyperparams", "choose_foreach", "is_functional",
+           "check_state_keys",
            "per_element_keys", "check_shardable", "initial_state", "state_nbytes", "is_per_element",
            "saved_by_settings", "mentions", "opaque_optax", "check_one_rank_steps_all"]
 
