@@ -181,8 +181,7 @@ def main() -> int:
     ap.add_argument("--plot", help="also draw the step times to this PNG")
     ap.add_argument("--check-in", action="store_true", help="only measure what the per-step check-in costs")
     ap.add_argument("--foreach", action="store_true",
-                    help="pass foreach=True to every optimizer (zero takes it by itself on the CPU where the user "
-                         "leaves foreach=None and its bits are the for-loop's; torch's ZeRO runs the for-loop)")
+                    help="pass foreach=True to every optimizer (torch's CPU default, foreach=None, is the for-loop)")
     ap.add_argument("--local-step", action="store_true",
                     help="only compare the local rule given as a torch class or a zero.functional rule")
     args = ap.parse_args()

@@ -19,8 +19,7 @@ from zero.functional.adapters.group_settings import check_not_optax, from_factor
 from zero.functional.adapters.torch_rules import TORCH_CLASSES, from_torch
 from zero.plans.holdings import Holdings, LocalTensor
 
-__all__ = ["make_local_optimizer", "rule_of", "local_groups", "copy_hyperparams", "choose_foreach", "is_functional",
-           "check_state_keys",
+__all__ = ["make_local_optimizer", "rule_of", "local_groups", "copy_hyperparams", "is_functional", "check_state_keys",
            "per_element_keys", "check_shardable", "initial_state", "state_nbytes", "is_per_element",
            "saved_by_settings", "mentions", "opaque_optax", "check_one_rank_steps_all"]
 
@@ -96,43 +95,15 @@ def local_groups(param_groups: list[dict], held: Holdings, tensor_of: Callable[[
     return out
 
 
-def copy_hyperparams(src: list[dict], dst: list[dict], skip: tuple[str, ...] = ()) -> None:
-    """Copy every group setting but ``params``, their names and ``skip`` (lr schedulers write one
-    side, optimizers read the other)."""
+def copy_hyperparams(src: list[dict], dst: list[dict]) -> None:
+    """Copy every group setting but ``params`` and their names (lr schedulers write one side,
+    optimizers read the other)."""
     if len(src) != len(dst):
         raise RuntimeError(f"{len(src)} param groups cannot sync with {len(dst)}")
     for s, d in zip(src, dst):
         for key, value in s.items():
-            if key not in ("params", "param_names") and key not in skip:
+            if key not in ("params", "param_names"):
                 d[key] = value
-
-
-# torch's classes whose foreach step is bitwise their for-loop step on the CPU, every option, in
-# float32 and float64 (tests/backends/test_local_foreach.py; bfloat16 differs in the last bit):
-# torch runs the for-loop there when ``foreach`` is left None, and its foreach step is 1.3-1.6x
-# faster on the CPU (one C++ loop over the tensors, not a Python one).
-FOREACH_ON_CPU = frozenset({"Adam", "AdamW", "SGD"})
-_FOREACH_DTYPES = (torch.float32, torch.float64)
-
-
-def choose_foreach(optim: torch.optim.Optimizer) -> bool:
-    """Give torch's foreach step to each of the local optimizer's groups that leaves the choice
-    to torch (``foreach=None``, not fused, differentiable or capturable, no tensor ``lr``) over
-    float32 or float64 CPU tensors, where
-    ``optim`` is one of `FOREACH_ON_CPU` (the numbers are the same bits). Whether it did: the
-    outer groups then keep their ``None`` (`zero.backends.rank_state.RankState.pull`)."""
-    cls = type(optim)
-    if cls.__name__ not in FOREACH_ON_CPU or getattr(torch.optim, cls.__name__, None) is not cls:
-        return False
-    chose = False
-    for g in optim.param_groups:
-        params = g["params"]
-        tensors = any(isinstance(v, torch.Tensor) for v in (g.get("lr"), *g.get("betas", ())))  # for-loop only
-        if (g.get("foreach", False) is None and not g.get("fused") and not g.get("differentiable")
-                and not g.get("capturable") and not tensors and params
-                and all(p.dtype in _FOREACH_DTYPES and p.is_cpu for p in params)):
-            g["foreach"] = chose = True
-    return chose
 
 
 def check_state_keys(saved: dict, optim: torch.optim.Optimizer) -> None:
