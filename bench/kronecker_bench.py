@@ -10,6 +10,7 @@ for the ranks), each system taking turns with its reference, one intra-op thread
 bases and roots refreshed every ``--every`` steps (their amortised cost in every step's median is
 not: a refresh step's time is its own row). State: tensor bytes per rank.
 Usage: python bench/kronecker_bench.py [--ranks 4] [--repeat 9] [--layers 4] [--width 256] [--every 10]
+       python bench/kronecker_bench.py --matrices 200 --size 64   (one process: SOAP beside AdamW and Muon)
 """
 
 from __future__ import annotations
@@ -99,6 +100,28 @@ def one_process(name: str, layers: int, width: int, repeat: int, every: int) -> 
     return timed([ours.step, ref.step], repeat, every, lambda: None)
 
 
+def same_shape(matrices: int, size: int, repeat: int, every: int) -> dict[str, tuple]:
+    """One process, ``matrices`` matrices of ``size`` x ``size`` (one thread): zero's SOAP against
+    pytorch_optimizer's, with zero's AdamW and Muon against torch's fastest beside them; per rule the
+    two (plain, refresh) medians."""
+    from pytorch_optimizer import SOAP
+
+    torch.set_num_threads(1)
+
+    def params():
+        gen = torch.Generator().manual_seed(0)
+        ps = [nn.Parameter(torch.randn(size, size, generator=gen)) for _ in range(matrices)]
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=gen)
+        return ps
+
+    pairs = {"soap": (F.Optimizer(params(), F.contrib.soap(3e-3, weight_decay=0.01, precondition_frequency=every)),
+                      SOAP(params(), lr=3e-3, betas=(0.95, 0.95), weight_decay=0.01, precondition_frequency=every)),
+             "adamw": (F.Optimizer(params(), F.adamw(1e-3)), torch.optim.AdamW(params(), lr=1e-3, fused=True)),
+             "muon": (F.Optimizer(params(), F.contrib.muon(1e-3)), torch.optim.Muon(params(), lr=1e-3))}
+    return {name: timed([a.step, b.step], repeat, every, lambda: None) for name, (a, b) in pairs.items()}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=4)
@@ -106,7 +129,18 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--every", type=int, default=10)
+    parser.add_argument("--matrices", type=int, help="only one process on this many same-shape square matrices")
+    parser.add_argument("--size", type=int, default=64, help="their side (with --matrices)")
     args = parser.parse_args()
+    if args.matrices:
+        print(f"{args.matrices} matrices of {args.size} x {args.size}, one process, one thread; SOAP's bases every "
+              f"{args.every} steps; medians (ms) of the plain steps and of {args.repeat} refresh steps")
+        for name, ((ours, ours_r), (ref, ref_r)) in same_shape(args.matrices, args.size, args.repeat,
+                                                               args.every).items():
+            peer = {"soap": "pytorch_optimizer SOAP", "adamw": "torch AdamW(fused=True)", "muon": "torch Muon"}[name]
+            print(f"  {name:6s} zero {ours:7.2f} / {ours_r:7.2f}   {peer} {ref:7.2f} / {ref_r:7.2f}   "
+                  f"{ours / ref:.2f}x / {ours_r / ref_r:.2f}x")
+        return 0
     from zero.tools.launch import run
 
     print(f"{args.layers} GPT blocks of width {args.width}, bases/roots every {args.every} steps, "

@@ -21,8 +21,9 @@ from pytorch_optimizer import SOAP, ScalableShampoo  # noqa: E402
 from pytorch_optimizer.optimizer.utils.graft import LayerWiseGrafting  # noqa: E402
 from pytorch_optimizer.optimizer.utils.partition import PreConditionerType  # noqa: E402
 
-SHAPES = {"w1": (12, 7), "w2": (5, 9), "b": (7,), "t": (3, 4, 5), "wide": (20, 6), "long": (40,)}
-GROUPS = (("w1", "b", "t"), ("w2", "wide", "long"))  # two param groups, the second at half the learning rate
+# w1 and w1b share a shape and a group: SOAP steps them as one batch
+SHAPES = {"w1": (12, 7), "w2": (5, 9), "b": (7,), "t": (3, 4, 5), "wide": (20, 6), "long": (40,), "w1b": (12, 7)}
+GROUPS = (("w1", "b", "t", "w1b"), ("w2", "wide", "long"))  # two param groups, the second at half the learning rate
 STEPS = 25
 
 
@@ -145,7 +146,7 @@ def test_what_needs_whole_is_what_the_plans_keep_whole():
                       (F.contrib.shampoo(block_size=8), Shampoo(block_size=8)), (F.contrib.shampoo(), Shampoo())):
         asked = sharding.needs_whole(tx, shapes)
         assert asked == [n for n, s in SHAPES.items() if model.whole(zero.ParamMeta(n, s))], (tx.spec.name, asked)
-    assert sharding.needs_whole(F.contrib.soap(), shapes) == ["w1", "w2", "t", "wide"]
+    assert sharding.needs_whole(F.contrib.soap(), shapes) == ["w1", "w2", "t", "wide", "w1b"]
 
 
 def test_state_bytes_are_the_cost_models():

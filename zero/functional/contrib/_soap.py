@@ -39,6 +39,31 @@ from zero.plans.costs.kronecker import soap_axes
 __all__ = ["SoapState", "scale_by_soap", "soap", "decay_after_update"]
 
 
+def _matrices(leaves: list, gg: list, dims: list) -> list[list[int]]:
+    """The leaves `scale_by_soap` steps as batches: matrices with both factors and no heads, by
+    shape, dtype and device (each list in the leaves' order)."""
+    out: dict = {}
+    for i, (p, f, d) in enumerate(zip(leaves, gg, dims)):
+        if p.ndim == 2 and heads_of(d) == 1 and f[0].numel() and f[1].numel():
+            out.setdefault((tuple(p.shape), p.dtype, p.device), []).append(i)
+    return list(out.values())
+
+
+def _stacked(ts: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.stack(ts)``: a view when they lie back to back in one storage (the batch a step
+    returned: the state stays packed from step to step, as `zero.functional.foreach` packs small
+    leaves), else a copy."""
+    head = ts[0]
+    step, at = head.numel() * head.element_size(), head.data_ptr()
+    if head.is_contiguous() and all(t.data_ptr() == at + k * step and t.is_contiguous() and t.shape == head.shape
+                                    and t.dtype == head.dtype for k, t in enumerate(ts)):
+        try:  # (beyond head's storage: not one batch after all)
+            return head.as_strided((len(ts), *head.shape), (head.numel(), *head.stride()))
+        except RuntimeError:
+            pass
+    return torch.stack(ts)
+
+
 class SoapState(NamedTuple):
     """State of ``scale_by_soap`` (the fields of Optax's PR).
 
@@ -178,8 +203,14 @@ def scale_by_soap(b1: float = 0.95, b2: float = 0.95, shampoo_beta: float = -1, 
         t = c if not traced() else torch.clamp(c, min=1)  # the discarded first-step branch stays finite
         scale = 0.0 if first is True else (1 - b2**t) ** 0.5 / (1 - b1**t)
         dims = named(updates, leaves)
-        out = [_heads(g, *st, d, first, refresh, scale) for g, *st, d in zip(
-            leaves, *(treedef.flatten_up_to(x) for x in (state.exp_avg, state.exp_avg_sq, state.gg, state.q)), dims)]
+        states = [treedef.flatten_up_to(x) for x in (state.exp_avg, state.exp_avg_sq, state.gg, state.q)]
+        out: list = [None] * len(leaves)
+        for idx in () if traced() else _matrices(leaves, states[2], dims):  # eager: each shape's matrices at once
+            for i, got in zip(idx, _batched(*([col[i] for i in idx] for col in (leaves, *states)), first, refresh,
+                                            scale)):
+                out[i] = got
+        out = [got if got is not None else _heads(g, *st, d, first, refresh, scale)
+               for got, g, *st, d in zip(out, leaves, *states, dims)]
         if not out:  # no tensors here (a rank that steps none of this group's params)
             return updates, state._replace(count=count_inc(state.count))
         u, mu, nu, gg, q = (treedef.unflatten(list(col)) for col in zip(*out))
@@ -195,6 +226,31 @@ def scale_by_soap(b1: float = 0.95, b2: float = 0.95, shampoo_beta: float = -1, 
         u, mu, nu, gg, q = zip(*per)
         stacked = lambda fs: tuple(torch.stack(col) if col[0].numel() else col[0] for col in zip(*fs))  # noqa: E731
         return (*(join_heads(torch.stack(x), d) for x in (u, mu, nu)), stacked(gg), stacked(q))
+
+    def _batched(gs, mus, nus, ggs, qs, first, refresh, scale) -> list[tuple]:
+        """`_leaf` on matrices of one shape with both factors, as one batch ``(B, m, n)``: the same
+        maths (``Q_L^T G Q_R`` is what `kronecker.rotate` computes), one kernel call per product
+        for all of them. Every such matrix steps here, alone or not, so that a matrix's numbers do
+        not depend on which others a rank holds."""
+        g, mu, nu = torch.stack(gs), _stacked(mus), _stacked(nus)
+        left, right = _stacked([f[0] for f in ggs]), _stacked([f[1] for f in ggs])
+        left = torch.lerp(left, (g @ g.mT).to(left.dtype), 1 - beta)
+        right = torch.lerp(right, (g.mT @ g).to(right.dtype), 1 - beta)
+        if first:
+            u, ql, qr = torch.zeros_like(g), kronecker.eigenbasis(left), kronecker.eigenbasis(right)
+        else:
+            ql, qr = _stacked([b[0] for b in qs]), _stacked([b[1] for b in qs])
+            mu = torch.lerp(mu, g, 1 - b1)
+            nu = torch.lerp(nu, (ql.mT @ g @ qr).square(), 1 - b2)
+            u = (ql @ ((ql.mT @ mu @ qr) / (nu.sqrt() + eps)) @ qr.mT) * scale
+            if refresh:
+                ql, order = kronecker.refreshed_basis(left, ql)
+                nu = nu.gather(1, order.unsqueeze(-1).expand_as(nu))
+                qr, order = kronecker.refreshed_basis(right, qr)
+                nu = nu.gather(2, order.unsqueeze(-2).expand_as(nu))
+        # views of the batch, back to back: the next step stacks them without a copy (`_stacked`)
+        u, mu, nu, left, right, ql, qr = (t.unbind() for t in (u, mu, nu, left, right, ql, qr))
+        return [(u[k], mu[k], nu[k], (left[k], right[k]), (ql[k], qr[k])) for k in range(len(gs))]
 
     def _leaf(g, mu, nu, gg, q, first, refresh, scale):
         gg = _gathered(g, gg, beta)

@@ -10,6 +10,7 @@ of the bases (`rotate`), the choice of a traced step (`pick`) and routing by nam
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from itertools import chain
 from typing import Any
@@ -25,10 +26,10 @@ __all__ = ["CALLS", "eigenbasis", "refreshed_basis", "inverse_root", "factor_of"
 CALLS: Counter = Counter()  # kernel name -> eager runs in this process
 
 
-def _count(kernel: str, m: torch.Tensor) -> None:
+def _count(kernel: str, m: torch.Tensor, matrices: int = 1) -> None:
     # a compiled graph runs without calling back here; meta tensors are a plan asking what the rule needs whole
     if not torch.compiler.is_compiling() and m.device.type != "meta":
-        CALLS[kernel] += 1
+        CALLS[kernel] += matrices
 
 
 def factor_of(g: torch.Tensor, axis: int) -> torch.Tensor:
@@ -51,13 +52,13 @@ def rotate(x: torch.Tensor, bases: tuple[torch.Tensor, ...], back: bool = False)
 
 
 def eigenbasis(m: torch.Tensor) -> torch.Tensor:
-    """The eigenvectors of symmetric ``m``, by decreasing eigenvalue (columns). A tiny ridge
-    (1e-30) keeps ``eigh`` from failing on an exactly zero factor; in float32 when ``m``'s dtype has
-    no ``eigh`` (bfloat16)."""
-    _count("eigenbasis", m)
+    """The eigenvectors of symmetric ``m`` (or of each of a batch, ``(B, n, n)``), by decreasing
+    eigenvalue (columns). A tiny ridge (1e-30) keeps ``eigh`` from failing on an exactly zero
+    factor; in float32 when ``m``'s dtype has no ``eigh`` (bfloat16)."""
+    _count("eigenbasis", m, math.prod(m.shape[:-2]))
     work = m if m.dtype in (torch.float32, torch.float64) else m.float()
-    _, q = torch.linalg.eigh(work + 1e-30 * torch.eye(m.shape[0], dtype=work.dtype, device=m.device))
-    return torch.flip(q, dims=[1]).to(m.dtype).contiguous()  # one layout each step: no recompiles
+    _, q = torch.linalg.eigh(work + 1e-30 * torch.eye(m.shape[-1], dtype=work.dtype, device=m.device))
+    return torch.flip(q, dims=[-1]).to(m.dtype).contiguous()  # one layout each step: no recompiles
 
 
 def refreshed_basis(m: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,11 +66,11 @@ def refreshed_basis(m: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, tor
     (in float32, as the SOAP authors' code does: torch's QR has no bfloat16, and the basis'
     orthogonality matters more than its last bits), and the order of its columns: by the
     estimated eigenvalues ``diag(q^T m q)``, decreasing. The caller permutes the second moment
-    along that axis by the same order."""
-    _count("refreshed_basis", m)
+    along that axis by the same order. ``m`` and ``q`` may be batches ``(B, n, n)`` (an order each)."""
+    _count("refreshed_basis", m, math.prod(m.shape[:-2]))
     product = m @ q
-    order = torch.argsort((q * product).sum(dim=0), descending=True)
-    basis, _ = torch.linalg.qr(product.index_select(1, order).to(torch.float32))
+    order = torch.argsort((q * product).sum(dim=-2), descending=True)  # (each of a batch: its own order)
+    basis, _ = torch.linalg.qr(product.gather(-1, order.unsqueeze(-2).expand_as(product)).to(torch.float32))
     return basis.to(product.dtype).contiguous(), order
 
 
