@@ -33,18 +33,19 @@ from zero.functional.base import (
 from zero.functional.combine import chain
 from zero.functional.contrib import kronecker
 from zero.functional.contrib.newton_schulz import block_shape, heads_of, join_heads, split_heads
-from zero.functional.foreach import traced
+from zero.functional.foreach import PACK_NUMEL, traced
 from zero.plans.costs.kronecker import soap_axes
 
 __all__ = ["SoapState", "scale_by_soap", "soap", "decay_after_update"]
 
 
 def _matrices(leaves: list, gg: list, dims: list) -> list[list[int]]:
-    """The leaves `scale_by_soap` steps as batches: matrices with both factors and no heads, by
-    shape, dtype and device (each list in the leaves' order)."""
+    """The leaves `scale_by_soap` steps as batches: small matrices (up to `PACK_NUMEL` elements,
+    where a step's time is its per-matrix calls; larger ones step as fast alone) with both factors
+    and no heads, by shape, dtype and device (each list in the leaves' order)."""
     out: dict = {}
     for i, (p, f, d) in enumerate(zip(leaves, gg, dims)):
-        if p.ndim == 2 and heads_of(d) == 1 and f[0].numel() and f[1].numel():
+        if p.ndim == 2 and p.numel() <= PACK_NUMEL and heads_of(d) == 1 and f[0].numel() and f[1].numel():
             out.setdefault((tuple(p.shape), p.dtype, p.device), []).append(i)
     return list(out.values())
 
