@@ -87,17 +87,19 @@ def resumed(rank: int, world_size: int, where: str, path: str, start: int, steps
     return [full(p.detach()) for p in model.parameters()]
 
 
-def crash_during_background_write(rank: int, world_size: int, path: str) -> str:
+def crash_during_background_write(rank: int, world_size: int, path: str) -> dict:
     """Save at step 3 synchronously to ``path``, step twice, then save over ``path`` in the
-    background while rank 1 dies in the middle of the write; rank 0's future says how it went."""
+    background while rank 1 dies in the middle of the write; rank 0's future says how it went, and
+    its params after step 5 are what a resume from the step-3 checkpoint must reach."""
     model, opt = _model_and_optimizer("flat", world_size)
     _steps(model, opt, range(3))
     checkpoint.save(path, model, opt)
     _steps(model, opt, range(3, 5))
+    params = [full(p.detach()) for p in model.parameters()]
     _slowed_writer(rank, die=True)
     future = checkpoint.save(path, model, opt, async_save=True)
     try:
         future.result()
     except Exception as e:  # noqa: BLE001 - the survivor learns of it from the background collective
-        return type(e).__name__
-    return "saved"
+        return {"outcome": type(e).__name__, "params": params}
+    return {"outcome": "saved", "params": params}
