@@ -16,7 +16,7 @@ GRAMNS ?= gram-newton-schulz==0.1.6
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-optax lint bench docs clean
+.PHONY: demo test test-optax notebooks lint bench docs clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV_FLAGS) $(VENV)
@@ -34,6 +34,10 @@ test: $(STAMP) lint
 # Optax's own test modules against zero.functional, with the Rosenbrock convergence runs `make test` leaves out.
 test-optax: $(STAMP)
 	ZERO_OPTAX_FULL=1 $(BIN)/python -m pytest -q tests/functional/test_optax_suite.py tests/functional/test_optax_convergence.py
+
+# The notebooks at full size (`make test` runs them small: ZERO_NOTEBOOK_SIZE=small, fewer steps, the same checks).
+notebooks: $(STAMP)
+	ZERO_NOTEBOOK_SIZE=full $(BIN)/python -m pytest -q -n 2 --dist loadgroup notebooks
 
 # The documentation site from docs/ into site/ (mkdocs-material, the API reference from the docstrings).
 docs: $(STAMP)
