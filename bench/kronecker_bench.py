@@ -101,10 +101,11 @@ def one_process(name: str, layers: int, width: int, repeat: int, every: int) -> 
 
 
 def same_shape(matrices: int, size: int, repeat: int, every: int) -> dict[str, tuple]:
-    """One process, ``matrices`` matrices of ``size`` x ``size`` (one thread): zero's SOAP against
-    pytorch_optimizer's, with zero's AdamW and Muon against torch's fastest beside them; per rule the
+    """One process, ``matrices`` matrices of ``size`` x ``size`` (one thread): zero's SOAP and Shampoo
+    against pytorch_optimizer's, with zero's AdamW and Muon against torch's fastest beside them; per rule the
     two (plain, refresh) medians."""
-    from pytorch_optimizer import SOAP
+    from pytorch_optimizer import SOAP, ScalableShampoo
+    from pytorch_optimizer.optimizer.utils.graft import LayerWiseGrafting
 
     torch.set_num_threads(1)
 
@@ -117,6 +118,9 @@ def same_shape(matrices: int, size: int, repeat: int, every: int) -> dict[str, t
 
     pairs = {"soap": (F.Optimizer(params(), F.contrib.soap(3e-3, weight_decay=0.01, precondition_frequency=every)),
                       SOAP(params(), lr=3e-3, betas=(0.95, 0.95), weight_decay=0.01, precondition_frequency=every)),
+             "shampoo": (F.Optimizer(params(), rule("shampoo", every)),
+                         ScalableShampoo(params(), lr=1e-3, graft_type=LayerWiseGrafting.RMSPROP, start_preconditioning_step=1,
+                                         preconditioning_compute_steps=every, block_size=512, use_svd=True)),
              "adamw": (F.Optimizer(params(), F.adamw(1e-3)), torch.optim.AdamW(params(), lr=1e-3, fused=True)),
              "muon": (F.Optimizer(params(), F.contrib.muon(1e-3)), torch.optim.Muon(params(), lr=1e-3))}
     return {name: timed([a.step, b.step], repeat, every, lambda: None) for name, (a, b) in pairs.items()}
@@ -133,12 +137,12 @@ def main() -> int:
     parser.add_argument("--size", type=int, default=64, help="their side (with --matrices)")
     args = parser.parse_args()
     if args.matrices:
-        print(f"{args.matrices} matrices of {args.size} x {args.size}, one process, one thread; SOAP's bases every "
+        print(f"{args.matrices} matrices of {args.size} x {args.size}, one process, one thread; bases and roots every "
               f"{args.every} steps; medians (ms) of the plain steps and of {args.repeat} refresh steps")
         for name, ((ours, ours_r), (ref, ref_r)) in same_shape(args.matrices, args.size, args.repeat,
                                                                args.every).items():
-            peer = {"soap": "pytorch_optimizer SOAP", "adamw": "torch AdamW(fused=True)", "muon": "torch Muon"}[name]
-            print(f"  {name:6s} zero {ours:7.2f} / {ours_r:7.2f}   {peer} {ref:7.2f} / {ref_r:7.2f}   "
+            peer = {"soap": "pytorch_optimizer SOAP", "shampoo": "pytorch_optimizer ScalableShampoo", "adamw": "torch AdamW(fused=True)", "muon": "torch Muon"}[name]
+            print(f"  {name:7s} zero {ours:7.2f} / {ours_r:7.2f}   {peer} {ref:7.2f} / {ref_r:7.2f}   "
                   f"{ours / ref:.2f}x / {ours_r / ref_r:.2f}x")
         return 0
     from zero.tools.launch import run

@@ -126,7 +126,14 @@ def test_a_rank_that_dies_fails_the_run_at_once_not_at_its_timeout():
 
 @pytest.mark.timeout(120)
 def test_a_run_that_leaves_the_group_unusable_returns_and_the_pool_starts_again():
-    with Pool(2) as pool:
+    with Pool(2, barrier_timeout=2.0) as pool:  # the broken group is found when its barrier times out
         assert pool.run(lw.diverges) == [0, 1]
         assert not pool.alive and pool.unsettled  # its barrier found the group broken
         assert pool.run(lw.fails_on, 5) == [0, 1]
+
+
+@pytest.mark.parametrize("kwargs, words", [({"world_size": 0}, "world_size must be a positive int, got 0"),
+                                           ({"world_size": 2, "barrier_timeout": 0}, "barrier_timeout must be a positive")])
+def test_a_pool_refuses_bad_sizes_and_timeouts_by_name(kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        Pool(**kwargs)

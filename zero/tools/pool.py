@@ -24,7 +24,7 @@ __all__ = ["Pool"]
 
 
 SETTLE_S = 30.0  # how long a pool waits, after a run, for every rank to pass the barrier that ends it
-BARRIER_S = 10.0  # that barrier's own timeout
+BARRIER_S = 10.0  # that barrier's own timeout, by default
 _SETTLED, _BROKEN = "settled", "broken"
 
 
@@ -37,13 +37,19 @@ class Pool:
     warning filters, ``threads``), and ends with a barrier, so the next run starts only once
     every rank has finished this one. A run that fails on any rank or times out ends the
     processes (a rank may be left inside a collective the failed one never joins); the next run
-    starts new ones. Use it as a context manager, or call `close`.
+    starts new ones. Use it as a context manager, or call `close`. ``barrier_timeout``: how long
+    that barrier waits for a rank before the pool counts the group broken (a run that leaves it
+    unusable costs this long).
     """
 
-    def __init__(self, world_size: int, *, pg_timeout: float = 60, start_timeout: float = 120):
+    def __init__(self, world_size: int, *, pg_timeout: float = 60, start_timeout: float = 120,
+                 barrier_timeout: float = BARRIER_S):
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+        if not barrier_timeout > 0:
+            raise ValueError(f"barrier_timeout must be a positive number of seconds, got {barrier_timeout!r}")
         self.world_size, self.pg_timeout, self.start_timeout = world_size, pg_timeout, start_timeout
+        self.barrier_timeout = barrier_timeout
         self._procs: list = []
         self._tasks: list = []
         self._results = None
@@ -71,7 +77,8 @@ class Pool:
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         port = free_port()
         self._procs = [ctx.Process(target=_pool_worker, daemon=True, name=f"zero-pool-rank{r}",
-                                   args=(r, self.world_size, port, self._tasks[r], self._results, self.pg_timeout))
+                                   args=(r, self.world_size, port, self._tasks[r], self._results, self.pg_timeout,
+                                         self.barrier_timeout))
                        for r in range(self.world_size)]
         for p in self._procs:
             p.start()
@@ -138,7 +145,7 @@ class Pool:
         self._procs, self._tasks, self._results = [], [], None
 
 
-def _pool_worker(rank, world_size, port, tasks, results, pg_timeout):
+def _pool_worker(rank, world_size, port, tasks, results, pg_timeout, barrier_timeout):
     import torch
     import torch.distributed as dist
 
@@ -155,7 +162,7 @@ def _pool_worker(rank, world_size, port, tasks, results, pg_timeout):
         try:
             if not ok:
                 raise RuntimeError("the run failed")
-            _ended(store, task, world_size)
+            _ended(store, task, world_size, barrier_timeout)
         except BaseException:  # noqa: BLE001 - the parent starts the pool again
             results.put((task, rank, _BROKEN, traceback.format_exc()))
             results.close()
@@ -164,7 +171,7 @@ def _pool_worker(rank, world_size, port, tasks, results, pg_timeout):
         results.put((task, rank, _SETTLED, None))
 
 
-def _ended(store, task: int, world_size: int) -> None:
+def _ended(store, task: int, world_size: int, barrier_timeout: float) -> None:
     """The end of a pooled run on this rank: once every rank has left ``fn`` (counted through the
     store, apart from the group's collectives, so that no rank still in ``fn`` meets a collective
     of the pool's), each drops zero's bookkeeping of the run, then a barrier on the group checks
@@ -177,7 +184,7 @@ def _ended(store, task: int, world_size: int) -> None:
     while store.add(key, 0) < world_size:
         time.sleep(0.002)
     _forget_run()
-    dist.monitored_barrier(timeout=datetime.timedelta(seconds=BARRIER_S))
+    dist.monitored_barrier(timeout=datetime.timedelta(seconds=barrier_timeout))
 
 
 class _FreshState:
