@@ -34,6 +34,7 @@ from zero.functional.base import (
 from zero.functional.combine import chain
 from zero.functional.contrib import kronecker
 from zero.functional.contrib.newton_schulz import block_shape, head_axis, heads_of, join_heads, split_heads
+from zero.functional.foreach import elementwise_map, traced
 from zero.plans.costs.kronecker import BlockLayout
 
 __all__ = ["ShampooState", "scale_by_shampoo", "shampoo", "GRAFTS", "PRECONDITIONER_TYPES"]
@@ -88,6 +89,9 @@ def _preconditioned(layout: BlockLayout, g: torch.Tensor, roots: tuple) -> torch
     rank, out = sum(layout.axes), []
     for i, block in enumerate(_blocks(layout, g.to(roots[0].dtype))):
         mine = iter(roots[i * rank:(i + 1) * rank])
+        if layout.axes == (True, True):  # a matrix with both factors: L^T B R, two products
+            out.append(torch.mm(torch.mm(next(mine).T, block), next(mine)))
+            continue
         for keep in layout.axes:
             block = torch.tensordot(block, next(mine), dims=[[0], [0]]) if keep else block.permute(
                 [*range(1, block.ndim), 0])
@@ -98,8 +102,8 @@ def _preconditioned(layout: BlockLayout, g: torch.Tensor, roots: tuple) -> torch
 def _gathered(layout: BlockLayout, g: torch.Tensor, stats: tuple, b2: float) -> tuple:
     w2 = 1.0 if b2 == 1.0 else 1 - b2
     blocks = _blocks(layout, g.to(stats[0].dtype))
-    grams = [kronecker.factor_of(block, a) for block in blocks for a, keep in enumerate(layout.axes) if keep]
-    return tuple(s * b2 + w2 * gram for s, gram in zip(stats, grams))
+    axes = [(block, a) for block in blocks for a, keep in enumerate(layout.axes) if keep]
+    return tuple(kronecker.factor_updated(s, block, a, b2, w2) for s, (block, a) in zip(stats, axes))
 
 
 def _scaled(x: torch.Tensor, scale: torch.Tensor, d: Any) -> torch.Tensor:
@@ -109,15 +113,23 @@ def _scaled(x: torch.Tensor, scale: torch.Tensor, d: Any) -> torch.Tensor:
     return join_heads(split_heads(x, d) * scale, d)
 
 
-def _graft(kind: str, g: torch.Tensor, second: torch.Tensor, b2: float, eps: float):
-    """The graft's second moment after ``g``, and its direction."""
+def _plus(t: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """``t + other``, into ``t`` (a temporary of the caller's: no fresh buffer for each sum of
+    packed leaves); out of place under a transform, where ``t`` may have fewer batch axes."""
+    return t + other if traced() else t.add_(other)
+
+
+def _grafts(kind: str, gs: list[torch.Tensor], seconds: list[torch.Tensor], b2: float, eps: float) -> tuple:
+    """The graft's second moments after ``gs``, and its directions: every leaf at once, small
+    leaves packed (`elementwise_map`: a few kernels for hundreds of small matrices, the same
+    elementwise operations as one leaf at a time)."""
     if kind == "adagrad":
-        second = second + g * g
+        seconds = elementwise_map(lambda g, s: _plus(g * g, s), gs, seconds)
     elif kind == "rmsprop":
-        second = second * b2 + (1 - b2) * (g * g)
+        seconds = elementwise_map(lambda g, s: _plus(s * b2, (1 - b2) * (g * g)), gs, seconds)
     if kind in ("adagrad", "rmsprop"):
-        return second, g / (second.sqrt() + eps)
-    return second, g.sign() if kind == "sqrtn" else g
+        return seconds, elementwise_map(lambda g, s: g / (s.sqrt() + eps), gs, seconds)
+    return seconds, [g.sign() for g in gs] if kind == "sqrtn" else list(gs)
 
 
 def scale_by_shampoo(b1: float = 0.9, b2: float = 0.999, *, moving_average_for_momentum: bool = False,
@@ -247,9 +259,10 @@ def scale_by_shampoo(b1: float = 0.9, b2: float = 0.999, *, moving_average_for_m
         when = _when(t)
         cols = [treedef.flatten_up_to(x) for x in (state.graft_statistics, state.statistics, state.preconditioners)]
         ps = treedef.flatten_up_to(params) if weight_decay else [None] * len(leaves)
-        firsts = [_directions(g, second, stats, roots, when, lay) for g, second, stats, roots, lay in zip(
-            leaves, *cols, lays)]
-        shampoo_dirs, graft_dirs = [f[0] for f in firsts], [f[1] for f in firsts]
+        seconds, graft_dirs = _grafts(graft_type, leaves, cols[0], b2, diagonal_eps)
+        firsts = [_directions(g, graft_dir, stats, roots, when, lay) for g, graft_dir, stats, roots, lay in zip(
+            leaves, graft_dirs, *cols[1:], lays)]
+        shampoo_dirs = [f[0] for f in firsts]
         if graft_type != "none":
             dims = _dims(updates, leaves)
             scales = graft_scales(graft_dirs, shampoo_dirs, dims)
@@ -257,13 +270,15 @@ def scale_by_shampoo(b1: float = 0.9, b2: float = 0.999, *, moving_average_for_m
         if weight_decay:
             shampoo_dirs = [d + weight_decay * p for d, p in zip(shampoo_dirs, ps)]
             graft_dirs = [d + weight_decay * p for d, p in zip(graft_dirs, ps)]
-        moms = [_momentum(m, d) for m, d in zip(treedef.flatten_up_to(state.momentum), shampoo_dirs)]
-        graft_moms = [gm * b1 + d * w for gm, d in zip(treedef.flatten_up_to(state.graft_momentum), graft_dirs)]
-        out = [_step(*x, when[2]) for x in zip(moms, graft_moms, shampoo_dirs, graft_dirs)]
+        # the element-wise rest for every leaf at once, small leaves packed (as the graft's)
+        moms = elementwise_map(_momentum, treedef.flatten_up_to(state.momentum), shampoo_dirs)
+        graft_moms = elementwise_map(lambda gm, d: _plus(gm * b1, d if w == 1.0 else d * w),
+                                     treedef.flatten_up_to(state.graft_momentum), graft_dirs)
+        out = elementwise_map(lambda *x: _step(*x, when[2]), moms, graft_moms, shampoo_dirs, graft_dirs)
         return treedef.unflatten(out), ShampooState(
-            count_inc(state.count), treedef.unflatten(moms), treedef.unflatten([f[2] for f in firsts]),
-            treedef.unflatten(graft_moms), treedef.unflatten([f[3] for f in firsts]),
-            treedef.unflatten([f[4] for f in firsts]))
+            count_inc(state.count), treedef.unflatten(moms), treedef.unflatten(seconds),
+            treedef.unflatten(graft_moms), treedef.unflatten([f[1] for f in firsts]),
+            treedef.unflatten([f[2] for f in firsts]))
 
     def _dims(tree, leaves) -> list:
         found = kronecker.labels(weight_dimension_numbers, tree, leaves, "weight_dimension_numbers")
@@ -277,26 +292,25 @@ def scale_by_shampoo(b1: float = 0.9, b2: float = 0.999, *, moving_average_for_m
         return (torch.remainder(t, statistics_compute_steps) == 0,
                 torch.remainder(t, preconditioning_compute_steps) == 0, t >= start_preconditioning_step)
 
-    def _directions(g, second, stats, roots, when, lay):
-        """The (ungrafted) preconditioned and graft directions, the graft's and factors' new state."""
+    def _directions(g, graft_dir, stats, roots, when, lay):
+        """The (ungrafted) preconditioned direction and the factors' new state."""
         gather, compute, _ = when
-        second, graft_dir = _graft(graft_type, g, second, b2, diagonal_eps)
         if not lay.preconditioned:
-            return graft_dir.clone(), graft_dir, second, stats, roots
+            return graft_dir.clone(), stats, roots
         if gather is not False:
             stats = kronecker.pick(gather, _gathered(lay, g, stats, b2), stats)
         if compute is not False:
             roots = kronecker.pick(compute, tuple(kronecker.inverse_root(s, lay.exponent) for s in stats), roots)
-        return _preconditioned(lay, g, roots), graft_dir, second, stats, roots
+        return _preconditioned(lay, g, roots), stats, roots
 
     def _momentum(m, d):
-        return torch.lerp(m, d, w) if moving_average_for_momentum else m * b1 + d
+        return torch.lerp(m, d, w) if moving_average_for_momentum else _plus(m * b1, d)
 
     def _step(mom, graft_mom, shampoo_dir, graft_dir, preconditioning):
         update = kronecker.pick(preconditioning, mom, graft_mom)
         if nesterov:
             last = kronecker.pick(preconditioning, shampoo_dir, graft_dir)
-            update = torch.lerp(update, last, w) if moving_average_for_momentum else update * b1 + last
+            update = torch.lerp(update, last, w) if moving_average_for_momentum else _plus(update * b1, last)
         return update
 
     spec = Spec("scale_by_shampoo", {

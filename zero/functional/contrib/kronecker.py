@@ -21,7 +21,8 @@ from zero.functional import sharding
 from zero.functional.contrib.newton_schulz import matrix_axes
 from zero.functional.contrib.routing import check_cut, dims_per_leaf
 
-__all__ = ["CALLS", "eigenbasis", "refreshed_basis", "inverse_root", "factor_of", "rotate", "pick", "labels"]
+__all__ = ["CALLS", "eigenbasis", "refreshed_basis", "inverse_root", "factor_of", "factor_updated", "rotate", "pick",
+           "labels"]
 
 CALLS: Counter = Counter()  # kernel name -> eager runs in this process
 
@@ -37,6 +38,14 @@ def factor_of(g: torch.Tensor, axis: int) -> torch.Tensor:
     statistic of that axis' Kronecker factor), summed over every other axis."""
     others = [*chain(range(axis), range(axis + 1, g.ndim))]
     return torch.tensordot(g, g, dims=[others, others])
+
+
+def factor_updated(f: torch.Tensor, g: torch.Tensor, axis: int, decay: float, weight: float) -> torch.Tensor:
+    """``decay * f + weight * G_(axis) G_(axis)^T``: a factor's statistic after ``g``, in one
+    ``addmm`` (the product and both scalings in one BLAS call, where `factor_of` and the sum take
+    four kernels and three temporaries: Shampoo's step over many small matrices is mostly those)."""
+    unfolded = g.movedim(axis, 0).reshape(g.shape[axis], -1)
+    return torch.addmm(f, unfolded, unfolded.T, beta=decay, alpha=weight)
 
 
 def rotate(x: torch.Tensor, bases: tuple[torch.Tensor, ...], back: bool = False) -> torch.Tensor:
