@@ -119,8 +119,9 @@ def same_shape(matrices: int, size: int, repeat: int, every: int) -> dict[str, t
     pairs = {"soap": (F.Optimizer(params(), F.contrib.soap(3e-3, weight_decay=0.01, precondition_frequency=every)),
                       SOAP(params(), lr=3e-3, betas=(0.95, 0.95), weight_decay=0.01, precondition_frequency=every)),
              "shampoo": (F.Optimizer(params(), rule("shampoo", every)),
-                         ScalableShampoo(params(), lr=1e-3, graft_type=LayerWiseGrafting.RMSPROP, start_preconditioning_step=1,
-                                         preconditioning_compute_steps=every, block_size=512, use_svd=True)),
+                         ScalableShampoo(params(), lr=1e-3, graft_type=LayerWiseGrafting.RMSPROP,
+                                         start_preconditioning_step=1, preconditioning_compute_steps=every,
+                                         block_size=512, use_svd=True)),
              "adamw": (F.Optimizer(params(), F.adamw(1e-3)), torch.optim.AdamW(params(), lr=1e-3, fused=True)),
              "muon": (F.Optimizer(params(), F.contrib.muon(1e-3)), torch.optim.Muon(params(), lr=1e-3))}
     return {name: timed([a.step, b.step], repeat, every, lambda: None) for name, (a, b) in pairs.items()}
@@ -141,7 +142,8 @@ def main() -> int:
               f"{args.every} steps; medians (ms) of the plain steps and of {args.repeat} refresh steps")
         for name, ((ours, ours_r), (ref, ref_r)) in same_shape(args.matrices, args.size, args.repeat,
                                                                args.every).items():
-            peer = {"soap": "pytorch_optimizer SOAP", "shampoo": "pytorch_optimizer ScalableShampoo", "adamw": "torch AdamW(fused=True)", "muon": "torch Muon"}[name]
+            peer = {"soap": "pytorch_optimizer SOAP", "shampoo": "pytorch_optimizer ScalableShampoo",
+                    "adamw": "torch AdamW(fused=True)", "muon": "torch Muon"}[name]
             print(f"  {name:7s} zero {ours:7.2f} / {ours_r:7.2f}   {peer} {ref:7.2f} / {ref_r:7.2f}   "
                   f"{ours / ref:.2f}x / {ours_r / ref_r:.2f}x")
         return 0
