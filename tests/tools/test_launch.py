@@ -132,8 +132,9 @@ def test_a_run_that_leaves_the_group_unusable_returns_and_the_pool_starts_again(
         assert pool.run(lw.fails_on, 5) == [0, 1]
 
 
-@pytest.mark.parametrize("kwargs, words", [({"world_size": 0}, "world_size must be a positive int, got 0"),
-                                           ({"world_size": 2, "barrier_timeout": 0}, "barrier_timeout must be a positive")])
+@pytest.mark.parametrize("kwargs, words", [
+    ({"world_size": 0}, "world_size must be a positive int, got 0"),
+    ({"world_size": 2, "barrier_timeout": 0}, "barrier_timeout must be a positive")])
 def test_a_pool_refuses_bad_sizes_and_timeouts_by_name(kwargs, words):
     with pytest.raises(ValueError, match=words):
         Pool(**kwargs)
