@@ -125,6 +125,9 @@ def test_compiled_and_vmapped_equal_eager(rule):
 
     tx, params, grads = RULES[rule](), _params(TRACED_SHAPES), [_grads(s, TRACED_SHAPES) for s in range(8)]
     eager = _steps(tx, tx.update, params, grads)
+    # each rule's graphs counted alone: dynamo keeps what it learnt compiling the chain's shared
+    # code (combine's update) for another rule, and may then trace this one twice (static, dynamic)
+    torch._dynamo.reset()
     counter = CompileCounterWithBackend("aot_eager")
     compiled = _steps(tx, torch.compile(tx.update, fullgraph=True, backend=counter), params, grads)
     ensemble = _steps(tx, torch.func.vmap(tx.update), {n: torch.stack([p, p + 1]) for n, p in params.items()},

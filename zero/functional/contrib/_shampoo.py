@@ -34,7 +34,7 @@ from zero.functional.base import (
 from zero.functional.combine import chain
 from zero.functional.contrib import kronecker
 from zero.functional.contrib.newton_schulz import block_shape, head_axis, heads_of, join_heads, split_heads
-from zero.functional.foreach import elementwise_map, traced
+from zero.functional.foreach import foreach_map, traced
 from zero.plans.costs.kronecker import BlockLayout
 
 __all__ = ["ShampooState", "scale_by_shampoo", "shampoo", "GRAFTS", "PRECONDITIONER_TYPES"]
@@ -121,15 +121,18 @@ def _plus(t: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
 
 def _grafts(kind: str, gs: list[torch.Tensor], seconds: list[torch.Tensor], b2: float, eps: float) -> tuple:
     """The graft's second moments after ``gs``, and its directions: every leaf at once, small
-    leaves packed (`elementwise_map`: a few kernels for hundreds of small matrices, the same
+    leaves packed once (`foreach_map`: a few kernels for hundreds of small matrices, the same
     elementwise operations as one leaf at a time)."""
-    if kind == "adagrad":
-        seconds = elementwise_map(lambda g, s: _plus(g * g, s), gs, seconds)
-    elif kind == "rmsprop":
-        seconds = elementwise_map(lambda g, s: _plus(s * b2, (1 - b2) * (g * g)), gs, seconds)
-    if kind in ("adagrad", "rmsprop"):
-        return seconds, elementwise_map(lambda g, s: g / (s.sqrt() + eps), gs, seconds)
-    return seconds, [g.sign() for g in gs] if kind == "sqrtn" else list(gs)
+    if kind not in ("adagrad", "rmsprop"):
+        return seconds, [g.sign() for g in gs] if kind == "sqrtn" else list(gs)
+
+    def second(g, s):
+        return _plus(g * g, s) if kind == "adagrad" else _plus(s * b2, (1 - b2) * (g * g))
+
+    def both(gs, seconds):
+        seconds = [second(g, s) for g, s in zip(gs, seconds)]
+        return seconds, [g / (s.sqrt() + eps) for g, s in zip(gs, seconds)]
+    return foreach_map(both, gs, seconds, outputs=2)
 
 
 def scale_by_shampoo(b1: float = 0.9, b2: float = 0.999, *, moving_average_for_momentum: bool = False,
@@ -270,11 +273,9 @@ def scale_by_shampoo(b1: float = 0.9, b2: float = 0.999, *, moving_average_for_m
         if weight_decay:
             shampoo_dirs = [d + weight_decay * p for d, p in zip(shampoo_dirs, ps)]
             graft_dirs = [d + weight_decay * p for d, p in zip(graft_dirs, ps)]
-        # the element-wise rest for every leaf at once, small leaves packed (as the graft's)
-        moms = elementwise_map(_momentum, treedef.flatten_up_to(state.momentum), shampoo_dirs)
-        graft_moms = elementwise_map(lambda gm, d: _plus(gm * b1, d if w == 1.0 else d * w),
-                                     treedef.flatten_up_to(state.graft_momentum), graft_dirs)
-        out = elementwise_map(lambda *x: _step(*x, when[2]), moms, graft_moms, shampoo_dirs, graft_dirs)
+        # the element-wise rest for every leaf at once, small leaves packed once (as the graft's)
+        out, moms, graft_moms = foreach_map(lambda *lists: _momenta(*lists, when[2]), treedef.flatten_up_to(
+            state.momentum), treedef.flatten_up_to(state.graft_momentum), shampoo_dirs, graft_dirs, outputs=3)
         return treedef.unflatten(out), ShampooState(
             count_inc(state.count), treedef.unflatten(moms), treedef.unflatten(seconds),
             treedef.unflatten(graft_moms), treedef.unflatten([f[1] for f in firsts]),
@@ -302,6 +303,12 @@ def scale_by_shampoo(b1: float = 0.9, b2: float = 0.999, *, moving_average_for_m
         if compute is not False:
             roots = kronecker.pick(compute, tuple(kronecker.inverse_root(s, lay.exponent) for s in stats), roots)
         return _preconditioned(lay, g, roots), stats, roots
+
+    def _momenta(ms, gms, shampoo_dirs, graft_dirs, preconditioning):
+        """The updates, the momentum and the graft's momentum, leaf by leaf (packed)."""
+        moms = [_momentum(m, d) for m, d in zip(ms, shampoo_dirs)]
+        graft_moms = [_plus(gm * b1, d if w == 1.0 else d * w) for gm, d in zip(gms, graft_dirs)]
+        return [_step(*x, preconditioning) for x in zip(moms, graft_moms, shampoo_dirs, graft_dirs)], moms, graft_moms
 
     def _momentum(m, d):
         return torch.lerp(m, d, w) if moving_average_for_momentum else _plus(m * b1, d)
