@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from itertools import chain
 from typing import Any
 
 import torch
@@ -33,18 +32,23 @@ def _count(kernel: str, m: torch.Tensor, matrices: int = 1) -> None:
         CALLS[kernel] += matrices
 
 
+def _unfolded(g: torch.Tensor, axis: int) -> torch.Tensor:
+    """``G_(axis)``: ``g`` as a matrix, a row per index of ``axis`` (every other axis along it)."""
+    return g.movedim(axis, 0).reshape(g.shape[axis], -1)
+
+
 def factor_of(g: torch.Tensor, axis: int) -> torch.Tensor:
     """``G_(axis) G_(axis)^T``: the Gram matrix of ``g`` unfolded along ``axis`` (the
     statistic of that axis' Kronecker factor), summed over every other axis."""
-    others = [*chain(range(axis), range(axis + 1, g.ndim))]
-    return torch.tensordot(g, g, dims=[others, others])
+    unfolded = _unfolded(g, axis)
+    return unfolded @ unfolded.T
 
 
 def factor_updated(f: torch.Tensor, g: torch.Tensor, axis: int, decay: float, weight: float) -> torch.Tensor:
     """``decay * f + weight * G_(axis) G_(axis)^T``: a factor's statistic after ``g``, in one
     ``addmm`` (the product and both scalings in one BLAS call, where `factor_of` and the sum take
-    four kernels and three temporaries: Shampoo's step over many small matrices is mostly those)."""
-    unfolded = g.movedim(axis, 0).reshape(g.shape[axis], -1)
+    three kernels and two temporaries: Shampoo's step over many small matrices is mostly those)."""
+    unfolded = _unfolded(g, axis)
     return torch.addmm(f, unfolded, unfolded.T, beta=decay, alpha=weight)
 
 
