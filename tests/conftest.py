@@ -9,9 +9,9 @@ import tempfile
 # in every process) oversubscribes them: with it a notebook took 303 s beside the suite, with one
 # thread 27 s. The child processes inherit it; a value already set is kept.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# The notebooks' training runs and simulations at the size the suite affords: fewer steps (and no
-# 64-rank runs in zero_at_scale, whose modes test_simulate checks), every check kept. Unset (a
-# reader running a notebook) they run full size.
+# The notebooks' training runs and simulations at the size the suite affords (`zero.tools.notebook`):
+# fewer steps, and no 64-rank runs in zero_at_scale; every check kept. Unset (a reader running a
+# notebook) they run full size.
 os.environ.setdefault("ZERO_NOTEBOOK_SIZE", "small")
 
 import pytest  # noqa: E402
