@@ -6,6 +6,7 @@ hits all alike. Consolidation (``consolidate_state_dict`` + ``state_dict``) runs
 processes, one per implementation, so its peak-RSS growth is its own.
 
     python bench/zero_bench.py [--steps 30] [--rounds 3] [--foreach] [--json out.json] [--check-in | --local-step]
+    python bench/zero_bench.py --ranks 3 --optimizer AdamW --model "400 x Linear(64,64)" --no-consolidate
 """
 
 from __future__ import annotations
@@ -29,7 +30,11 @@ from zero.backends import ZeroRedundancyOptimizer as Zero
 from zero.backends.local_optimizer import state_nbytes
 from zero.tools.launch import free_port
 
-MODELS = {"200 x Linear(64,64)": (200, 64), "8 x Linear(1024,1024)": (8, 1024)}
+MODELS = {"200 x Linear(64,64)": (200, 64), "8 x Linear(1024,1024)": (8, 1024), "400 x Linear(64,64)": (400, 64)}
+DEFAULT_MODELS = ("200 x Linear(64,64)", "8 x Linear(1024,1024)")
+# the rule every optimizer steps with (``--optimizer``): torch's class and its settings
+RULES = {"Adam": (torch.optim.Adam, {"lr": 1e-3}), "AdamW": (torch.optim.AdamW, {"lr": 1e-3}),
+         "SGD": (torch.optim.SGD, {"lr": 1e-3, "momentum": 0.9})}
 IMPLS = {"zero": Zero, "torch": TorchZero}
 # (impl, parameters_as_bucket_view): "default" passes none (torch: False; zero: None, row views for
 # small params and direct broadcasts for large ones), "own" passes False, "bucket" passes True.
@@ -44,10 +49,10 @@ def _model(layers: int, width: int) -> nn.Module:
     return model
 
 
-def _init(rank: int, port: int) -> None:
+def _init(rank: int, port: int, world_size: int = 2) -> None:
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(minutes=5))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(minutes=5))
 
 
 def _time_steps(opt, steps: int) -> list[float]:
@@ -75,12 +80,13 @@ def _interleaved(opts: dict, steps: int, rounds: int) -> dict:
     return times
 
 
-def step_worker(rank, port, name, steps, rounds, foreach, out):
-    _init(rank, port)
+def step_worker(rank, port, world_size, name, steps, rounds, foreach, rule, out):
+    _init(rank, port, world_size)
+    cls, settings = RULES[rule]
     opts = {}
     extra = {"foreach": True} if foreach else {}  # torch's foreach step given to every optimizer alike
     for impl, bv in MODES:
-        opts[impl, bv] = IMPLS[impl](_model(*MODELS[name]).parameters(), torch.optim.Adam,
+        opts[impl, bv] = IMPLS[impl](_model(*MODELS[name]).parameters(), cls,
                                      **({} if bv == "default" else {"parameters_as_bucket_view": bv == "bucket"}),
                                      lr=1e-3, **extra)
     times = _interleaved(opts, steps, rounds)
@@ -161,10 +167,11 @@ def consolidate_worker(rank, port, impl, out):
     dist.destroy_process_group()
 
 
-def _spawn(fn, *args) -> list:
+def _spawn(fn, *args, ranks: int = 2) -> list:
     port = free_port()
     q = mp.get_context("spawn").Queue()
-    ctx = mp.start_processes(fn, args=(port, *args, q), nprocs=2, start_method="spawn", join=False)
+    args = (ranks, *args) if fn is step_worker else args
+    ctx = mp.start_processes(fn, args=(port, *args, q), nprocs=ranks, start_method="spawn", join=False)
     results = []
     while not ctx.join(timeout=0.5):
         pass
@@ -182,20 +189,28 @@ def main() -> int:
     ap.add_argument("--check-in", action="store_true", help="only measure what the per-step check-in costs")
     ap.add_argument("--foreach", action="store_true",
                     help="pass foreach=True to every optimizer (torch's CPU default, foreach=None, is the for-loop)")
+    ap.add_argument("--ranks", type=int, default=2, help="gloo ranks of the step table")
+    ap.add_argument("--optimizer", choices=sorted(RULES), default="Adam",
+                    help="the rule of the step table (SGD: with momentum 0.9)")
+    ap.add_argument("--model", action="append", choices=sorted(MODELS),
+                    help=f"a model of the step table (repeat it; default: {', '.join(DEFAULT_MODELS)})")
+    ap.add_argument("--no-consolidate", action="store_true", help="leave out the consolidation table")
     ap.add_argument("--local-step", action="store_true",
                     help="only compare the local rule given as a torch class or a zero.functional rule")
     args = ap.parse_args()
     if args.check_in or args.local_step:
         from rich.console import Console
 
-        for name in MODELS:
+        for name in args.model or DEFAULT_MODELS:
             for r in _spawn(local_step_worker if args.local_step else check_in_worker, name, args.steps, args.rounds):
                 Console().print(r["model"], {k: round(v, 2) for k, v in r["step_ms"].items()})
         return 0
-    report = {"torch": torch.__version__, "foreach": args.foreach, "steps": [], "consolidate": []}
-    for name in MODELS:
-        report["steps"] += _spawn(step_worker, name, args.steps, args.rounds, args.foreach)
-    for impl in IMPLS:
+    report = {"torch": torch.__version__, "foreach": args.foreach, "ranks": args.ranks, "optimizer": args.optimizer,
+              "steps": [], "consolidate": []}
+    for name in args.model or DEFAULT_MODELS:
+        report["steps"] += _spawn(step_worker, name, args.steps, args.rounds, args.foreach, args.optimizer,
+                                  ranks=args.ranks)
+    for impl in () if args.no_consolidate else IMPLS:
         report["consolidate"] += _spawn(consolidate_worker, impl)
     _print(report)
     if args.plot:
@@ -215,7 +230,8 @@ def _print(report: dict) -> None:
 
     console = Console()
     given = ", foreach=True given to all" if report.get("foreach") else ""
-    table = Table(title=f"Adam step, 2 gloo ranks, 1 thread each (median ms){given}")
+    table = Table(title=f"{report.get('optimizer', 'Adam')} step, {report.get('ranks', 2)} gloo ranks, "
+                        f"1 thread each (median ms){given}")
     for col in ("model", "torch default", "torch bucket view", "zero default", "x torch's fastest",
                 "zero own storage (False)", "zero bucket view", "x torch bucket view"):
         table.add_column(col, justify="right")
@@ -227,6 +243,8 @@ def _print(report: dict) -> None:
                       f"{ms['zero/bucket']:.2f}",
                       f"{ms['zero/bucket'] / ms['torch/bucket']:.2f}x")
     console.print(table)
+    if not report["consolidate"]:
+        return
     cons = Table(title="consolidate_state_dict(to=0) + state_dict(), 8 x Linear(1024,1024), Adam")
     for col in ("impl", "rank", "seconds", "peak RSS growth", "local state"):
         cons.add_column(col, justify="right")

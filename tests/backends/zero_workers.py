@@ -670,3 +670,33 @@ def from_optax_on_ranks(rank: int, world_size: int, per_tensor: bool | None) -> 
             p.grad = torch.full_like(p, 1.0 + k)
         opt.step()
     return [p.detach().clone() for p in model.parameters()]
+
+
+def local_foreach(rank, world_size):
+    """See test_local_foreach.test_zero_takes_foreach_invisibly."""
+    def build(cls=torch.optim.Adam, impl=Zero, **kw):
+        model = make_model("small")
+        groups = groups_of(model)
+        return model, impl(groups, cls, lr=1e-2, **kw)
+
+    model, opt = build()
+    twin, ref = build(impl=TorchZero)
+    for step in range(5):
+        for m in (model, twin):
+            set_grads(m, fixed_grads(list(m.parameters()), step))
+        opt.step()
+        ref.step()
+    equal = all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
+    saved = opt.state_dict()["param_groups"]
+    _, user = build(foreach=False)
+    user.step()
+    _, tensor_lr = build(torch.optim.SGD, momentum=0.9)
+    for g in tensor_lr.param_groups:
+        g["lr"] = torch.tensor(1e-2)
+    _, other = build(torch.optim.RMSprop)
+    for o in (tensor_lr, other):
+        o.step()
+    return {"local": [g["foreach"] for g in opt.optim.param_groups], "outer": [g["foreach"] for g in opt.param_groups],
+            "saved": [g["foreach"] for g in saved], "user_false": [user.optim.param_groups[0]["foreach"]],
+            "tensor_lr": [tensor_lr.optim.param_groups[0]["foreach"]],
+            "other_class": [other.optim.param_groups[0]["foreach"]], "equal_to_torch": equal}

@@ -18,8 +18,10 @@ from zero.functional import GradientTransformation, Optimizer
 from zero.functional.adapters.group_settings import check_not_optax, from_factory
 from zero.functional.adapters.torch_rules import TORCH_CLASSES, from_torch
 from zero.plans.holdings import Holdings, LocalTensor
+from zero.plans.local_step import takes_foreach
 
-__all__ = ["make_local_optimizer", "rule_of", "local_groups", "copy_hyperparams", "is_functional", "check_state_keys",
+__all__ = ["make_local_optimizer", "rule_of", "local_groups", "copy_hyperparams", "choose_foreach", "is_functional",
+           "check_state_keys",
            "per_element_keys", "check_shardable", "initial_state", "state_nbytes", "is_per_element",
            "saved_by_settings", "mentions", "opaque_optax", "check_one_rank_steps_all"]
 
@@ -95,15 +97,61 @@ def local_groups(param_groups: list[dict], held: Holdings, tensor_of: Callable[[
     return out
 
 
-def copy_hyperparams(src: list[dict], dst: list[dict]) -> None:
-    """Copy every group setting but ``params`` and their names (lr schedulers write one side,
-    optimizers read the other)."""
+def copy_hyperparams(src: list[dict], dst: list[dict], skip: tuple[str, ...] = ()) -> None:
+    """Copy every group setting but ``params``, their names and ``skip`` (lr schedulers write one
+    side, optimizers read the other)."""
     if len(src) != len(dst):
         raise RuntimeError(f"{len(src)} param groups cannot sync with {len(dst)}")
     for s, d in zip(src, dst):
         for key, value in s.items():
-            if key not in ("params", "param_names"):
+            if key not in ("params", "param_names") and key not in skip:
                 d[key] = value
+
+
+# torch's classes whose foreach step is bitwise their for-loop step on the CPU, every option, in
+# float32 and float64 (tests/backends/test_local_foreach.py; bfloat16 differs in the last bit).
+# Which of their groups take it is the plan's rule (`zero.plans.local_step.takes_foreach`), which
+# the footprint counts the temporaries of.
+FOREACH_ON_CPU = frozenset({"Adam", "AdamW", "SGD"})
+
+
+def choose_foreach(optim: torch.optim.Optimizer) -> bool:
+    """Give torch's foreach step to each of the local optimizer's groups that leaves the choice
+    to torch (``foreach=None``, not fused, differentiable or capturable, no tensor ``lr`` or
+    ``betas``) where ``optim`` is one of `FOREACH_ON_CPU` and the group's tensors are what
+    `zero.plans.local_step.takes_foreach` takes (one CPU dtype, float32 or float64, small and few
+    enough). Whether it did: the outer groups then keep their ``None``
+    (`zero.backends.rank_state.RankState.pull`)."""
+    cls = type(optim)
+    if cls.__name__ not in FOREACH_ON_CPU or getattr(torch.optim, cls.__name__, None) is not cls:
+        return False
+    chose = False
+    seen = optim.__dict__.setdefault("_zero_foreach_tensors", {})  # id(params) -> (params, size, answer)
+    for g in optim.param_groups:
+        if g.get("foreach", False) is None and _settings_allow(g) and _tensors_allow(g["params"], seen):
+            g["foreach"] = chose = True
+    return chose
+
+
+def _settings_allow(group: dict) -> bool:
+    if group.get("fused") or group.get("differentiable") or group.get("capturable"):
+        return False
+    if any(isinstance(v, torch.Tensor) for v in (group.get("lr"), *group.get("betas", ()))):  # for-loop only
+        return False
+    # SGD's foreach step would add the momentum into the user's own gradients
+    return not (group.get("nesterov") and not group.get("weight_decay") and not group.get("maximize"))
+
+
+def _tensors_allow(params: list[torch.Tensor], seen: dict) -> bool:
+    """`takes_foreach` of a group's tensors, asked once per list of them (every step calls this;
+    masters adopted or a group added make a new list)."""
+    known = seen.get(id(params))
+    if known is None or known[0] is not params or known[1] != len(params):
+        dtypes = {p.dtype for p in params}
+        answer = len(dtypes) == 1 and all(p.is_cpu for p in params) and takes_foreach(
+            "cpu", str(dtypes.pop()).removeprefix("torch."), [p.numel() for p in params])
+        known = seen[id(params)] = (params, len(params), answer)
+    return known[2]
 
 
 def check_state_keys(saved: dict, optim: torch.optim.Optimizer) -> None:

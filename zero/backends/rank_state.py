@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from zero.backends import comm
-from zero.backends.local_optimizer import copy_hyperparams, is_functional, per_element_keys
+from zero.backends.local_optimizer import choose_foreach, copy_hyperparams, is_functional, per_element_keys
 from zero.backends.precision import MASTER_KEY, Masters, Scaling
 from zero.functional import sharding
 from zero.plans.holdings import Holdings, holdings
@@ -100,12 +100,17 @@ class RankState:
     # -- settings: the outer groups are the truth ------------------------------------------------
 
     def push(self) -> None:
-        """Copy the outer groups' settings into the local optimizer's (before it reads them)."""
+        """Copy the outer groups' settings into the local optimizer's (before it reads them); on
+        the CPU torch's foreach step where the user left ``foreach`` to torch and its numbers are
+        the for-loop's bits (`zero.backends.local_optimizer.choose_foreach`)."""
         copy_hyperparams(self.param_groups, self.optim.param_groups)
+        self._chose_foreach = choose_foreach(self.optim)
+
+    _chose_foreach = False  # the local groups' foreach=True is zero's choice, not the user's setting
 
     def pull(self) -> None:
         """Bring back the settings the local optimizer fills in (when built, loaded or stepped)."""
-        copy_hyperparams(self.optim.param_groups, self.param_groups)
+        copy_hyperparams(self.optim.param_groups, self.param_groups, ("foreach",) if self._chose_foreach else ())
 
     def stepped(self) -> None:
         """Count a step every rank agreed to take, and bring back the settings the local optimizer

@@ -22,7 +22,9 @@ process group and compares. The categories:
   plan's order (`zero.plans.layout.reduction_units`). In the step: the
   masters' gradients cast up (unless reduced in the master dtype), reduced gradients cast to
   their shard's dtype, and the rule's own temporaries (torch's for-loop step:
-  `zero.plans.costs.RuleCost.step_temps` of the tensor it steps, ``step_temps_held`` of the one before).
+  `zero.plans.costs.RuleCost.step_temps` of the tensor it steps, ``step_temps_held`` of the one before;
+  its foreach step, where zero takes it (`zero.plans.local_step`): ``foreach_temps`` of every
+  tensor one call steps).
 
 Collectives are listed with the bytes of the buffer this rank hands each one, per step: the params'
 sync (each flat buffer's all-gather; a whole-param sync's rows and direct broadcasts) and, with
@@ -43,6 +45,7 @@ from zero.plans.accounting import bus_bytes, master_itemsize, state_itemsize
 from zero.plans.costs import cost_of
 from zero.plans.holdings import holdings
 from zero.plans.layout import IN_FLIGHT_BUCKETS, SyncRows, bucket_views, param_sync_rows, reduction_units
+from zero.plans.local_step import takes_foreach
 from zero.plans.meta import itemsize
 from zero.plans.reduction import reduction_collectives
 
@@ -215,11 +218,15 @@ def _kept_whole(plan: Plan, rank: int, reduce: str | None) -> int:
 
 def _step_temporaries(plan: Plan, rank: int, reduce_scattered: bool, reduce: str | None) -> int:
     """Bytes the step makes and drops: masters' gradients cast up, reduced gradients cast to their
-    shard's dtype, and the rule's own: `zero.plans.costs.RuleCost.step_temps` of the tensor it steps and
-    ``step_temps_held`` of the one before it (in the local optimizer's order, within a group)."""
+    shard's dtype, and the rule's own: under torch's for-loop `zero.plans.costs.RuleCost.step_temps`
+    of the tensor it steps and ``step_temps_held`` of the one before it (in the local optimizer's
+    order, within a group); under its foreach step (`zero.plans.local_step.takes_foreach`)
+    ``foreach_temps`` of every tensor one call steps at once: the group's, or one buffer's shard
+    when the step is pipelined buffer by buffer (``reduce_scattered``)."""
     held, master = holdings(plan, rank), plan.master_dtype
     spec = cost_of(plan.optimizer)
     casts, rule, before = 0, 0, (-1, 0)  # (group, bytes of one temporary) of the tensor stepped before
+    foreach = _foreach_groups(plan, held) if spec.foreach_temps is not None else {}
     for t in held.tensors:
         dtype = plan.metas[t.param].dtype if t.whole else plan.flat.buffers[t.buffer].dtype
         if t.whole and not plan.metas[t.param].requires_grad:
@@ -230,9 +237,32 @@ def _step_temporaries(plan: Plan, rank: int, reduce_scattered: bool, reduce: str
         elif reduce_scattered and grad_dtype != dtype and grad_dtype != master:
             casts += t.numel * itemsize(dtype)
         one = min(t.numel, spec.step_chunk) * 4 if spec.step_chunk else t.numel * state_itemsize(dtype, master)
-        rule = max(rule, spec.step_temps * one + (spec.step_temps_held * before[1] if before[0] == t.group else 0))
+        if t.group in foreach:
+            together = one if reduce_scattered else foreach[t.group]
+            rule = max(rule, spec.foreach_temps * together)
+        else:
+            rule = max(rule, spec.step_temps * one + (spec.step_temps_held * before[1] if before[0] == t.group else 0))
         before = (t.group, one)
     return casts + rule
+
+
+def _foreach_groups(plan: Plan, held: Any) -> dict[int, int]:
+    """The local groups torch steps with its foreach step (`takes_foreach` of every tensor the
+    group holds, frozen ones too), each with the bytes of its trainable tensors (its temporaries)."""
+    members: dict[int, list[tuple[str, str, int, bool]]] = {}
+    for t in held.tensors:
+        meta = plan.metas[t.param] if t.whole else None
+        device, dtype = (meta.device, meta.dtype) if meta else (plan.flat.buffers[t.buffer].device,
+                                                                plan.flat.buffers[t.buffer].dtype)
+        trained = meta is None or meta.requires_grad  # (a frozen param gets no master)
+        stepped = plan.master_dtype if trained and master_itemsize(dtype, plan.master_dtype) else dtype
+        members.setdefault(t.group, []).append((device, stepped, t.numel, trained))
+    out = {}
+    for group, ts in members.items():
+        kinds = {(device, dtype) for device, dtype, _, _ in ts}
+        if len(kinds) == 1 and takes_foreach(*kinds.pop(), [n for _, _, n, _ in ts]):
+            out[group] = sum(n * itemsize(ts[0][1]) for _, _, n, trained in ts if trained)
+    return out
 
 
 def _collectives(plan: Plan, rows: Sequence[SyncRows], reduce_scattered: bool, reduce: str | None,

@@ -20,7 +20,8 @@ class RuleCost:
     tensors the size of the one it steps (``step_temps``: Adam's ``exp_avg_sq.sqrt()`` and its
     quotient, a coupled decay's ``grad.add(param)``), those of the tensor before it still alive
     (``step_temps_held``: Adam's ``denom``, until reassigned), and the most elements a step takes
-    of a tensor at a time (``step_chunk``, 0: all; its temporaries then in float32).
+    of a tensor at a time (``step_chunk``, 0: all; its temporaries then in float32); under torch's foreach step,
+    where zero runs it, ``foreach_temps`` of every tensor one call steps.
 
     A rule that sums over the whole model each step (Prodigy) says how many all-reduces that takes
     when sharded (``step_reductions``): a few scalars each, never a gathered tensor.
@@ -35,6 +36,10 @@ class RuleCost:
     step_temps: int = 2
     step_temps_held: int = 1
     step_chunk: int = 0
+    # the temporaries torch's foreach step makes at once, in tensors the size of each tensor one
+    # call steps (Adam's ``_foreach_sqrt``: 1); None: zero never runs the rule's foreach step
+    # (`zero.plans.local_step.takes_foreach` says where it does)
+    foreach_temps: int | None = None
     # all-reduces of a few scalars one step makes when its params are sharded, for sums over the
     # whole model (Prodigy's two sums ride in one: 1); element-wise rules make none
     step_reductions: int = 0

@@ -20,11 +20,13 @@ __all__ = ["COSTS", "cost_of", "cost_name", "rule_cost"]
 
 # the figures of torch.optim's default (for-loop) implementations: state tensors, per-param scalars
 COSTS: dict[str, RuleCost] = {
-    "sgd": Elementwise(0, step_temps=1, step_temps_held=0),
-    "sgd_momentum": Elementwise(1, step_temps=2, step_temps_held=0),
-    "adam": Elementwise(2, 4, step_temps=3),
-    "adamw": Elementwise(2, 4),
-    "adam_amsgrad": Elementwise(3, 4),
+    # (and of their foreach step, where zero runs it on the CPU: Adam's ``_foreach_sqrt`` of every
+    # tensor, a coupled decay's copy of the gradients dropped before it; SGD's passes in place)
+    "sgd": Elementwise(0, step_temps=1, step_temps_held=0, foreach_temps=0),
+    "sgd_momentum": Elementwise(1, step_temps=2, step_temps_held=0, foreach_temps=0),
+    "adam": Elementwise(2, 4, step_temps=3, foreach_temps=1),
+    "adamw": Elementwise(2, 4, foreach_temps=1),
+    "adam_amsgrad": Elementwise(3, 4, foreach_temps=1),
     "nadam": Elementwise(2, 8),  # step and mu_product
     "radam": Elementwise(2, 4),
     "adamax": Elementwise(2, 4),
