@@ -13,6 +13,7 @@ import zero
 import zero.functional as F
 from zero.functional import sharding
 from zero.functional.contrib import kronecker
+from zero.functional.foreach import PACK_NUMEL
 from zero.plans.costs import Shampoo, Soap, cost_of
 
 pytest.importorskip("pytorch_optimizer", reason="the references are pytorch_optimizer's (a dev dependency)")
@@ -70,6 +71,27 @@ def test_soap_equals_pytorch_optimizer(case):
     off = _run(lambda lr: F.contrib.soap(lr, b1=0.95, b2=0.95, **ours),
                lambda groups: SOAP(groups, lr=3e-3, betas=(0.95, 0.95), **theirs), 3e-3)
     assert off <= 1e-10, f"{case}: off by {off:.2e}"
+
+
+def test_soap_on_matrices_stepped_alone_equals_pytorch_optimizer():
+    """Matrices above `PACK_NUMEL` step one by one (`_soap._leaf`, the rotations as two products
+    each), not batched as the small ones of `test_soap_equals_pytorch_optimizer`: against the
+    reference too, with the authors' decay after the update."""
+    shapes = {"tall": (150, 120), "square": (130, 130)}
+    assert all(a * b > PACK_NUMEL for a, b in shapes.values())
+    start = _params(shapes)
+    ours = [torch.nn.Parameter(p.clone()) for p in start.values()]
+    theirs = [torch.nn.Parameter(p.clone()) for p in start.values()]
+    opt = F.Optimizer(ours, F.contrib.soap(3e-3, weight_decay=0.01, precondition_frequency=3))
+    ref = SOAP(theirs, lr=3e-3, betas=(0.95, 0.95), weight_decay=0.01, precondition_frequency=3)
+    for step in range(8):
+        for a, b, g in zip(ours, theirs, _grads(step, shapes).values()):
+            a.grad, b.grad = g.clone(), g.clone()
+        opt.step()
+        ref.step()
+    with torch.no_grad():
+        off = max(float((a - b).abs().max() / (b - s).abs().max()) for a, b, s in zip(ours, theirs, start.values()))
+    assert off <= 1e-10, f"off by {off:.2e}"
 
 
 GRAFTS = {"sgd": LayerWiseGrafting.SGD, "adagrad": LayerWiseGrafting.ADAGRAD, "rmsprop": LayerWiseGrafting.RMSPROP,

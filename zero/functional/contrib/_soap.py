@@ -33,7 +33,8 @@ from zero.functional.base import (
 from zero.functional.combine import chain
 from zero.functional.contrib import kronecker
 from zero.functional.contrib.newton_schulz import block_shape, heads_of, join_heads, split_heads
-from zero.functional.foreach import PACK_NUMEL, traced
+from zero.functional.elementwise import plus_scaled, times
+from zero.functional.foreach import PACK_NUMEL, foreach_map, traced
 from zero.plans.costs.kronecker import soap_axes
 
 __all__ = ["SoapState", "scale_by_soap", "soap", "decay_after_update"]
@@ -89,7 +90,9 @@ def _empty(like: torch.Tensor) -> torch.Tensor:
 
 
 def _gathered(g: torch.Tensor, gg: tuple, shampoo_beta: float) -> tuple:
-    """Each factor moved towards the gradient's Gram matrix along its axis."""
+    """Each factor moved towards the gradient's Gram matrix along its axis (a ``lerp``, as
+    pytorch_optimizer's: a factor of one rank, a vector's first, has an arbitrary eigenbasis
+    beyond its first vector, which rounding of another sum order would pick differently)."""
     return tuple(torch.lerp(f, kronecker.factor_of(g, a).to(f.dtype), 1 - shampoo_beta) if f.numel() else f
                  for a, f in enumerate(gg))
 
@@ -99,8 +102,13 @@ def _adam_in_basis(g, mu, nu, q, b1, b2, eps, scale):
     direction rotated back, times ``scale`` (the bias corrections)."""
     mu = torch.lerp(mu, g, 1 - b1)
     nu = torch.lerp(nu, kronecker.rotate(g, q).square(), 1 - b2)
-    direction = kronecker.rotate(kronecker.rotate(mu, q) / (nu.sqrt() + eps), q, back=True)
-    return direction * scale, mu, nu
+    if traced() or torch.is_grad_enabled() or not any(b.numel() for b in q):
+        direction = kronecker.rotate(kronecker.rotate(mu, q) / (nu.sqrt() + eps), q, back=True)
+        return direction * scale, mu, nu
+    # eager and without autograd, and each rotation a product of its own (some basis is not
+    # empty): the quotient and the scaling made in the temporaries that hold them
+    direction = kronecker.rotate(kronecker.rotate(mu, q).div_(nu.sqrt().add_(eps)), q, back=True)
+    return direction.mul_(scale), mu, nu
 
 
 def _refreshed(gg: tuple, q: tuple, nu: torch.Tensor) -> tuple[tuple, torch.Tensor]:
@@ -292,12 +300,16 @@ def decay_after_update(learning_rate: ScalarOrSchedule, weight_decay: float) -> 
             raise ValueError("decay_after_update needs the params (update(updates, state, params))")
         lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
         k = lr * weight_decay
-        if not traced():
-            k = 0.0 if int(state.count) == 0 else k
-        else:
+        count = count_inc(state.count)
+        if traced():
             k = torch.where(state.count == 0, torch.zeros_like(torch.as_tensor(k)), k)
+        elif int(state.count) == 0 or (isinstance(k, (int, float)) and k == 0):
+            return updates, DecayAfterUpdateState(count)  # nothing decays (SOAP's first step gathers)
+        if isinstance(k, (int, float)):  # two passes over the leaves (one foreach op each)
+            return foreach_map(lambda us, ps: plus_scaled(times(us, 1 - k, own=False), ps, -k), updates,
+                               params), DecayAfterUpdateState(count)
         out = optree.tree_map(lambda u, p: u * (1 - k) - k * p, updates, params)
-        return out, DecayAfterUpdateState(count_inc(state.count))
+        return out, DecayAfterUpdateState(count)
 
     return GradientTransformation(lambda params: DecayAfterUpdateState(count_zero()), update,
                                   spec=Spec("decay_after_update", {"learning_rate": learning_rate,

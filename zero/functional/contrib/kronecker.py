@@ -55,7 +55,12 @@ def factor_updated(f: torch.Tensor, g: torch.Tensor, axis: int, decay: float, we
 def rotate(x: torch.Tensor, bases: tuple[torch.Tensor, ...], back: bool = False) -> torch.Tensor:
     """``x`` with each axis multiplied by its basis (``Q^T x`` along the axis; ``Q x`` with
     ``back``), an empty basis leaving its axis as it is. Axes are taken first and moved last, so
-    after every axis ``x`` has its own shape again."""
+    after every axis ``x`` has its own shape again. A matrix with both bases is two ``mm``s
+    (``Q0^T x Q1``; back ``Q0 x Q1^T``), the transposes read in place where ``tensordot`` would
+    copy each into a fresh layout first."""
+    if x.ndim == 2 and len(bases) == 2 and bases[0].numel() and bases[1].numel():
+        q0, q1 = bases
+        return q0 @ x @ q1.T if back else q0.T @ x @ q1
     for q in bases:
         if q.numel():
             x = torch.tensordot(x, q, dims=[[0], [1 if back else 0]])
