@@ -144,3 +144,31 @@ def test_the_plan_counts_the_foreach_temporaries_and_a_real_run_makes_them(strat
             plain.measured_peak_bytes - plain.predicted_peak_bytes, (sim.as_dict(), plain.as_dict())
         stepped = sim.by_category["state"] // 2  # AdamW: two moments, a float32 step each tensor
         assert sim.predicted.peak - plain.predicted.peak > stepped // 2, "the foreach step's temporaries"
+
+
+def _every_mode(metas):
+    from zero.backends.simulate import simulate
+
+    os.environ.pop("ZERO_SIMULATE_CACHE", None)
+    square = lambda m: m.shape == (128, 128)  # noqa: E731
+    modes = {"whole": {}, "flat": dict(strategy="flat"), "ZeRO-2": dict(strategy="flat", reduce_scatter_grads=True),
+             "hybrid": dict(strategy="flat", whole=square),
+             "hybrid ZeRO-2": dict(strategy="flat", whole=square, reduce_scatter_grads=True),
+             "bf16, masters, ZeRO-2": dict(strategy="flat", reduce_scatter_grads=True, master_dtype=torch.float32,
+                                           reduce_dtype=torch.float32, dtype=torch.bfloat16),
+             "Adam": dict(optimizer="adam"), "SGD-momentum, flat": dict(optimizer="sgd_momentum", strategy="flat")}
+    return {(name, rank): simulate(metas, 2, rank, **options) for name, options in modes.items() for rank in range(2)}
+
+
+def test_the_plan_predicts_a_foreach_step_to_the_byte_in_every_mode():
+    """Each mode steps the small LLaMA's groups with torch's foreach step (its pipelined ZeRO-2 one
+    shard a call, a hybrid plan's every tensor in one call, masters in float32) and the plan predicts
+    the simulated peak exactly, most of them in the step."""
+    from test_fsdp2_simulate import in_fresh_process
+
+    from zero.plans.presets import llama
+
+    runs = in_fresh_process(_every_mode, llama(128, 128, 2, 128, vocab=128, dtype="float32"))
+    for (name, rank), run in runs.items():
+        assert run.measured_peak_bytes == run.predicted_peak_bytes, (name, rank, run.as_dict())
+    assert sum(run.predicted.phase == "step" for run in runs.values()) >= 10

@@ -222,7 +222,7 @@ def _step_temporaries(plan: Plan, rank: int, reduce_scattered: bool, reduce: str
     of the tensor it steps and ``step_temps_held`` of the one before it (in the local optimizer's
     order, within a group); under its foreach step (`zero.plans.local_step.takes_foreach`)
     ``foreach_temps`` of every tensor one call steps at once: the group's, or one buffer's shard
-    when the step is pipelined buffer by buffer (``reduce_scattered``)."""
+    when the step is pipelined buffer by buffer (``reduce_scattered``, no param kept whole)."""
     held, master = holdings(plan, rank), plan.master_dtype
     spec = cost_of(plan.optimizer)
     casts, rule, before = 0, 0, (-1, 0)  # (group, bytes of one temporary) of the tensor stepped before
@@ -237,8 +237,8 @@ def _step_temporaries(plan: Plan, rank: int, reduce_scattered: bool, reduce: str
         elif reduce_scattered and grad_dtype != dtype and grad_dtype != master:
             casts += t.numel * itemsize(dtype)
         one = min(t.numel, spec.step_chunk) * 4 if spec.step_chunk else t.numel * state_itemsize(dtype, master)
-        if t.group in foreach:
-            together = one if reduce_scattered else foreach[t.group]
+        if t.group in foreach:  # a hybrid plan's step is not pipelined: every tensor in one call
+            together = one if reduce_scattered and not plan.hybrid else foreach[t.group]
             rule = max(rule, spec.foreach_temps * together)
         else:
             rule = max(rule, spec.step_temps * one + (spec.step_temps_held * before[1] if before[0] == t.group else 0))
