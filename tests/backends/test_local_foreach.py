@@ -91,10 +91,12 @@ def test_zero_takes_foreach_invisibly():
 def test_the_plan_says_which_groups_take_it():
     """Many small CPU tensors in float32 or float64 take the foreach step; large tensors (where
     it is slower: it leaves the caches the for-loop keeps warm), a group whose temporaries would
-    pass `FOREACH_MAX_BYTES`, other dtypes and devices keep the for-loop; the executor follows."""
+    pass `FOREACH_MAX_BYTES` and other dtypes keep the for-loop; the executor follows. On CUDA
+    torch takes it by itself, and the plan says so."""
     small = [4096] * 100
     assert takes_foreach("cpu", "float32", small) and takes_foreach("cpu", "float64", small)
-    assert not takes_foreach("cpu", "bfloat16", small) and not takes_foreach("cuda:0", "float32", small)
+    assert not takes_foreach("cpu", "bfloat16", small) and not takes_foreach("meta", "float32", small)
+    assert takes_foreach("cuda:0", "bfloat16", [2**22] * 8), "on CUDA torch's own default, whatever the sizes"
     assert not takes_foreach("cpu", "float32", [])
     mean = FOREACH_MEAN_BYTES // 4
     assert takes_foreach("cpu", "float32", [mean] * 4) and not takes_foreach("cpu", "float32", [mean + 1] * 4)
@@ -172,3 +174,21 @@ def test_the_plan_predicts_a_foreach_step_to_the_byte_in_every_mode():
     for (name, rank), run in runs.items():
         assert run.measured_peak_bytes == run.predicted_peak_bytes, (name, rank, run.as_dict())
     assert sum(run.predicted.phase == "step" for run in runs.values()) >= 10
+
+
+def test_on_cuda_the_plan_counts_torchs_own_foreach_step():
+    """torch's default on CUDA is its foreach step: a plan of CUDA params predicts its temporaries
+    (a tensor the size of each the rank steps), whatever the sizes; the same params on the CPU,
+    too large for zero to give it, keep the for-loop's (three tensors the size of one)."""
+    from zero.plans.meta import ParamMeta
+    from zero.plans.plan import make_plan
+    from zero.plans.footprint import footprint
+
+    def transient(device):
+        metas = [ParamMeta(f"w{i}", (512, 512), device=device) for i in range(8)]
+        fp = footprint(make_plan(metas, 2, optimizer="adamw"), 0)
+        return fp.peak - sum(fp.resident.values()), fp.phase
+
+    stepped = 4 * 512 * 512 * 4  # rank 0 steps four of the eight, float32
+    assert transient("cuda:0") == (stepped, "step")
+    assert transient("cpu") == (3 * 512 * 512 * 4, "step")  # AdamW's two, and the tensor before's denominator
