@@ -192,3 +192,18 @@ def test_on_cuda_the_plan_counts_torchs_own_foreach_step():
     stepped = 4 * 512 * 512 * 4  # rank 0 steps four of the eight, float32
     assert transient("cuda:0") == (stepped, "step")
     assert transient("cpu") == (3 * 512 * 512 * 4, "step")  # AdamW's two, and the tensor before's denominator
+
+
+def test_fsdp2s_memory_counts_torchs_foreach_step_on_cuda():
+    """FSDP2's peak (`zero.plans.fsdp2_memory`): on CUDA torch steps each group's local shards
+    with its foreach step, a temporary the size of each at once, which makes the step the peak of
+    64 small units; on the CPU its for-loop holds one shard's, and backward stays the peak."""
+    from zero.plans.fsdp2_memory import fsdp2_footprint
+    from zero.plans.meta import ParamMeta
+
+    def peak(device):
+        return fsdp2_footprint([ParamMeta(f"layers.{i}.w", (64, 64), device=device) for i in range(64)], 2, 0)
+
+    gpu, cpu = peak("cuda:0"), peak("cpu")
+    assert gpu.peak_phase == "step" and gpu.by_category["step_temps"] == 64 * 32 * 64 * 4  # every half, float32
+    assert cpu.peak_phase.startswith("backward") and gpu.peak_bytes > cpu.peak_bytes

@@ -16,9 +16,10 @@ What a rank holds, as FSDP2 (torch 2.x) allocates it:
   reduce-scatter input (kept until the next reduce-scatter is issued); then, as the unit's
   gradients are reduced, its params resharded, its gradients, its reduce-scatter's input and
   output; all padded but the gradients autograd makes;
-- **in the step**: ``torch.optim``'s per-param temporaries (its CPU and single-tensor path: the
-  largest param's ``denom``), or zero's all-gather over the replicas (the largest bucket's output
-  and send buffer, `Fsdp2Plan.gather_buckets`).
+- **in the step**: ``torch.optim``'s temporaries (on the CPU its single-tensor path: the largest
+  param's ``denom``; on CUDA its default foreach step: ``foreach_temps`` of every local shard of a
+  param group at once), or zero's all-gather over the replicas (the largest bucket's output and
+  send buffer, `Fsdp2Plan.gather_buckets`).
 
 The peak is the largest of the backward's moments (one per unit, the sharded gradients growing as
 units are reduced) and the step's. Activations are not counted (the simulation's model has none).
@@ -29,6 +30,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from zero.plans.costs import cost_of
 from zero.plans.fsdp2 import chunk_rows, make_fsdp2_plan
@@ -89,7 +91,8 @@ def fsdp2_footprint(metas: Sequence[ParamMeta], world_size: int, rank: int, *, r
     fixed = {"sharded_params": sum(p * s for p, s in zip(padded, sizes)),
              "optimizer_state": plan.state_bytes(me) if zero else sum(
                  spec.state_bytes(_local(m, shards, shard), s) for m, s in zip(metas, sizes) if m.requires_grad)}
-    moments = _backward(metas, units(metas), padded, sizes, shards) + [_step(plan, metas, sizes, me, zero, shards)]
+    step = _step(plan, metas, sizes, me, zero, shards, spec)
+    moments = _backward(metas, units(metas), padded, sizes, shards) + [step]
     phase, moment = max(moments, key=lambda pm: sum(pm[1].values()))
     by = {**fixed, **moment}
     sent = _sent(plan, metas, padded, sizes, shards, replicas, me if zero else None)
@@ -153,7 +156,7 @@ def _backward(metas: list[ParamMeta], groups: list[list[int]], padded: list[int]
     return out
 
 
-def _step(plan, metas: list[ParamMeta], sizes: list[int], me: int, zero: bool, shards: int
+def _step(plan, metas: list[ParamMeta], sizes: list[int], me: int, zero: bool, shards: int, spec: Any
           ) -> tuple[str, dict[str, int]]:
     """The step's moment: every sharded gradient, and the step's largest temporaries."""
     grads = sum(_padded(m, shards) * s for m, s in zip(metas, sizes) if m.requires_grad)
@@ -166,10 +169,23 @@ def _step(plan, metas: list[ParamMeta], sizes: list[int], me: int, zero: bool, s
                     slots = [plan.slot(i, me) for i in bucket]
                     held = (plan.replicas + 1) * sum(slots) + plan.replicas * max(slots)
                     temps = max(temps, held * itemsize(dtype))
+    elif spec.foreach_temps is not None and _on_cuda(metas):
+        # torch's default on CUDA is its foreach step: a temporary the size of each local shard of a
+        # param group (of one dtype) at once
+        held: dict[tuple[int, str], int] = {}
+        for m, s in zip(metas, sizes):
+            if m.requires_grad:
+                held[m.group, m.dtype] = held.get((m.group, m.dtype), 0) + _local(m, shards, me % shards).numel * s
+        temps = spec.foreach_temps * max(held.values(), default=0)
     else:  # torch's single-tensor rule: one param's temporaries at a time, the largest param's
         temps = max((_local(m, shards, me % shards).numel * s for m, s in zip(metas, sizes) if m.requires_grad),
                     default=0)
     return "step", {"sharded_grads": grads, "step_temps": temps}
+
+
+def _on_cuda(metas: list[ParamMeta]) -> bool:
+    trained = [m for m in metas if m.requires_grad]
+    return bool(trained) and all(str(m.device).startswith("cuda") for m in trained)
 
 
 def _gather_sent(plan, metas: list[ParamMeta], me: int) -> int:
