@@ -180,9 +180,9 @@ def test_on_cuda_the_plan_counts_torchs_own_foreach_step():
     """torch's default on CUDA is its foreach step: a plan of CUDA params predicts its temporaries
     (a tensor the size of each the rank steps), whatever the sizes; the same params on the CPU,
     too large for zero to give it, keep the for-loop's (three tensors the size of one)."""
+    from zero.plans.footprint import footprint
     from zero.plans.meta import ParamMeta
     from zero.plans.plan import make_plan
-    from zero.plans.footprint import footprint
 
     def transient(device):
         metas = [ParamMeta(f"w{i}", (512, 512), device=device) for i in range(8)]
