@@ -44,7 +44,7 @@ def _trained(name, options, foreach, dtype, steps=12):
 
 def _zero_takes(name, options):
     opt = getattr(torch.optim, name)([torch.zeros(3, requires_grad=True)], **options)
-    return choose_foreach(opt)
+    return choose_foreach(opt, {0})
 
 
 @pytest.mark.parametrize("name,dtype", list(itertools.product(sorted(FOREACH_ON_CPU), [torch.float32, torch.float64])))
@@ -69,10 +69,10 @@ def test_bfloat16_keeps_the_for_loop():
     loop, _ = _trained("SGD", {"lr": 1e-2, "momentum": 0.9}, False, torch.bfloat16)
     each, _ = _trained("SGD", {"lr": 1e-2, "momentum": 0.9}, True, torch.bfloat16)
     assert not all(torch.equal(a, b) for a, b in zip(loop, each)), "bfloat16 became bitwise: widen FOREACH_ON_CPU"
-    opt = torch.optim.SGD([torch.zeros(3, dtype=torch.bfloat16, requires_grad=True)], lr=1e-2, momentum=0.9)
-    assert not choose_foreach(opt) and opt.param_groups[0]["foreach"] is None
+    assert not takes_foreach("cpu", "bfloat16", [3]) and takes_foreach("cpu", "float32", [3])
     opt = torch.optim.SGD([torch.zeros(3, requires_grad=True)], lr=1e-2, momentum=0.9)
-    assert choose_foreach(opt) and opt.param_groups[0]["foreach"] is True
+    assert not choose_foreach(opt, ()) and opt.param_groups[0]["foreach"] is None
+    assert choose_foreach(opt, {0}) and opt.param_groups[0]["foreach"] is True
 
 
 def test_zero_takes_foreach_invisibly():
@@ -103,11 +103,18 @@ def test_the_plan_says_which_groups_take_it():
     most = FOREACH_MAX_BYTES // 4
     assert takes_foreach("cpu", "float32", [16] * (most // 16))
     assert not takes_foreach("cpu", "float32", [16] * (most // 16 + 1))
-    big = torch.optim.Adam([torch.zeros(512, 512, requires_grad=True) for _ in range(4)])
-    assert not choose_foreach(big) and big.param_groups[0]["foreach"] is None
-    mixed = torch.optim.Adam([torch.zeros(8, requires_grad=True), torch.zeros(8, dtype=torch.float64,
-                                                                              requires_grad=True)])
-    assert not choose_foreach(mixed), "one dtype a group: torch's foreach step would group them itself"
+    from zero.plans.holdings import holdings
+    from zero.plans.local_step import foreach_groups
+    from zero.plans.meta import ParamMeta
+    from zero.plans.plan import make_plan
+
+    def taken(metas):
+        plan = make_plan(metas, 1, optimizer="adamw")
+        return foreach_groups(plan, holdings(plan, 0, 1))
+
+    assert taken([ParamMeta(f"w{i}", (64, 64)) for i in range(8)]) == {0: ("cpu", 8 * 64 * 64 * 4)}
+    assert taken([ParamMeta(f"w{i}", (512, 512)) for i in range(4)]) == {}, "large tensors keep the for-loop"
+    assert taken([ParamMeta("a", (8,)), ParamMeta("b", (8,), "float64")]) == {}, "one dtype a group"
 
 
 def _foreach_and_loop(metas, batch, strategy):
@@ -119,8 +126,7 @@ def _foreach_and_loop(metas, batch, strategy):
 
     os.environ.pop("ZERO_SIMULATE_CACHE", None)  # (the same inputs both times)
     runs = [simulate(metas, 2, rank, strategy=strategy, batch=batch) for rank in range(2)]
-    rank_state.choose_foreach = lambda optim: False
-    footprint.takes_foreach = lambda *args: False
+    rank_state.foreach_groups = footprint.foreach_groups = lambda plan, held: {}  # the one answer both read
     return runs, [simulate(metas, 2, rank, strategy=strategy, batch=batch) for rank in range(2)]
 
 

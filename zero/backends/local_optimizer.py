@@ -9,7 +9,7 @@ plan's `zero.plans.holdings`).
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -18,7 +18,6 @@ from zero.functional import GradientTransformation, Optimizer
 from zero.functional.adapters.group_settings import check_not_optax, from_factory
 from zero.functional.adapters.torch_rules import TORCH_CLASSES, from_torch
 from zero.plans.holdings import Holdings, LocalTensor
-from zero.plans.local_step import takes_foreach
 
 __all__ = ["make_local_optimizer", "rule_of", "local_groups", "copy_hyperparams", "choose_foreach", "is_functional",
            "check_state_keys",
@@ -115,20 +114,18 @@ def copy_hyperparams(src: list[dict], dst: list[dict], skip: tuple[str, ...] = (
 FOREACH_ON_CPU = frozenset({"Adam", "AdamW", "SGD"})
 
 
-def choose_foreach(optim: torch.optim.Optimizer) -> bool:
-    """Give torch's foreach step to each of the local optimizer's groups that leaves the choice
-    to torch (``foreach=None``, not fused, differentiable or capturable, no tensor ``lr`` or
-    ``betas``) where ``optim`` is one of `FOREACH_ON_CPU` and the group's tensors are what
-    `zero.plans.local_step.takes_foreach` takes (one CPU dtype, float32 or float64, small and few
-    enough). Whether it did: the outer groups then keep their ``None``
-    (`zero.backends.rank_state.RankState.pull`)."""
+def choose_foreach(optim: torch.optim.Optimizer, groups: Collection[int]) -> bool:
+    """Give torch's foreach step to each of the local optimizer's ``groups`` (by position: those
+    the plan says take it, `zero.plans.local_step.foreach_groups`) that leaves the choice to torch
+    (``foreach=None``, not fused, differentiable or capturable, no tensor ``lr`` or ``betas``),
+    where ``optim`` is one of `FOREACH_ON_CPU`. Whether it did: the outer groups then keep their
+    ``None`` (`zero.backends.rank_state.RankState.pull`)."""
     cls = type(optim)
-    if cls.__name__ not in FOREACH_ON_CPU or getattr(torch.optim, cls.__name__, None) is not cls:
+    if not groups or cls.__name__ not in FOREACH_ON_CPU or getattr(torch.optim, cls.__name__, None) is not cls:
         return False
     chose = False
-    seen = optim.__dict__.setdefault("_zero_foreach_tensors", {})  # id(params) -> (params, size, answer)
-    for g in optim.param_groups:
-        if g.get("foreach", False) is None and _settings_allow(g) and _tensors_allow(g["params"], seen):
+    for k, g in enumerate(optim.param_groups):
+        if k in groups and g.get("foreach", False) is None and _settings_allow(g):
             g["foreach"] = chose = True
     return chose
 
@@ -140,18 +137,6 @@ def _settings_allow(group: dict) -> bool:
         return False
     # SGD's foreach step would add the momentum into the user's own gradients
     return not (group.get("nesterov") and not group.get("weight_decay") and not group.get("maximize"))
-
-
-def _tensors_allow(params: list[torch.Tensor], seen: dict) -> bool:
-    """`takes_foreach` of a group's tensors, asked once per list of them (every step calls this;
-    masters adopted or a group added make a new list)."""
-    known = seen.get(id(params))
-    if known is None or known[0] is not params or known[1] != len(params):
-        dtypes = {p.dtype for p in params}
-        answer = len(dtypes) == 1 and all(p.is_cpu for p in params) and takes_foreach(
-            "cpu", str(dtypes.pop()).removeprefix("torch."), [p.numel() for p in params])
-        known = seen[id(params)] = (params, len(params), answer)
-    return known[2]
 
 
 def check_state_keys(saved: dict, optim: torch.optim.Optimizer) -> None:

@@ -23,6 +23,7 @@ from zero.backends.local_optimizer import choose_foreach, copy_hyperparams, is_f
 from zero.backends.precision import MASTER_KEY, Masters, Scaling
 from zero.functional import sharding
 from zero.plans.holdings import Holdings, holdings
+from zero.plans.local_step import foreach_groups
 from zero.plans.plan import Plan
 
 __all__ = ["RankState"]
@@ -68,6 +69,9 @@ class RankState:
     def replan(self, plan: Plan) -> None:
         """Hold what ``plan`` gives this rank from now on (its executor follows it)."""
         self.plan, self.holdings = plan, holdings(plan, self.rank, len(self.param_groups))
+        # the local groups the plan gives torch's foreach step on the CPU (on CUDA it is torch's own choice)
+        self.foreach = frozenset(k for k, (device, _) in foreach_groups(plan, self.holdings).items()
+                                 if device.startswith("cpu"))
 
     def build(self, groups: list[dict], per_param: bool = False) -> None:
         """(Re)build the local optimizer over ``groups`` (this rank's tensors, one dict per param
@@ -104,7 +108,7 @@ class RankState:
         the CPU torch's foreach step where the user left ``foreach`` to torch and its numbers are
         the for-loop's bits (`zero.backends.local_optimizer.choose_foreach`)."""
         copy_hyperparams(self.param_groups, self.optim.param_groups)
-        self._chose_foreach = choose_foreach(self.optim)
+        self._chose_foreach = choose_foreach(self.optim, self.foreach)
 
     _chose_foreach = False  # the local groups' foreach=True is zero's choice, not the user's setting
 

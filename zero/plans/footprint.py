@@ -45,7 +45,7 @@ from zero.plans.accounting import bus_bytes, master_itemsize, state_itemsize
 from zero.plans.costs import cost_of
 from zero.plans.holdings import holdings
 from zero.plans.layout import IN_FLIGHT_BUCKETS, SyncRows, bucket_views, param_sync_rows, reduction_units
-from zero.plans.local_step import takes_foreach
+from zero.plans.local_step import foreach_groups
 from zero.plans.meta import itemsize
 from zero.plans.reduction import reduction_collectives
 
@@ -226,7 +226,7 @@ def _step_temporaries(plan: Plan, rank: int, reduce_scattered: bool, reduce: str
     held, master = holdings(plan, rank), plan.master_dtype
     spec = cost_of(plan.optimizer)
     casts, rule, before = 0, 0, (-1, 0)  # (group, bytes of one temporary) of the tensor stepped before
-    foreach = _foreach_groups(plan, held) if spec.foreach_temps is not None else {}
+    foreach = {g: n for g, (_, n) in foreach_groups(plan, held).items()} if spec.foreach_temps is not None else {}
     for t in held.tensors:
         dtype = plan.metas[t.param].dtype if t.whole else plan.flat.buffers[t.buffer].dtype
         if t.whole and not plan.metas[t.param].requires_grad:
@@ -244,25 +244,6 @@ def _step_temporaries(plan: Plan, rank: int, reduce_scattered: bool, reduce: str
             rule = max(rule, spec.step_temps * one + (spec.step_temps_held * before[1] if before[0] == t.group else 0))
         before = (t.group, one)
     return casts + rule
-
-
-def _foreach_groups(plan: Plan, held: Any) -> dict[int, int]:
-    """The local groups torch steps with its foreach step (`takes_foreach` of every tensor the
-    group holds, frozen ones too), each with the bytes of its trainable tensors (its temporaries)."""
-    members: dict[int, list[tuple[str, str, int, bool]]] = {}
-    for t in held.tensors:
-        meta = plan.metas[t.param] if t.whole else None
-        device, dtype = (meta.device, meta.dtype) if meta else (plan.flat.buffers[t.buffer].device,
-                                                                plan.flat.buffers[t.buffer].dtype)
-        trained = meta is None or meta.requires_grad  # (a frozen param gets no master)
-        stepped = plan.master_dtype if trained and master_itemsize(dtype, plan.master_dtype) else dtype
-        members.setdefault(t.group, []).append((device, stepped, t.numel, trained))
-    out = {}
-    for group, ts in members.items():
-        kinds = {(device, dtype) for device, dtype, _, _ in ts}
-        if len(kinds) == 1 and takes_foreach(*kinds.pop(), [n for _, _, n, _ in ts]):
-            out[group] = sum(n * itemsize(ts[0][1]) for _, _, n, trained in ts if trained)
-    return out
 
 
 def _collectives(plan: Plan, rows: Sequence[SyncRows], reduce_scattered: bool, reduce: str | None,

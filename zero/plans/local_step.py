@@ -17,10 +17,16 @@ itself (its default there, whatever the sizes), and the footprint counts that.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
+from zero.plans.accounting import master_itemsize
 from zero.plans.meta import itemsize
 
-__all__ = ["FOREACH_MAX_BYTES", "FOREACH_MEAN_BYTES", "FOREACH_DTYPES", "takes_foreach"]
+if TYPE_CHECKING:
+    from zero.plans.holdings import Holdings
+    from zero.plans.plan_fields import PlanFields as Plan
+
+__all__ = ["FOREACH_MAX_BYTES", "FOREACH_MEAN_BYTES", "FOREACH_DTYPES", "takes_foreach", "foreach_groups"]
 
 FOREACH_MAX_BYTES = 16 * 2**20  # a foreach step's temporaries: a tensor the size of each the group holds
 FOREACH_MEAN_BYTES = 64 * 2**10  # above it per-tensor Python is a small part of the for-loop's time
@@ -40,3 +46,25 @@ def takes_foreach(device: str, dtype: str, numels: Sequence[int]) -> bool:
         return False
     total = sum(numels) * itemsize(dtype)
     return total <= FOREACH_MAX_BYTES and total <= FOREACH_MEAN_BYTES * len(numels)
+
+
+def foreach_groups(plan: Plan, held: Holdings) -> dict[int, tuple[str, int]]:
+    """The local groups of a rank's holdings (``held``) that torch steps with its foreach step
+    (`takes_foreach` of every tensor a group holds, frozen ones too), each with its device and the
+    bytes of its trainable tensors (the step's temporaries): what the footprint counts and the
+    executor gives (on the CPU)."""
+    members: dict[int, list[tuple[str, str, int, bool]]] = {}
+    for t in held.tensors:
+        meta = plan.metas[t.param] if t.whole else None
+        where = meta if meta is not None else plan.flat.buffers[t.buffer]
+        trained = meta is None or meta.requires_grad  # (a frozen param gets no master)
+        stepped = plan.master_dtype if trained and master_itemsize(where.dtype, plan.master_dtype) else where.dtype
+        members.setdefault(t.group, []).append((where.device, stepped, t.numel, trained))
+    out = {}
+    for group, ts in members.items():
+        kinds = {(device, dtype) for device, dtype, _, _ in ts}
+        if len(kinds) == 1:
+            device, dtype = kinds.pop()
+            if takes_foreach(device, dtype, [n for _, _, n, _ in ts]):
+                out[group] = (device, sum(n * itemsize(dtype) for _, _, n, trained in ts if trained))
+    return out
