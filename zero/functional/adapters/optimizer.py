@@ -20,6 +20,7 @@ from __future__ import annotations
 import operator
 import warnings
 from collections.abc import Callable, Iterable
+from itertools import compress, repeat
 from typing import Any
 
 import optree
@@ -140,11 +141,12 @@ class Optimizer(EvalMode, OptimizerFace):
             self.skipped_steps += 1
             return loss
         for k, (group, states) in enumerate(zip(self.param_groups, self._states)):
-            every = [p.grad for p in group["params"]]
-            idx = tuple(i for i, g in enumerate(every) if g is not None)
+            params = group["params"]
+            grads = [p.grad for p in params]
+            idx = tuple(compress(range(len(grads)), map(operator.is_not, grads, repeat(None))))
             if idx or sharding.every_group():  # sharded rules make collectives: every rank steps every group
-                params = [group["params"][i] for i in idx]
-                grads = [every[i] for i in idx]
+                if len(idx) < len(grads):  # (else the group's own list: the executors read it, never keep it)
+                    params, grads = [params[i] for i in idx], [grads[i] for i in idx]
                 if any(map(_SPARSE, grads)):
                     raise ValueError("zero.functional.Optimizer does not support sparse gradients")
                 executor.step_group(k, idx, params, grads, lambda keep, leaves, gs, k=k, group=group, states=states:
