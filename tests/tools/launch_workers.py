@@ -89,3 +89,11 @@ def late_store_client(rank, world_size):
         time.sleep(1.0)
         dist.distributed_c10d._get_default_store().clone().set("late", "here")
     return rank
+
+
+def environ_of(rank, world_size, name):
+    """This rank's value of environment variable ``name`` and the multiprocessing start method it came from."""
+    import multiprocessing
+    import os
+
+    return os.environ.get(name), multiprocessing.get_start_method(allow_none=True), os.getpid()

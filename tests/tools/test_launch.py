@@ -138,3 +138,21 @@ def test_a_run_that_leaves_the_group_unusable_returns_and_the_pool_starts_again(
 def test_a_pool_refuses_bad_sizes_and_timeouts_by_name(kwargs, words):
     with pytest.raises(ValueError, match=words):
         Pool(**kwargs)
+
+
+@pytest.mark.timeout(120)
+def test_ranks_have_the_environment_of_the_moment_they_start(monkeypatch):
+    """Ranks fork from a server that imported torch once (`rank_context`), started with the
+    first run: a rank still gets its starter's environment as it is when the rank starts, as a
+    spawned one would, in a one-off run and in a pool, and a variable removed since is gone."""
+    name = "ZERO_TEST_LATE_VARIABLE"
+    monkeypatch.setenv(name, "before")
+    assert {r[0] for r in run(lw.environ_of, 2, name, timeout=90)} == {"before"}  # the server runs by now
+    monkeypatch.setenv(name, "after")
+    first = run(lw.environ_of, 2, name, timeout=90)
+    assert [r[0] for r in first] == ["after", "after"]
+    with Pool(2) as pool:
+        assert [r[0] for r in pool.run(lw.environ_of, name)] == ["after", "after"]
+    monkeypatch.delenv(name)
+    assert [r[0] for r in run(lw.environ_of, 2, name, timeout=90)] == [None, None]
+    assert len({r[2] for r in first}) == 2, "each rank a process of its own"

@@ -2,10 +2,11 @@
 
 ``run(fn, world_size, *args)`` returns ``fn(rank, world_size, *args)`` of every rank, in rank
 order (tensors included: results travel by value, pickled, since a rank's shared memory is gone
-once it exits), or raises with the failing rank's traceback. Each rank is a fresh process with a gloo
-process group on 127.0.0.1 (``backend="rpc"``: RPC workers ``worker0``... instead); ``fn`` must
-be importable (defined at module level, not in a notebook cell). A rank that hangs is killed
-when ``timeout`` runs out.
+once it exits), or raises with the failing rank's traceback. Each rank is a new process, forked
+from a server that imported torch and zero once (`rank_context`), with a gloo process group on
+127.0.0.1 (``backend="rpc"``: RPC workers ``worker0``... instead); ``fn`` must be importable
+(defined at module level, not in a notebook cell). A rank that hangs is killed when ``timeout``
+runs out.
 
 `zero.tools.pool.Pool` keeps ranks and their process group alive between runs (the test suite's).
 """
@@ -24,7 +25,30 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-__all__ = ["free_port", "run", "exit_now", "init_group", "collect"]
+__all__ = ["free_port", "run", "exit_now", "init_group", "collect", "rank_context", "adopt_environ"]
+
+# What the server that ranks are forked from imports once (see `rank_context`).
+PRELOAD = ["torch", "torch.distributed", "zero.functional", "zero.backends", "zero.tools.launch", "zero.tools.pool"]
+
+
+def rank_context() -> Any:
+    """The multiprocessing context ranks start in. Where the platform has one (Linux, macOS),
+    multiprocessing's fork server, which imports torch and zero once (`PRELOAD`) and forks each
+    rank from itself: a spawned rank imports them afresh, 1-3 s of CPU a rank, which on a 2-core
+    machine is most of a short run. Elsewhere, spawn. Either way ``fn`` must be importable."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # read when the server starts (the first rank this process starts)
+    return ctx
+
+
+def adopt_environ(environ: dict[str, str]) -> None:
+    """A rank's environment made the one its starter had when it started the rank, as a spawned
+    rank's is (a forked one has the fork server's, from when that server started)."""
+    if environ != os.environ:
+        os.environ.clear()
+        os.environ.update(environ)
 
 
 _GIVEN: set[int] = set()  # the ports free_port handed out in this process
@@ -59,10 +83,11 @@ def init_group(backend: str, rank: int, world_size: int, port: int, pg_timeout: 
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
-def _worker(fn, rank, world_size, port, results, args, pg_timeout, backend, threads):
+def _worker(fn, rank, world_size, port, results, args, pg_timeout, backend, threads, environ):
     import torch
     import torch.distributed as dist
 
+    adopt_environ(environ)
     torch.set_num_threads(threads)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     try:
@@ -153,12 +178,13 @@ def run(fn, world_size: int, *args, timeout: float = 240, pg_timeout: float = 60
 
     Each rank uses ``threads`` CPU threads (1 by default: ranks share the machine's cores).
     """
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     results = ctx.Queue()
     port = free_port()
     store = _host_store(port, pg_timeout) if backend != "rpc" else None  # noqa: F841 (held until the ranks end)
     procs = [ctx.Process(target=_worker, daemon=True,
-                         args=(fn, r, world_size, port, results, args, pg_timeout, backend, threads))
+                         args=(fn, r, world_size, port, results, args, pg_timeout, backend, threads,
+                               dict(os.environ)))
              for r in range(world_size)]
     for p in procs:
         p.start()

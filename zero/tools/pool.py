@@ -16,9 +16,7 @@ import time
 import traceback
 from typing import Any
 
-import torch.multiprocessing as mp
-
-from zero.tools.launch import collect, exit_now, free_port, init_group
+from zero.tools.launch import adopt_environ, collect, exit_now, free_port, init_group, rank_context
 
 __all__ = ["Pool"]
 
@@ -72,13 +70,13 @@ class Pool:
         return bool(self._procs) and all(p.is_alive() for p in self._procs)
 
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = rank_context()
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         port = free_port()
         self._procs = [ctx.Process(target=_pool_worker, daemon=True, name=f"zero-pool-rank{r}",
                                    args=(r, self.world_size, port, self._tasks[r], self._results, self.pg_timeout,
-                                         self.barrier_timeout))
+                                         self.barrier_timeout, dict(os.environ)))
                        for r in range(self.world_size)]
         for p in self._procs:
             p.start()
@@ -145,10 +143,11 @@ class Pool:
         self._procs, self._tasks, self._results = [], [], None
 
 
-def _pool_worker(rank, world_size, port, tasks, results, pg_timeout, barrier_timeout):
+def _pool_worker(rank, world_size, port, tasks, results, pg_timeout, barrier_timeout, environ):
     import torch
     import torch.distributed as dist
 
+    adopt_environ(environ)  # before the fresh state is taken: each run starts from it
     init_group("gloo", rank, world_size, port, pg_timeout)
     store, fresh = dist.distributed_c10d._get_default_store(), _FreshState(torch)
     while True:
