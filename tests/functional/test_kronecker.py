@@ -73,6 +73,23 @@ def test_soap_equals_pytorch_optimizer(case):
     assert off <= 1e-10, f"{case}: off by {off:.2e}"
 
 
+@pytest.mark.parametrize("n", [5, 7, 12])
+def test_a_matrix_decomposes_to_the_same_bits_in_any_batch(n):
+    """Which same-shape matrices share a batch is the plan's choice (a rank steps the ones it
+    owns): a factor's eigenbasis and refreshed basis must not depend on it. A rank-deficient
+    factor's null-space basis is arbitrary, so one bit there moves SOAP's later steps by O(1)."""
+    g = torch.Generator().manual_seed(n)
+    grads = torch.randn(4, n, n - 2, generator=g, dtype=torch.float64)
+    factors = grads @ grads.mT  # rank n - 2: a null space, as a tall matrix's first factor has
+    bases = kronecker.eigenbasis(factors)
+    refreshed, order = kronecker.refreshed_basis(factors + torch.eye(n, dtype=torch.float64), bases)
+    for i in range(4):
+        alone = factors[i].clone()
+        assert torch.equal(bases[i], kronecker.eigenbasis(alone)), i
+        basis, its_order = kronecker.refreshed_basis(alone + torch.eye(n, dtype=torch.float64), bases[i].clone())
+        assert torch.equal(refreshed[i], basis) and torch.equal(order[i], its_order), i
+
+
 def test_soap_on_matrices_stepped_alone_equals_pytorch_optimizer():
     """Matrices above `PACK_NUMEL` step one by one (`_soap._leaf`, the rotations as two products
     each), not batched as the small ones of `test_soap_equals_pytorch_optimizer`: against the

@@ -69,13 +69,27 @@ def rotate(x: torch.Tensor, bases: tuple[torch.Tensor, ...], back: bool = False)
     return x
 
 
+def _each_alone(decompose, m: torch.Tensor) -> torch.Tensor:
+    """``decompose`` of each matrix of a batch ``(..., n, n)`` alone, stacked. LAPACK's last bits
+    depend on where a matrix lies in memory (seen on an AMD EPYC: a batch's second 7x7 QR one
+    float32 ulp off the same matrix's alone), and a rank-deficient factor's eigenbasis is
+    arbitrary within its null space, so a bit there moves the steps after it by O(1). Decomposed
+    one by one, each in its own buffer, a matrix gets the same bits however many same-shape
+    matrices share its batch (which the plan decides) and as the reference decomposes it."""
+    if m.ndim == 2:
+        return decompose(m)
+    alone = [decompose(x) for x in m.reshape(-1, *m.shape[-2:]).unbind(0)]
+    return torch.stack(alone).reshape(*m.shape[:-2], *alone[0].shape)
+
+
 def eigenbasis(m: torch.Tensor) -> torch.Tensor:
     """The eigenvectors of symmetric ``m`` (or of each of a batch, ``(B, n, n)``), by decreasing
     eigenvalue (columns). A tiny ridge (1e-30) keeps ``eigh`` from failing on an exactly zero
     factor; in float32 when ``m``'s dtype has no ``eigh`` (bfloat16)."""
     _count("eigenbasis", m, math.prod(m.shape[:-2]))
     work = m if m.dtype in (torch.float32, torch.float64) else m.float()
-    _, q = torch.linalg.eigh(work + 1e-30 * torch.eye(m.shape[-1], dtype=work.dtype, device=m.device))
+    ridge = 1e-30 * torch.eye(m.shape[-1], dtype=work.dtype, device=m.device)
+    q = _each_alone(lambda x: torch.linalg.eigh(x + ridge)[1], work)
     return torch.flip(q, dims=[-1]).to(m.dtype).contiguous()  # one layout each step: no recompiles
 
 
@@ -88,7 +102,8 @@ def refreshed_basis(m: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, tor
     _count("refreshed_basis", m, math.prod(m.shape[:-2]))
     product = m @ q
     order = torch.argsort((q * product).sum(dim=-2), descending=True)  # (each of a batch: its own order)
-    basis, _ = torch.linalg.qr(product.gather(-1, order.unsqueeze(-2).expand_as(product)).to(torch.float32))
+    basis = _each_alone(lambda x: torch.linalg.qr(x)[0],
+                        product.gather(-1, order.unsqueeze(-2).expand_as(product)).to(torch.float32))
     return basis.to(product.dtype).contiguous(), order
 
 
