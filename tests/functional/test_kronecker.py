@@ -76,7 +76,7 @@ def test_soap_equals_pytorch_optimizer(case):
 @pytest.mark.parametrize("n", [5, 7, 12])
 def test_a_matrix_decomposes_to_the_same_bits_in_any_batch(n):
     """Which same-shape matrices share a batch is the plan's choice (a rank steps the ones it
-    owns): a factor's eigenbasis and refreshed basis must not depend on it. A rank-deficient
+    owns): a factor's eigenbasis, refreshed basis and inverse root must not depend on it. A rank-deficient
     factor's null-space basis is arbitrary, so one bit there moves SOAP's later steps by O(1)."""
     g = torch.Generator().manual_seed(n)
     grads = torch.randn(4, n, n - 2, generator=g, dtype=torch.float64)
@@ -88,6 +88,9 @@ def test_a_matrix_decomposes_to_the_same_bits_in_any_batch(n):
         assert torch.equal(bases[i], kronecker.eigenbasis(alone)), i
         basis, its_order = kronecker.refreshed_basis(alone + torch.eye(n, dtype=torch.float64), bases[i].clone())
         assert torch.equal(refreshed[i], basis) and torch.equal(order[i], its_order), i
+    roots = kronecker.inverse_root(factors, 4)  # Shampoo's
+    for i in range(4):
+        assert torch.equal(roots[i], kronecker.inverse_root(factors[i].clone(), 4)), i
 
 
 def test_soap_on_matrices_stepped_alone_equals_pytorch_optimizer():

@@ -109,11 +109,15 @@ def refreshed_basis(m: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, tor
 
 def inverse_root(m: torch.Tensor, p: int) -> torch.Tensor:
     """``m^(-1/p)`` of symmetric positive semi-definite ``m`` (a batch of them) by its singular
-    value decomposition, in at least float32."""
+    value decomposition, in at least float32 (each of a batch alone: `_each_alone`)."""
     _count("inverse_root", m)
     dtype = torch.float64 if m.dtype == torch.float64 else torch.float32
-    u, s, vh = torch.linalg.svd(m.to(dtype), full_matrices=False)
-    return ((u * s.pow(-1.0 / p).unsqueeze(-2)) @ vh).to(m.dtype)
+
+    def root(x: torch.Tensor) -> torch.Tensor:
+        u, s, vh = torch.linalg.svd(x, full_matrices=False)
+        return (u * s.pow(-1.0 / p).unsqueeze(-2)) @ vh
+
+    return _each_alone(root, m.to(dtype)).to(m.dtype)
 
 
 def pick(pred, a, b):
