@@ -69,9 +69,10 @@ def fsdp2_leg(rank: int, world_size: int, load_from: str | None, save_to: str | 
         dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=load_from)
         set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
     for step in range(start, start + steps):
-        grads = fixed_grads([p.full_tensor() for p in model.parameters()], step)
+        grads = fixed_grads(list(model.parameters()), step)  # alike on every rank: each cuts its piece
         for p, g in zip(model.parameters(), grads):
-            p.grad = None if g is None else torch.distributed.tensor.distribute_tensor(g, p.device_mesh, p.placements)
+            p.grad = None if g is None else torch.distributed.tensor.distribute_tensor(g, p.device_mesh, p.placements,
+                                                                                       src_data_rank=None)
         opt.step()
     if save_to:
         model_sd, optim_sd = get_state_dict(model, opt)

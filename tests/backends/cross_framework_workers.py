@@ -84,6 +84,6 @@ def fsdp2_save_continue(rank: int, world_size: int, save_to: str) -> list:
             model_sd, optim_sd = get_state_dict(model, opt)
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=save_to)
         for p, g in zip(model.parameters(), grads(k)):
-            p.grad = distribute_tensor(torch.from_numpy(g).float(), p.device_mesh, p.placements)
+            p.grad = distribute_tensor(torch.from_numpy(g).float(), p.device_mesh, p.placements, src_data_rank=None)
         opt.step()
     return [p.full_tensor().detach().numpy().tolist() for p in model.parameters()]

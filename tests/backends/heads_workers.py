@@ -56,7 +56,7 @@ def _grads(model: nn.Module, step: int) -> None:
     gen = torch.Generator().manual_seed(500 + step)
     for p in model.parameters():
         g = torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype)
-        p.grad = distribute_tensor(g, p.device_mesh, p.placements) if isinstance(p, DTensor) else g
+        p.grad = distribute_tensor(g, p.device_mesh, p.placements, src_data_rank=None) if isinstance(p, DTensor) else g
 
 
 def _full(p: torch.Tensor) -> torch.Tensor:

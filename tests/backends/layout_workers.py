@@ -122,7 +122,7 @@ def _sharded(case: dict, world: int) -> list[torch.Tensor]:
             if hasattr(p, "device_mesh"):
                 from torch.distributed.tensor import distribute_tensor
 
-                g = distribute_tensor(g, p.device_mesh, p.placements)
+                g = distribute_tensor(g, p.device_mesh, p.placements, src_data_rank=None)  # alike on every rank
             p.grad = g
         opt.step()
     return [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().double() for p in bag.parameters()]

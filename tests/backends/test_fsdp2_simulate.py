@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from zero.backends import fresh
 from zero.backends.fsdp2_peer import simulate_fsdp2
 from zero.plans.presets import preset
 
@@ -86,14 +87,6 @@ def _simulated(metas, world_size, ranks, batch, replicas):
     return [run(metas, world_size, rank, batch=batch, replicas=replicas) for rank in ranks]
 
 
-def in_fresh_process(fn, *args):
-    """``fn(*args)`` in a spawned process: a simulation takes a process with no process group (a
-    test worker may hold one, from a test before)."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(fn, *args).result()
 
 
 # each mesh once, at a size of its own (every mesh at every size doubled this test's 68 s for no other path)
@@ -114,7 +107,8 @@ def test_a_batch_run_on_fake_tensors_is_the_real_runs_peak_activations_included(
     for batch in ((1, 64), (4, 256)):
         real = run_ranks(_real, world_size, metas, batch, replicas)
         ranks = (0, world_size - 1)
-        for rank, fake in zip(ranks, in_fresh_process(_simulated, metas, world_size, ranks, batch, replicas)):
+        # a simulation takes a process with no process group (a test worker may hold one from a test before)
+        for rank, fake in zip(ranks, fresh.in_fresh_process(_simulated, metas, world_size, ranks, batch, replicas)):
             got = real[rank].measured_peak_bytes
             assert fake.measured_peak_bytes <= got <= fake.measured_peak_bytes + unit, (world_size, batch, rank,
                                                                                         got, fake)

@@ -127,12 +127,10 @@ def fsdp2_peak(params: Callable[[], nn.Module] | Sequence[ParamMeta], world_size
     (GPT-2 at 64 ranks: 496.3 MB the first time, 340.6 MB after, one embedding apart), so each
     figure is taken as a fresh job's process takes it, whatever was measured before. ``params``:
     metadata, or a picklable model factory."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
+    from zero.backends.fresh import in_fresh_process
 
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(measure, params, world_size, rank, optimizer=optimizer, master_dtype=master_dtype,
-                           reduce_dtype=reduce_dtype, every_chunk=every_chunk).result()
+    return in_fresh_process(measure, params, world_size, rank, optimizer=optimizer, master_dtype=master_dtype,
+                            reduce_dtype=reduce_dtype, every_chunk=every_chunk)
 
 
 def measure(params: Callable[[], nn.Module] | Sequence[ParamMeta], world_size: int, rank: int, *,
@@ -398,10 +396,8 @@ def simulate_fsdp2(params: Sequence[ParamMeta], world_size: int, rank: int, *, r
     ``batch`` ``(B, T)``: the run is the model's own forward and backward on ``B x T`` token ids
     (``model``: a picklable factory of the model ``params`` describe; without it, a LLaMA preset's
     module), so its peak holds the activations and temporaries the plan leaves out."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
     from zero.backends.fake_runs import cached, optimizer_class
+    from zero.backends.fresh import in_fresh_process
     from zero.plans.fsdp2_memory import fsdp2_footprint
 
     optimizer_class(optimizer)  # a name a simulation runs, else a ValueError naming the choices
@@ -409,9 +405,8 @@ def simulate_fsdp2(params: Sequence[ParamMeta], world_size: int, rank: int, *, r
 
     def measured() -> Fsdp2Run:
         source = model if batch is not None and model is not None else list(params)
-        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            return pool.submit(run, source, world_size, rank, optimizer=optimizer, replicas=replicas,
-                               zero=zero, batch=batch).result()
+        return in_fresh_process(run, source, world_size, rank, optimizer=optimizer, replicas=replicas, zero=zero,
+                                batch=batch)
     if batch is not None and model is not None:
         return Fsdp2RankRun(measured(), predicted, batch)  # (a factory's run is not kept: see `cached`)
     options = {"engine": "fsdp2", "replicas": replicas, "optimizer": optimizer, "zero": zero,

@@ -23,33 +23,9 @@ import time
 import traceback
 from typing import Any
 
-import torch.multiprocessing as mp
+from zero.backends.fresh import adopt_environ, rank_context
 
 __all__ = ["free_port", "run", "exit_now", "init_group", "collect", "rank_context", "adopt_environ"]
-
-# What the server that ranks are forked from imports once (see `rank_context`).
-PRELOAD = ["torch", "torch.distributed", "zero.functional", "zero.backends", "zero.tools.launch", "zero.tools.pool"]
-
-
-def rank_context() -> Any:
-    """The multiprocessing context ranks start in. Where the platform has one (Linux, macOS),
-    multiprocessing's fork server, which imports torch and zero once (`PRELOAD`) and forks each
-    rank from itself: a spawned rank imports them afresh, 1-3 s of CPU a rank, which on a 2-core
-    machine is most of a short run. Elsewhere, spawn. Either way ``fn`` must be importable."""
-    if "forkserver" not in mp.get_all_start_methods():
-        return mp.get_context("spawn")
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)  # read when the server starts (the first rank this process starts)
-    return ctx
-
-
-def adopt_environ(environ: dict[str, str]) -> None:
-    """A rank's environment made the one its starter had when it started the rank, as a spawned
-    rank's is (a forked one has the fork server's, from when that server started)."""
-    if environ != os.environ:
-        os.environ.clear()
-        os.environ.update(environ)
-
 
 _GIVEN: set[int] = set()  # the ports free_port handed out in this process
 
