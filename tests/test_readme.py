@@ -3,6 +3,7 @@ the command lines as a user types them; and the site builds with ``mkdocs build 
 
 import contextlib
 import io
+import json
 import os
 import pathlib
 import re
@@ -60,12 +61,31 @@ def test_every_command_line_is_run_here_or_elsewhere(page, tmp_path):
     lines = commands(page)
     zero_lines = [c for c in lines if c.startswith(".venv/bin/zero ")]
     assert set(lines) - set(zero_lines) <= set(ELSEWHERE), set(lines) - set(zero_lines) - set(ELSEWHERE)
+    argvs = []
     for line in zero_lines:  # in order: later lines read what earlier ones saved
         args = line.removeprefix(".venv/bin/zero ").split()
         if args[0] == "bench":
             args += ["--args", "--presets gpt2 --worlds 2 --metas gpt2"]  # the same command on a smaller model
-        res = subprocess.run([sys.executable, "-m", "zero", *args], capture_output=True, text=True, cwd=tmp_path)
-        assert res.returncode == 0, f"{line}: {res.stderr[-1500:]}"
+        argvs.append(args)
+    res = subprocess.run([sys.executable, "-c", RUN_LINES, json.dumps(argvs)], capture_output=True, text=True,
+                         cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+
+
+# A page's command lines, in one fresh process, through the entry point ``zero`` runs (`python -m
+# zero` is ``sys.exit(main())``): each as its own process would import torch, zero and a fork
+# server for its ranks again, 3-4 s of CPU a line for nothing the line tests.
+RUN_LINES = """
+import json, sys
+from zero.tools.cli import main
+for argv in json.loads(sys.argv[1]):
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's errors
+        code = e.code
+    if code not in (0, None):
+        sys.exit(f"zero {' '.join(argv)}: exit status {code}")
+"""
 
 
 def test_every_cli_subcommand_is_on_the_cli_page():

@@ -321,6 +321,9 @@ def subcommands() -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["demo"]:
+        from zero.tools.arguments import demo_parser
+
+        demo_parser().parse_args(argv[1:])  # a usage error before torch loads
         from zero.tools.demo import main as demo  # torch loads only here, for the demo
 
         return demo(argv[1:])

@@ -11,7 +11,6 @@ optimizer, then compares per-rank optimizer state, peak memory, and the final pa
 
 from __future__ import annotations
 
-import argparse
 import os
 import resource
 from typing import Any
@@ -23,29 +22,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from zero.backends.local_optimizer import state_nbytes
 from zero.tools import launch
+from zero.tools.arguments import demo_parser
 
 __all__ = ["main", "run_rank", "train_and_save", "load_and_train", "plain_training"]
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="zero demo", description=__doc__.split("\n\n")[0])
-    p.add_argument("-w", "--world-size", type=positive_int, default=2)
-    p.add_argument("--layers", type=positive_int, default=8, help="Linear layers (tutorial: 20)")
-    p.add_argument("--width", type=positive_int, default=1000, help="features per layer (tutorial: 2000)")
-    p.add_argument("--full", action="store_true", help="the tutorial's size: 20 x Linear(2000, 2000)")
-    p.add_argument("--steps", type=positive_int, default=3)
-    return p
-
-
-def positive_int(text: str) -> int:
-    """An argparse type: an int >= 1, or a usage error naming the value."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an int") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def _peak_bytes(device: torch.device) -> int:
@@ -186,7 +167,7 @@ def _mb(value: int | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = demo_parser().parse_args(argv)
     if args.full:
         args.layers, args.width = 20, 2000
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: ranks exist already

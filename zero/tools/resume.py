@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from zero.tools import launch
-from zero.tools.demo import positive_int
+from zero.tools.arguments import positive_int
 
 __all__ = ["main", "train_leg"]
 
