@@ -136,9 +136,9 @@ def test_the_plan_counts_the_foreach_temporaries_and_a_real_run_makes_them(strat
     real on 2 gloo ranks and simulated on fake tensors, the same peak (to the scalars a batch run
     makes), which the plan predicts to the same few bytes as it does the for-loop's; the foreach
     step's temporaries (a tensor the size of each the rank steps) are what moved it."""
-    from test_fsdp2_simulate import in_fresh_process
     from test_simulate import _zero_real
 
+    from zero.backends.fresh import in_fresh_process
     from zero.plans.presets import llama
 
     metas, batch = llama(128, 128, 2, 128, vocab=128, dtype="float32"), (1, 8)
@@ -172,8 +172,7 @@ def test_the_plan_predicts_a_foreach_step_to_the_byte_in_every_mode():
     """Each mode steps the small LLaMA's groups with torch's foreach step (its pipelined ZeRO-2 one
     shard a call, a hybrid plan's every tensor in one call, masters in float32) and the plan predicts
     the simulated peak exactly, most of them in the step."""
-    from test_fsdp2_simulate import in_fresh_process
-
+    from zero.backends.fresh import in_fresh_process
     from zero.plans.presets import llama
 
     runs = in_fresh_process(_every_mode, llama(128, 128, 2, 128, vocab=128, dtype="float32"))

@@ -233,7 +233,9 @@ def test_a_batch_run_on_fake_tensors_is_the_real_zero_runs_peak_activations_incl
     same activations at the peak and the same peak to a few scalars (measured: 112 bytes more for
     real, of 27-31 MB), two batch sizes."""
     from helpers import run_ranks
-    from test_fsdp2_simulate import _llama_metas, in_fresh_process
+    from test_fsdp2_simulate import _llama_metas
+
+    from zero.backends.fresh import in_fresh_process
 
     metas = _llama_metas(256, 2)
     for batch in ((1, 64), (4, 256)):
