@@ -1,5 +1,6 @@
 """Every example in the README and on the documentation site's pages runs: the Python blocks here,
-the command lines as a user types them; and the site builds with ``mkdocs build --strict``."""
+the command lines as a user types them (a page's lines in order, in one fresh process, through the
+``zero`` entry point); and the site builds with ``mkdocs build --strict``."""
 
 import contextlib
 import io

@@ -87,8 +87,6 @@ def _simulated(metas, world_size, ranks, batch, replicas):
     return [run(metas, world_size, rank, batch=batch, replicas=replicas) for rank in ranks]
 
 
-
-
 # each mesh once, at a size of its own (every mesh at every size doubled this test's 68 s for no other path)
 @pytest.mark.parametrize("dim, layers, world_size, replicas", [(256, 2, 2, 1), (384, 3, 4, 2)])
 def test_a_batch_run_on_fake_tensors_is_the_real_runs_peak_activations_included(dim, layers, world_size, replicas):

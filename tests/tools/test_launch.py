@@ -1,6 +1,7 @@
 """zero.tools.launch.run and zero.tools.pool.Pool: results come back from ranks that have exited,
 tensors included; a pool keeps its ranks between runs."""
 
+import os
 import sys
 
 import launch_workers as lw
@@ -160,3 +161,19 @@ def test_ranks_have_the_environment_of_the_moment_they_start(monkeypatch):
     assert len({r[1] for r in first}) == 2, "each rank a process of its own"
     if sys.platform == "linux":  # the fork server, not spawn, where the platform has one
         assert rank_context().get_start_method() == "forkserver"
+
+
+def test_a_fresh_process_has_the_environment_of_its_call_and_raises_its_errors(monkeypatch):
+    """`zero.backends.fresh.in_fresh_process` (the simulations' process, which reads
+    ``ZERO_SIMULATE_CACHE``): forked from the same server, it gets its caller's environment as it is
+    at the call, and an exception in it is raised in the caller."""
+    from zero.backends.fresh import in_fresh_process
+
+    name = "ZERO_TEST_LATE_VARIABLE"
+    monkeypatch.setenv(name, "before")
+    assert in_fresh_process(lw.environ_of, 0, 1, name)[0] == "before"  # the server runs by now
+    monkeypatch.setenv(name, "after")
+    value, pid = in_fresh_process(lw.environ_of, 0, 1, name)
+    assert value == "after" and pid != os.getpid()
+    with pytest.raises(ValueError, match="invalid literal"):
+        in_fresh_process(int, "not a number")

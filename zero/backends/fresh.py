@@ -16,7 +16,9 @@ import torch.multiprocessing as mp
 
 __all__ = ["PRELOAD", "rank_context", "adopt_environ", "in_fresh_process"]
 
-# What the server that processes are forked from imports once (see `rank_context`).
+# What the server that processes are forked from imports once (see `rank_context`). One list for
+# both users: the server is one a process, and whichever starts it first sets what it holds (the
+# launcher's modules named as strings only: this layer imports nothing of zero.tools).
 PRELOAD = ["torch", "torch.distributed", "zero.functional", "zero.backends", "zero.tools.launch", "zero.tools.pool"]
 
 

@@ -27,8 +27,6 @@ from zero.tools.arguments import demo_parser
 __all__ = ["main", "run_rank", "train_and_save", "load_and_train", "plain_training"]
 
 
-
-
 def _peak_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
