@@ -1,15 +1,16 @@
 """The matrix frontier (#67): Newton-Schulz time, standard against Gram (and whole matrices
 against per-head blocks), for LLaMA's 4096 x 4096 and 4096 x 11008 shapes scaled down to this CPU;
-and per-head against whole-matrix Muon under FSDP2 at 2 ranks (step time, bytes exchanged with
-owners, state per rank), in one run.
+and per-head against whole-matrix Muon under FSDP2 at 2 and 3 ranks (step time, bytes exchanged
+with owners, state per rank), in one run. At 2 ranks FSDP2's rows of q, k, v are whole heads
+(stepped where they lie); at 3 they cut heads (each rank steps the heads that start in its rows).
 
-    .venv/bin/python bench/matrix_frontier_bench.py [--scale 8] [--repeat 9] [--steps 12]
+    .venv/bin/python bench/matrix_frontier_bench.py [--scale 8] [--repeat 9] [--steps 12] [--ranks 2 3]
 
 Kernel times are medians of ``--repeat`` alternating runs of `orthogonalize_via_newton_schulz`
 (float32, five steps, Polar Express's coefficients, the Gram iteration's restart before its third
 step), on this machine's CPU threads. The FSDP2 model: one block of LLaMA-7B's shapes divided by
 ``--scale`` (q, k, v, o of d x d with 32 heads, the MLP's d x 2.69d), float32, `zero.functional.
-Optimizer` over ``fully_shard`` at 2 gloo ranks; medians of ``--steps`` steps after two.
+Optimizer` over ``fully_shard`` at ``--ranks`` gloo ranks; medians of ``--steps`` steps after two.
 """
 
 from __future__ import annotations
@@ -82,8 +83,9 @@ def _fsdp2(rank: int, world_size: int, scale: int, per_head: bool, steps: int) -
             opt.step()
             times.append(time.perf_counter() - start)
     exchanged = sum(c.bus_bytes for c in made if c.kind == "exchange")
+    plan = opt.executor.plan
     return {"step_ms": 1e3 * statistics.median(times[2:]), "exchanged": exchanged, "state": opt.state_nbytes(),
-            "owned": len(opt.executor.plan.owned(rank))}
+            "owned": len(plan.owned(rank)), "by_heads": len(plan.by_heads)}
 
 
 def main() -> None:
@@ -91,6 +93,7 @@ def main() -> None:
     parser.add_argument("--scale", type=int, default=8)
     parser.add_argument("--repeat", type=int, default=9)
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 3])
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; LLaMA-7B's shapes / {args.scale}")
     print(f"{'shape':>14} {'variant':>14} {'median ms':>10}")
@@ -101,13 +104,14 @@ def main() -> None:
     for shape, name, ms in rows:
         if name != "standard":
             print(f"{str(shape):>14} {name:>14} {base[shape] / ms:9.2f}x faster than standard")
-    print("\nMuon under FSDP2, 2 ranks (one LLaMA-7B block / scale)")
-    for per_head in (False, True):
-        ranks = run(_fsdp2, 2, args.scale, per_head, args.steps, timeout=900)
-        kind = "per-head q,k,v" if per_head else "whole matrices"
-        print(f"{kind:>15}: step {[round(r['step_ms'], 1) for r in ranks]} ms, exchanged "
-              f"{[r['exchanged'] for r in ranks]} bytes, state {[r['state'] for r in ranks]} bytes, "
-              f"matrices owned {[r['owned'] for r in ranks]}")
+    for world in args.ranks:
+        print(f"\nMuon under FSDP2, {world} ranks (one LLaMA-7B block / scale)")
+        for per_head in (False, True):
+            ranks = run(_fsdp2, world, args.scale, per_head, args.steps, timeout=900)
+            kind = "per-head q,k,v" if per_head else "whole matrices"
+            print(f"{kind:>15}: step {[round(r['step_ms'], 1) for r in ranks]} ms, exchanged "
+                  f"{[r['exchanged'] for r in ranks]} bytes, state {[r['state'] for r in ranks]} bytes, "
+                  f"matrices owned {[r['owned'] for r in ranks]}, stepped by whole heads {ranks[0]['by_heads']}")
 
 
 if __name__ == "__main__":

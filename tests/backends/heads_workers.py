@@ -68,7 +68,8 @@ def against_one_process(rank: int, world_size: int, replicas: int = 1, kwargs: d
     """FSDP2 (``replicas`` 1: `zero.functional.Optimizer`) or HSDP (``replicas x world_size /
     replicas``: ``zero.ZeroRedundancyOptimizer``, the step sharded over the replicas too)
     against one process: the worst difference after ``steps`` steps, which params an owner
-    stepped whole, the bytes this rank sent in exchanges with owners and across replicas during
+    stepped whole and which the ranks stepped by whole heads, the bytes this rank sent in
+    exchanges with owners and across replicas during
     the last step with the plan's figures, and the Newton-Schulz runs this rank made in it."""
     mesh = None
     if replicas > 1:
@@ -100,7 +101,8 @@ def against_one_process(rank: int, world_size: int, replicas: int = 1, kwargs: d
                "across": plan.gather_bytes(me)}
     worst = max(float((_full(a.detach()) - b.detach()).abs().max()) for a, b in zip(two.parameters(), one.parameters()))
     whole = sorted(plan.metas[i].name for i in plan.whole)
-    return {"worst": worst, "whole": whole, "sent": sent, "planned": planned, "runs": runs}
+    by_heads = sorted(plan.metas[i].name for i in plan.by_heads)
+    return {"worst": worst, "whole": whole, "by_heads": by_heads, "sent": sent, "planned": planned, "runs": runs}
 
 
 def _count_newton_schulz() -> list:
@@ -153,3 +155,39 @@ def flat_plan_refusal(rank: int, world_size: int) -> str:
     except ValueError as e:
         return str(e)
     return "stepped"
+
+
+def save_then_resume(rank: int, world_size: int, path: str, save: bool, first: int = 3, steps: int = 3
+                     ) -> list[torch.Tensor]:
+    """Per-head Muon over FSDP2 through torch's own ``get_state_dict`` / ``set_state_dict`` and
+    DCP (torchtitan's checkpointer's path): ``save``: ``first`` steps, then a save at ``path``;
+    else a load from it at this mesh size and ``steps`` more. The whole params after."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model = _sharded(make_model())
+    opt = F.Optimizer(list(model.named_parameters()), rule())
+    model_sd, optim_sd = get_state_dict(model, opt)
+    request = {"model": model_sd, "optim": optim_sd}
+    if save:
+        for k in range(first):
+            _grads(model, k)
+            opt.step()
+        model_sd, optim_sd = get_state_dict(model, opt)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    else:
+        dcp.load(request, checkpoint_id=path)
+        set_state_dict(model, opt, model_state_dict=request["model"], optim_state_dict=request["optim"])
+        for k in range(first, first + steps):
+            _grads(model, k)
+            opt.step()
+    return [_full(p) for p in model.parameters()]
+
+
+def one_process(rank: int, world_size: int, steps: int = 6) -> list[torch.Tensor]:
+    model = make_model()
+    opt = F.Optimizer(list(model.named_parameters()), rule())
+    for k in range(steps):
+        _grads(model, k)
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]

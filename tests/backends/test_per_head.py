@@ -1,9 +1,11 @@
 """Per-head Muon (and Gram, 8-bit Muon) over FSDP2, HSDP and ZeRO against one process: rows that
-fall on head edges are stepped where they lie with no exchange, rows that do not go to an owner
-whole, each head is orthogonalised once in the mesh, and the bytes moved are the plan's."""
+fall on head edges are stepped where they lie with no exchange; over FSDP2 rows that do not are
+stepped by whole heads, only the cut heads' rows moving (over HSDP they go to an owner whole);
+each head is orthogonalised once in the mesh, and the bytes moved are the plan's."""
 
 import heads_workers as w
 import pytest
+import torch
 from helpers import run_ranks
 
 pytestmark = pytest.mark.timeout(600)
@@ -17,12 +19,12 @@ HEADS = 4 + 3 + 12 + 1  # matrices orthogonalised in a step: every head once, an
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_fsdp2_steps_whole_heads_where_they_lie(world_size):
     """Equal to one process bit for bit; the head-aligned weights are stepped in pieces with no
-    exchange (the plan's owners hold the others only) and the bytes exchanged are the plan's;
-    across the ranks each head is orthogonalised once."""
+    exchange, the weight whose rows cut heads by whole heads (an owner holds the plain matrix
+    only) and the bytes exchanged are the plan's; across the ranks each head is orthogonalised once."""
     out = run_ranks(w.against_one_process, world_size)
     for r, o in enumerate(out):
         assert o["worst"] == 0.0, (r, o["worst"])
-        assert o["whole"] == ["2.weight", "6.weight"]
+        assert o["whole"] == ["6.weight"] and o["by_heads"] == ["2.weight"], o
         assert o["sent"] == o["planned"], (r, o)
     assert sum(o["runs"]["matrices"] for o in out) == HEADS
 
@@ -31,7 +33,7 @@ def test_dimension_numbers_as_a_dict_by_name():
     """A dict of dimension numbers by param name labels each rank's own params by name (an owner's
     whole matrices, the pieces of heads), as a function of the params does."""
     for o in run_ranks(w.against_one_process, 2, 1, {"dims_as_dict": True}):
-        assert o["worst"] == 0.0 and o["whole"] == ["2.weight", "6.weight"]
+        assert o["worst"] == 0.0 and o["whole"] == ["6.weight"] and o["by_heads"] == ["2.weight"]
 
 
 def test_hsdp_steps_each_head_once_in_the_mesh():
@@ -69,3 +71,18 @@ def test_a_flat_plan_cutting_headed_matrices_is_refused_by_name():
     rather than stepping them with the shards' AdamW."""
     said = run_ranks(w.flat_plan_refusal, 2)
     assert all("weight" in s and "Muon weight" in s for s in said), said
+
+
+def test_heads_stepped_where_they_lie_or_by_whole_heads_resume_at_other_mesh_sizes(tmp_path):
+    """Saved through torch's get_state_dict and DCP at 2 ranks (2.weight stepped by whole heads,
+    its state the rows of each rank's heads), resumed at 4 (other runs of heads, one rank with
+    none) and at 3 (every weight's rows whole heads, stepped in place); saved at 4, resumed at 2:
+    each equal to one process bit for bit."""
+    one = run_ranks(w.one_process, 1)[0]
+    for saved_at, resumed_at in ((2, 4), (2, 3), (4, 2)):
+        path = str(tmp_path / f"at{saved_at}")
+        if resumed_at != 3:
+            run_ranks(w.save_then_resume, saved_at, path, True)
+        got = run_ranks(w.save_then_resume, resumed_at, path, False)[0]
+        for j, (a, b) in enumerate(zip(got, one)):
+            assert torch.equal(a, b), f"saved at {saved_at}, resumed at {resumed_at}: param {j} differs"

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import zero
-from zero.plans.fsdp2 import chunk_rows, make_fsdp2_plan
+from zero.plans.fsdp2 import HEADS, chunk_rows, make_fsdp2_plan
 from zero.plans.presets import preset
 
 
@@ -53,6 +53,36 @@ def test_state_and_exchange_bytes_add_up():
     # every piece that is not the owner's travels twice (param and gradient) to it, once back
     away = sum(plan.local_numel(i, r) * 4 for i in plan.whole for r in range(3) if r != plan.owner[i])
     assert sum(s[0] for s in sent) == 2 * away and sum(s[1] for s in sent) == away
+
+
+HEADED = "muon(heads={'q.weight': 3})"  # 18 rows of 3 heads of 6, 4 columns
+
+
+def headed_metas():
+    return zero.param_metas({"q.weight": (18, 4), "q.bias": (18,)})
+
+
+def test_heads_cut_by_fsdp2s_rows_move_only_their_rows():
+    """At 2 ranks (rows 9/9) rank 0 steps heads 0-1 (rows 0-12), rank 1 head 2: rows 9-11 (3 rows
+    of 4) travel to rank 0 with their gradient and back. At 4 (rows 5/5/5/3) heads start on
+    ranks 0, 1, 2 (rows 0, 6, 12): rank 3 steps none and sends its 3 rows; at 3 (6 each) the rows
+    are whole heads, stepped in place; over HSDP's replicas, or named whole, an owner steps it."""
+    plan = make_fsdp2_plan(headed_metas(), 2, HEADED)
+    assert plan.owner == (HEADS, -1) and plan.blocks[0] == 24 and plan.by_heads == (0,) and plan.whole == ()
+    assert [plan.head_run(0, r) for r in range(2)] == [(0, 48), (48, 24)]
+    assert plan.head_moves(0) == ((1, 0, 36, 12),)
+    assert [plan.exchange_bytes(r)["float32"] for r in range(2)] == [(0, 48), (96, 0)]
+    # each rank holds the momentum of the heads it steps (48 and 24 elements), not of its rows (36 each)
+    assert plan.state_bytes(0) - plan.state_bytes(1) == (48 - 24) * 4
+    plan = make_fsdp2_plan(headed_metas(), 4, HEADED)
+    assert [plan.head_run(0, r) for r in range(4)] == [(0, 24), (24, 24), (48, 24), (72, 0)]
+    assert plan.head_moves(0) == ((1, 0, 20, 4), (2, 1, 40, 8), (3, 2, 60, 12))
+    assert sum(n for r in range(4) for n in (plan.head_run(0, r)[1],)) == 72  # each element stepped once
+    assert make_fsdp2_plan(headed_metas(), 3, HEADED).owner == (-1, -1)
+    assert make_fsdp2_plan(headed_metas(), 2, HEADED, replicas=2).owner[0] >= 0
+    assert make_fsdp2_plan(headed_metas(), 2, HEADED, whole=["q.weight"]).owner[0] >= 0
+    assert make_fsdp2_plan(headed_metas(), 2, "muon").owner[0] >= 0  # no heads: whole
+    assert HEADS not in make_fsdp2_plan(headed_metas(), 2, "muon_8bit(heads={'q.weight': 3})").owner
 
 
 def test_a_plan_at_scale_keeps_every_element_once():

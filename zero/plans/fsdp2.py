@@ -10,6 +10,12 @@ gradient, the owner steps the whole tensor and sends each rank its piece back, i
 per direction per dtype. Owners are balanced by the rule's step cost (`zero.plans.costs`), so no
 rank holds every matrix.
 
+A per-head param (per-head Muon: ``H`` heads of ``d`` rows along dim 0) is stepped where its rows
+lie when FSDP2's rows fall on head edges. Where they do not (``owner`` `HEADS`), each rank steps
+the whole heads whose first row it holds (`head_run`): the rows of those heads that other ranks
+hold come to it, with their gradients, and go back stepped (`head_moves`), so only the rows of the
+heads FSDP2 cut between ranks move, never a whole matrix to one owner.
+
 HSDP (``fully_shard`` on a 2-D mesh of ``replicas x shards``) keeps every replica's ranks holding
 the same pieces. A plan with ``replicas > 1`` shards the step over the replicas too (ZeRO-1 over
 the replicate dim): mesh rank ``r * shards + s`` steps ``part`` of shard ``s``'s piece of each
@@ -32,9 +38,10 @@ from zero.plans.costs import RuleCost, cost_of
 from zero.plans.meta import ParamMeta, itemsize
 from zero.plans.partition import check_metas, check_world_size, partition
 
-__all__ = ["Fsdp2Plan", "make_fsdp2_plan", "chunk_rows", "GATHER_BUCKET_BYTES"]
+__all__ = ["Fsdp2Plan", "make_fsdp2_plan", "chunk_rows", "GATHER_BUCKET_BYTES", "HEADS"]
 
 GATHER_BUCKET_BYTES = 64 * 2**20  # the most of a rank's pieces one all-gather over the replicas carries
+HEADS = -2  # `Fsdp2Plan.owner` of a per-head param whose rows FSDP2 cut inside heads: stepped by whole heads
 
 
 @functools.cache  # a plan at 1,024 ranks asks it for every param and rank
@@ -48,8 +55,9 @@ def chunk_rows(size: int, world_size: int) -> tuple[tuple[int, int], ...]:
 @dataclass(frozen=True)
 class Fsdp2Plan:
     """Per param: the dim FSDP2 shards (``dims``), whether an owner steps it whole (``owner``:
-    the mesh rank, or -1 where each rank steps its own piece), and the block its low-bit state is
-    quantized in (``blocks``, 0 for none). ``world_size`` is the ranks one replica shards over;
+    the mesh rank, -1 where each rank steps its own piece, `HEADS` where each rank steps the whole
+    heads whose first row it holds), and the block its low-bit state is quantized in, or a
+    per-head param's elements a head (``blocks``, 0 for none). ``world_size`` is the ranks one replica shards over;
     ``replicas`` the replicas the step is sharded over too (1: each replica steps alone).
     Methods that take a ``rank`` for a piece (``rows``, ``local_shape``, ``start``) take the shard
     rank; those of what a rank steps and holds (``part``, ``state_bytes``, ``owned``) the mesh
@@ -76,6 +84,9 @@ class Fsdp2Plan:
         param's piece is cut over the replicas at whole low-bit blocks."""
         shard, replica = rank % self.world_size, rank // self.world_size
         n = self.local_numel(i, shard)
+        if self.owner[i] == HEADS:  # its heads' run: from its first head edge, past its rows' end
+            start, length = self.head_run(i, shard)
+            return start - self.start(i, shard), length
         if self.owner[i] >= 0:
             return (0, n) if self.owner[i] // self.world_size == replica else (0, 0)
         unit = self.blocks[i] or 1
@@ -119,6 +130,37 @@ class Fsdp2Plan:
         return all(self.start(i, r) is not None and self.start(i, r) % k == 0 and self.local_numel(i, r) % k == 0
                    for r in range(self.world_size))
 
+    def head_run(self, i: int, rank: int) -> tuple[int, int]:
+        """``(start, length)`` in the flattened param ``i`` (an `HEADS` one) of the whole heads
+        whose first row rank ``rank`` holds: what it steps. It starts at its rows' first head
+        edge and runs past their end to the end of the head they cut."""
+        shape, block = self.metas[i].shape, self.blocks[i]
+        per_row = math.prod(shape[1:])
+        d = block // per_row  # rows a head
+        first, n = self.rows(i)[rank]
+        lo = -(-first // d) * d
+        hi = max(lo, -(-(first + n) // d) * d) if n else lo
+        return lo * per_row, (hi - lo) * per_row
+
+    def head_moves(self, i: int) -> tuple[tuple[int, int, int, int], ...]:
+        """``(holder, stepper, start, length)``: the runs of the flattened param ``i`` (an `HEADS`
+        one) that rank ``holder`` holds and rank ``stepper`` steps, ``holder != stepper``: what
+        travels to the steppers (with its gradient) and back, in rank order."""
+        out = []
+        for h in range(self.world_size):
+            lo, hi = self.start(i, h), self.start(i, h) + self.local_numel(i, h)
+            for s in range(self.world_size):
+                a, n = self.head_run(i, s)
+                at, end = max(lo, a), min(hi, a + n)
+                if s != h and at < end:
+                    out.append((h, s, at, end - at))
+        return tuple(out)
+
+    @property
+    def by_heads(self) -> tuple[int, ...]:
+        """The params each rank steps by the whole heads whose first row it holds."""
+        return tuple(i for i, o in enumerate(self.owner) if o == HEADS)
+
     @property
     def whole(self) -> tuple[int, ...]:
         """The params an owner steps whole."""
@@ -129,8 +171,9 @@ class Fsdp2Plan:
 
     def exchange_bytes(self, rank: int) -> dict[str, tuple[int, int]]:
         """Per dtype, the bytes mesh rank ``rank`` sends to the owners of its replica (its pieces of
-        their params and gradients) and sends back as an owner (each other rank's piece of its
-        updated params): traffic within a replica."""
+        their params and gradients; its rows of heads another rank steps, with their gradients)
+        and sends back as an owner (each other rank's piece of its updated params; the rows of
+        its heads others hold): traffic within a replica."""
         w, shard = self.world_size, rank % self.world_size
         out: dict[str, list[int]] = {}
         for i in self.whole:
@@ -143,6 +186,11 @@ class Fsdp2Plan:
                 row[0] += 2 * self.local_numel(i, shard) * size
             else:
                 row[1] += sum(self.local_numel(i, r) for r in range(w) if r != shard) * size
+        for i in self.by_heads:
+            size, row = itemsize(self.metas[i].dtype), out.setdefault(self.metas[i].dtype, [0, 0])
+            for h, s, _, n in self.head_moves(i):
+                row[0] += 2 * n * size if h == shard else 0
+                row[1] += n * size if s == shard else 0
         return {k: (v[0], v[1]) for k, v in out.items()}
 
     def slot(self, i: int, rank: int) -> int:
@@ -194,17 +242,19 @@ class Fsdp2Plan:
             size = itemsize(meta.dtype)
             if self.owner[i] == rank:
                 total += spec.state_bytes(meta, size)
-            elif self.owner[i] < 0:
+            elif self.owner[i] in (-1, HEADS):
                 total += spec.shard_state_bytes(self.part(i, rank)[1], size, self.blocks[i])
         return total
 
     def table(self) -> str:
-        """One line per rank: elements held, params owned whole, state bytes and exchange bytes."""
+        """One line per rank: elements stepped, params owned whole, state bytes and exchange bytes."""
         mesh = f"{self.world_size} ranks"
         if self.replicas > 1:
             mesh = f"{self.replicas} replicas x {mesh}"
         lines = [f"FSDP2 plan: {len(self.metas)} params over {mesh}, {self.optimizer}, "
-                 f"{len(self.whole)} stepped whole by an owner (fingerprint {self.fingerprint})",
+                 f"{len(self.whole)} stepped whole by an owner"
+                 + (f", {len(self.by_heads)} by whole heads" if self.by_heads else "")
+                 + f" (fingerprint {self.fingerprint})",
                  f"{'rank':>4} {'elements':>12} {'owned':>6} {'state bytes':>14} {'to owners':>12} {'back':>12}"
                  + (f" {'replicas':>12}" if self.replicas > 1 else "")]
         for r in range(self.ranks):
@@ -227,8 +277,10 @@ def make_fsdp2_plan(metas: Sequence[ParamMeta], world_size: int, optimizer: str 
     ``dims``: the dim FSDP2 shards each param on, by name (default 0); ``whole``: the names of
     the params the rule needs whole (default: what ``optimizer``'s cost model says);
     ``blocks``: the block each param's low-bit state is quantized in, by name (default: the cost
-    model's). An owner steps the params the rule needs whole, and the low-bit params whose
-    blocks FSDP2 cuts between ranks; owners balance ``weight`` (`zero.plans.accounting.weights`).
+    model's; a per-head param's: a head's elements, as ``plan_for`` gives them). An owner steps
+    the params the rule needs whole, and the low-bit params whose blocks FSDP2 cuts between ranks;
+    owners balance ``weight`` (`zero.plans.accounting.weights`). Per-head params whose heads FSDP2
+    cuts between ranks are stepped by whole heads (`HEADS`) rather than by an owner.
     """
     metas = tuple(check_metas(metas))
     check_world_size(world_size)
@@ -243,11 +295,15 @@ def make_fsdp2_plan(metas: Sequence[ParamMeta], world_size: int, optimizer: str 
     blocks = _blocks(metas, spec, blocks)
     draft = Fsdp2Plan(metas, world_size, str(optimizer).lower(), dim_of, (-1,) * len(metas), blocks, replicas)
     keep = _resolve(draft, spec, whole)
+    aligned, heads = _by_heads(draft, spec, keep, whole)
+    keep = tuple(i for i in keep if i not in aligned + heads)
     owner = [-1] * len(metas)
     if keep:
         part = partition([metas[i] for i in keep], world_size * replicas, "sorted_greedy", weight, spec)
         for i, r in zip(keep, part.owner):
             owner[i] = r
+    for i in heads:
+        owner[i] = HEADS
     blocks = tuple(0 if owner[i] >= 0 else b for i, b in enumerate(blocks))
     plan = dataclasses.replace(draft, owner=tuple(owner), blocks=blocks)
     return dataclasses.replace(plan, fingerprint=_fingerprint(plan))
@@ -255,7 +311,7 @@ def make_fsdp2_plan(metas: Sequence[ParamMeta], world_size: int, optimizer: str 
 
 def _blocks(metas: tuple[ParamMeta, ...], spec: RuleCost, given: Mapping[str, int] | None) -> tuple[int, ...]:
     if given is None:
-        return tuple(spec.block_for(m) for m in metas)
+        return tuple(spec.block_for(m) or spec.head_block(m) for m in metas)
     unknown = set(given) - {m.name for m in metas}
     if unknown:
         raise ValueError(f"blocks names params that are not in the plan: {sorted(unknown)}")
@@ -282,6 +338,25 @@ def _resolve(plan: Fsdp2Plan, spec: RuleCost, whole: Sequence[str] | None) -> tu
         needs = {i for i, m in enumerate(metas) if spec.whole(m)}
     return tuple(i for i, m in enumerate(metas) if m.requires_grad and
                  (i in needs or (plan.blocks[i] and not plan.runs_cut_at(i, plan.blocks[i]))))
+
+
+def _by_heads(plan: Fsdp2Plan, spec: RuleCost, keep: Sequence[int], named: Sequence[str] | None
+              ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Of the params ``keep`` (to step whole), the per-head ones (``blocks`` a head's elements,
+    `RuleCost.head_block`) along dim 0, which whole heads suffice for, unless ``named`` whole:
+    those whose rows FSDP2 cuts at head edges (stepped in place), and, at one replica, those it
+    cuts inside heads (stepped by whole heads, `HEADS`). (Over HSDP's replicas an owner steps the
+    latter whole, each head once in the mesh.)"""
+    aligned, cut = [], []
+    for i in keep:
+        meta, block = plan.metas[i], plan.blocks[i]
+        if not block or block != spec.head_block(meta) or plan.dims[i] != 0 or meta.name in (named or ()):
+            continue
+        if plan.runs_cut_at(i, block):
+            aligned.append(i)
+        elif plan.replicas == 1:
+            cut.append(i)
+    return tuple(aligned), tuple(cut)
 
 
 def _fingerprint(plan: Fsdp2Plan) -> str:

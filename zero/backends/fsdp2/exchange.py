@@ -1,7 +1,9 @@
 """Whole tensors for the params an owner steps (`zero.plans.fsdp2`): every rank's piece of each
 param and its gradient to the owner, and each rank's piece of the updated param back, in one
-exchange (an all-to-all of uneven chunks) per direction per dtype; and, for a plan over HSDP's
-replicas, each replica's updated parts to the others, in one all-gather per dtype."""
+exchange (an all-to-all of uneven chunks) per direction per dtype; whole heads for the per-head
+params FSDP2 cut inside heads (`to_head_steppers`, `back_from_head_steppers`: only the rows of the
+cut heads move, to and from the rank that steps each); and, for a plan over HSDP's replicas, each
+replica's updated parts to the others, in one all-gather per dtype."""
 
 from __future__ import annotations
 
@@ -11,9 +13,9 @@ from typing import Any
 import torch
 
 from zero.backends import comm
-from zero.plans.fsdp2 import Fsdp2Plan
+from zero.plans.fsdp2 import HEADS, Fsdp2Plan
 
-__all__ = ["to_owners", "back_from_owners", "gather_replicas"]
+__all__ = ["to_owners", "back_from_owners", "to_head_steppers", "back_from_head_steppers", "gather_replicas"]
 
 
 def to_owners(plan: Fsdp2Plan, rank: int, group: Any, ts: Sequence[int], params: dict[int, torch.Tensor],
@@ -51,6 +53,84 @@ def back_from_owners(plan: Fsdp2Plan, rank: int, group: Any, ts: Sequence[int],
                 n = plan.local_numel(t, rank)
                 params[t].copy_(flat[at:at + n].view(params[t].shape))
                 at += n
+
+
+def to_head_steppers(plan: Fsdp2Plan, rank: int, group: Any, ts: Sequence[int], params: dict[int, torch.Tensor],
+                     grads: dict[int, torch.Tensor] | None) -> dict[int, tuple[torch.Tensor, ...]]:
+    """For each param ``t`` of ``ts`` stepped by heads (`zero.plans.fsdp2.HEADS`): the whole heads
+    this rank steps (`Fsdp2Plan.head_run`), shaped ``(k * d, ...)``, and their gradient (none
+    when ``grads`` is None), from this rank's rows and the rows of those heads the next ranks hold
+    (`Fsdp2Plan.head_moves`), in one exchange per dtype."""
+    out: dict[int, tuple[torch.Tensor, ...]] = {}
+    sources = [params] if grads is None else [params, grads]
+    for these in _heads_by_dtype(plan, ts).values():
+        moves = {t: plan.head_moves(t) for t in these}
+        flat = {t: [x[t].reshape(-1) for x in sources] for t in these}
+        chunks = [torch.cat([f[at - plan.start(t, rank):][:n] for t in these for h, s, at, n in moves[t]
+                             if (h, s) == (rank, o) for f in flat[t]] or [params[these[0]].new_empty(0)])
+                  for o in range(plan.world_size)]
+        splits = [sum(len(sources) * n for t in these for h, s, _, n in moves[t] if (h, s) == (o, rank))
+                  for o in range(plan.world_size)]
+        got = torch.empty(sum(splits), dtype=chunks[0].dtype, device=chunks[0].device)
+        comm.exchange(got, torch.cat(chunks), splits, [c.numel() for c in chunks], group)
+        runs = {t: [f.new_empty(plan.head_run(t, rank)[1]) for f in flat[t]] for t in these}
+        for t in these:  # this rank's own rows of its heads
+            (a, n), lo = plan.head_run(t, rank), plan.start(t, rank)
+            own = max(0, min(n, lo + plan.local_numel(t, rank) - a))
+            for run, f in zip(runs[t], flat[t]):
+                run[:own] = f[a - lo:a - lo + own]
+        received = iter(got.split(splits))
+        for o in range(plan.world_size):
+            chunk, at = next(received), 0
+            for t in these:
+                for _, _, start, n in (m for m in moves[t] if m[:2] == (o, rank)):
+                    for run in runs[t]:
+                        run[start - plan.head_run(t, rank)[0]:][:n] = chunk[at:at + n]
+                        at += n
+        out.update({t: tuple(r.view(-1, *plan.metas[t].shape[1:]) for r in runs[t]) for t in these})
+    return out
+
+
+def back_from_head_steppers(plan: Fsdp2Plan, rank: int, group: Any, ts: Sequence[int],
+                            runs: dict[int, torch.Tensor], params: dict[int, torch.Tensor]) -> None:
+    """The stepped heads ``runs`` (this rank's, as `to_head_steppers` gave them) into the rows of
+    ``params`` (this rank's local tensors) that hold them: here, and on the ranks they came from."""
+    for these in _heads_by_dtype(plan, ts).values():
+        moves = {t: plan.head_moves(t) for t in these}
+        local = {t: _writable(plan, t, params[t]) for t in these}
+        for t in these:
+            (a, n), lo = plan.head_run(t, rank), plan.start(t, rank)
+            own = max(0, min(n, lo + plan.local_numel(t, rank) - a))
+            local[t][a - lo:a - lo + own] = runs[t].reshape(-1)[:own]
+        chunks = [torch.cat([runs[t].reshape(-1)[at - plan.head_run(t, rank)[0]:][:n] for t in these
+                             for h, s, at, n in moves[t] if (h, s) == (o, rank)] or [params[these[0]].new_empty(0)])
+                  for o in range(plan.world_size)]
+        splits = [sum(n for t in these for h, s, _, n in moves[t] if (h, s) == (rank, o))
+                  for o in range(plan.world_size)]
+        got = torch.empty(sum(splits), dtype=chunks[0].dtype, device=chunks[0].device)
+        comm.exchange(got, torch.cat(chunks), splits, [c.numel() for c in chunks], group)
+        received = iter(got.split(splits))
+        for o in range(plan.world_size):
+            chunk, at = next(received), 0
+            for t in these:
+                for _, _, start, n in (m for m in moves[t] if m[:2] == (rank, o)):
+                    local[t][start - plan.start(t, rank):][:n] = chunk[at:at + n]
+                    at += n
+
+
+def _writable(plan: Fsdp2Plan, t: int, local: torch.Tensor) -> torch.Tensor:
+    if not local.is_contiguous():
+        raise ValueError(f"param {plan.metas[t].name!r}'s local tensor is not contiguous: the rows of its heads "
+                         "stepped on other ranks cannot be written back in place")
+    return local.view(-1)
+
+
+def _heads_by_dtype(plan: Fsdp2Plan, ts: Sequence[int]) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for t in ts:
+        if plan.owner[t] == HEADS:
+            out.setdefault(plan.metas[t].dtype, []).append(t)
+    return out
 
 
 def _by_dtype(plan: Fsdp2Plan, ts: Sequence[int], every: bool = False) -> dict[str, list[int]]:

@@ -7,7 +7,8 @@ installed around the step says which piece of which whole tensor each leaf is, s
 global and per-tensor norms and sums over axes are one partial sum per piece and one all-reduce
 over the mesh; low-bit state is quantized in each param's own blocks, which the plan keeps whole
 on one rank. The owners' params come whole by `exchange.to_owners` and go back by
-`exchange.back_from_owners`.
+`exchange.back_from_owners`; a per-head param FSDP2 cut inside heads is stepped by whole heads,
+each on the rank that holds its first row (`exchange.to_head_steppers` and back).
 
 On HSDP's mesh each replica's ranks hold the same pieces. By default each replica steps them alone
 (its state replicated, as ``torch.optim`` over HSDP). An optimizer that asks for it (its
@@ -28,12 +29,18 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from zero.backends import comm
-from zero.backends.fsdp2.exchange import back_from_owners, gather_replicas, to_owners
+from zero.backends.fsdp2.exchange import (
+    back_from_head_steppers,
+    back_from_owners,
+    gather_replicas,
+    to_head_steppers,
+    to_owners,
+)
 from zero.backends.fsdp2.guard import Fsdp2Guard
 from zero.backends.fsdp2.layout import Layout, plan_for, read_layout
 from zero.backends.fsdp2.state import fsdp2_entries, load_fsdp2_entries, start_states
 from zero.functional import sharding
-from zero.plans.fsdp2 import Fsdp2Plan
+from zero.plans.fsdp2 import HEADS, Fsdp2Plan
 
 __all__ = ["Fsdp2Executor", "executor"]
 
@@ -116,9 +123,12 @@ class Fsdp2Executor:
 
     def cut(self, t: int, whole: torch.Tensor) -> torch.Tensor:
         """This rank's part of a tensor shaped like param ``t`` (what it steps of it: its rows,
-        their run over the replicas; the whole where it owns ``t``)."""
+        their run over the replicas; its heads' rows; the whole where it owns ``t``)."""
         if self.plan.owner[t] >= 0 or not whole.dim():
             return whole
+        if self.plan.owner[t] == HEADS:
+            start, length = self.plan.head_run(t, self.layout.rank)
+            return whole.reshape(-1)[start:start + length].view(-1, *whole.shape[1:])
         start, length = self.plan.rows(t)[self.layout.rank]
         return self._part(t, whole.narrow(self.plan.dims[t], start, length).contiguous(), written=False)
 
@@ -138,9 +148,12 @@ class Fsdp2Executor:
         local = {t: p.to_local() for t, p in zip(ts, params)}
         local_grads = {t: _local(g, layout.metas[t].name) for t, g in zip(ts, grads)}
         wholes = to_owners(self._exchange_plan, layout.rank, layout.group, ts, local, local_grads)
+        heads = to_head_steppers(plan, layout.rank, layout.group, ts, local, local_grads)
         keep, leaves, leaf_grads, pieces, written = [], [], [], {}, []
         for i, t in zip(idx, ts):
-            if plan.owner[t] < 0:
+            if plan.owner[t] == HEADS:
+                (leaf, grad), piece = heads[t], self._piece(t)
+            elif plan.owner[t] < 0:
                 leaf, grad, piece = self._part(t, local[t]), self._part(t, local_grads[t], False), self._piece(t)
             elif plan.owner[t] == self.me:
                 (leaf, grad), piece = wholes[t], self._whole_piece(t)
@@ -158,6 +171,7 @@ class Fsdp2Executor:
             leaf.copy_(master)  # rounded to the param's dtype, which the exchanges then move
         back_from_owners(self._exchange_plan, layout.rank, layout.group, ts, {t: w[0] for t, w in wholes.items()},
                          local)
+        back_from_head_steppers(plan, layout.rank, layout.group, ts, {t: h[0] for t, h in heads.items()}, local)
         if plan.replicas > 1:
             gather_replicas(plan, self.me, layout.replica_group, ts, local)
         self._stepped = True
@@ -199,12 +213,15 @@ class Fsdp2Executor:
         checkpoint into) as a step would (low-bit state decided by each whole param)."""
         params = self.layout_params(k)
         keep, leaves, pieces = [], [], {}
+        local = {self.layout.firsts[k] + i: params[i].detach().to_local() for i in idx}
+        heads = to_head_steppers(self.plan, self.layout.rank, self.layout.group, list(local), local, None)
         for i in idx:
             t, p = self.layout.firsts[k] + i, params[i]
             whole = p.detach().full_tensor() if self.plan.owner[t] >= 0 else None
-            if self.plan.owner[t] in (-1, self.me):
+            if self.plan.owner[t] in (-1, HEADS, self.me):
                 keep.append(i)
-                leaves.append(self.master(t, self._part(t, p.detach().to_local()) if whole is None else whole))
+                mine = heads[t][0] if t in heads else self._part(t, local[t])
+                leaves.append(self.master(t, mine if whole is None else whole))
                 pieces[id(leaves[-1])] = self._piece(t) if whole is None else self._whole_piece(t)
         with sharding.installed(dataclasses.replace(self._base, pieces=pieces)):
             yield tuple(keep), leaves

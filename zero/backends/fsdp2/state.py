@@ -13,8 +13,10 @@ saved under every param that shares them.
 
 Under a plan over HSDP's replicas a rank's state is a run of its piece's elements, which no
 placement describes: it is a ``ShardedTensor`` of the boxes of the param's shape the run covers,
-views into the state, as zero's flat ZeRO plans save theirs. Master copies (``master_dtype``) are
-saved as per-element state under ``"master"``; a checkpoint without them starts them from the params.
+views into the state, as zero's flat ZeRO plans save theirs. So is the state of a per-head param
+stepped by whole heads (`zero.plans.fsdp2.HEADS`): the rows of the heads a rank steps. Master
+copies (``master_dtype``) are saved as per-element state under ``"master"``; a checkpoint without
+them starts them from the params.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from zero.functional.adapters.executor import load_leaf, load_sets
 from zero.functional.adapters.state_names import named_leaves, per_param
 from zero.functional.adapters.state_tree import as_tree
 from zero.plans.chunks import range_boxes
+from zero.plans.fsdp2 import HEADS
 
 __all__ = ["fsdp2_entries", "load_fsdp2_entries", "start_states"]
 
@@ -68,7 +71,7 @@ def fsdp2_entries(executor: Any, optimizer: Any, saving: bool = True) -> Iterato
                 per = per if per <= 0 or plan.runs_cut_at(t, per) else 0  # a placeholder's k: not runs
                 if per == 0:
                     yield t, key, _whole_shaped(plan, t, key, leaf, shapes.get((key, pos)))
-                elif plan.replicas == 1 or leaf.numel():  # (over the replicas a rank may hold no part of it)
+                elif not _runs(plan, t) or leaf.numel():  # (a run may hold no part of it here)
                     yield t, key, _placed_leaf(executor, t, leaf, per, key, saving)
         for i in range(len(group["params"])):
             if first + i in executor.masters:
@@ -81,7 +84,7 @@ def _placed_leaf(executor: Any, t: int, leaf: torch.Tensor, per: int, key: str, 
     """A leaf of a piece in its param's placement: per element (``per`` -1) a DTensor like the
     param, or over the replicas a ``ShardedTensor`` of its run's boxes; ``per`` k a
     ``ShardedTensor`` of runs (not ``saving``: a run is the leaf itself)."""
-    if not saving and (per >= 0 or executor.plan.replicas > 1):
+    if not saving and (per >= 0 or _runs(executor.plan, t)):
         return leaf
     # a leaf stepped in place is the same tensor from save to save: its wrapper is made once
     if per < 0:
@@ -127,7 +130,7 @@ def _per_element(executor: Any, t: int, leaf: torch.Tensor) -> Any:
     placement where it is the rank's whole piece, else (a plan over the replicas) a
     ``ShardedTensor`` of the boxes its run covers."""
     meta, plan = executor.plan.metas[t], executor.plan
-    if plan.replicas == 1:
+    if not _runs(plan, t):
         placements = executor.placements(t)
         return placed(leaf, executor.mesh, placements, meta.shape)
     from torch.distributed._shard.sharded_tensor import Shard as Box
@@ -143,12 +146,22 @@ def _per_element(executor: Any, t: int, leaf: torch.Tensor) -> Any:
         return ShardedTensor._init_from_local_shards_and_global_metadata(local, whole, process_group=_world(executor))
 
 
+def _runs(plan: Any, t: int) -> bool:
+    """Whether what a rank steps of param ``t`` is a run of it no placement describes (over the
+    replicas; a per-head param's whole heads)."""
+    return plan.replicas > 1 or plan.owner[t] == HEADS
+
+
 def _boxes(executor: Any, t: int, rank: int, device: torch.device) -> list[tuple[Any, int, int]]:
     """``(ShardMetadata, start, numel)`` of each box of param ``t`` that mesh rank ``rank``'s part
     covers (``start``: where it begins in the part)."""
     from torch.distributed._shard.metadata import ShardMetadata
 
     plan = executor.plan
+    if plan.owner[t] == HEADS:
+        at, n = plan.head_run(t, rank)
+        return [(ShardMetadata(list(b.offsets), list(b.sizes), f"rank:{_global(executor, rank)}/{device}"),
+                 b.start - at, b.numel) for b in range_boxes(plan.metas[t].shape, at, at + n)]
     shard, dim = rank % plan.world_size, plan.dims[t]
     at, n = plan.part(t, rank)
     first_row = plan.rows(t)[shard][0] if plan.metas[t].shape else 0
@@ -239,7 +252,7 @@ def load_fsdp2_entries(executor: Any, optimizer: Any, entries: dict[int, dict[st
     def into(t: int, pos: int | None, key: str, leaf: Any, saved: Any) -> Any:
         if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0:
             return load_leaf(leaf, saved, plan.metas[t].name, key)
-        if not leaf.numel() and plan.replicas > 1:
+        if not leaf.numel() and _runs(plan, t):
             return leaf  # no part of this param here, nor an entry
         return _into(executor, t, leaf, saved, key)
 

@@ -181,6 +181,8 @@ def scale_by_muon(ns_coeffs: Any = DEFAULT_NS_COEFFS, ns_steps: int = 5, beta: f
         if kept is None or kept == (heads_of(d), tuple(h.shape)):  # a whole tensor
             return orthogonalize(h, coeffs, ns_steps, preconditioning, eps, d, ns_method, restarts)
         k, shape = kept
+        if not k:  # a piece of no heads (a rank FSDP2 gave no rows, or none a head starts in)
+            return h.clone()
         d = MuonDimensionNumbers(d.reduction_axis, d.output_axis, k)
         out = orthogonalize(h.reshape(shape), coeffs, ns_steps, preconditioning, eps, d, ns_method, restarts)
         return out.reshape(h.shape)

@@ -75,6 +75,11 @@ class RuleCost:
         """The quantization block of ``meta``'s state, 0 when it keeps full precision."""
         return 0
 
+    def head_block(self, meta: ParamMeta) -> int:
+        """The elements of one head of ``meta`` when the rule steps it head by head along its
+        first axis (per-head Muon), so that whole heads of it can be stepped apart; else 0."""
+        return 0
+
 
 Elementwise = RuleCost  # the family's name in the registry
 

@@ -99,6 +99,14 @@ class NewtonSchulz(RuleCost):
     def whole(self, meta: ParamMeta) -> bool:
         return meta.requires_grad and self.is_matrix(meta)
 
+    def head_block(self, meta: ParamMeta) -> int:
+        """A head's elements of a matrix cut into heads along its rows (8-bit Muon's codes lie in
+        blocks of the whole matrix: none)."""
+        h = self.heads_of(meta)
+        if h < 2 or self.int8_block or not self.is_matrix(meta) or meta.shape[0] % h:
+            return 0
+        return meta.numel // h
+
     def step_flops(self, meta: ParamMeta) -> int:
         """For a matrix, `ns_flops` of each head's block (the whole matrix without heads), plus its
         elements; element-wise params their elements."""
