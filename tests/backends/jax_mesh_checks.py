@@ -158,6 +158,10 @@ def errors() -> dict[str, str]:
         "hybrid_flat_adafactor": lambda: jax_mesh.init(
             optax.adafactor(1e-2, min_dim_size_to_factor=8), params,
             zero.make_plan(metas, 8, "flat", whole=lambda m: len(m.shape) == 2), mesh),
+        "hybrid_dims_by_name": lambda: jax_mesh.init(
+            optax.contrib.muon(1e-2, muon_weight_dimension_numbers={
+                k: optax.contrib.MuonDimensionNumbers() if v.ndim == 2 else None for k, v in params.items()}),
+            params, zero.make_plan(metas, 8, "flat", optimizer="muon"), mesh),
         "hybrid_gather": lambda: jax_mesh.gather_state(None, optax.adam(1e-2), params,
                                                        zero.make_plan(metas, 8, "flat", optimizer="muon"), mesh),
         "grads_tree": lambda: jax_mesh.update(optax.adam(1e-2), plan, mesh)(
@@ -219,6 +223,21 @@ HYBRID = {  # name: (transformation, make_plan's keywords)
              dict(optimizer="soap(precondition_frequency=3)"),
              {"b1": (33,), "b2": (5,), "t": (4, 4, 4), "w1": (16, 16), "w2": (8, 8), "w3": (12, 12)}),  # JAX's order
 }
+# per-head Muon on JAX attention kernels in Flax's (in, heads, head_dim) layout, Optax's Muon reading
+# the head axis as a batch axis (dimension numbers by each leaf's rank, so the flat buffers' 1-D
+# leaves are AdamW's); the plan costs each head's matrix, by name, and keeps the kernels whole
+PER_HEAD = {"b": (5,), "kv": (16, 2, 8), "q": (16, 4, 8), "w": (16, 12)}  # JAX's order
+PER_HEAD_COUNTS = {"kv": 2, "q": 4}
+
+
+def by_rank(tree):
+    """Optax's dimension numbers of each leaf by its rank: a kernel's heads, a matrix, or AdamW."""
+    dims = optax.contrib.MuonDimensionNumbers
+    return jax.tree.map(lambda p: dims(0, 2) if p.ndim == 3 else (dims() if p.ndim == 2 else None), tree)
+
+
+HYBRID["per_head_muon"] = (lambda: optax.contrib.muon(1e-2, muon_weight_dimension_numbers=by_rank),
+                           dict(optimizer=f"muon(heads={PER_HEAD_COUNTS!r})"), PER_HEAD)
 EIGH = r'custom_call_target="lapack_[sd]syevd'  # an eigendecomposition, as XLA's CPU backend calls LAPACK
 
 
@@ -337,6 +356,40 @@ def soap_against_zero() -> float:
         tp = F.apply_updates(tp, u)
     return max(float(np.abs(np.asarray(p[k]) - tp[k].numpy()).max() / np.abs(tp[k].numpy() - start[k]).max())
                for k in shapes)
+
+
+def per_head_against_zero() -> float:
+    """The mesh's per-head Muon (the hybrid plan above, float64, 12 steps) against zero's torch
+    per-head Muon on the same weights in torch's layout ((heads * head_dim, in), heads=H): the same
+    blocks, orthogonalised apart. The largest difference relative to how far zero's moved each param."""
+    import torch
+
+    import zero.functional as F
+    from zero.functional.contrib import MuonDimensionNumbers as Dims
+
+    rng = np.random.default_rng(1)
+    start = {k: rng.standard_normal(s) for k, s in PER_HEAD.items()}
+    steps = [{k: rng.standard_normal(s) for k, s in PER_HEAD.items()} for _ in range(12)]
+    tx = HYBRID["per_head_muon"][0]()
+    params = {k: jnp.asarray(v) for k, v in start.items()}
+    plan = zero.make_plan(zero.param_metas(params), 8, "flat", optimizer=f"muon(heads={PER_HEAD_COUNTS!r})")
+    state, step = jax_mesh.init(tx, params, plan, mesh_of(8)), jax_mesh.update(tx, plan, mesh_of(8))
+    for g in steps:
+        params, state = step({k: jnp.asarray(v) for k, v in g.items()}, state, params)
+
+    def torch_layout(k, x):  # (in, H, d) -> (H * d, in)
+        return x.transpose(1, 2, 0).reshape(-1, x.shape[0]) if k in PER_HEAD_COUNTS else x
+
+    dims = {k: Dims(1, 0, heads=PER_HEAD_COUNTS[k]) if k in PER_HEAD_COUNTS else (Dims() if k == "w" else None)
+            for k in PER_HEAD}
+    ttx = F.contrib.muon(1e-2, muon_weight_dimension_numbers=dims)
+    tp = {k: torch.tensor(torch_layout(k, v)) for k, v in start.items()}
+    tstate = ttx.init(tp)
+    for g in steps:
+        u, tstate = ttx.update({k: torch.tensor(torch_layout(k, v)) for k, v in g.items()}, tstate, tp)
+        tp = F.apply_updates(tp, u)
+    return max(float(np.abs(torch_layout(k, np.asarray(params[k])) - tp[k].numpy()).max()
+                     / np.abs(tp[k].numpy() - torch_layout(k, start[k])).max()) for k in PER_HEAD)
 
 
 def orbax_moves(folder: str) -> dict:
@@ -492,7 +545,7 @@ def main() -> None:
            "checkpoint": checkpoint_moves(os.path.dirname(sys.argv[1])),  # the test's own temporary folder
            "two_axes": two_axes(), "hybrid": {name: hybrid(name) for name in HYBRID},
            "hybrid_fed_back": {name: hybrid_fed_back(name) for name in ("muon", "adafactor")},
-           "soap_against_zero": soap_against_zero(),
+           "soap_against_zero": soap_against_zero(), "per_head_against_zero": per_head_against_zero(),
            "orbax": orbax_moves(os.path.dirname(sys.argv[1])),
            "hybrid_orbax": hybrid_orbax(os.path.dirname(sys.argv[1]))}
     out["parity"].update({f"{rule}-{kind}-float32": parity(rule, kind, np.float32)

@@ -109,6 +109,9 @@ ERRORS = {
                           r"another update \(step \d\) under the hybrid plan",
     "hybrid_flat_adafactor": r"ValueError: this transformation does not treat every element alike: param 'b1' .* "
                              r"under the hybrid plan, .* add it to whole=",
+    "hybrid_dims_by_name": r"(?s)ValueError: this transformation cannot step packed buffers .*\(Muon's dimension "
+                           r"numbers or a mask as a dict by name\) cannot be read on the buffers: give it as a "
+                           r"function of the tree",
     "hybrid_gather": r"ValueError: gather_state moves element-wise state .* a hybrid plan's whole params",
     "grads_tree": r"ValueError: the grads' tree .* is not the params'",
 }
@@ -250,3 +253,19 @@ def test_orbax_hybrid_muon_saved_at_8_restores_at_2_and_continues(mesh_run):
     assert r["reads"] == r["own_bytes"] and max(r["reads"]) < r["bytes"][0], (r["reads"], r["bytes"])
     assert r["round_trip_equal"] and all(r["round_trip_equal"]), "Orbax -> DCP (Optax paths) -> Orbax changed it"
     assert r["no_tx"].startswith("ValueError: a hybrid plan's state"), r["no_tx"]
+
+
+def test_per_head_muon_on_jax_attention_kernels_steps_each_head_matrix_on_its_owner(mesh_run):
+    """Attention kernels in Flax's (in, heads, head_dim) layout, Optax's Muon reading the head axis
+    as a batch axis, under a hybrid plan that costs each head's matrix (``muon(heads=...)`` by
+    name: the 3-D kernels kept whole on owners): 20 float32 steps equal Optax unsharded, each
+    owner's branch running its params' Newton-Schulz dots only; and in float64 the numbers of
+    zero's torch per-head Muon on the same weights in torch's (heads * head_dim, in) layout."""
+    r = mesh_run["hybrid"]["per_head_muon"]
+    assert sorted(r["whole"]) == ["kv", "q", "w"], r["whole"]
+    assert r["rel"] <= 1e-5, r["rel"]
+    assert r["compiles_after_first"] == 0 and r["collectives"]["all-reduce"] == 0
+    owned = [sum(1 for rank in r["whole"].values() if rank == k) for k in range(8)]
+    assert r["dots"] == r["unsharded_dots"] == 15 * 3  # a kernel's heads in one batched dot a matmul
+    assert r["branch_dots"] == [15 * n for n in owned], (r["branch_dots"], owned)
+    assert mesh_run["per_head_against_zero"] <= 1e-12, mesh_run["per_head_against_zero"]

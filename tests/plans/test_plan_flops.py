@@ -219,6 +219,19 @@ def test_per_head_and_gram_costs():
         cost_of("muon(ns_method='fast')")
 
 
+def test_a_3d_attention_kernel_named_by_heads_is_its_heads_matrices():
+    """A JAX attention kernel (Flax's (in, heads, head_dim), or (heads, d, D)) named with its heads
+    costs each head's matrix of its other two axes (as the 2-D (H * d, D) weight of the same heads
+    does) and is kept whole; unnamed, or with a head count none of its axes has, it is element-wise."""
+    flax, torch_like = zero.ParamMeta("attn", (512, 8, 64)), zero.ParamMeta("attn", (8 * 64, 512))
+    per_head = cost_of("muon(heads={'attn': 8})")
+    assert per_head.step_flops(flax) == per_head.step_flops(torch_like) > flax.numel
+    assert per_head.step_flops(zero.ParamMeta("attn", (8, 64, 512))) == per_head.step_flops(torch_like)
+    assert per_head.whole(flax) and not MUON.whole(flax) and MUON.step_flops(flax) == flax.numel
+    assert not cost_of("muon(heads={'attn': 7})").whole(flax)
+    assert per_head.head_block(flax) == 0  # no rows of it are heads: FSDP2 does not cut it at head edges
+
+
 def test_8bit_muon_state_bytes():
     """8-bit Muon: a byte an element of each matrix and a float32 scale a 2,048 elements; AdamW's
     vectors as Muon's; the rule's own name and muon(mu_dtype='int8') give the same model."""
@@ -264,3 +277,38 @@ def test_per_head_soap_costs_are_each_heads():
     assert whole.state_bytes(q, 4) == (2 * 64 * 96 + 2 * 64 * 64 + 2 * 96 * 96) * 4
     assert per.state_bytes(q, 4) == (2 * 64 * 96 + 4 * (2 * 16 * 16 + 2 * 96 * 96)) * 4
     assert per.step_flops(q) == 8 * q.numel * (16 + 96) + 4 * (13654 + 2949120) // 10 + q.numel
+
+
+def test_per_head_shampoo_costs_are_each_heads_blocks():
+    """Per-head Shampoo: each head's block laid out alone (axes not merged) and blocked at
+    ``block_size``, its factors per head; the rule's own layout of the same weight agrees."""
+    import optree
+    import torch
+
+    import zero.functional as F
+    from zero.functional.contrib import MuonDimensionNumbers as Dims
+
+    q = zero.ParamMeta("q", (64, 96))
+    per = cost_of("shampoo(block_size=32, heads={'q': 4})")
+    assert per.layout(q).splits == ((16,) * 4, (32, 32, 32))
+    assert per.state_bytes(q, 4) == (2 * 64 * 96 + 2 * 12 * (16 * 16 + 32 * 32)) * 4 + per.scalar_bytes
+    tx = F.contrib.shampoo(1e-2, block_size=32, weight_dimension_numbers={"q": Dims(1, 0, heads=4)})
+    state = tx.init({"q": torch.zeros(64, 96)})
+    factors = [x for x in optree.tree_leaves(state) if x.ndim == 2 and x.shape[0] == x.shape[1] in (16, 32)]
+    assert sorted(f.shape[0] for f in factors) == sorted(2 * per.layout(q).factor_sizes())
+
+
+def test_per_head_costs_are_asked_of_soap_and_shampoo():
+    """The default plan names the heads per-head SOAP and Shampoo keep factors by, asked of the
+    rule on meta tensors (as per-head Muon's), so owners balance each head's work; the rule's
+    matrices stay whole (a flat plan's shards never hold their pieces)."""
+    import zero.functional as F
+    from zero.backends.options import default_plan
+    from zero.functional.contrib import MuonDimensionNumbers as Dims
+
+    metas = zero.param_metas({"q": (64, 96), "w": (32, 96), "b": (32,)})
+    dims = {"q": Dims(1, 0, heads=4), "w": Dims(1, 0), "b": None}
+    for name, rule in (("soap", F.contrib.soap(1e-2, weight_dimension_numbers=dims)),
+                       ("shampoo", F.contrib.shampoo(1e-2, block_size=32, weight_dimension_numbers=dims))):
+        plan = default_plan(metas, 2, "balanced", None, rule)
+        assert plan.optimizer.startswith(name) and cost_of(plan.optimizer).heads == (("q", 4),), plan.optimizer

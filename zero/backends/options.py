@@ -64,12 +64,13 @@ def _cost_name(metas: list[ParamMeta], optimizer_class: Any, defaults: dict) -> 
         return None
     from zero.functional.sharding import head_counts
 
-    return with_heads(rule_cost_name(asked[0]), head_counts(*asked))
+    return with_heads(rule_cost_name(asked[0]), head_counts(*asked, costs=True))
 
 
 def with_heads(name: str | None, heads: dict[str, int]) -> str | None:
     """A cost's name with the heads its rule reads params by (per-head Muon: each head's
-    Newton-Schulz is its own, so the plan balances the heads' work, not whole matrices')."""
+    Newton-Schulz is its own; per-head SOAP and Shampoo: each head's factors), so the plan balances
+    the heads' work, not whole matrices'."""
     if not name or not heads or not hasattr(cost_of(name), "heads"):
         return name
     from zero.plans.costs.registry import cost_name

@@ -100,7 +100,7 @@ def plan_for(layout: Layout, rules: list[Any], replicas: int = 1) -> Fsdp2Plan:
         by_heads = head_counts(tx, shapes)  # per-head Muon: whole heads suffice, where FSDP2's rows fall on head edges
         whole += [name for name in needs_whole(tx, shapes) if name not in by_heads]
         blocks.update({name: math.prod(shapes[name][0]) // h for name, h in by_heads.items()})
-        heads.update(by_heads)
+        heads.update(head_counts(tx, shapes, costs=True))  # the costs' heads: per-head SOAP's and Shampoo's too
         across = {m.name for m, d in zip(layout.metas, layout.dims)
                   if m.group == k and (replicas > 1 or any(s > 1 for s in m.shape[:d]))}
         whole += [name for name in reads_axes(tx, shapes) if name in across]  # Shard(1) rows are not runs

@@ -104,7 +104,9 @@ def _packed_twin(tx, twin, grads, flat: list[int], got: list[list]) -> None:
         raise ValueError(f"this transformation cannot step packed buffers ({type(err).__name__}: {err}); "
                          "zero.backends.jax_mesh steps rules that treat every element alike (with global "
                          "reductions such as clip_by_global_norm): step it unsharded, or keep the params it "
-                         "needs whole with a hybrid plan") from err
+                         "needs whole with a hybrid plan. An argument that is a tree of the params (Muon's "
+                         "dimension numbers or a mask as a dict by name) cannot be read on the buffers: give "
+                         "it as a function of the tree") from err
     for step, view in enumerate(packed):
         unpacked = unpack(view, layout, twin)
         for i in flat:

@@ -33,7 +33,14 @@ from zero.functional.base import (
 )
 from zero.functional.combine import chain
 from zero.functional.contrib import kronecker
-from zero.functional.contrib.newton_schulz import block_shape, head_axis, heads_of, join_heads, split_heads
+from zero.functional.contrib.newton_schulz import (
+    block_shape,
+    first_axis_heads,
+    head_axis,
+    heads_of,
+    join_heads,
+    split_heads,
+)
 from zero.functional.foreach import foreach_map, traced
 from zero.plans.costs.kronecker import BlockLayout
 
@@ -206,9 +213,7 @@ def scale_by_shampoo(b1: float = 0.9, b2: float = 0.999, *, moving_average_for_m
         one = BlockLayout.of(block_shape(shape, d), block_size, False, preconditioner_type,
                              skip_preconditioning_rank_lt, no_preconditioning_for_layers_with_dim_gt,
                              inverse_exponent_override)
-        o = head_axis(len(shape), d)
-        splits = tuple(sizes * heads_of(d) if a == o else sizes for a, sizes in enumerate(one.splits))
-        return dataclasses.replace(one, original=tuple(shape), shape=tuple(shape), splits=splits)
+        return one.of_heads(shape, heads_of(d), head_axis(len(shape), d))
 
     def layouts(tree, leaves) -> list[BlockLayout]:
         """Per leaf, its layout; without factors where ``weight_dimension_numbers`` labels it None,
@@ -256,6 +261,7 @@ def scale_by_shampoo(b1: float = 0.9, b2: float = 0.999, *, moving_average_for_m
         needs = (lambda shape: layout(shape).preconditioned) if weight_dimension_numbers is None else \
             [lay.preconditioned for lay in lays]
         sharding.whole_tensors(leaves, "scale_by_shampoo (Kronecker factors of whole tensors)", needs=needs)
+        sharding.reads_heads(leaves, first_axis_heads(leaves, _dims(updates, leaves)))  # for a plan's costs
         if weight_decay and params is None:
             raise ValueError("scale_by_shampoo with weight_decay needs the params (update(updates, state, params))")
         t = step_count(state.count) + 1  # this step, from 1

@@ -32,7 +32,7 @@ from zero.functional.base import (
 )
 from zero.functional.combine import chain
 from zero.functional.contrib import kronecker
-from zero.functional.contrib.newton_schulz import block_shape, heads_of, join_heads, split_heads
+from zero.functional.contrib.newton_schulz import block_shape, first_axis_heads, heads_of, join_heads, split_heads
 from zero.functional.elementwise import plus_scaled, times
 from zero.functional.foreach import PACK_NUMEL, foreach_map, traced
 from zero.plans.costs.kronecker import soap_axes
@@ -212,6 +212,7 @@ def scale_by_soap(b1: float = 0.95, b2: float = 0.95, shampoo_beta: float = -1, 
         t = c if not traced() else torch.clamp(c, min=1)  # the discarded first-step branch stays finite
         scale = 0.0 if first is True else (1 - b2**t) ** 0.5 / (1 - b1**t)
         dims = named(updates, leaves)
+        sharding.reads_heads(leaves, first_axis_heads(leaves, dims))  # for a plan's costs
         states = [treedef.flatten_up_to(x) for x in (state.exp_avg, state.exp_avg_sq, state.gg, state.q)]
         out: list = [None] * len(leaves)
         for idx in () if traced() else _matrices(leaves, states[2], dims):  # eager: each shape's matrices at once

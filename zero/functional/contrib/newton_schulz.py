@@ -20,7 +20,7 @@ import torch
 __all__ = ["MuonDimensionNumbers", "is_dimension_numbers", "split_axes", "PRECONDITIONINGS", "as_matrices", "fans",
            "newton_schulz", "orthogonalize_via_newton_schulz", "ns_dtype", "check_coeffs", "torch_newton_schulz",
            "orthogonalize", "matrix_axes", "heads_of", "NS_METHODS", "check_method",
-           "split_heads", "join_heads", "block_shape", "head_axis"]
+           "split_heads", "join_heads", "block_shape", "head_axis", "first_axis_heads"]
 
 PRECONDITIONINGS = ("frobenius", "spectral", "aol", "schatten")
 NS_METHODS = ("standard", "gram")
@@ -58,6 +58,13 @@ def heads_of(dims: Any) -> int:
 def head_axis(ndim: int, dims: Any) -> int:
     """The axis heads cut: the first output axis of a tensor of ``ndim`` axes."""
     return _axes(ndim, dims.output_axis)[0]
+
+
+def first_axis_heads(leaves: Any, dims: Any) -> list[int | None]:
+    """Per leaf, its heads when dimension numbers ``dims[j]`` cut its first axis into them (torch's
+    output rows, the axis a plan's per-head costs read), else None."""
+    return [heads_of(d) if d is not None and heads_of(d) > 1 and head_axis(x.ndim, d) == 0 else None
+            for x, d in zip(leaves, dims)]
 
 
 def split_heads(x: torch.Tensor, dims: Any) -> torch.Tensor:

@@ -36,7 +36,7 @@ from zero.functional.sharding.context import (
     subset,
     whole_hint,
 )
-from zero.functional.sharding.heads import head_counts, whole_heads, whole_shapes
+from zero.functional.sharding.heads import head_counts, reads_heads, whole_heads, whole_shapes
 from zero.functional.sharding.norms import (
     all_finite,
     global_norm,
@@ -60,5 +60,5 @@ __all__ = ["Pieces", "Sharding", "installed", "every_group", "stepping", "subset
            "tensor_norms", "all_finite", "total_sums", "inner_products", "whole_tensors", "needs_whole", "axis_sums",
            "axis_means", "every_axis",
            "quantized", "block_sizes", "cut_tensors", "whole_tree", "name_of", "whole_hint", "placeholder",
-           "pieces_unknown", "ParamsRefused", "is_placeholder", "AxesOf", "reads_axes", "whole_heads", "head_counts",
-           "whole_shapes", "defer_refusal"]
+           "pieces_unknown", "ParamsRefused", "is_placeholder", "AxesOf", "reads_axes", "whole_heads", "reads_heads",
+           "head_counts", "whole_shapes", "defer_refusal"]

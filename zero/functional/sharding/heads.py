@@ -17,9 +17,19 @@ import torch
 from zero.functional.sharding.context import LEAVES, SHARDING, Pieces, Sharding, current, sharded
 from zero.functional.sharding.whole import PROBE, _asked, cut_tensors, refuse_together
 
-__all__ = ["whole_heads", "head_counts", "whole_shapes"]
+__all__ = ["whole_heads", "reads_heads", "head_counts", "whole_shapes"]
 
 _HEADS: ContextVar[dict[int, int] | None] = ContextVar("zero_head_probe", default=None)  # see head_counts
+_COST_HEADS: ContextVar[dict[int, int] | None] = ContextVar("zero_cost_head_probe", default=None)  # the same
+
+
+def reads_heads(leaves: Sequence[torch.Tensor], heads: Sequence[int | None]) -> None:
+    """Say that a rule keeps each leaf's state and work per head along its first axis
+    (``heads[j]``; per-head SOAP's factors, Shampoo's blocks) though it needs the tensor whole:
+    what `head_counts` (``costs=True``) records for a plan's costs. No effect in a step."""
+    probe = current(_COST_HEADS)
+    if probe is not None:
+        probe.update({id(leaf): h for leaf, h in zip(leaves, heads) if h and h > 1})
 
 
 def whole_heads(leaves: Sequence[torch.Tensor], what: str, heads: Sequence[int | None]
@@ -35,6 +45,7 @@ def whole_heads(leaves: Sequence[torch.Tensor], what: str, heads: Sequence[int |
     probe, needs = current(_HEADS), current(PROBE)
     if probe is not None:
         probe.update({id(leaf): h for leaf, h in zip(leaves, heads) if h and h > 1})
+    reads_heads(leaves, heads)
     if needs is not None:  # a plan keeps them whole unless it cuts them at head edges (it asks head_counts too)
         needs.update(id(leaf) for leaf in leaves)
     found = cut_tensors(leaves, what)
@@ -62,13 +73,16 @@ def _in_piece(sharding: Sharding, pc: Pieces, leaf: torch.Tensor, h: int | None)
     return k, (k * shape[0] // h, *shape[1:])
 
 
-def head_counts(tx: Any, params: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str, int]:
+def head_counts(tx: Any, params: dict[str, tuple[tuple[int, ...], torch.dtype]], costs: bool = False
+                ) -> dict[str, int]:
     """The params (by name) ``tx`` reads by heads along their first axis, each with its heads,
     asked of the rule itself: one ``init`` and ``update`` on ``meta`` tensors, recording what
-    its `whole_heads` checks say. A plan may cut these at head edges instead of keeping them whole."""
+    its `whole_heads` checks say. A plan may cut these at head edges instead of keeping them whole.
+    ``costs``: also those whose state and work are per head but that are stepped whole
+    (`reads_heads`: per-head SOAP and Shampoo), for a plan's costs."""
     tree = {name: torch.empty(shape, dtype=dtype, device="meta") for name, (shape, dtype) in params.items()}
     found: dict[str, int] = {}
-    _asked(tx, tree, _HEADS, found)
+    _asked(tx, tree, _COST_HEADS if costs else _HEADS, found)
     return {name: found[name] for name in params if name in found}
 
 

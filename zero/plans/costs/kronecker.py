@@ -7,6 +7,7 @@ Pure arithmetic over shapes: no torch.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass
@@ -70,6 +71,12 @@ class BlockLayout:
                        for d in read)
         exponent = inverse_exponent_override if inverse_exponent_override > 0 else 2 * sum(axes)
         return BlockLayout(shape, read, axes, splits, n > 1 and not skip, exponent)
+
+    def of_heads(self, shape: tuple[int, ...], heads: int, axis: int) -> BlockLayout:
+        """This layout of one head's block as the layout of a tensor of ``shape`` holding ``heads``
+        of them along ``axis`` (per-head Shampoo): its blocks repeated for each head."""
+        splits = tuple(sizes * heads if a == axis else sizes for a, sizes in enumerate(self.splits))
+        return dataclasses.replace(self, original=tuple(shape), shape=tuple(shape), splits=splits)
 
     def factor_sizes(self) -> list[int]:
         """The side of each factor, block by block (the first axis slowest), axis by axis."""
@@ -143,16 +150,27 @@ class Shampoo(RuleCost):
     no_preconditioning_for_layers_with_dim_gt: int = 8192
     preconditioning_compute_steps: int = 1000
     graft_type: str = "sgd"
+    # per-head Shampoo: a param's name -> the heads its first axis is cut into, each blocked alone
+    heads: tuple[tuple[str, int], ...] = ()
 
     keeps_whole = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "slots", 3 if self.graft_type in ("adagrad", "rmsprop") else 2)
+        object.__setattr__(self, "heads", heads_by_name(self.heads))
+
+    def heads_of(self, meta: ParamMeta) -> int:
+        return heads_of(self.heads, meta)
 
     def layout(self, meta: ParamMeta) -> BlockLayout:
-        return BlockLayout.of(tuple(meta.shape), self.block_size, self.shape_interpretation,
-                              self.preconditioner_type, self.skip_preconditioning_rank_lt,
-                              self.no_preconditioning_for_layers_with_dim_gt)
+        """The rule's layout of ``meta``; with heads, each head's block laid out alone (its axes not
+        merged) and repeated along the first axis, as the rule lays it out."""
+        h, shape = self.heads_of(meta), tuple(meta.shape)
+        head = h > 1 and shape and shape[0] % h == 0
+        one = BlockLayout.of((shape[0] // h, *shape[1:]) if head else shape, self.block_size,
+                             self.shape_interpretation and not head, self.preconditioner_type,
+                             self.skip_preconditioning_rank_lt, self.no_preconditioning_for_layers_with_dim_gt)
+        return one.of_heads(shape, h, 0) if head else one
 
     def state_bytes(self, meta: ParamMeta, itemsize: int) -> int:
         factors = sum(2 * d * d for d in self.layout(meta).factor_sizes())

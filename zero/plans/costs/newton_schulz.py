@@ -42,8 +42,8 @@ class NewtonSchulz(RuleCost):
     ``matrix_slots`` state tensors (``int8_block`` > 0: 8-bit Muon's momentum, a byte an element
     and a float32 scale a block) and costs ``ns_steps`` quintic Newton-Schulz steps by
     ``ns_method``, stepped whole, or per head: ``heads`` maps a param's name to the heads its first
-    axis (torch's output rows) is cut into, each a matrix of its own. The other params take the
-    element-wise rule of ``slots`` (Muon's AdamW)."""
+    axis (torch's output rows) is cut into, each a matrix of its own (a 3-D param: the size of its
+    head axis, `matrices`). The other params take the element-wise rule of ``slots`` (Muon's AdamW)."""
 
     matrix_slots: int = 1
     ns_steps: int = 5
@@ -76,7 +76,21 @@ class NewtonSchulz(RuleCost):
         return ((2,) if self.ns_steps > 2 else ()) if self.ns_restarts is None else self.ns_restarts
 
     def is_matrix(self, meta: ParamMeta) -> bool:
-        return len(meta.shape) == 2
+        return self.matrices(meta) is not None
+
+    def matrices(self, meta: ParamMeta) -> tuple[int, int, int] | None:
+        """``(heads, m, n)``: the ``m x n`` matrices ``meta`` is stepped as, or None (element-wise).
+        A 2-D param's rows are cut into its heads; a 3-D param named in ``heads`` (a JAX attention
+        kernel such as Flax's ``(in, heads, head_dim)``, Optax's Muon reading its head axis as a
+        batch axis) is one matrix of its other two axes per index of the axis its heads are."""
+        shape, h = meta.shape, self.heads_of(meta)
+        if len(shape) == 2:
+            return h, shape[0] // h, shape[1]
+        if len(shape) == 3 and h > 1 and h in shape:
+            rest = list(shape)
+            rest.remove(h)
+            return h, rest[0], rest[1]
+        return None
 
     def heads_of(self, meta: ParamMeta) -> int:
         return heads_of(self.heads, meta)
@@ -103,7 +117,7 @@ class NewtonSchulz(RuleCost):
         """A head's elements of a matrix cut into heads along its rows (8-bit Muon's codes lie in
         blocks of the whole matrix: none)."""
         h = self.heads_of(meta)
-        if h < 2 or self.int8_block or not self.is_matrix(meta) or meta.shape[0] % h:
+        if h < 2 or self.int8_block or len(meta.shape) != 2 or meta.shape[0] % h:
             return 0
         return meta.numel // h
 
@@ -112,6 +126,6 @@ class NewtonSchulz(RuleCost):
         elements; element-wise params their elements."""
         if not meta.requires_grad or not self.is_matrix(meta):
             return super().step_flops(meta)
-        h = self.heads_of(meta)
-        m, n = sorted((meta.shape[0] // h, meta.shape[1]))
+        h, m, n = self.matrices(meta)
+        m, n = sorted((m, n))
         return h * ns_flops(m, n, self.ns_steps, self.ns_method, self.restarts) + meta.numel
