@@ -29,9 +29,11 @@ RULES = {**{name: (name, kw) for name, kw in {**alias_cases.ALIASES, **alias_cas
                                               "sm3": dict(learning_rate=1e-2)}.items()}, **CHAINS}
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_every_rule_steps_fsdp2s_params_as_one_process_does(world_size):
-    """Shard(0) with uneven rows (37 over 3: 13/13/11), 10 steps of fixed gradients, float64."""
+def test_every_rule_steps_fsdp2s_params_as_one_process_does(world_size=3):
+    """Shard(0) with uneven rows (37 over 3: 13/13/11; the 64 x 96 weight's rows cut its low-bit
+    blocks, so an owner steps it), 10 steps of fixed gradients, float64. (At 2 ranks, where those
+    rows fall on block edges and are stepped in place, the low-bit and per-head tests below and
+    the random layouts step them: the widest case runs once.)"""
     worst = run_ranks(w.compare_rules, world_size, RULES)[0]
     bad = {name: d for name, d in worst.items() if not d <= 1e-12}
     assert not bad, f"differ from one process at {world_size} ranks: {bad}"
