@@ -85,6 +85,26 @@ def test_heads_cut_by_fsdp2s_rows_move_only_their_rows():
     assert HEADS not in make_fsdp2_plan(headed_metas(), 2, "muon_8bit(heads={'q.weight': 3})").owner
 
 
+@given(st.integers(1, 12), st.integers(1, 9), st.integers(1, 3), st.integers(2, 16))
+def test_heads_runs_step_every_element_once_and_the_moves_are_what_rows_and_runs_share(heads, d, cols, world):
+    """Whatever the heads and ranks: the heads' runs cover the param once, in rank order, each
+    whole heads; what moves is exactly each rank's rows outside its own run, to the run holding them."""
+    metas = zero.param_metas({"q": (heads * d, cols)})
+    plan = make_fsdp2_plan(metas, world, f"muon(heads={{'q': {heads}}})")
+    if plan.owner[0] != HEADS:
+        return
+    runs = [plan.head_run(0, r) for r in range(world)]
+    assert [a for a, n in runs if n] == sorted(a for a, n in runs if n) and sum(n for _, n in runs) == heads * d * cols
+    assert all(a % (d * cols) == 0 and n % (d * cols) == 0 for a, n in runs)
+    brute = []
+    for h in range(world):
+        lo, hi = plan.start(0, h), plan.start(0, h) + plan.local_numel(0, h)
+        for s, (a, n) in enumerate(runs):
+            if s != h and max(lo, a) < min(hi, a + n):
+                brute.append((h, s, max(lo, a), min(hi, a + n) - max(lo, a)))
+    assert plan.head_moves(0) == tuple(brute)
+
+
 def test_a_plan_at_scale_keeps_every_element_once():
     plan = make_fsdp2_plan(preset("llama-7b"), 1024, "muon")
     for i, m in enumerate(plan.metas[:40]):

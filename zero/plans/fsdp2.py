@@ -57,8 +57,9 @@ class Fsdp2Plan:
     """Per param: the dim FSDP2 shards (``dims``), whether an owner steps it whole (``owner``:
     the mesh rank, -1 where each rank steps its own piece, `HEADS` where each rank steps the whole
     heads whose first row it holds), and the block its low-bit state is quantized in, or a
-    per-head param's elements a head (``blocks``, 0 for none). ``world_size`` is the ranks one replica shards over;
-    ``replicas`` the replicas the step is sharded over too (1: each replica steps alone).
+    per-head param's elements a head (``blocks``, 0 for none). ``world_size`` is the ranks one
+    replica shards over; ``replicas`` the replicas the step is sharded over too (1: each replica
+    steps alone).
     Methods that take a ``rank`` for a piece (``rows``, ``local_shape``, ``start``) take the shard
     rank; those of what a rank steps and holds (``part``, ``state_bytes``, ``owned``) the mesh
     rank ``replica * world_size + shard``. Everything else is read from these."""
@@ -145,16 +146,12 @@ class Fsdp2Plan:
     def head_moves(self, i: int) -> tuple[tuple[int, int, int, int], ...]:
         """``(holder, stepper, start, length)``: the runs of the flattened param ``i`` (an `HEADS`
         one) that rank ``holder`` holds and rank ``stepper`` steps, ``holder != stepper``: what
-        travels to the steppers (with its gradient) and back, in rank order."""
-        out = []
-        for h in range(self.world_size):
-            lo, hi = self.start(i, h), self.start(i, h) + self.local_numel(i, h)
-            for s in range(self.world_size):
-                a, n = self.head_run(i, s)
-                at, end = max(lo, a), min(hi, a + n)
-                if s != h and at < end:
-                    out.append((h, s, at, end - at))
-        return tuple(out)
+        travels to the steppers (with its gradient) and back, in holder order. A rank's rows
+        before its first head edge are the end of a head that starts on an earlier rank: one run
+        a holder at most."""
+        shape, block = self.metas[i].shape, self.blocks[i]
+        per_row = math.prod(shape[1:])
+        return _head_moves(shape[0], per_row, block // per_row, self.world_size)
 
     @property
     def by_heads(self) -> tuple[int, ...]:
@@ -338,6 +335,18 @@ def _resolve(plan: Fsdp2Plan, spec: RuleCost, whole: Sequence[str] | None) -> tu
         needs = {i for i, m in enumerate(metas) if spec.whole(m)}
     return tuple(i for i, m in enumerate(metas) if m.requires_grad and
                  (i in needs or (plan.blocks[i] and not plan.runs_cut_at(i, plan.blocks[i]))))
+
+
+@functools.cache  # asked at every step, for every per-head param
+def _head_moves(rows: int, per_row: int, d: int, world_size: int) -> tuple[tuple[int, int, int, int], ...]:
+    cut, out = chunk_rows(rows, world_size), []
+    for holder, (first, n) in enumerate(cut):
+        if n and first % d:
+            head = first // d * d  # the first row of the head its rows start inside
+            stepper = head // cut[0][1]  # torch.chunk's rows: chunks of the first rank's length
+            end = min(first + n, head + d)
+            out.append((holder, stepper, first * per_row, (end - first) * per_row))
+    return tuple(out)
 
 
 def _by_heads(plan: Fsdp2Plan, spec: RuleCost, keep: Sequence[int], named: Sequence[str] | None

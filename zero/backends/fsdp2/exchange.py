@@ -64,29 +64,26 @@ def to_head_steppers(plan: Fsdp2Plan, rank: int, group: Any, ts: Sequence[int], 
     out: dict[int, tuple[torch.Tensor, ...]] = {}
     sources = [params] if grads is None else [params, grads]
     for these in _heads_by_dtype(plan, ts).values():
-        moves = {t: plan.head_moves(t) for t in these}
         flat = {t: [x[t].reshape(-1) for x in sources] for t in these}
-        chunks = [torch.cat([f[at - plan.start(t, rank):][:n] for t in these for h, s, at, n in moves[t]
-                             if (h, s) == (rank, o) for f in flat[t]] or [params[these[0]].new_empty(0)])
-                  for o in range(plan.world_size)]
-        splits = [sum(len(sources) * n for t in these for h, s, _, n in moves[t] if (h, s) == (o, rank))
-                  for o in range(plan.world_size)]
-        got = torch.empty(sum(splits), dtype=chunks[0].dtype, device=chunks[0].device)
-        comm.exchange(got, torch.cat(chunks), splits, [c.numel() for c in chunks], group)
+        sent, came = _moves(plan, rank, these)
         runs = {t: [f.new_empty(plan.head_run(t, rank)[1]) for f in flat[t]] for t in these}
         for t in these:  # this rank's own rows of its heads
             (a, n), lo = plan.head_run(t, rank), plan.start(t, rank)
             own = max(0, min(n, lo + plan.local_numel(t, rank) - a))
             for run, f in zip(runs[t], flat[t]):
                 run[:own] = f[a - lo:a - lo + own]
-        received = iter(got.split(splits))
-        for o in range(plan.world_size):
-            chunk, at = next(received), 0
-            for t in these:
-                for _, _, start, n in (m for m in moves[t] if m[:2] == (o, rank)):
-                    for run in runs[t]:
-                        run[start - plan.head_run(t, rank)[0]:][:n] = chunk[at:at + n]
-                        at += n
+        none = params[these[0]].new_empty(0)
+        chunks = [torch.cat([f[at - plan.start(t, rank):][:n] for t, at, n in sent[o] for f in flat[t]] or [none])
+                  for o in range(plan.world_size)]
+        splits = [len(sources) * sum(n for _, _, n in came[o]) for o in range(plan.world_size)]
+        got = torch.empty(sum(splits), dtype=chunks[0].dtype, device=chunks[0].device)
+        comm.exchange(got, torch.cat(chunks), splits, [c.numel() for c in chunks], group)
+        for o, chunk in zip(range(plan.world_size), got.split(splits)):
+            at = 0
+            for t, start, n in came[o]:
+                for run in runs[t]:
+                    run[start - plan.head_run(t, rank)[0]:][:n] = chunk[at:at + n]
+                    at += n
         out.update({t: tuple(r.view(-1, *plan.metas[t].shape[1:]) for r in runs[t]) for t in these})
     return out
 
@@ -96,26 +93,37 @@ def back_from_head_steppers(plan: Fsdp2Plan, rank: int, group: Any, ts: Sequence
     """The stepped heads ``runs`` (this rank's, as `to_head_steppers` gave them) into the rows of
     ``params`` (this rank's local tensors) that hold them: here, and on the ranks they came from."""
     for these in _heads_by_dtype(plan, ts).values():
-        moves = {t: plan.head_moves(t) for t in these}
         local = {t: _writable(plan, t, params[t]) for t in these}
         for t in these:
             (a, n), lo = plan.head_run(t, rank), plan.start(t, rank)
             own = max(0, min(n, lo + plan.local_numel(t, rank) - a))
             local[t][a - lo:a - lo + own] = runs[t].reshape(-1)[:own]
-        chunks = [torch.cat([runs[t].reshape(-1)[at - plan.head_run(t, rank)[0]:][:n] for t in these
-                             for h, s, at, n in moves[t] if (h, s) == (o, rank)] or [params[these[0]].new_empty(0)])
-                  for o in range(plan.world_size)]
-        splits = [sum(n for t in these for h, s, _, n in moves[t] if (h, s) == (rank, o))
-                  for o in range(plan.world_size)]
+        sent, came = _moves(plan, rank, these)  # what came to this rank goes back, what it sent returns
+        none = params[these[0]].new_empty(0)
+        chunks = [torch.cat([runs[t].reshape(-1)[at - plan.head_run(t, rank)[0]:][:n] for t, at, n in came[o]]
+                            or [none]) for o in range(plan.world_size)]
+        splits = [sum(n for _, _, n in sent[o]) for o in range(plan.world_size)]
         got = torch.empty(sum(splits), dtype=chunks[0].dtype, device=chunks[0].device)
         comm.exchange(got, torch.cat(chunks), splits, [c.numel() for c in chunks], group)
-        received = iter(got.split(splits))
-        for o in range(plan.world_size):
-            chunk, at = next(received), 0
-            for t in these:
-                for _, _, start, n in (m for m in moves[t] if m[:2] == (rank, o)):
-                    local[t][start - plan.start(t, rank):][:n] = chunk[at:at + n]
-                    at += n
+        for o, chunk in zip(range(plan.world_size), got.split(splits)):
+            at = 0
+            for t, start, n in sent[o]:
+                local[t][start - plan.start(t, rank):][:n] = chunk[at:at + n]
+                at += n
+
+
+def _moves(plan: Fsdp2Plan, rank: int, these: Sequence[int]) -> tuple[list[list], list[list]]:
+    """Per other rank ``o``: the ``(param, start, length)`` runs this rank holds and ``o`` steps
+    (``sent[o]``), and those ``o`` holds and this rank steps (``came[o]``), in param order."""
+    sent: list[list] = [[] for _ in range(plan.world_size)]
+    came: list[list] = [[] for _ in range(plan.world_size)]
+    for t in these:
+        for holder, stepper, start, n in plan.head_moves(t):
+            if holder == rank:
+                sent[stepper].append((t, start, n))
+            elif stepper == rank:
+                came[holder].append((t, start, n))
+    return sent, came
 
 
 def _writable(plan: Fsdp2Plan, t: int, local: torch.Tensor) -> torch.Tensor:
