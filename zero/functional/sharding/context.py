@@ -185,7 +185,8 @@ def flat_pieces(leaves: Sequence[torch.Tensor], what: str) -> tuple[Sharding, tu
     if stepping_whole():
         return None
     sharding, stepped = current(SHARDING), current(LEAVES)
-    if not sharding.shapes or any(not pc.starts for pc in (stepped or ())):
+    # (a leaf of padding only, a rank's shard past a small buffer's end, holds no piece to place)
+    if not sharding.shapes or any(pc.tensors and not pc.starts for pc in (stepped or ())):
         raise ValueError(f"{what} needs the shapes of the tensors and where each piece starts; this backend's "
                          "sharding does not give them")
     return sharded(leaves, what)
