@@ -68,10 +68,9 @@ def to_head_steppers(plan: Fsdp2Plan, rank: int, group: Any, ts: Sequence[int], 
         sent, came = _moves(plan, rank, these)
         runs = {t: [f.new_empty(plan.head_run(t, rank)[1]) for f in flat[t]] for t in these}
         for t in these:  # this rank's own rows of its heads
-            (a, n), lo = plan.head_run(t, rank), plan.start(t, rank)
-            own = max(0, min(n, lo + plan.local_numel(t, rank) - a))
+            at, own = _own(plan, t, rank)
             for run, f in zip(runs[t], flat[t]):
-                run[:own] = f[a - lo:a - lo + own]
+                run[:own] = f[at:at + own]
         none = params[these[0]].new_empty(0)
         chunks = [torch.cat([f[at - plan.start(t, rank):][:n] for t, at, n in sent[o] for f in flat[t]] or [none])
                   for o in range(plan.world_size)]
@@ -95,9 +94,8 @@ def back_from_head_steppers(plan: Fsdp2Plan, rank: int, group: Any, ts: Sequence
     for these in _heads_by_dtype(plan, ts).values():
         local = {t: _writable(plan, t, params[t]) for t in these}
         for t in these:
-            (a, n), lo = plan.head_run(t, rank), plan.start(t, rank)
-            own = max(0, min(n, lo + plan.local_numel(t, rank) - a))
-            local[t][a - lo:a - lo + own] = runs[t].reshape(-1)[:own]
+            at, own = _own(plan, t, rank)
+            local[t][at:at + own] = runs[t].reshape(-1)[:own]
         sent, came = _moves(plan, rank, these)  # what came to this rank goes back, what it sent returns
         none = params[these[0]].new_empty(0)
         chunks = [torch.cat([runs[t].reshape(-1)[at - plan.head_run(t, rank)[0]:][:n] for t, at, n in came[o]]
@@ -110,6 +108,13 @@ def back_from_head_steppers(plan: Fsdp2Plan, rank: int, group: Any, ts: Sequence
             for t, start, n in sent[o]:
                 local[t][start - plan.start(t, rank):][:n] = chunk[at:at + n]
                 at += n
+
+
+def _own(plan: Fsdp2Plan, t: int, rank: int) -> tuple[int, int]:
+    """Where this rank's heads of param ``t`` start in its local piece, and how many of their
+    elements it holds itself (the rest come from the next ranks)."""
+    (start, n), lo = plan.head_run(t, rank), plan.start(t, rank)
+    return start - lo, max(0, min(n, lo + plan.local_numel(t, rank) - start))
 
 
 def _moves(plan: Fsdp2Plan, rank: int, these: Sequence[int]) -> tuple[list[list], list[list]]:
