@@ -113,8 +113,8 @@ def back_from_head_steppers(plan: Fsdp2Plan, rank: int, group: Any, ts: Sequence
 def _own(plan: Fsdp2Plan, t: int, rank: int) -> tuple[int, int]:
     """Where this rank's heads of param ``t`` start in its local piece, and how many of their
     elements it holds itself (the rest come from the next ranks)."""
-    (start, n), lo = plan.head_run(t, rank), plan.start(t, rank)
-    return start - lo, max(0, min(n, lo + plan.local_numel(t, rank) - start))
+    at, n = plan.part(t, rank)
+    return at, max(0, min(n, plan.local_numel(t, rank) - at))
 
 
 def _moves(plan: Fsdp2Plan, rank: int, these: Sequence[int]) -> tuple[list[list], list[list]]:

@@ -46,7 +46,7 @@ from zero.functional.contrib.newton_schulz import (
     check_coeffs,
     check_method,
     fans,
-    head_axis,
+    first_axis_heads,
     heads_of,
     orthogonalize,
 )
@@ -154,7 +154,7 @@ def scale_by_muon(ns_coeffs: Any = DEFAULT_NS_COEFFS, ns_steps: int = 5, beta: f
         dims = dims_per_leaf(weight_dimension_numbers, updates)
         # whole matrices, or whole heads of them where a plan cut them at head edges (not 8-bit
         # Muon's codes, whose blocks lie in each whole matrix)
-        firsts = [None if int8 else _first_axis_heads(x, d) for x, d in zip(leaves, dims)]
+        firsts = [None if int8 else first_axis_heads(x, d) for x, d in zip(leaves, dims)]
         held = sharding.whole_heads(leaves, "scale_by_muon (Newton-Schulz on whole matrices)", firsts)
         held = [None if f is None else kept for f, kept in zip(firsts, held)]  # None: a whole leaf, as it is
         count = count_inc(state.count)
@@ -217,16 +217,6 @@ def scale_by_shape(weight_dimension_numbers: DimensionNumbers = None,
     spec = Spec("scale_by_shape", {"weight_dimension_numbers": weight_dimension_numbers,
                                    "consistent_rms": consistent_rms})
     return stateless_tx(update)._replace(spec=spec)
-
-
-def _first_axis_heads(x: torch.Tensor, d: Any) -> int | None:
-    """The heads dimension numbers ``d`` cut the first axis of the whole tensor into (None when
-    they cut another axis, or none), so a plan may cut that axis at head edges."""
-    if heads_of(d) < 2:
-        return None
-    first = d.output_axis if isinstance(d.output_axis, int) else d.output_axis[0]
-    # a piece may be a flat run (1-D): only a literal first axis is known to be the whole tensor's
-    return heads_of(d) if first == 0 or (x.ndim > 1 and head_axis(x.ndim, d) == 0) else None
 
 
 def _labels(dimension_numbers: DimensionNumbers) -> Callable[[Any], Any]:

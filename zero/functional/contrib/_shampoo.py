@@ -261,7 +261,7 @@ def scale_by_shampoo(b1: float = 0.9, b2: float = 0.999, *, moving_average_for_m
         needs = (lambda shape: layout(shape).preconditioned) if weight_dimension_numbers is None else \
             [lay.preconditioned for lay in lays]
         sharding.whole_tensors(leaves, "scale_by_shampoo (Kronecker factors of whole tensors)", needs=needs)
-        sharding.reads_heads(leaves, first_axis_heads(leaves, _dims(updates, leaves)))  # for a plan's costs
+        sharding.reads_heads(leaves, list(map(first_axis_heads, leaves, _dims(updates, leaves))))  # for a plan's costs
         if weight_decay and params is None:
             raise ValueError("scale_by_shampoo with weight_decay needs the params (update(updates, state, params))")
         t = step_count(state.count) + 1  # this step, from 1

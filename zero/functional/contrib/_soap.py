@@ -212,7 +212,7 @@ def scale_by_soap(b1: float = 0.95, b2: float = 0.95, shampoo_beta: float = -1, 
         t = c if not traced() else torch.clamp(c, min=1)  # the discarded first-step branch stays finite
         scale = 0.0 if first is True else (1 - b2**t) ** 0.5 / (1 - b1**t)
         dims = named(updates, leaves)
-        sharding.reads_heads(leaves, first_axis_heads(leaves, dims))  # for a plan's costs
+        sharding.reads_heads(leaves, list(map(first_axis_heads, leaves, dims)))  # for a plan's costs
         states = [treedef.flatten_up_to(x) for x in (state.exp_avg, state.exp_avg_sq, state.gg, state.q)]
         out: list = [None] * len(leaves)
         for idx in () if traced() else _matrices(leaves, states[2], dims):  # eager: each shape's matrices at once

@@ -60,11 +60,15 @@ def head_axis(ndim: int, dims: Any) -> int:
     return _axes(ndim, dims.output_axis)[0]
 
 
-def first_axis_heads(leaves: Any, dims: Any) -> list[int | None]:
-    """Per leaf, its heads when dimension numbers ``dims[j]`` cut its first axis into them (torch's
-    output rows, the axis a plan's per-head costs read), else None."""
-    return [heads_of(d) if d is not None and heads_of(d) > 1 and head_axis(x.ndim, d) == 0 else None
-            for x, d in zip(leaves, dims)]
+def first_axis_heads(x: torch.Tensor, d: Any) -> int | None:
+    """The heads dimension numbers ``d`` cut the first axis of the whole tensor ``x`` is (or is a
+    piece of) into, or None when they cut another axis, or none: the axis a plan may cut at head
+    edges, and the one its per-head costs read (torch's output rows)."""
+    if d is None or heads_of(d) < 2:
+        return None
+    first = d.output_axis if isinstance(d.output_axis, int) else d.output_axis[0]
+    # a piece may be a flat run (1-D): only a literal first axis is known to be the whole tensor's
+    return heads_of(d) if first == 0 or (x.ndim > 1 and head_axis(x.ndim, d) == 0) else None
 
 
 def split_heads(x: torch.Tensor, dims: Any) -> torch.Tensor:

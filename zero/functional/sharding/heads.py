@@ -27,7 +27,12 @@ def reads_heads(leaves: Sequence[torch.Tensor], heads: Sequence[int | None]) -> 
     """Say that a rule keeps each leaf's state and work per head along its first axis
     (``heads[j]``; per-head SOAP's factors, Shampoo's blocks) though it needs the tensor whole:
     what `head_counts` (``costs=True``) records for a plan's costs. No effect in a step."""
-    probe = current(_COST_HEADS)
+    _record(_COST_HEADS, leaves, heads)
+
+
+def _record(var: ContextVar, leaves: Sequence[torch.Tensor], heads: Sequence[int | None]) -> None:
+    """Each leaf's heads into the probe ``var`` holds, when one is asking."""
+    probe = current(var)
     if probe is not None:
         probe.update({id(leaf): h for leaf, h in zip(leaves, heads) if h and h > 1})
 
@@ -42,10 +47,9 @@ def whole_heads(leaves: Sequence[torch.Tensor], what: str, heads: Sequence[int |
     of them) is stepped where it lies when it is whole heads: it starts and ends at head edges of
     the flattened tensor. Any other piece is a ``ValueError`` on every rank (as `whole_tensors`),
     naming the param. Asked by `head_counts` or `needs_whole` on whole meta tensors, it records."""
-    probe, needs = current(_HEADS), current(PROBE)
-    if probe is not None:
-        probe.update({id(leaf): h for leaf, h in zip(leaves, heads) if h and h > 1})
+    _record(_HEADS, leaves, heads)
     reads_heads(leaves, heads)
+    needs = current(PROBE)
     if needs is not None:  # a plan keeps them whole unless it cuts them at head edges (it asks head_counts too)
         needs.update(id(leaf) for leaf in leaves)
     found = cut_tensors(leaves, what)
