@@ -191,3 +191,33 @@ def one_process(rank: int, world_size: int, steps: int = 6) -> list[torch.Tensor
         _grads(model, k)
         opt.step()
     return [p.detach().clone() for p in model.parameters()]
+
+
+def masters_against_one_process(rank: int, world_size: int, steps: int = 6) -> tuple[float, int, int]:
+    """bf16 params over FSDP2, ``zero.ZeroRedundancyOptimizer`` with fp32 masters (of the heads a
+    rank steps, for the weight whose rows cut heads), against one process stepping fp32 params of
+    the same bf16 gradients: the worst difference of the bf16 params, and the master elements held
+    on this rank against the model's."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    one = make_model(torch.float32)
+    with torch.no_grad():  # both start from the bf16 params
+        for p in one.parameters():
+            p.copy_(p.to(torch.bfloat16))
+    two = _sharded(make_model(torch.float32).to(torch.bfloat16))
+    ref = F.Optimizer(list(one.named_parameters()), rule())
+    opt = zero.ZeroRedundancyOptimizer(list(two.named_parameters()), rule(), master_dtype=torch.float32)
+    for k in range(steps):
+        gen = torch.Generator().manual_seed(900 + k)
+        grads = [torch.randn(p.shape, generator=gen).to(torch.bfloat16) for p in one.parameters()]
+        for p, g in zip(one.parameters(), grads):
+            p.grad = g.float()
+        for p, g in zip(two.parameters(), grads):
+            p.grad = distribute_tensor(g, p.device_mesh, p.placements, src_data_rank=None) \
+                if isinstance(p, DTensor) else g
+        ref.step()
+        opt.step()
+    worst = max(float((_full(b).float() - a.detach().to(torch.bfloat16).float()).abs().max())
+                for a, b in zip(one.parameters(), two.parameters()))
+    held = sum(m.numel() for m in opt.executor.masters.values())
+    return worst, held, sum(p.numel() for p in one.parameters())

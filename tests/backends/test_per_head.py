@@ -86,3 +86,12 @@ def test_heads_stepped_where_they_lie_or_by_whole_heads_resume_at_other_mesh_siz
         got = run_ranks(w.save_then_resume, resumed_at, path, False)[0]
         for j, (a, b) in enumerate(zip(got, one)):
             assert torch.equal(a, b), f"saved at {saved_at}, resumed at {resumed_at}: param {j} differs"
+
+
+def test_fp32_masters_of_heads_stepped_by_whole_heads():
+    """bf16 params, fp32 masters under ZeroRedundancyOptimizer over FSDP2 at 2 ranks (2.weight's
+    masters are the rows of each rank's heads): the bf16 params equal one process's fp32 params
+    rounded, and the ranks' masters hold every element once."""
+    out = run_ranks(w.masters_against_one_process, 2)
+    assert all(worst == 0.0 for worst, _, _ in out), out
+    assert sum(held for _, held, _ in out) == out[0][2], out
