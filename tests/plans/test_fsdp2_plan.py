@@ -85,24 +85,26 @@ def test_heads_cut_by_fsdp2s_rows_move_only_their_rows():
     assert HEADS not in make_fsdp2_plan(headed_metas(), 2, "muon_8bit(heads={'q.weight': 3})").owner
 
 
-@given(st.integers(1, 12), st.integers(1, 9), st.integers(1, 3), st.integers(2, 16))
-def test_heads_runs_step_every_element_once_and_the_moves_are_what_rows_and_runs_share(heads, d, cols, world):
-    """Whatever the heads and ranks: the heads' runs cover the param once, in rank order, each
-    whole heads; what moves is exactly each rank's rows outside its own run, to the run holding them."""
-    metas = zero.param_metas({"q": (heads * d, cols)})
+@given(st.integers(1, 12), st.integers(1, 9), st.integers(1, 3), st.integers(2, 16), st.integers(0, 7))
+def test_heads_runs_step_every_element_once_and_the_moves_are_what_rows_and_runs_share(heads, d, cols, world, lead):
+    """Whatever the heads, ranks and the param's place (``lead`` params before it: its anchor row):
+    the heads' runs cover the param once, in rank order, each whole heads; what moves is exactly
+    each rank's rows outside its own run, to the run holding them."""
+    metas = zero.param_metas({**{f"b{k}": (3,) for k in range(lead)}, "q": (heads * d, cols)})
     plan = make_fsdp2_plan(metas, world, f"muon(heads={{'q': {heads}}})")
-    if plan.owner[0] != HEADS:
+    if plan.owner[lead] != HEADS:
         return
-    runs = [plan.head_run(0, r) for r in range(world)]
+    q = lead
+    runs = [plan.head_run(q, r) for r in range(world)]
     assert [a for a, n in runs if n] == sorted(a for a, n in runs if n) and sum(n for _, n in runs) == heads * d * cols
     assert all(a % (d * cols) == 0 and n % (d * cols) == 0 for a, n in runs)
     brute = []
     for h in range(world):
-        lo, hi = plan.start(0, h), plan.start(0, h) + plan.local_numel(0, h)
+        lo, hi = plan.start(q, h), plan.start(q, h) + plan.local_numel(q, h)
         for s, (a, n) in enumerate(runs):
             if s != h and max(lo, a) < min(hi, a + n):
                 brute.append((h, s, max(lo, a), min(hi, a + n) - max(lo, a)))
-    assert plan.head_moves(0) == tuple(brute)
+    assert plan.head_moves(q) == tuple(brute)
 
 
 def test_a_plan_at_scale_keeps_every_element_once():
@@ -203,3 +205,17 @@ def test_fsdp2s_footprint_from_metadata():
     assert fsdp2_footprint(metas_, 64, 5).sent["across"] == 0
     with pytest.raises(ValueError, match="3 replicas do not divide 64 ranks"):
         fsdp2_footprint(metas_, 64, 0, replicas=3)
+
+
+def test_heads_of_every_layer_are_not_stepped_on_the_same_ranks():
+    """LLaMA-70B at 1,024 ranks, per-head q, k, v (8 rows a rank cut every head): each head's
+    anchor row moves from param to param, so the fullest rank's state stays within 5% of the plan
+    with q, k, v whole on owners (the heads' first rows, the same ranks in every layer, held 2x)."""
+    metas = preset("llama-70b")
+    heads = {m.name: 64 if "q_proj" in m.name else 8 for m in metas if m.name.endswith(("q_proj.weight",
+             "k_proj.weight", "v_proj.weight"))}
+    by_heads = make_fsdp2_plan(metas, 1024, f"muon(heads={heads!r})")
+    whole = make_fsdp2_plan(metas, 1024, f"muon(heads={heads!r})", blocks={})
+    assert len(by_heads.by_heads) == 240 and not whole.by_heads
+    fullest = [max(p.state_bytes(r) for r in range(1024)) for p in (by_heads, whole)]
+    assert fullest[0] <= 1.05 * fullest[1], fullest

@@ -12,9 +12,11 @@ rank holds every matrix.
 
 A per-head param (per-head Muon: ``H`` heads of ``d`` rows along dim 0) is stepped where its rows
 lie when FSDP2's rows fall on head edges. Where they do not (``owner`` `HEADS`), each rank steps
-the whole heads whose first row it holds (`head_run`): the rows of those heads that other ranks
-hold come to it, with their gradients, and go back stepped (`head_moves`), so only the rows of the
-heads FSDP2 cut between ranks move, never a whole matrix to one owner.
+the whole heads whose anchor row it holds (`head_run`; the anchor is one row of each head, moved
+from param to param so that every layer's heads are not stepped on the same ranks): the rows of
+those heads that other ranks hold come to it, with their gradients, and go back stepped
+(`head_moves`), so only the rows of the heads FSDP2 cut between ranks move, never a whole matrix
+to one owner.
 
 HSDP (``fully_shard`` on a 2-D mesh of ``replicas x shards``) keeps every replica's ranks holding
 the same pieces. A plan with ``replicas > 1`` shards the step over the replicas too (ZeRO-1 over
@@ -56,7 +58,7 @@ def chunk_rows(size: int, world_size: int) -> tuple[tuple[int, int], ...]:
 class Fsdp2Plan:
     """Per param: the dim FSDP2 shards (``dims``), whether an owner steps it whole (``owner``:
     the mesh rank, -1 where each rank steps its own piece, `HEADS` where each rank steps the whole
-    heads whose first row it holds), and the block its low-bit state is quantized in, or a
+    heads whose anchor row it holds), and the block its low-bit state is quantized in, or a
     per-head param's elements a head (``blocks``, 0 for none). ``world_size`` is the ranks one
     replica shards over; ``replicas`` the replicas the step is sharded over too (1: each replica
     steps alone).
@@ -85,7 +87,7 @@ class Fsdp2Plan:
         param's piece is cut over the replicas at whole low-bit blocks."""
         shard, replica = rank % self.world_size, rank // self.world_size
         n = self.local_numel(i, shard)
-        if self.owner[i] == HEADS:  # its heads' run: from its first head edge, past its rows' end
+        if self.owner[i] == HEADS:  # its heads' run, which may start before its piece and end past it
             start, length = self.head_run(i, shard)
             return start - self.start(i, shard), length
         if self.owner[i] >= 0:
@@ -133,29 +135,36 @@ class Fsdp2Plan:
 
     def head_run(self, i: int, rank: int) -> tuple[int, int]:
         """``(start, length)`` in the flattened param ``i`` (an `HEADS` one) of the whole heads
-        whose first row rank ``rank`` holds: what it steps. It starts at its rows' first head
-        edge and runs past their end to the end of the head they cut."""
+        whose anchor row (`head_anchor`) rank ``rank`` holds: what it steps. It may start before
+        its rows and run past their end, by less than a head each way."""
         shape, block = self.metas[i].shape, self.blocks[i]
         per_row = math.prod(shape[1:])
-        d = block // per_row  # rows a head
+        d, anchor = block // per_row, self.head_anchor(i)
         first, n = self.rows(i)[rank]
-        lo = -(-first // d) * d
-        hi = max(lo, -(-(first + n) // d) * d) if n else lo
-        return lo * per_row, (hi - lo) * per_row
+        lo = max(0, -(-(first - anchor) // d))
+        hi = max(lo, -(-(first + n - anchor) // d)) if n else lo
+        return lo * d * per_row, (hi - lo) * d * per_row
+
+    def head_anchor(self, i: int) -> int:
+        """The row within each head of param ``i`` whose holder steps the head: the same for every
+        head of a param, moved by a rank's rows from param to param (by its index), so that the
+        heads of a model's layers, cut alike, are not all stepped on the same ranks."""
+        rows = self.rows(i)[0][1]
+        return (i * rows) % (self.blocks[i] // math.prod(self.metas[i].shape[1:]))
 
     def head_moves(self, i: int) -> tuple[tuple[int, int, int, int], ...]:
         """``(holder, stepper, start, length)``: the runs of the flattened param ``i`` (an `HEADS`
         one) that rank ``holder`` holds and rank ``stepper`` steps, ``holder != stepper``: what
         travels to the steppers (with its gradient) and back, in holder order. A rank's rows
-        before its first head edge are the end of a head that starts on an earlier rank: one run
-        a holder at most."""
+        outside its own heads are at most two runs, the ends of the heads its rows start and end
+        inside."""
         shape, block = self.metas[i].shape, self.blocks[i]
         per_row = math.prod(shape[1:])
-        return _head_moves(shape[0], per_row, block // per_row, self.world_size)
+        return _head_moves(shape[0], per_row, block // per_row, self.world_size, self.head_anchor(i))
 
     @property
     def by_heads(self) -> tuple[int, ...]:
-        """The params each rank steps by the whole heads whose first row it holds."""
+        """The params each rank steps by the whole heads whose anchor row it holds."""
         return tuple(i for i, o in enumerate(self.owner) if o == HEADS)
 
     @property
@@ -338,14 +347,18 @@ def _resolve(plan: Fsdp2Plan, spec: RuleCost, whole: Sequence[str] | None) -> tu
 
 
 @functools.cache  # asked at every step, for every per-head param
-def _head_moves(rows: int, per_row: int, d: int, world_size: int) -> tuple[tuple[int, int, int, int], ...]:
+def _head_moves(rows: int, per_row: int, d: int, world_size: int, anchor: int) -> tuple[tuple[int, int, int, int], ...]:
     cut, out = chunk_rows(rows, world_size), []
+    chunk = cut[0][1]  # torch.chunk's rows: chunks of the first rank's length
     for holder, (first, n) in enumerate(cut):
-        if n and first % d:
-            head = first // d * d  # the first row of the head its rows start inside
-            stepper = head // cut[0][1]  # torch.chunk's rows: chunks of the first rank's length
-            end = min(first + n, head + d)
-            out.append((holder, stepper, first * per_row, (end - first) * per_row))
+        if not n:
+            continue
+        lo = max(0, -(-(first - anchor) // d)) * d  # its own heads' rows, as `Fsdp2Plan.head_run`
+        hi = max(lo, -(-(first + n - anchor) // d) * d)
+        for a, b in ((first, min(lo, first + n)), (max(hi, first), first + n)):  # before and after them
+            if a < b:
+                stepper = (a // d * d + anchor) // chunk  # the holder of that head's anchor row
+                out.append((holder, stepper, a * per_row, (b - a) * per_row))
     return tuple(out)
 
 

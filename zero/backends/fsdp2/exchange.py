@@ -59,8 +59,8 @@ def to_head_steppers(plan: Fsdp2Plan, rank: int, group: Any, ts: Sequence[int], 
                      grads: dict[int, torch.Tensor] | None) -> dict[int, tuple[torch.Tensor, ...]]:
     """For each param ``t`` of ``ts`` stepped by heads (`zero.plans.fsdp2.HEADS`): the whole heads
     this rank steps (`Fsdp2Plan.head_run`), shaped ``(k * d, ...)``, and their gradient (none
-    when ``grads`` is None), from this rank's rows and the rows of those heads the next ranks hold
-    (`Fsdp2Plan.head_moves`), in one exchange per dtype."""
+    when ``grads`` is None), from this rank's rows and the rows of those heads the ranks beside it
+    hold (`Fsdp2Plan.head_moves`), in one exchange per dtype."""
     out: dict[int, tuple[torch.Tensor, ...]] = {}
     sources = [params] if grads is None else [params, grads]
     for these in _heads_by_dtype(plan, ts).values():
@@ -68,9 +68,9 @@ def to_head_steppers(plan: Fsdp2Plan, rank: int, group: Any, ts: Sequence[int], 
         sent, came = _moves(plan, rank, these)
         runs = {t: [f.new_empty(plan.head_run(t, rank)[1]) for f in flat[t]] for t in these}
         for t in these:  # this rank's own rows of its heads
-            at, own = _own(plan, t, rank)
+            at, in_run, own = _own(plan, t, rank)
             for run, f in zip(runs[t], flat[t]):
-                run[:own] = f[at:at + own]
+                run[in_run:in_run + own] = f[at:at + own]
         none = params[these[0]].new_empty(0)
         chunks = [torch.cat([f[at - plan.start(t, rank):][:n] for t, at, n in sent[o] for f in flat[t]] or [none])
                   for o in range(plan.world_size)]
@@ -94,8 +94,8 @@ def back_from_head_steppers(plan: Fsdp2Plan, rank: int, group: Any, ts: Sequence
     for these in _heads_by_dtype(plan, ts).values():
         local = {t: _writable(plan, t, params[t]) for t in these}
         for t in these:
-            at, own = _own(plan, t, rank)
-            local[t][at:at + own] = runs[t].reshape(-1)[:own]
+            at, in_run, own = _own(plan, t, rank)
+            local[t][at:at + own] = runs[t].reshape(-1)[in_run:in_run + own]
         sent, came = _moves(plan, rank, these)  # what came to this rank goes back, what it sent returns
         none = params[these[0]].new_empty(0)
         chunks = [torch.cat([runs[t].reshape(-1)[at - plan.head_run(t, rank)[0]:][:n] for t, at, n in came[o]]
@@ -110,11 +110,12 @@ def back_from_head_steppers(plan: Fsdp2Plan, rank: int, group: Any, ts: Sequence
                 at += n
 
 
-def _own(plan: Fsdp2Plan, t: int, rank: int) -> tuple[int, int]:
-    """Where this rank's heads of param ``t`` start in its local piece, and how many of their
-    elements it holds itself (the rest come from the next ranks)."""
-    at, n = plan.part(t, rank)
-    return at, max(0, min(n, plan.local_numel(t, rank) - at))
+def _own(plan: Fsdp2Plan, t: int, rank: int) -> tuple[int, int, int]:
+    """The elements of this rank's heads of param ``t`` it holds itself (the rest come from the
+    ranks beside it): where they start in its local piece and in its heads' run, and how many."""
+    at, n = plan.part(t, rank)  # the run's start in the piece: before it, or inside
+    first = max(at, 0)
+    return first, first - at, max(0, min(at + n, plan.local_numel(t, rank)) - first)
 
 
 def _moves(plan: Fsdp2Plan, rank: int, these: Sequence[int]) -> tuple[list[list], list[list]]:

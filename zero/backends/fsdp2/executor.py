@@ -8,7 +8,7 @@ global and per-tensor norms and sums over axes are one partial sum per piece and
 over the mesh; low-bit state is quantized in each param's own blocks, which the plan keeps whole
 on one rank. The owners' params come whole by `exchange.to_owners` and go back by
 `exchange.back_from_owners`; a per-head param FSDP2 cut inside heads is stepped by whole heads,
-each on the rank that holds its first row (`exchange.to_head_steppers` and back).
+each on the rank that holds its anchor row (`exchange.to_head_steppers` and back).
 
 On HSDP's mesh each replica's ranks hold the same pieces. By default each replica steps them alone
 (its state replicated, as ``torch.optim`` over HSDP). An optimizer that asks for it (its
