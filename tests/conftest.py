@@ -13,6 +13,15 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # fewer steps, and no 64-rank runs in zero_at_scale; every check kept. Unset (a reader running a
 # notebook) they run full size.
 os.environ.setdefault("ZERO_NOTEBOOK_SIZE", "small")
+# XLA at its quickest to compile, for this process and every child (the workers, the JAX mesh's
+# processes, the notebooks' kernels): Optax's tests and the JAX references run eagerly, each op's
+# first use on a shape is a compile of its own, and those compiles were most of the JAX tests' time
+# (about 40 ms each here, 22 ms with these: LLVM without its optimisation passes, XLA's older loop
+# emitters; neither enables fast math, so the arithmetic is IEEE's as before). Added to the flags
+# a caller set; a process that needs more devices adds its own (`tests/helpers.with_devices`).
+FAST_XLA = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+if FAST_XLA not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_XLA}".strip()
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

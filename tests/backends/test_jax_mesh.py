@@ -6,7 +6,6 @@ test runs the same saved plans on 4 gloo ranks with `ZeroRedundancyOptimizer`.
 """
 
 import json
-import os
 import pathlib
 import re
 import subprocess
@@ -15,7 +14,7 @@ import sys
 import jax_mesh_workers as w
 import numpy as np
 import pytest
-from helpers import run_ranks
+from helpers import run_ranks, with_devices
 from jax_mesh_twin import SHAPES
 
 pytest.importorskip("optax", reason="the JAX mesh executor needs the zero[jax] extra")
@@ -44,7 +43,7 @@ pytestmark = [pytest.mark.xdist_group("jax_mesh"), pytest.mark.timeout(600)]
 def mesh_run(tmp_path_factory) -> dict:
     plans = tmp_path_factory.mktemp("jax_mesh") / "plans.json"
     plans.write_text(json.dumps(twin_plans()))
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = with_devices(8)
     out = subprocess.run([sys.executable, str(HERE / "jax_mesh_checks.py"), str(plans)], capture_output=True,
                          text=True, env=env, timeout=540)
     assert out.returncode == 0, out.stderr[-4000:]

@@ -5,10 +5,11 @@ An Optax test module is executed with its Optax modules (``alias``, ``transform`
 zero rule behind a JAX face (JAX arrays in, torch tensors through the zero rule, JAX arrays out);
 a name it lacks falls through to Optax. The JAX face is a real Optax transformation, so Optax's
 own combinators take it; an Optax transformation handed to a zero combinator runs through
-`zero.functional.from_optax`. ``jax.jit`` in the test bodies is the identity (compilation is not
-behaviour), and so Optax's count of XLA compilations logs nothing; a test that traces through a
-zero rule some other way (``jax.grad``, ``vmap``, ``lax.scan``) cannot apply to torch and is
-skipped with that reason, naming the tracer that reached the rule, as is
+`zero.functional.from_optax`. ``jax.jit`` in the test bodies compiles what stays in JAX (a loss, a
+Hessian-vector product) and runs eagerly what reaches a zero rule (torch code cannot be inside
+JAX's program; compilation is not behaviour), and Optax's count of XLA compilations logs nothing;
+a test that traces through a zero rule some other way (``jax.grad``, ``vmap``, ``lax.scan``)
+cannot apply to torch and is skipped with that reason, naming the tracer that reached the rule, as is
 ``optax.tree.map_params`` on a zero rule (an Optax-internal protocol). A test that never
 reaches a zero rule is skipped: it tests Optax alone.
 
@@ -278,19 +279,34 @@ class ZeroProxy(types.ModuleType):
 
 
 class _JitFreeJax(types.ModuleType):
-    """``jax`` with ``jit`` as the identity, for test bodies."""
+    """``jax`` with ``jit`` compiling only what never reaches a zero rule, for test bodies."""
 
     def __init__(self):
         super().__init__("jax")
 
     def __getattr__(self, name: str) -> Any:
         if name == "jit":
-            return _no_jit
+            return _jit_if_jax
         return getattr(jax, name)
 
 
-def _no_jit(fn=None, **_):
-    return fn if fn is not None else (lambda f: f)
+def _jit_if_jax(fn=None, **options):
+    """``jax.jit`` for a test body's function that stays in JAX (a loss, a Hessian-vector product:
+    compiled, as in Optax's test); one that reaches a zero rule (a tracer met at the torch face,
+    `Traced`) runs eagerly from then on, the rule called with concrete values."""
+    if fn is None:
+        return lambda f: _jit_if_jax(f, **options)
+    compiled, eager = jax.jit(fn, **options), []
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if not eager:
+            try:
+                return compiled(*args, **kwargs)
+            except Traced:
+                eager.append(True)
+        return fn(*args, **kwargs)
+    return call
 
 
 MAP_PARAMS = ("optax.tree.map_params works by an Optax-internal protocol (init on Optax's _ParamsPlaceholder); "
