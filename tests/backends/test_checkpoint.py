@@ -566,20 +566,16 @@ SWEEP_RULES = {name: (name, {**alias_cases.ALIASES, **alias_cases.MORE_ALIASES, 
                for name in ("adamw", "adafactor", "lion", "muon", "soap", "shampoo")}
 
 
-def test_every_rule_saves_under_every_plan_and_resumes_bitwise(tmp_path):
+def test_every_rule_saves_under_every_plan_and_resumes_bitwise_here_and_to_rounding_at_another_world_size(tmp_path):
     """The random-layout sweep's model (#65): each rule, under a flat plan (hybrid where the rule
     needs matrices whole: Adafactor's vectors keep 1-element placeholders in flat shards) and a
     whole-param plan, saved after 3 steps and resumed at the same world size: bitwise the
-    uninterrupted run, at 2 and 3 ranks."""
+    uninterrupted run, at 2 and 3 ranks. The flat checkpoints saved at 2 ranks resumed at 3: the
+    run at 3 to rounding (the flat shards' sums fall elsewhere), every rule, Adafactor's
+    placeholders loaded as saved."""
     for world_size in (2, 3):
         got = run_ranks(cw.resume_sweep, world_size, str(tmp_path / str(world_size)), SWEEP_RULES,
                         ("flat", "sorted_greedy"))[0]
         assert all(d == 0.0 for d in got.values()), (world_size, got)
-
-
-def test_every_rule_resumes_at_another_world_size(tmp_path):
-    """Saved at 2 ranks under a flat plan, resumed at 3: the run at 3 to rounding (the flat
-    shards' sums fall elsewhere), every rule, Adafactor's placeholders loaded as saved."""
-    run_ranks(cw.resume_sweep, 2, str(tmp_path), SWEEP_RULES, ("flat",))
-    got = run_ranks(cw.resume_sweep, 3, str(tmp_path), SWEEP_RULES, ("flat",), 2)[0]
+    got = run_ranks(cw.resume_sweep, 3, str(tmp_path / "2"), SWEEP_RULES, ("flat",), 2)[0]
     assert all(d <= 1e-12 for d in got.values()), got

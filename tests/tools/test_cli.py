@@ -86,7 +86,7 @@ def test_demo_rejects_non_positive_counts(flag):
 
 def test_version_and_bench():
     assert zero("--version").stdout.startswith("zero ")
-    res = zero("bench", "plan", "--args", "--presets gpt2 --worlds 2")
+    res = zero("bench", "plan", "--args", "--presets gpt2 --worlds 2 --metas gpt2")  # its smallest run
     assert "planning time" in res.stdout and "1 benchmark(s)" in res.stdout
     res = zero("bench", "nope", check=False)
     assert res.returncode == 2 and "unknown benchmark 'nope'" in res.stderr
