@@ -106,6 +106,10 @@ for name in json.loads(sys.argv[1]):
 """
 
 
+# one worker for the module under -n 2: its one process answers for every package
+pytestmark = pytest.mark.xdist_group("api_surface")
+
+
 @pytest.fixture(scope="module")
 def surfaces() -> dict:
     out = subprocess.run([sys.executable, "-c", SURFACES, json.dumps(sorted(PUBLIC))], capture_output=True,
