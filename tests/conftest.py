@@ -10,7 +10,7 @@ import tempfile
 # thread 27 s. The child processes inherit it; a value already set is kept.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # The notebooks' training runs and simulations at the size the suite affords (`zero.tools.notebook`):
-# fewer steps, and no 64-rank runs in zero_at_scale; every check kept. Unset (a reader running a
+# fewer steps, and zero_at_scale's 1,024-rank runs only; every check kept. Unset (a reader running a
 # notebook) they run full size.
 os.environ.setdefault("ZERO_NOTEBOOK_SIZE", "small")
 # XLA at its quickest to compile, for this process and every child (the workers, the JAX mesh's
@@ -18,7 +18,7 @@ os.environ.setdefault("ZERO_NOTEBOOK_SIZE", "small")
 # first use on a shape is a compile of its own, and those compiles were most of the JAX tests' time
 # (about 40 ms each here, 22 ms with these: LLVM without its optimisation passes, XLA's older loop
 # emitters; neither enables fast math, so the arithmetic is IEEE's as before). Added to the flags
-# a caller set; a process that needs more devices adds its own (`tests/helpers.with_devices`).
+# a caller set; a process that needs more devices adds its own (`tests/backends/xla_devices.py`).
 FAST_XLA = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 if FAST_XLA not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_XLA}".strip()

@@ -32,15 +32,7 @@ from zero.tools.pool import Pool
 __all__ = ["run_ranks", "close_pools", "free_port", "MODELS", "Net", "make_model", "groups_of", "ddp_grads",
            "fixed_grads", "set_grads", "side_by_side", "worst", "assert_params_close", "assert_trees_close", "digest",
            "same_on_every_rank", "broadcast", "patched", "torchao_optim", "CountingCalls", "CommCounter", "train",
-           "mode_name", "with_devices"]
-
-def with_devices(n: int, **extra: str) -> dict[str, str]:
-    """This process's environment for a JAX process with ``n`` CPU devices: XLA's device count
-    added to the flags already set (the suite's compile settings, tests/conftest.py), ``extra``
-    variables beside it."""
-    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={n}".strip()
-    return {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu", **extra}
-
+           "mode_name"]
 
 # -- ranks ------------------------------------------------------------------------------------
 

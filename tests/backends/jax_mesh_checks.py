@@ -11,8 +11,9 @@ import os
 import re
 import sys
 
-if "device_count" not in os.environ.get("XLA_FLAGS", ""):  # run by hand: 8 devices beside any flags set
-    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+from xla_devices import flags_with_devices  # noqa: E402  (beside this script; imports nothing)
+
+os.environ["XLA_FLAGS"] = flags_with_devices(8)  # run by hand too: 8 devices, before jax starts
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

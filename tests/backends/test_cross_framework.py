@@ -15,7 +15,8 @@ import cross_framework_workers as w
 import numpy as np
 import pytest
 import torch
-from helpers import run_ranks, with_devices
+from helpers import run_ranks
+from xla_devices import environ_with_devices
 
 pytest.importorskip("orbax.checkpoint", reason="the Orbax checkpoints need the zero[jax] extra")
 
@@ -39,7 +40,7 @@ pytestmark = pytest.mark.xdist_group("cross_framework")
 def moves(tmp_path_factory) -> dict:
     folder = tmp_path_factory.mktemp("cross")
     torch_at20 = run_ranks(w.train_save_continue, 2, str(folder / "dcp10"), timeout=240)[0]
-    env = with_devices(8, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+    env = environ_with_devices(8, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run([sys.executable, str(HERE / "cross_framework_checks.py"), str(folder)], capture_output=True,
                          text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-4000:]

@@ -14,8 +14,9 @@ import sys
 import jax_mesh_workers as w
 import numpy as np
 import pytest
-from helpers import run_ranks, with_devices
+from helpers import run_ranks
 from jax_mesh_twin import SHAPES
+from xla_devices import environ_with_devices
 
 pytest.importorskip("optax", reason="the JAX mesh executor needs the zero[jax] extra")
 
@@ -43,7 +44,7 @@ pytestmark = [pytest.mark.xdist_group("jax_mesh"), pytest.mark.timeout(600)]
 def mesh_run(tmp_path_factory) -> dict:
     plans = tmp_path_factory.mktemp("jax_mesh") / "plans.json"
     plans.write_text(json.dumps(twin_plans()))
-    env = with_devices(8)
+    env = environ_with_devices(8)
     out = subprocess.run([sys.executable, str(HERE / "jax_mesh_checks.py"), str(plans)], capture_output=True,
                          text=True, env=env, timeout=540)
     assert out.returncode == 0, out.stderr[-4000:]

@@ -278,7 +278,7 @@ class ZeroProxy(types.ModuleType):
         return original
 
 
-class _JitFreeJax(types.ModuleType):
+class _TestBodyJax(types.ModuleType):
     """``jax`` with ``jit`` compiling only what never reaches a zero rule, for test bodies."""
 
     def __init__(self):
@@ -296,15 +296,16 @@ def _jit_if_jax(fn=None, **options):
     `Traced`) runs eagerly from then on, the rule called with concrete values."""
     if fn is None:
         return lambda f: _jit_if_jax(f, **options)
-    compiled, eager = jax.jit(fn, **options), []
+    compiled, eager = jax.jit(fn, **options), False
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
+        nonlocal eager
         if not eager:
             try:
                 return compiled(*args, **kwargs)
             except Traced:
-                eager.append(True)
+                eager = True
         return fn(*args, **kwargs)
     return call
 
@@ -398,7 +399,7 @@ def load(test_module: str) -> types.ModuleType:
     finally:
         for package, attr, original in saved:
             setattr(package, attr, original)
-    module.jax = _JitFreeJax()
+    module.jax = _TestBodyJax()
     if hasattr(module, "optax"):
         module.optax = _Optax()
     if hasattr(module, "test_utils"):
