@@ -62,3 +62,37 @@ def test_bad_policies_and_skip_under_overlap_are_refused(one_rank):
         Zero(torch.nn.Linear(2, 2).parameters(), torch.optim.SGD, lr=0.1, nonfinite="ignore")
     with pytest.raises(ValueError, match=r"nonfinite='skip' cannot be honoured with overlap_with_ddp=True"):
         Zero(torch.nn.Linear(2, 2).parameters(), torch.optim.SGD, lr=0.1, nonfinite="skip", overlap_with_ddp=True)
+
+
+def _cases():
+    """(label, tensors): large tensors (summed first) and small ones (the fused check), clean, with
+    NaN or inf, and finite values whose sum overflows (all finite: the sum alone would say not)."""
+    from zero.functional.adapters.nonfinite import SUMMED_NUMEL
+    big, small = SUMMED_NUMEL + 3, 100
+    out = []
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        huge = torch.finfo(dtype).max
+        for label, at, value in (("clean", None, 0.0), ("nan", 7, float("nan")), ("inf", -1, float("inf")),
+                                 ("-inf", 0, float("-inf")), ("overflowing sum", None, huge)):
+            for where in ("large", "small"):
+                tensors = [torch.ones(big, dtype=dtype), torch.ones(small, dtype=dtype), torch.ones(0, dtype=dtype)]
+                target = tensors[0 if where == "large" else 1]
+                if at is not None:
+                    target[at] = value
+                elif value:
+                    target.fill_(value)
+                out.append((f"{dtype} {where} {label}", tensors))
+    both = torch.ones(big)
+    both[3], both[9] = float("inf"), float("-inf")  # their sum is NaN: still found
+    out.append(("+inf and -inf", [both]))
+    out.append(("complex nan", [torch.ones(big, dtype=torch.complex64) * complex(1, float("nan"))]))
+    out.append(("mixed dtypes", [torch.ones(big, dtype=torch.float64), torch.ones(big), torch.ones(9)]))
+    return out
+
+
+@pytest.mark.parametrize("label,tensors", _cases(), ids=[c[0] for c in _cases()])
+def test_the_check_is_exact_on_large_and_small_tensors(label, tensors):
+    from zero.functional.adapters.nonfinite import all_finite
+    before = [t.clone() for t in tensors]
+    assert all_finite(tensors) == all(bool(torch.isfinite(t).all()) for t in tensors), label
+    assert all(torch.equal(a, b) or (a.isnan() == b.isnan()).all() for a, b in zip(tensors, before)), "changed"
