@@ -19,6 +19,7 @@ from zero.functional.adapters.torch_rules import torch_class_of, torch_settings
 from zero.functional.base import GradientTransformation
 from zero.functional.combine import chain
 from zero.functional.inject import inject_hyperparams
+from zero.functional.scalars import same_number, scalar
 
 __all__ = ["hyperparams_of", "settings_of", "with_group_hyperparams", "from_factory", "rule_name", "check_not_optax",
            "check_group_settings", "sync_hyperparams", "show_scheduled", "looks_like_hyperparameter"]
@@ -221,6 +222,6 @@ def show_scheduled(state: Any, group: dict) -> None:
 
 
 def _like(old: Any, value: Any) -> Any:
-    if isinstance(old, torch.Tensor):
-        return torch.as_tensor(value, dtype=old.dtype, device=old.device)
+    if isinstance(old, torch.Tensor):  # unchanged: the same tensor (`scalars`: no op made or read)
+        return old if same_number(old, value) else scalar(value, dtype=old.dtype, device=old.device)
     return float(value)

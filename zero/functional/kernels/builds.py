@@ -21,6 +21,7 @@ import torch
 from zero.functional.base import GradientTransformation, step_in_place, tree_leaves
 from zero.functional.foreach import traced
 from zero.functional.kernels.knobs import Knob, now, outcomes, reading, recording, specs_only
+from zero.functional.scalars import value_of
 
 __all__ = ["Builds"]
 
@@ -59,7 +60,7 @@ class Builds:
         made for exactly these values (an init may hand a knob to torch, which reads the number
         it was built with), else from ``full``."""
         if not self.off and not _unreadable(hyperparams):
-            values = {k: v.item() for k, v in hyperparams.items()}
+            values = {k: value_of(v) for k, v in hyperparams.items()}
             build = self._build_for(values, _first_id(params))
             if build is not None and build.values == values:
                 return build.tx.init(params)
@@ -68,7 +69,7 @@ class Builds:
     def step(self, params: Any, grads: Any, inner_state: Any, hyperparams: dict[str, torch.Tensor]) -> Any:
         """One in-place step of the inner transformation at these values; the new inner state."""
         if not self.off and not _unreadable(hyperparams):
-            values = {k: v.item() for k, v in hyperparams.items()}
+            values = {k: value_of(v) for k, v in hyperparams.items()}
             build = self._build_for(values, _first_id(params))
             if build is not None:
                 with reading(build.knobs, values):

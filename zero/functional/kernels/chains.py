@@ -17,9 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from zero.functional.base import GradientTransformation, Spec, step_in_place
+from zero.functional.base import GradientTransformation, Spec, step_in_place, without_grad
 from zero.functional.kernels.fused import match
 from zero.functional.kernels.knobs import matching, now
 from zero.functional.kernels.steps import Lists, laid_out_alike
@@ -124,7 +122,7 @@ def _replaced(state: tuple, path: tuple[int, ...], value: Any) -> tuple:
 
 
 def _kernel_step(kernel: Any, paths: list[tuple[int, ...]], clip: float | None) -> Any:
-    @torch.no_grad()
+    @without_grad
     def inplace(params: Any, grads: Any, state: tuple) -> tuple | None:
         links = tuple(_at(state, path) for path in paths)
         new = kernel(Lists(params, grads, None if clip is None else float(now(clip))), links)
@@ -154,7 +152,7 @@ def _kernel_step(kernel: Any, paths: list[tuple[int, ...]], clip: float | None) 
 
 def _link_step(path: tuple[int, ...], tx: GradientTransformation, clip: float | None) -> Any:
     """A chain whose one real link (beside identities and a leading clip) steps in place."""
-    @torch.no_grad()
+    @without_grad
     def inplace(params: Any, grads: Any, state: tuple) -> tuple:
         lists = Lists(params, grads, None if clip is None else float(now(clip)))
         clipped = lists.treedef.unflatten(lists.clipped(grad_scale_ok=False)[0])

@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import torch
 
-from zero.functional.base import Spec, count_inc
+from zero.functional.base import Spec, count_inc, without_grad
 from zero.functional.kernels.knobs import now
 from zero.functional.kernels.lowbit import LOWBIT_KERNELS
 from zero.functional.kernels.matching import decayed_rule, maximize_and_decay, plain_adam, take, take_decay
 from zero.functional.kernels.multi_tensor import FOREACH_KERNELS
 from zero.functional.kernels.steps import KernelStep, Lists, advanced, by_decay, marked, picker, rate_of
+from zero.functional.scalars import value_of
 
 __all__ = ["match"]
 
@@ -58,7 +59,7 @@ def _adam_kernel(specs: list[tuple[int, Spec]]) -> KernelStep | None:
     hyper = {k: core_spec.args[k] for k in ("b1", "b2", "eps")}
     amsgrad = core_spec.name == "torch_amsgrad"
 
-    @torch.no_grad()
+    @without_grad
     def inplace(lists: Lists, state: tuple) -> tuple | None:
         adam, lr_state, params = state[core_at], state[lr_at], lists.params
         mu, nu = lists.leaves(adam.mu), lists.leaves(adam.nu)
@@ -106,7 +107,7 @@ def _sgd_kernel(specs: list[tuple[int, Spec]]) -> KernelStep | None:
                {"momentum": args["decay"], "dampening": 0.0, "nesterov": args["nesterov"]})
     field = "momentum_buffer" if momentum and momentum[1].name == "torch_momentum" else "trace"
 
-    @torch.no_grad()
+    @without_grad
     def inplace(lists: Lists, state: tuple) -> tuple | None:
         params = lists.params
         buffers = lists.leaves(getattr(state[momentum[0]], field)) if momentum else []
@@ -114,7 +115,7 @@ def _sgd_kernel(specs: list[tuple[int, Spec]]) -> KernelStep | None:
         if groups is None:
             return None
         grads, scale = lists.clipped(grad_scale_ok=True)
-        first = field == "momentum_buffer" and int(state[momentum[0]].count) == 0
+        first = field == "momentum_buffer" and value_of(state[momentum[0]].count) == 0
         lr_state = state[lr_at]
         rate = rate_of(learning_rate, lr_state)
         for idx, weight_decay in by_decay(groups, lists.decays(decay)):
@@ -144,7 +145,7 @@ def _adagrad_kernel(specs: list[tuple[int, Spec]]) -> KernelStep | None:
     core_at, eps = core[0], core[1].args["eps"]
     lr_at, hyper = lr[0], lr[1].args
 
-    @torch.no_grad()
+    @without_grad
     def inplace(lists: Lists, state: tuple) -> tuple | None:
         params, sums = lists.params, lists.leaves(state[core_at].sum_of_squares)
         groups = inplace.placement(params, lists.grads, sums)

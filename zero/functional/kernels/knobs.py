@@ -95,14 +95,22 @@ def now(value: Any) -> Any:
     return float.__float__(value) if values is None else values.get(id(value), float.__float__(value))
 
 
-@contextlib.contextmanager
-def reading(knobs: dict[str, Knob], values: dict[str, Any]) -> Iterator[None]:
+class reading:  # used as a function; a class, not a generator, since kernels enter it every step
     """Kernels called inside read ``values`` (by name) for the ``knobs`` (nested: an outer
     `inject_hyperparams`'s knobs stay readable)."""
-    current = dict(_VALUES.get() or {})
-    current.update({id(knob): float(values[name]) for name, knob in knobs.items()})
-    with _setting(_VALUES, current):
-        yield
+
+    __slots__ = ("current", "token")
+
+    def __init__(self, knobs: dict[str, Knob], values: dict[str, Any]):
+        outer = _VALUES.get()
+        self.current = {id(knob): float(values[name]) for name, knob in knobs.items()} if outer is None else \
+            {**outer, **{id(knob): float(values[name]) for name, knob in knobs.items()}}
+
+    def __enter__(self) -> None:
+        self.token = _VALUES.set(self.current)
+
+    def __exit__(self, *exc: Any) -> None:
+        _VALUES.reset(self.token)
 
 
 @contextlib.contextmanager

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from zero.functional.base import Spec, count_inc
+from zero.functional.base import Spec, count_inc, without_grad
 from zero.functional.kernels.knobs import now
 from zero.functional.kernels.matching import decayed_rule, take
 from zero.functional.kernels.steps import KernelStep, Lists, advanced, by_decay, marked, rate_of
@@ -34,7 +34,7 @@ def _lowbit_kernel(specs: list[tuple[int, Spec]]) -> KernelStep | None:
     bits, args = _CORES[core_spec.name], core_spec.args
     b1, b2, eps, block = args["b1"], args["b2"], args["eps"], args["block_size"]
 
-    @torch.no_grad()
+    @without_grad
     def inplace(lists: Lists, state: tuple) -> tuple | None:
         adam, params = state[core_at], lists.params
         if inplace.placement(params, lists.grads) is None:

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from zero.functional.base import Spec, count_inc
+from zero.functional.base import Spec, count_inc, without_grad
 from zero.functional.kernels.knobs import now
 from zero.functional.kernels.matching import decayed_rule, lr_rule, maximize_and_decay, take
 from zero.functional.kernels.steps import KernelStep, Lists, advanced, by_decay, marked, rate_of
@@ -41,7 +41,7 @@ def _rmsprop_kernel(specs: list[tuple[int, Spec]]) -> KernelStep | None:
     core_at, centered, hyper = core[0], core[1].name == "scale_by_stddev", core[1].args
     lr_at, learning_rate = lr[0], lr[1].args["learning_rate"]
 
-    @torch.no_grad()
+    @without_grad
     def inplace(lists: Lists, state: tuple) -> tuple | None:
         params = lists.params
         square = lists.leaves(state[core_at].nu)
@@ -73,7 +73,7 @@ def _adamax_kernel(specs: list[tuple[int, Spec]]) -> KernelStep | None:
         return None
     maximize, weight_decay, core_at, hyper, lr_at, learning_rate = rule
 
-    @torch.no_grad()
+    @without_grad
     def inplace(lists: Lists, state: tuple) -> tuple | None:
         adamax, params = state[core_at], lists.params
         if (moments := _checked_moments(inplace, lists, adamax)) is None:
@@ -100,7 +100,7 @@ def _adadelta_kernel(specs: list[tuple[int, Spec]]) -> KernelStep | None:
         return None
     maximize, weight_decay, core_at, hyper, lr_at, learning_rate = rule
 
-    @torch.no_grad()
+    @without_grad
     def inplace(lists: Lists, state: tuple) -> tuple | None:
         adadelta, params = state[core_at], lists.params
         e_g, e_x = lists.leaves(adadelta.e_g), lists.leaves(adadelta.e_x)
@@ -131,7 +131,7 @@ def _nadam_radam_kernel(specs: list[tuple[int, Spec]]) -> KernelStep | None:
     if nadam:
         options["momentum_decay"] = core_spec.args["momentum_decay"]
 
-    @torch.no_grad()
+    @without_grad
     def inplace(lists: Lists, state: tuple) -> tuple | None:
         core_state, params = state[core_at], lists.params
         if (moments := _checked_moments(inplace, lists, core_state)) is None:
@@ -165,7 +165,7 @@ def _rprop_kernel(specs: list[tuple[int, Spec]]) -> KernelStep | None:
         return None
     core_at, (eta_minus, eta_plus), (lo, hi) = core[0], core[1].args["etas"], core[1].args["step_sizes"]
 
-    @torch.no_grad()
+    @without_grad
     def inplace(lists: Lists, state: tuple) -> tuple | None:
         rprop, params = state[core_at], lists.params
         prevs, sizes = lists.leaves(rprop.prev_updates), lists.leaves(rprop.step_sizes)
@@ -191,7 +191,7 @@ def _lion_kernel(specs: list[tuple[int, Spec]]) -> KernelStep | None:
     _, decay, _, core_at, core_spec, lr_at, learning_rate = rule
     lion_b1, lion_b2 = core_spec.args["b1"], core_spec.args["b2"]
 
-    @torch.no_grad()
+    @without_grad
     def inplace(lists: Lists, state: tuple) -> tuple | None:
         lion, params = state[core_at], lists.params
         mu = lists.leaves(lion.mu)

@@ -1,0 +1,54 @@
+"""0-d hyperparameter tensors that remember the number they were made from.
+
+An injected state keeps its hyperparameters and step counts as 0-d tensors (Optax's layout), while
+an in-place step reads them as Python numbers, and a param group's numbers are written into them
+before each step. Made and read every step, that was eleven dispatched ops (`from_torch(SGD)`:
+tensors made, their values read back) on a step whose own Python is about 60 us: 20 us of it,
+more inside torch's ``record_function`` scope around ``step``. A tensor made here keeps its number beside it, with its
+version counter at the time; the number is read back from there while the version is unchanged
+(any in-place write bumps it: a checkpoint loaded into it, ``copy_``, ``fill_``), else from the
+tensor itself.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+__all__ = ["scalar", "counter", "value_of", "same_number"]
+
+_KEPT = "_zero_number"  # the attribute a made tensor keeps (version, number) in
+
+
+def scalar(value: float, dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
+    """``torch.as_tensor(value, dtype=dtype, device=device)``, remembering ``value`` when the
+    tensor holds it exactly (a float64 tensor does; a float32 one may round it)."""
+    t = torch.as_tensor(value, dtype=dtype, device=device)
+    if dtype == torch.float64 and type(value) in (float, int) and abs(value) < 2**53:
+        setattr(t, _KEPT, (t._version, float(value)))
+    return t
+
+
+def counter(n: int) -> torch.Tensor:
+    """A step counter, a 0-d int32 tensor (``torch.tensor(n, dtype=torch.int32)``), remembering ``n``."""
+    t = torch.tensor(n, dtype=torch.int32)
+    setattr(t, _KEPT, (t._version, n))
+    return t
+
+
+def value_of(t: torch.Tensor) -> Any:
+    """``t.item()``, from the number ``t`` was made from when nothing wrote into it since."""
+    kept = t.__dict__.get(_KEPT)
+    if kept is not None and kept[0] == t._version:
+        return kept[1]
+    return t.item()
+
+
+def same_number(t: torch.Tensor, value: Any) -> bool:
+    """Whether ``t`` was made from ``value`` (a number, its sign of zero too) and is unchanged
+    since: a tensor made from ``value`` now would hold the same."""
+    kept = t.__dict__.get(_KEPT)
+    return (kept is not None and type(value) in (float, int) and kept[0] == t._version and kept[1] == value
+            and math.copysign(1.0, kept[1]) == math.copysign(1.0, value))
