@@ -140,3 +140,48 @@ def test_a_replaced_update_is_stepped_through_never_dropped():
     assert calls == [1, 1] and torch.equal(p.detach(), torch.ones(3))
     kept = F.with_extra_args_support(F.sgd(0.1))  # the same rule with another signature keeps its kernel
     assert F.explain(kept, [p]).kernel == "_fused_sgd_"
+
+
+def test_a_remembered_number_is_forgotten_when_its_tensor_is_written():
+    """`zero.functional.scalars`: a tensor made from a number is read as that number until
+    something writes into it (a checkpoint loaded in place, ``fill_``), then from the tensor."""
+    from zero.functional.scalars import counter, same_number, scalar, value_of
+
+    lr, count = scalar(0.1, torch.float64), counter(3)
+    assert value_of(lr) == 0.1 and value_of(count) == 3 and same_number(lr, 0.1)
+    assert not same_number(lr, 0.2) and not same_number(scalar(0.0, torch.float64), -0.0)
+    lr.fill_(0.25)
+    count.copy_(torch.tensor(9))
+    assert value_of(lr) == 0.25 and value_of(count) == 9 and not same_number(lr, 0.1)
+    rounded = scalar(0.1, torch.float32)  # holds 0.1 rounded: nothing remembered, read from the tensor
+    assert value_of(rounded) == torch.tensor(0.1, dtype=torch.float32).item() and not same_number(rounded, 0.1)
+
+
+def test_from_torch_sgds_step_makes_and_reads_no_hyperparameter_tensor_while_the_group_keeps_its_values():
+    """The step's ops, counted: torch's fused kernel and the two step counts (Optax's layout), and a
+    new lr tensor only in the step after the lr moved."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not str(func).startswith("profiler."):  # torch's own record_function around step
+                seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    params = [p.requires_grad_() for p in _params()]
+    opt = F.Optimizer(params, F.from_torch(torch.optim.SGD, lr=0.1, momentum=0.9))
+    reference = torch.optim.SGD([p.detach().clone().requires_grad_() for p in params], lr=0.1, momentum=0.9)
+    for step in range(4):
+        if step == 3:
+            opt.param_groups[0]["lr"] = reference.param_groups[0]["lr"] = 0.05
+        for p, q in zip(params, reference.param_groups[0]["params"]):
+            p.grad = q.grad = torch.full_like(p, step + 1.0)
+        seen = []
+        with Ops():
+            opt.step()
+        reference.step()
+        if step >= 2:
+            made = 2 + (step == 3)
+            assert sorted(seen) == sorted(["aten._fused_sgd_.default"] + ["aten.lift_fresh.default"] * made), seen
+    for p, q in zip(params, reference.param_groups[0]["params"]):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)

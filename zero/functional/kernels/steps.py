@@ -106,22 +106,27 @@ class Placement:
 
     def __init__(self):
         self.held: tuple = ()
-        self.ids: list | None = None
         self.kinds: list | None = None
         self.groups: list[list[int]] | None = None
 
     def __call__(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                  *state: Sequence[torch.Tensor]) -> list[list[int]] | None:
-        ids = [list(map(id, xs)) for xs in (params, *state)]
-        if ids != self.ids:
-            self.held = tuple(list(xs) for xs in (params, *state))
-            self.ids, self.groups = ids, _groups((params, *state))
+        lists = (params, *state)
+        if not _same_tensors(lists, self.held):
+            self.held = tuple(list(xs) for xs in lists)
+            self.groups = _groups(lists)
             self.kinds = None if self.groups is None else _kinds(params)
         if self.groups is None or not laid_out_alike(params, grads):
             return None
         if _kinds(params) != self.kinds or _kinds(grads) != self.kinds:  # .data = ... keeps a param's identity
             return _groups((params, grads, *state))
         return self.groups
+
+
+def _same_tensors(lists: tuple, held: tuple) -> bool:
+    """Whether ``lists`` hold the very tensors ``held`` does, position by position."""
+    return len(lists) == len(held) and all(
+        len(xs) == len(ys) and all(map(operator.is_, xs, ys)) for xs, ys in zip(lists, held))
 
 
 def laid_out_alike(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> bool:
