@@ -121,15 +121,15 @@ class Watch:
     def beats(self) -> dict[int, int]:
         return {r: self.store.add(f"{self.prefix}/beat/{r}", 0) for r in range(self.size) if r != self.rank}
 
-    def wait(self, done: Any, place: Place) -> None:
-        """Until ``done()`` (a collective ended), or raise naming the rank that holds it up."""
-        spin_until = time.monotonic() + _SPIN_S
-        while not done():
-            if time.monotonic() > spin_until:
-                self.post(place)
-                self._watch(done, place)
-                return
-            time.sleep(0.0005)
+    def wait(self, work: Any, place: Place) -> None:
+        """Until the collective ``work`` ended, or raise naming the rank that holds it up. The first
+        `_SPIN_S` are waited on its future, woken the moment it ends: polled every 0.5 ms instead,
+        a step's check-in came back 0.8 ms late on average on a busy 2-core machine (a sleep of
+        0.5 ms took that long), 30% of an SGD step on 200 small tensors."""
+        if work.is_completed() or _ended_within(work, _SPIN_S):
+            return
+        self.post(place)
+        self._watch(work.is_completed, place)
 
     def meet(self, place: Place) -> None:
         """A backward pass starting with no step since the last: wait until every rank has come
@@ -163,6 +163,13 @@ class Watch:
         time.sleep(wait_s)
         after = self.beats()
         return [r for r in before if after[r] == before[r]]
+
+
+def _ended_within(work: Any, seconds: float) -> bool:
+    """Whether ``work`` ends (or fails) within ``seconds``."""
+    ended = threading.Event()
+    work.get_future().add_done_callback(lambda _: ended.set())
+    return ended.wait(seconds)
 
 
 _WATCHES: dict[tuple, Watch | None] = {}
@@ -265,7 +272,7 @@ def check_in(what: str, fields: Mapping[str, int], group: Any, device: torch.dev
 
     def verify() -> list[list[int]]:
         if watch is not None:
-            watch.wait(work.is_completed, place)
+            watch.wait(work, place)
         try:
             work.wait()
         except RuntimeError as e:
