@@ -118,10 +118,10 @@ def test_zero_optimizer_resolves_lazily_from_the_root():
 
 
 # Inside zero.functional, folders point one way too: core (the floor: base, sharding, elementwise, foreach, quantize,
-# and Optax's linear algebra and microbatching, which need nothing of zero)
+# scalars, and Optax's linear algebra and microbatching, which need nothing of zero)
 # <- kernels <- core combinators (update, combine, inject) <- transforms/schedules <- aliases/contrib <- adapters.
 # What each may not import (anywhere in the folder, at any level).
-FLOOR = ("base", "sharding", "elementwise", "foreach", "quantize", "linalg", "microbatching")
+FLOOR = ("base", "sharding", "elementwise", "foreach", "quantize", "scalars", "linalg", "microbatching")
 COMBINATORS = ("update", "combine", "inject")
 ABOVE_CORE = ("transforms", "schedules", "aliases", "contrib", "adapters")
 FUNCTIONAL_FORBIDDEN = {

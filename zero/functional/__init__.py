@@ -3,11 +3,12 @@ and Optax. Loads torch, never jax (the Optax bridge imports it on first use) nor
 
 Where things live (every public name is re-exported here, one a line):
 
-- ``base``, ``update``, ``combine``, ``inject``, ``elementwise``, ``foreach``, ``quantize``: the
-  core: `GradientTransformation` and tree helpers, `apply_updates`, `chain`,
+- ``base``, ``update``, ``combine``, ``inject``, ``elementwise``, ``foreach``, ``quantize``,
+  ``scalars``: the core: `GradientTransformation` and tree helpers, `apply_updates`, `chain`,
   `inject_hyperparams`, and the floor every rule computes on (the elementwise maths the rules
   share, their list forms run as torch's foreach ops with small CPU leaves packed into one
-  tensor, and block-wise quantized moments).
+  tensor, block-wise quantized moments, and 0-d hyperparameter and count tensors that remember
+  their number).
 - ``sharding/``: the whole-tensor quantities a sharded step completes across ranks, one module a
   concern (the installed `Sharding` and the stepped pieces, norms, sums over axes, rules that need
   whole tensors, low-bit blocks), every name at ``zero.functional.sharding``. The seam a sharded
