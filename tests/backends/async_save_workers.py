@@ -55,10 +55,12 @@ def _slowed_writer(rank: int, die: bool = False) -> None:
     integrity.ChecksumWriter.write_data = slowed
 
 
-def async_against_sync(rank: int, world_size: int, where: str, root: str, steps: int = 3, during: int = 2) -> dict:
+def async_against_sync(rank: int, world_size: int, where: str, root: str, keep: bool = False, steps: int = 3,
+                       during: int = 2) -> dict:
     """Save at step ``steps`` synchronously (``root/sync``) and in the background (``root/async``),
     take ``during`` steps while the background write runs, then ask for a second background save
-    (``root/second``) while the first may still be in flight; what each blocked and saw."""
+    (``root/second``) while the first may still be in flight; what each blocked and saw. ``keep``:
+    both background saves with ``keep_staging=True`` (the second copies into the first's buffers)."""
     model, opt = _model_and_optimizer(where, world_size)
     _steps(model, opt, range(steps))
     t = time.perf_counter()
@@ -66,11 +68,11 @@ def async_against_sync(rank: int, world_size: int, where: str, root: str, steps:
     sync_s = time.perf_counter() - t
     _slowed_writer(rank)
     t = time.perf_counter()
-    first = checkpoint.save(os.path.join(root, "async"), model, opt, async_save=True)
+    first = checkpoint.save(os.path.join(root, "async"), model, opt, async_save=True, keep_staging=keep)
     blocked_s = time.perf_counter() - t
     _steps(model, opt, range(steps, steps + during))
     in_flight_after_steps = not first.done()
-    second = checkpoint.save(os.path.join(root, "second"), model, opt, async_save=True)
+    second = checkpoint.save(os.path.join(root, "second"), model, opt, async_save=True, keep_staging=keep)
     first_done_when_second_started = first.done()
     first.result()
     second.result()

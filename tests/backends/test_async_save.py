@@ -32,11 +32,15 @@ def _assert_same(a, b, where=""):
         assert a == b, where
 
 
-@pytest.mark.parametrize("where,world_size", [("flat", 3), ("fsdp2", 2), ("hsdp", 4)])
-def test_a_background_save_is_the_synchronous_save_at_its_step(tmp_path, where, world_size):
+# keep: the second save copies into the first's kept buffers (keep_staging=True), under ZeRO's
+# ShardedTensors and HSDP's 2-D DTensors: written over while the first was still writing, the
+# first checkpoint would hold the later steps
+@pytest.mark.parametrize("where,world_size,keep", [("flat", 3, False), ("fsdp2", 2, False), ("hsdp", 4, False),
+                                                   ("flat", 3, True), ("hsdp", 4, True)])
+def test_a_background_save_is_the_synchronous_save_at_its_step(tmp_path, where, world_size, keep):
     from zero.tools.cli import main
 
-    rows = run_ranks(aw.async_against_sync, world_size, where, str(tmp_path), timeout=240)
+    rows = run_ranks(aw.async_against_sync, world_size, where, str(tmp_path), keep, timeout=240)
     assert all(r["in_flight_after_steps"] for r in rows), "the steps ran while the write was in flight"
     assert all(r["first_done_when_second_started"] for r in rows), "a second save waits for the first"
     assert all(r["blocked_s"] < aw.DELAY for r in rows), "save(async_save=True) returns before the write"
@@ -71,3 +75,24 @@ def test_a_rank_dying_during_the_background_write_leaves_the_last_checkpoint(tmp
     capsys.readouterr()
     assert main(["checkpoint", "verify", str(tmp_path / siblings[0])]) == 1
     assert re.search(r"incomplete", capsys.readouterr().out)
+
+
+def test_kept_staging_is_reused_for_the_same_layout_only_and_refused_where_it_would_be_ignored(tmp_path):
+    """The kept buffers take the next state of the same layout (the same memory, the new values and
+    settings); a tensor of another shape makes new ones (a copy into the old would broadcast)."""
+    from zero.backends.checkpoint import save
+    from zero.backends.checkpoint.staging import KeptStaging
+
+    stager = KeptStaging()
+    first = stager.stage({"w": torch.ones(3), "step": 1, "groups": [{"lr": 0.1}]})
+    second = stager.stage({"w": torch.full((3,), 2.0), "step": 2, "groups": [{"lr": 0.2}]})
+    assert second["w"].data_ptr() == first["w"].data_ptr() and second["w"].tolist() == [2.0, 2.0, 2.0]
+    assert second["step"] == 2 and second["groups"] == [{"lr": 0.2}]
+    third = stager.stage({"w": torch.full((1,), 5.0), "step": 3, "groups": [{"lr": 0.2}]})
+    assert third["w"].tolist() == [5.0]
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="needs async_save=True"):
+        save(tmp_path / "c", model, torch.optim.SGD(model.parameters(), lr=0.1), keep_staging=True)
+    with pytest.raises(ValueError, match="give one"):
+        save(tmp_path / "c", model, torch.optim.SGD(model.parameters(), lr=0.1), async_save=True, keep_staging=True,
+             async_stager=stager)
