@@ -93,20 +93,36 @@ def _gathered(g: torch.Tensor, gg: tuple, shampoo_beta: float) -> tuple:
     """Each factor moved towards the gradient's Gram matrix along its axis (a ``lerp``, as
     pytorch_optimizer's: a factor of one rank, a vector's first, has an arbitrary eigenbasis
     beyond its first vector, which rounding of another sum order would pick differently)."""
-    return tuple(torch.lerp(f, kronecker.factor_of(g, a).to(f.dtype), 1 - shampoo_beta) if f.numel() else f
+    return tuple(_lerp(f, kronecker.factor_of(g, a).to(f.dtype), 1 - shampoo_beta) if f.numel() else f
                  for a, f in enumerate(gg))
+
+
+def _lerp(start: torch.Tensor, fresh: torch.Tensor, weight: float) -> torch.Tensor:
+    """``torch.lerp(start, fresh, weight)``, written into ``fresh`` (a temporary the caller made,
+    never a tensor it was given) when eager without autograd: the same numbers, one tensor fewer
+    to allocate and write through fresh memory (three of SOAP's four moving averages a matrix)."""
+    if traced() or torch.is_grad_enabled():
+        return torch.lerp(start, fresh, weight)
+    return torch.lerp(start, fresh, weight, out=fresh)
+
+
+def _squared(fresh: torch.Tensor) -> torch.Tensor:
+    """``fresh.square()``, in place when eager without autograd (``fresh`` a temporary, as `_lerp`'s)."""
+    return fresh.square() if traced() or torch.is_grad_enabled() else fresh.square_()
 
 
 def _adam_in_basis(g, mu, nu, q, b1, b2, eps, scale):
     """Adam's moments (the first in the params' coordinates, the second in the basis) and its
     direction rotated back, times ``scale`` (the bias corrections)."""
     mu = torch.lerp(mu, g, 1 - b1)
-    nu = torch.lerp(nu, kronecker.rotate(g, q).square(), 1 - b2)
     if traced() or torch.is_grad_enabled() or not any(b.numel() for b in q):
+        nu = torch.lerp(nu, kronecker.rotate(g, q).square(), 1 - b2)
         direction = kronecker.rotate(kronecker.rotate(mu, q) / (nu.sqrt() + eps), q, back=True)
         return direction * scale, mu, nu
     # eager and without autograd, and each rotation a product of its own (some basis is not
-    # empty): the quotient and the scaling made in the temporaries that hold them
+    # empty): the square, the average, the quotient and the scaling made in the temporaries
+    # that hold them (with no basis a rotation is a view of the gradient)
+    nu = _lerp(nu, _squared(kronecker.rotate(g, q)), 1 - b2)
     direction = kronecker.rotate(kronecker.rotate(mu, q).div_(nu.sqrt().add_(eps)), q, back=True)
     return direction.mul_(scale), mu, nu
 
@@ -244,14 +260,14 @@ def scale_by_soap(b1: float = 0.95, b2: float = 0.95, shampoo_beta: float = -1, 
         not depend on which others a rank holds."""
         g, mu, nu = torch.stack(gs), _stacked(mus), _stacked(nus)
         left, right = _stacked([f[0] for f in ggs]), _stacked([f[1] for f in ggs])
-        left = torch.lerp(left, (g @ g.mT).to(left.dtype), 1 - beta)
-        right = torch.lerp(right, (g.mT @ g).to(right.dtype), 1 - beta)
+        left = _lerp(left, (g @ g.mT).to(left.dtype), 1 - beta)
+        right = _lerp(right, (g.mT @ g).to(right.dtype), 1 - beta)
         if first:
             u, ql, qr = torch.zeros_like(g), kronecker.eigenbasis(left), kronecker.eigenbasis(right)
         else:
             ql, qr = _stacked([b[0] for b in qs]), _stacked([b[1] for b in qs])
             mu = torch.lerp(mu, g, 1 - b1)
-            nu = torch.lerp(nu, (ql.mT @ g @ qr).square(), 1 - b2)
+            nu = _lerp(nu, _squared(ql.mT @ g @ qr), 1 - b2)
             u = (ql @ ((ql.mT @ mu @ qr) / (nu.sqrt() + eps)) @ qr.mT) * scale
             if refresh:
                 ql, order = kronecker.refreshed_basis(left, ql)
