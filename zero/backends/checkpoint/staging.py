@@ -6,7 +6,8 @@ same layout (`KeptStaging`): the first save pays for its pages, every later one 
 the 100M-param bench at 4 ranks (BENCHMARKS.md) that is the difference between 0.45-0.65 s and
 0.11 s of training blocked: most of a fresh copy's time is the kernel handing out its pages. The
 cost is the copy's memory held between saves (a rank's share of the model and its optimizer state)
-instead of only while a save is written. Reusing it is safe because a save first waits for this
+instead of only while a save is written: until a kept save of another layout replaces it, or the
+process ends. Reusing it is safe because a save first waits for this
 process's background saves (`files.save`), so no write is still reading the buffers it overwrites.
 """
 
