@@ -31,9 +31,12 @@ def scalar(value: float, dtype: torch.dtype, device: torch.device | None = None)
     return t
 
 
-def counter(n: int) -> torch.Tensor:
-    """A step counter, a 0-d int32 tensor (``torch.tensor(n, dtype=torch.int32)``), remembering ``n``."""
-    t = torch.tensor(n, dtype=torch.int32)
+def counter(n: int, eager: bool = False) -> torch.Tensor:
+    """A step counter, a 0-d int32 tensor (``torch.tensor(n, dtype=torch.int32)``), remembering ``n``.
+    ``eager``: the caller is not traced, and the counter is made at half the cost (``scalar_tensor``)
+    unless a dispatch mode runs (a simulation's fake tensors: ``torch.tensor``'s keeps its value)."""
+    quick = eager and not torch._C._len_torch_dispatch_stack()
+    t = (torch.scalar_tensor if quick else torch.tensor)(n, dtype=torch.int32)
     setattr(t, _KEPT, (t._version, n))
     return t
 

@@ -124,7 +124,7 @@ def _replaced(state: tuple, path: tuple[int, ...], value: Any) -> tuple:
 def _kernel_step(kernel: Any, paths: list[tuple[int, ...]], clip: float | None) -> Any:
     @without_grad
     def inplace(params: Any, grads: Any, state: tuple) -> tuple | None:
-        links = tuple(_at(state, path) for path in paths)
+        links = tuple([_at(state, path) for path in paths])
         new = kernel(Lists(params, grads, None if clip is None else float(now(clip))), links)
         if new is None:
             return None

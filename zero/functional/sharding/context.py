@@ -111,23 +111,29 @@ def every_group() -> bool:
     return sharding is not None and sharding.every_group
 
 
-@contextlib.contextmanager
-def stepping(params: Any) -> Iterator[None]:
+class stepping:  # used as a function; a class, not a generator, since every step enters it
     """Inside the block, leaf ``k`` of the trees being transformed is a piece of leaf ``k`` of the
     tree ``params`` (flattened only when a sharding is installed: unsharded steps pay nothing)."""
-    sharding = current(SHARDING)
-    if sharding is None:
-        yield
-        return
-    try:
-        pieces = tuple(sharding.pieces[id(p)] for p in optree.tree_leaves(params))
-    except KeyError:
-        raise ValueError("a sharded step got a param the backend did not register") from None
-    token = LEAVES.set(pieces)
-    try:
-        yield
-    finally:
-        LEAVES.reset(token)
+
+    __slots__ = ("pieces", "token")
+
+    def __init__(self, params: Any):
+        sharding = current(SHARDING)
+        self.pieces = self.token = None
+        if sharding is None:
+            return
+        try:
+            self.pieces = tuple(sharding.pieces[id(p)] for p in optree.tree_leaves(params))
+        except KeyError:
+            raise ValueError("a sharded step got a param the backend did not register") from None
+
+    def __enter__(self) -> None:
+        if self.pieces is not None:
+            self.token = LEAVES.set(self.pieces)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.token is not None:
+            LEAVES.reset(self.token)
 
 
 @contextlib.contextmanager
