@@ -1,13 +1,12 @@
-"""0-d hyperparameter tensors that remember the number they were made from.
+"""0-d hyperparameter and count tensors that remember the number they were made from.
 
 An injected state keeps its hyperparameters and step counts as 0-d tensors (Optax's layout), while
 an in-place step reads them as Python numbers, and a param group's numbers are written into them
-before each step. Made and read every step, that was eleven dispatched ops (`from_torch(SGD)`:
-tensors made, their values read back) on a step whose own Python is about 60 us: 20 us of it,
-more inside torch's ``record_function`` scope around ``step``. A tensor made here keeps its number beside it, with its
-version counter at the time; the number is read back from there while the version is unchanged
-(any in-place write bumps it: a checkpoint loaded into it, ``copy_``, ``fill_``), else from the
-tensor itself.
+before each step. Made and read back every step, that was thirteen dispatched ops of
+`from_torch(SGD)`'s step, each dearer inside the ``record_function`` scope torch's
+``Optimizer.step`` opens. A tensor made here keeps its number beside it, with its version counter
+at the time; the number is read back from there while the version is unchanged (any in-place
+write bumps it: a checkpoint loaded into it, ``copy_``, ``fill_``), else from the tensor itself.
 """
 
 from __future__ import annotations
