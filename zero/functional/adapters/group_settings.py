@@ -11,6 +11,7 @@ A setting the transformation would ignore is an error naming it (`check_group_se
 from __future__ import annotations
 
 import inspect
+import operator
 from typing import Any
 
 import torch
@@ -211,6 +212,8 @@ def sync_hyperparams(state: Any, group: dict) -> Any:
                              f"transformation's own schedule (now {float(hyperparams[k])!r}), which would ignore "
                              f"it: give {k} as a number to let torch's lr schedulers (or you) set it, or drop them")
     hp = {k: _like(v, group.get(_group_key(k), v)) for k, v in hyperparams.items()}
+    if all(map(operator.is_, hp.values(), hyperparams.values())):  # every value unchanged: the state as it is
+        return state
     return state._replace(hyperparams=hp)
 
 

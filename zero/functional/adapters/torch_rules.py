@@ -378,8 +378,8 @@ def with_torch_settings(tx: GradientTransformation, group: dict, index: int) -> 
         if group.get(key):
             raise ValueError(f"param group {index} sets {key}=True, which zero.functional.from_torch({name}) "
                              "does not support (it steps as torch does with it False)")
-    changed = {k: group[k] for k, v in args.items() if k in group and not _same_setting(group[k], v)
-               and k not in tx.spec.args["hyperparams"]}
+    hyper = tx.spec.args["hyperparams"]  # kept in the state, synced apart: skipped first (the most of a group)
+    changed = {k: group[k] for k, v in args.items() if k not in hyper and k in group and not _same_setting(group[k], v)}
     if not changed:
         return tx
     rebuilt = from_torch(name, **{**args, **changed})
