@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
-from torch.distributed._tensor import DTensor
 from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.tensor import DTensor
 
 __all__ = ["KeptStaging", "kept_staging"]
 
