@@ -213,7 +213,7 @@ def count_inc(count: torch.Tensor) -> torch.Tensor:
     """``count + 1``, saturating at the int32 maximum (Optax's ``safe_increment``). Tensor maths
     throughout, so a compiled update does not specialize on the count (or recompile each step)."""
     if type(count) is torch.Tensor and count.is_cpu and not traced():  # eager: one small tensor
-        return counter(min(int(value_of(count)) + 1, _INT32_MAX), eager=True)
+        return counter(min(int(value_of(count)) + 1, _INT32_MAX))
     count = torch.as_tensor(count)
     return torch.where(count < _INT32_MAX, count + 1, count).to(torch.int32)
 

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from zero.functional.foreach import traced
+
 __all__ = ["scalar", "counter", "value_of", "same_number"]
 
 _KEPT = "_zero_number"  # the attribute a made tensor keeps (version, number) in
@@ -30,27 +32,30 @@ def scalar(value: float, dtype: torch.dtype, device: torch.device | None = None)
     return t
 
 
-def counter(n: int, eager: bool = False) -> torch.Tensor:
+def counter(n: int) -> torch.Tensor:
     """A step counter, a 0-d int32 tensor (``torch.tensor(n, dtype=torch.int32)``), remembering ``n``.
-    ``eager``: the caller is not traced, and the counter is made at half the cost (``scalar_tensor``)
-    unless a dispatch mode runs (a simulation's fake tensors: ``torch.tensor``'s keeps its value)."""
-    quick = eager and not torch._C._len_torch_dispatch_stack()
+    Eager, it is made by ``scalar_tensor`` at half the cost; traced, or under a dispatch mode (a
+    simulation's fake tensors), by ``torch.tensor``, whose fake tensor keeps its value."""
+    quick = not traced() and not torch._C._len_torch_dispatch_stack()  # traced first: dynamo cannot read the stack
     t = (torch.scalar_tensor if quick else torch.tensor)(n, dtype=torch.int32)
     setattr(t, _KEPT, (t._version, n))
     return t
 
 
+def _kept(t: torch.Tensor) -> Any:
+    """The number ``t`` was made from, if nothing wrote into it since; else None."""
+    kept = t.__dict__.get(_KEPT)
+    return kept[1] if kept is not None and kept[0] == t._version else None
+
+
 def value_of(t: torch.Tensor) -> Any:
     """``t.item()``, from the number ``t`` was made from when nothing wrote into it since."""
-    kept = t.__dict__.get(_KEPT)
-    if kept is not None and kept[0] == t._version:
-        return kept[1]
-    return t.item()
+    kept = _kept(t)
+    return t.item() if kept is None else kept
 
 
 def same_number(t: torch.Tensor, value: Any) -> bool:
     """Whether ``t`` was made from ``value`` (a number, its sign of zero too) and is unchanged
     since: a tensor made from ``value`` now would hold the same."""
-    kept = t.__dict__.get(_KEPT)
-    return (kept is not None and type(value) in (float, int) and kept[0] == t._version and kept[1] == value
-            and math.copysign(1.0, kept[1]) == math.copysign(1.0, value))
+    kept = _kept(t) if type(value) in (float, int) else None
+    return kept is not None and kept == value and math.copysign(1.0, kept) == math.copysign(1.0, value)

@@ -2,13 +2,14 @@
 
 By default each save copies into fresh host memory (torch's ``BlockingAsyncStager``), freed once
 its write is done. With ``keep_staging=True`` the copy's memory is kept for the next save of the
-same layout (`KeptStaging`): the first save pays for its pages, every later one only copies. On
-the 100M-param bench at 4 ranks (BENCHMARKS.md) that is the difference between 0.45-0.74 s and
-0.11-0.12 s of training blocked: most of a fresh copy's time is the kernel handing out its
-pages. The cost is the copy's memory held between saves (a rank's share of the model and its
+same layout (`KeptStaging`): the first save pays for its pages, every later one only copies, and
+most of a fresh copy's time is the kernel handing out its pages (docs/checkpoints.md has the
+figures). The cost is the copy's memory held between saves (a rank's share of the model and its
 optimizer state) instead of only while a save is written: until a kept save of another layout
 replaces it, or the process ends. Reusing it is safe because a save first waits for this
 process's background saves (`files.save`), so no write is still reading the buffers it overwrites.
+The copies are made by torch's own helpers, those its ``BlockingAsyncStager`` uses (whose cached
+mode pins memory, which needs an accelerator).
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def _layout(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return type(obj).__name__, tuple(_layout(v) for v in obj)
     if isinstance(obj, DTensor):
-        return ("DTensor", tuple(obj.shape), obj.dtype, tuple(obj._local_tensor.shape), tuple(obj.placements),
+        return ("DTensor", tuple(obj.shape), obj.dtype, tuple(obj.to_local().shape), tuple(obj.placements),
                 id(obj.device_mesh))
     if type(obj).__name__ == "ShardedTensor":
         return ("ShardedTensor", tuple(obj.size()), tuple((tuple(s.metadata.shard_offsets), tuple(s.tensor.shape),
