@@ -68,13 +68,14 @@ def grads_at(model, step, nan_at=None):
     return out
 
 
-def pure_run(tx, model, steps, nan_at=None):
-    """The definition: ``update`` link by link on the dict by name, then the params += updates."""
+def pure_run(tx, model, steps, nan_at=None, grads=grads_at):
+    """The definition: ``update`` link by link on the dict by name, then the params += updates
+    (``grads(model, step, nan_at)``: the gradients by name)."""
     params = dict(model.named_parameters())
     state = tx.init(params)
     with torch.no_grad():
         for step in range(steps):
-            updates, state = tx.update(grads_at(model, step, nan_at), state, params)
+            updates, state = tx.update(grads(model, step, nan_at), state, params)
             add_updates(params, updates)
     return {n: p.detach().clone() for n, p in params.items()}
 

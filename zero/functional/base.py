@@ -53,6 +53,7 @@ class _Fields(NamedTuple):
     inplace: Callable[[list, list, Any], Any] | None = None
     spec: Spec | None = None
     scaled: Callable[[float], Callable[..., tuple[Any, Any]]] | None = None
+    owned: Callable[..., tuple[Any, Any]] | None = None
 
 
 class GradientTransformation(_Fields):
@@ -65,9 +66,13 @@ class GradientTransformation(_Fields):
     transformation (see `Spec`); ``None`` for one built by hand. ``scaled``, when set, maps a
     nonzero number ``c`` to an ``update`` whose updates come out multiplied by ``c``: `chain`
     runs a link followed by ``scale(c)`` (or a constant learning rate) as that one update, which
-    saves a pass over the updates.
+    saves a pass over the updates. ``owned``, when set, is ``update`` for a caller that gives up
+    the state it passes: it may write the new state into the old one's tensors (the same numbers,
+    bit for bit, without fresh memory for each). `chain` runs it inside its in-place step, which
+    an optimizer takes only with the state it owns; a combinator that keeps an inner state it
+    passed on (to restore after a skipped step ...) never calls its inner's ``owned``.
 
-    ``inplace``, ``spec`` and ``scaled`` describe ``init`` and ``update``, so ``_replace`` of
+    ``inplace``, ``spec``, ``scaled`` and ``owned`` describe ``init`` and ``update``, so ``_replace`` of
     either of those drops them unless it sets them too: ``sgd(0.1)._replace(update=f)`` steps
     through ``f`` (a transformation built by hand), never through the fused SGD its spec names.
     """
@@ -76,7 +81,7 @@ class GradientTransformation(_Fields):
 
     def _replace(self, **changes: Any) -> GradientTransformation:
         if "init" in changes or "update" in changes:
-            for derived in ("inplace", "spec", "scaled"):
+            for derived in ("inplace", "spec", "scaled", "owned"):
                 changes.setdefault(derived, None)
         return super()._replace(**changes)
 
@@ -112,7 +117,8 @@ def with_extra_args_support(tx: GradientTransformation) -> GradientTransformatio
     def update(updates, state, params=None, **extra_args):
         return tx.update(updates, state, params)
 
-    return tx._replace(update=update, inplace=tx.inplace, spec=tx.spec, scaled=tx.scaled)  # the same rule
+    # the same rule: every field that describes it kept
+    return tx._replace(update=update, inplace=tx.inplace, spec=tx.spec, scaled=tx.scaled, owned=tx.owned)
 
 
 def as_dtype(value: Any, name: str = "dtype") -> torch.dtype | None:

@@ -21,6 +21,8 @@ def chain(*transformations: GradientTransformation) -> GradientTransformation:
     Mirrors ``optax.chain``. When the links spell a rule torch has a fused kernel for (e.g.
     ``scale_by_adam`` then ``scale_by_learning_rate``: Adam), the chain also gets that kernel as
     its ``inplace`` step (`zero.functional.kernels.fused`); ``update`` is always the links in turn.
+    Otherwise, when a link can write its new state into the old one's tensors (its ``owned``, as
+    Shampoo's), the in-place step is the links in turn with each such link doing so, then an add.
     Extra keyword arguments to ``update`` (Optax's extra args, e.g. ``value=``) go to the links
     that take them; the others never see them.
     """
@@ -33,7 +35,7 @@ def chain(*transformations: GradientTransformation) -> GradientTransformation:
     def init(params):
         return tuple(tx.init(params) for tx in transformations)
 
-    def update(updates, state, params=None, **extra_args):
+    def run(updates, state, params, extra_args, own):
         if len(state) != len(transformations):
             raise ValueError(f"chain of {len(transformations)} got a state of {len(state)} parts")
         if params is not None:
@@ -41,14 +43,23 @@ def chain(*transformations: GradientTransformation) -> GradientTransformation:
         new_state = []
         for tx, step, s in zip(transformations, steps, state):
             if step is not None:  # None: a scale folded into the link before it (its state is empty)
+                if own and step is tx.update and tx.owned is not None:
+                    step = tx.owned  # the chain's state is given up, so each link's is
                 updates, s = update_with(tx._replace(update=step), updates, s, params, extra_args)
             new_state.append(s)
         return updates, tuple(new_state)
 
+    def update(updates, state, params=None, **extra_args):
+        return run(updates, state, params, extra_args, own=False)
+
+    def owned(updates, state, params=None, **extra_args):
+        return run(updates, state, params, extra_args, own=True)
+
+    owned = owned if any(tx.owned is not None for tx in transformations) else None
     # traced (an inject_hyperparams update building its chain under torch.compile or torch.func):
     # no in-place kernel is wanted, and matching one would read the traced hyperparameters
-    inplace = None if traced() or not fusing() else fuse(transformations)
-    return GradientTransformation(init, update, inplace, Spec("chain", {}, links=transformations))
+    inplace = None if traced() or not fusing() else fuse(transformations, owned)
+    return GradientTransformation(init, update, inplace, Spec("chain", {}, links=transformations), owned=owned)
 
 
 def _folded(links) -> list:

@@ -106,17 +106,18 @@ def _preconditioned(layout: BlockLayout, g: torch.Tensor, roots: tuple) -> torch
     return _joined(layout, out).to(g.dtype)
 
 
-def _gathered(layout: BlockLayout, g: torch.Tensor, stats: tuple, b2: float) -> tuple:
+def _gathered(layout: BlockLayout, g: torch.Tensor, stats: tuple, b2: float, own: bool) -> tuple:
     w2 = 1.0 if b2 == 1.0 else 1 - b2
     blocks = _blocks(layout, g.to(stats[0].dtype))
     axes = [(block, a) for block in blocks for a, keep in enumerate(layout.axes) if keep]
-    return tuple(kronecker.factor_updated(s, block, a, b2, w2) for s, (block, a) in zip(stats, axes))
+    return tuple(kronecker.factor_updated(s, block, a, b2, w2, into=own) for s, (block, a) in zip(stats, axes))
 
 
-def _scaled(x: torch.Tensor, scale: torch.Tensor, d: Any) -> torch.Tensor:
-    """``x`` times its graft scale: one for the tensor, or one per head's block."""
+def _scaled(x: torch.Tensor, scale: torch.Tensor, d: Any, own: bool) -> torch.Tensor:
+    """``x`` times its graft scale: one for the tensor, or one per head's block. ``x`` is a
+    fresh direction of this step: written in place in an owned step (no autograd there)."""
     if heads_of(d) == 1:
-        return x * scale
+        return x.mul_(scale) if own else x * scale
     return join_heads(split_heads(x, d) * scale, d)
 
 
@@ -126,19 +127,42 @@ def _plus(t: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
     return t + other if traced() else t.add_(other)
 
 
-def _grafts(kind: str, gs: list[torch.Tensor], seconds: list[torch.Tensor], b2: float, eps: float) -> tuple:
+def _times(t: torch.Tensor, c: float, own: bool) -> torch.Tensor:
+    """``t * c``: into ``t`` when the step owns it (a state given up: the same bits, no fresh memory)."""
+    return t.mul_(c) if own else t * c
+
+
+def _plus_squares(t: torch.Tensor, g: torch.Tensor, c: float, into: bool) -> torch.Tensor:
+    """``t + c g^2`` (one ``addcmul``), into ``t`` when ``into``."""
+    return t.addcmul_(g, g, value=c) if into else torch.addcmul(t, g, g, value=c)
+
+
+def _over_root(g: torch.Tensor, s: torch.Tensor, eps: float) -> torch.Tensor:
+    """``g / (sqrt(s) + eps)``, the root, the sum and the quotient in one temporary when eager
+    without autograd (the same numbers, one fresh tensor instead of three)."""
+    if traced() or torch.is_grad_enabled():
+        return g / (s.sqrt() + eps)
+    den = s.sqrt().add_(eps)
+    return torch.div(g, den, out=den)
+
+
+def _grafts(kind: str, gs: list[torch.Tensor], seconds: list[torch.Tensor], b2: float, eps: float,
+            own: bool) -> tuple:
     """The graft's second moments after ``gs``, and its directions: every leaf at once, small
     leaves packed once (`foreach_map`: a few kernels for hundreds of small matrices, the same
-    elementwise operations as one leaf at a time)."""
+    elementwise operations as one leaf at a time). ``own``: the moments written into their
+    old tensors."""
     if kind not in ("adagrad", "rmsprop"):
         return seconds, [g.sign() for g in gs] if kind == "sqrtn" else list(gs)
 
     def second(g, s):
-        return _plus(g * g, s) if kind == "adagrad" else _plus(s * b2, (1 - b2) * (g * g))
+        if kind == "adagrad":
+            return _plus_squares(s, g, 1.0, into=own)
+        return _plus_squares(_times(s, b2, own), g, 1 - b2, into=not traced())  # s * b2 is fresh when not own
 
     def both(gs, seconds):
         seconds = [second(g, s) for g, s in zip(gs, seconds)]
-        return seconds, [g / (s.sqrt() + eps) for g, s in zip(gs, seconds)]
+        return seconds, [_over_root(g, s, eps) for g, s in zip(gs, seconds)]
     return foreach_map(both, gs, seconds, outputs=2)
 
 
@@ -255,6 +279,13 @@ def scale_by_shampoo(b1: float = 0.9, b2: float = 0.999, *, moving_average_for_m
             treedef.unflatten([eyes(p, 1.0, lay) for p, lay in zip(leaves, lays)]))
 
     def update(updates, state, params=None):
+        return step(updates, state, params, own=False)
+
+    def owned(updates, state, params=None):
+        return step(updates, state, params, own=not traced())
+
+    def step(updates, state, params, own):
+        """``update``; ``own``: the new state written into ``state``'s tensors (`GradientTransformation.owned`)."""
         leaves, treedef = optree.tree_flatten(updates)
         lays = layouts(updates, leaves)
         # by default asked of each whole tensor's shape (a flat piece of a matrix is 1-D); by name, per leaf
@@ -268,19 +299,19 @@ def scale_by_shampoo(b1: float = 0.9, b2: float = 0.999, *, moving_average_for_m
         when = _when(t)
         cols = [treedef.flatten_up_to(x) for x in (state.graft_statistics, state.statistics, state.preconditioners)]
         ps = treedef.flatten_up_to(params) if weight_decay else [None] * len(leaves)
-        seconds, graft_dirs = _grafts(graft_type, leaves, cols[0], b2, diagonal_eps)
-        firsts = [_directions(g, graft_dir, stats, roots, when, lay) for g, graft_dir, stats, roots, lay in zip(
+        seconds, graft_dirs = _grafts(graft_type, leaves, cols[0], b2, diagonal_eps, own)
+        firsts = [_directions(g, graft_dir, stats, roots, when, lay, own) for g, graft_dir, stats, roots, lay in zip(
             leaves, graft_dirs, *cols[1:], lays)]
         shampoo_dirs = [f[0] for f in firsts]
         if graft_type != "none":
             dims = _dims(updates, leaves)
             scales = graft_scales(graft_dirs, shampoo_dirs, dims)
-            shampoo_dirs = [_scaled(x, sc, d) for x, sc, d in zip(shampoo_dirs, scales, dims)]
+            shampoo_dirs = [_scaled(x, sc, d, own) for x, sc, d in zip(shampoo_dirs, scales, dims)]
         if weight_decay:
             shampoo_dirs = [d + weight_decay * p for d, p in zip(shampoo_dirs, ps)]
             graft_dirs = [d + weight_decay * p for d, p in zip(graft_dirs, ps)]
         # the element-wise rest for every leaf at once, small leaves packed once (as the graft's)
-        out, moms, graft_moms = foreach_map(lambda *lists: _momenta(*lists, when[2]), treedef.flatten_up_to(
+        out, moms, graft_moms = foreach_map(lambda *lists: _momenta(*lists, when[2], own), treedef.flatten_up_to(
             state.momentum), treedef.flatten_up_to(state.graft_momentum), shampoo_dirs, graft_dirs, outputs=3)
         return treedef.unflatten(out), ShampooState(
             count_inc(state.count), treedef.unflatten(moms), treedef.unflatten(seconds),
@@ -299,25 +330,27 @@ def scale_by_shampoo(b1: float = 0.9, b2: float = 0.999, *, moving_average_for_m
         return (torch.remainder(t, statistics_compute_steps) == 0,
                 torch.remainder(t, preconditioning_compute_steps) == 0, t >= start_preconditioning_step)
 
-    def _directions(g, graft_dir, stats, roots, when, lay):
+    def _directions(g, graft_dir, stats, roots, when, lay, own):
         """The (ungrafted) preconditioned direction and the factors' new state."""
         gather, compute, _ = when
         if not lay.preconditioned:
             return graft_dir.clone(), stats, roots
         if gather is not False:
-            stats = kronecker.pick(gather, _gathered(lay, g, stats, b2), stats)
+            stats = kronecker.pick(gather, _gathered(lay, g, stats, b2, own), stats)
         if compute is not False:
             roots = kronecker.pick(compute, tuple(kronecker.inverse_root(s, lay.exponent) for s in stats), roots)
         return _preconditioned(lay, g, roots), stats, roots
 
-    def _momenta(ms, gms, shampoo_dirs, graft_dirs, preconditioning):
+    def _momenta(ms, gms, shampoo_dirs, graft_dirs, preconditioning, own):
         """The updates, the momentum and the graft's momentum, leaf by leaf (packed)."""
-        moms = [_momentum(m, d) for m, d in zip(ms, shampoo_dirs)]
-        graft_moms = [_plus(gm * b1, d if w == 1.0 else d * w) for gm, d in zip(gms, graft_dirs)]
+        moms = [_momentum(m, d, own) for m, d in zip(ms, shampoo_dirs)]
+        graft_moms = [_plus(_times(gm, b1, own), d if w == 1.0 else d * w) for gm, d in zip(gms, graft_dirs)]
         return [_step(*x, preconditioning) for x in zip(moms, graft_moms, shampoo_dirs, graft_dirs)], moms, graft_moms
 
-    def _momentum(m, d):
-        return torch.lerp(m, d, w) if moving_average_for_momentum else _plus(m * b1, d)
+    def _momentum(m, d, own):
+        if moving_average_for_momentum:
+            return m.lerp_(d, w) if own else torch.lerp(m, d, w)
+        return _plus(_times(m, b1, own), d)
 
     def _step(mom, graft_mom, shampoo_dir, graft_dir, preconditioning):
         update = kronecker.pick(preconditioning, mom, graft_mom)
@@ -337,7 +370,7 @@ def scale_by_shampoo(b1: float = 0.9, b2: float = 0.999, *, moving_average_for_m
         "shape_interpretation": shape_interpretation, "graft_type": graft_type,
         "preconditioner_type": preconditioner_type, "nesterov": nesterov, "diagonal_eps": diagonal_eps,
         "matrix_eps": matrix_eps, "weight_dimension_numbers": weight_dimension_numbers})
-    return GradientTransformation(init, update, spec=spec)
+    return GradientTransformation(init, update, spec=spec, owned=owned)
 
 
 @alias

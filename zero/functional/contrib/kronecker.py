@@ -44,11 +44,15 @@ def factor_of(g: torch.Tensor, axis: int) -> torch.Tensor:
     return unfolded @ unfolded.T
 
 
-def factor_updated(f: torch.Tensor, g: torch.Tensor, axis: int, decay: float, weight: float) -> torch.Tensor:
+def factor_updated(f: torch.Tensor, g: torch.Tensor, axis: int, decay: float, weight: float,
+                   into: bool = False) -> torch.Tensor:
     """``decay * f + weight * G_(axis) G_(axis)^T``: a factor's statistic after ``g``, in one
     ``addmm`` (the product and both scalings in one BLAS call, where `factor_of` and the sum take
-    three kernels and two temporaries: Shampoo's step over many small matrices is mostly those)."""
+    three kernels and two temporaries: Shampoo's step over many small matrices is mostly those).
+    ``into``: written into ``f`` (the same bits; a state the caller gave up, see ``owned``)."""
     unfolded = _unfolded(g, axis)
+    if into:
+        return f.addmm_(unfolded, unfolded.T, beta=decay, alpha=weight)
     return torch.addmm(f, unfolded, unfolded.T, beta=decay, alpha=weight)
 
 

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from zero.functional.base import GradientTransformation, Spec, step_in_place, without_grad
+from zero.functional.base import GradientTransformation, Spec, add_updates, step_in_place, without_grad
 from zero.functional.kernels.fused import match
 from zero.functional.kernels.knobs import matching, now
 from zero.functional.kernels.steps import Lists, laid_out_alike
@@ -81,9 +81,18 @@ def described(inplace: Any, describe: Any) -> Any:
     return inplace
 
 
-def fuse(links: Sequence[GradientTransformation]) -> Any:
-    """The in-place step of a chain of ``links``, or ``None`` if it has none (see the module)."""
+def fuse(links: Sequence[GradientTransformation], owned: Any = None) -> Any:
+    """The in-place step of a chain of ``links``, or ``None`` if it has none (see the module).
+    ``owned``: the chain's update that writes its links' new states into their old tensors (see
+    `GradientTransformation`), the step when no kernel or in-place link takes the chain."""
     flat = _flat_links(links, ())
+    step = _kernel_or_link_step(flat)
+    if step is None and owned is not None:
+        return _owned_step(owned, [tx for _, tx in flat])
+    return step
+
+
+def _kernel_or_link_step(flat: list[tuple[tuple[int, ...], Any]]) -> Any:
     specs = [(i, tx.spec) for i, (_, tx) in enumerate(flat) if tx.spec is None or tx.spec.name != "identity"]
     if any(spec is None for _, spec in specs):
         return None
@@ -163,6 +172,22 @@ def _link_step(path: tuple[int, ...], tx: GradientTransformation, clip: float | 
         if clip is None:
             return inner
         return inner.after("clip_by_global_norm: one global norm, the grads clipped in place")
+
+    return described(inplace, describe)
+
+
+def _owned_step(owned: Any, links: list[GradientTransformation]) -> Any:
+    """A chain's links in turn, those that can write their new state into the old one's tensors
+    doing so (the optimizer owns the state and drops the old one), then the updates added."""
+    @without_grad
+    def inplace(params: Any, grads: Any, state: tuple) -> tuple:
+        updates, new = owned(grads, state, params)
+        add_updates(params, updates)
+        return new
+
+    def describe(params: Any) -> Path:
+        names = ", ".join(tx.spec.name if tx.spec is not None else _name(tx) for tx in links if tx.owned is not None)
+        return Path(None, 0, f"{_why_chain(links)}; {names} writes its new state into the old one's tensors")
 
     return described(inplace, describe)
 
