@@ -212,10 +212,12 @@ def test_only_constant_nonzero_scales_fold():
     from zero.functional.combine import _folded
 
     adam = F.scale_by_adam()
-    assert _folded([adam, F.scale(-0.1)])[1] is None
-    assert _folded([adam, F.scale_by_learning_rate(0.1)])[1] is None
+    steps, factors = _folded([adam, F.scale(-0.1)])
+    assert steps[1] is None and steps[0] is not adam.update and factors == [-0.1, 1.0]
+    assert _folded([adam, F.scale_by_learning_rate(0.1)])[0][1] is None
     for unfoldable in (F.scale(0.0), F.scale_by_learning_rate(lambda c: 0.1), F.scale(torch.tensor(0.5))):
-        assert _folded([adam, unfoldable])[1] is unfoldable.update
+        steps, factors = _folded([adam, unfoldable])
+        assert steps == [adam.update, unfoldable.update] and factors == [1.0, 1.0]
     zeros, _ = F.chain(adam, F.scale(0.0)).update([torch.ones(2)], F.chain(adam, F.scale(0.0)).init([torch.ones(2)]))
     assert torch.equal(zeros[0], torch.zeros(2))
 

@@ -31,6 +31,10 @@ CASES = {
     "clip + shampoo": lambda: F.chain(F.clip_by_global_norm(0.5), shampoo(graft_type="rmsprop")),
     "apply_if_finite(shampoo), a NaN step skipped": lambda: F.apply_if_finite(shampoo(graft_type="rmsprop"), 2),
     "MultiSteps(shampoo, 2)": lambda: F.MultiSteps(shampoo(graft_type="sqrtn"), 2).gradient_transformation(),
+    "soap, its learning rate folded, decay after the update": lambda: F.contrib.soap(
+        0.05, weight_decay=0.01, precondition_frequency=3),
+    "soap, per-head blocks": lambda: F.contrib.soap(0.05, precondition_frequency=3, weight_dimension_numbers=lambda t: {
+        n: Dims(1, 0, heads=2) if n == "0.weight" else Dims(1, 0) if n.endswith("weight") else None for n in t}),
 }
 
 
@@ -121,3 +125,23 @@ def test_a_combinator_built_by_hand_keeps_the_state_it_passed():
     first = state_tensors(kept[0])
     assert all(not t.any() or torch.equal(t, torch.eye(t.shape[0]) * t[0, 0]) for t in first), \
         "the first state (zeros and scaled identities) was written"
+
+
+def test_soaps_owned_step_writes_its_first_moments_into_their_tensors():
+    """SOAP's matrices above the batching size step alone: their first moment is the old tensor,
+    written (the first step only gathers the factors)."""
+    tx = F.contrib.soap(0.05, weight_decay=0.01, precondition_frequency=3)
+    gen = torch.Generator().manual_seed(1)
+    params = {"w": torch.randn(130, 140, generator=gen), "b": torch.randn(130, generator=gen)}
+    state = tx.init(params)
+    for step in range(3):
+        grads = {n: torch.randn(p.shape, generator=gen) for n, p in params.items()}
+        want, _ = tx.update(grads, state, params)
+        before = {n: m.clone() for n, m in state[0].exp_avg.items()}
+        moved = {n: p.clone() for n, p in params.items()}
+        new = tx.inplace(params, grads, state)
+        for n in params:
+            assert new[0].exp_avg[n] is state[0].exp_avg[n]
+            assert step == 0 or not torch.equal(new[0].exp_avg[n], before[n])
+            assert torch.equal(params[n], moved[n] + want[n])
+        state = new

@@ -19,7 +19,8 @@ from zero.functional.foreach import traced
 from zero.functional.scalars import counter, value_of
 
 __all__ = ["GradientTransformation", "Spec", "EmptyState", "identity", "stateless_tx", "set_to_zero", "stateless",
-           "stateless_with_tree_map", "inplace_step", "step_in_place", "add_updates", "tree_map", "takes_extra_args",
+           "stateless_with_tree_map", "unscaled", "inplace_step", "step_in_place", "add_updates", "tree_map",
+           "takes_extra_args",
            "update_with", "with_extra_args_support", "as_dtype", "step_count", "select",
            "flatten_like", "check_structure", "tree_leaves", "zeros_like", "full_like", "count_zero", "count_inc",
            "NO_PARAMS_MSG", "check_positive", "check_unit", "check_non_negative", "Schedule", "ScalarOrSchedule"]
@@ -66,11 +67,12 @@ class GradientTransformation(_Fields):
     transformation (see `Spec`); ``None`` for one built by hand. ``scaled``, when set, maps a
     nonzero number ``c`` to an ``update`` whose updates come out multiplied by ``c``: `chain`
     runs a link followed by ``scale(c)`` (or a constant learning rate) as that one update, which
-    saves a pass over the updates. ``owned``, when set, is ``update`` for a caller that gives up
-    the state it passes: it may write the new state into the old one's tensors (the same numbers,
-    bit for bit, without fresh memory for each). `chain` runs it inside its in-place step, which
-    an optimizer takes only with the state it owns; a combinator that keeps an inner state it
-    passed on (to restore after a skipped step ...) never calls its inner's ``owned``.
+    saves a pass over the updates. ``owned``, when set, maps ``c`` to ``scaled(c)``'s update
+    (``c = 1``: ``update``'s; see `unscaled`) for a caller that gives up the state it passes: it
+    may write the new state into the old one's tensors (the same numbers, bit for bit, without
+    fresh memory for each). `chain` runs it inside its in-place step, which an optimizer takes
+    only with the state it owns; a combinator that keeps an inner state it passed on (to restore
+    after a skipped step ...) never calls its inner's ``owned``.
 
     ``inplace``, ``spec``, ``scaled`` and ``owned`` describe ``init`` and ``update``, so ``_replace`` of
     either of those drops them unless it sets them too: ``sgd(0.1)._replace(update=f)`` steps
@@ -84,6 +86,16 @@ class GradientTransformation(_Fields):
             for derived in ("inplace", "spec", "scaled", "owned"):
                 changes.setdefault(derived, None)
         return super()._replace(**changes)
+
+
+def unscaled(update: Callable[..., tuple[Any, Any]]) -> Callable[[float], Callable[..., tuple[Any, Any]]]:
+    """The ``owned`` of a transformation without ``scaled``: `chain` folds no scale into it, so
+    it is only ever asked for ``c = 1``."""
+    def owned(factor: float = 1.0) -> Callable[..., tuple[Any, Any]]:
+        if factor != 1.0:
+            raise ValueError(f"this transformation has no scaled update, so it cannot fold a scale of {factor}")
+        return update
+    return owned
 
 
 def takes_extra_args(tx: GradientTransformation) -> bool:

@@ -6,6 +6,7 @@ from zero.functional.base import (
     GradientTransformation,
     Spec,
     check_structure,
+    unscaled,
     update_with,
 )
 from zero.functional.foreach import traced
@@ -30,7 +31,7 @@ def chain(*transformations: GradientTransformation) -> GradientTransformation:
         if not (hasattr(tx, "init") and hasattr(tx, "update")):
             raise TypeError(f"chain argument {i} is a {type(tx).__name__}, not a GradientTransformation")
 
-    steps = _folded(transformations)
+    steps, factors = _folded(transformations)
 
     def init(params):
         return tuple(tx.init(params) for tx in transformations)
@@ -41,10 +42,10 @@ def chain(*transformations: GradientTransformation) -> GradientTransformation:
         if params is not None:
             check_structure(updates, params)
         new_state = []
-        for tx, step, s in zip(transformations, steps, state):
+        for tx, step, factor, s in zip(transformations, steps, factors, state):
             if step is not None:  # None: a scale folded into the link before it (its state is empty)
-                if own and step is tx.update and tx.owned is not None:
-                    step = tx.owned  # the chain's state is given up, so each link's is
+                if own and tx.owned is not None:
+                    step = tx.owned(factor)  # the chain's state is given up, so each link's is
                 updates, s = update_with(tx._replace(update=step), updates, s, params, extra_args)
             new_state.append(s)
         return updates, tuple(new_state)
@@ -52,27 +53,28 @@ def chain(*transformations: GradientTransformation) -> GradientTransformation:
     def update(updates, state, params=None, **extra_args):
         return run(updates, state, params, extra_args, own=False)
 
-    def owned(updates, state, params=None, **extra_args):
+    def given_up(updates, state, params=None, **extra_args):
         return run(updates, state, params, extra_args, own=True)
 
-    owned = owned if any(tx.owned is not None for tx in transformations) else None
+    owned = unscaled(given_up) if any(tx.owned is not None for tx in transformations) else None
     # traced (an inject_hyperparams update building its chain under torch.compile or torch.func):
     # no in-place kernel is wanted, and matching one would read the traced hyperparameters
-    inplace = None if traced() or not fusing() else fuse(transformations, owned)
+    inplace = None if traced() or not fusing() else fuse(transformations, owned and given_up)
     return GradientTransformation(init, update, inplace, Spec("chain", {}, links=transformations), owned=owned)
 
 
-def _folded(links) -> list:
+def _folded(links) -> tuple[list, list[float]]:
     """Each link's update, with a constant scale folded into the link before it when that link
-    can scale its own output (its ``scaled``); the folded scale's entry is ``None``."""
-    steps, i = [tx.update for tx in links], 0
+    can scale its own output (its ``scaled``); the folded scale's entry is ``None``. And per
+    link the factor folded into it (1.0: none), which its ``owned`` takes."""
+    steps, factors, i = [tx.update for tx in links], [1.0] * len(links), 0
     while i < len(links) - 1:
         factor = _constant_scale(links[i + 1])
         if links[i].scaled is not None and factor:
-            steps[i], steps[i + 1] = links[i].scaled(factor), None
+            steps[i], steps[i + 1], factors[i] = links[i].scaled(factor), None, factor
             i += 1  # the scale is taken: it cannot scale a link of its own
         i += 1
-    return steps
+    return steps, factors
 
 
 def _constant_scale(tx: GradientTransformation) -> float | None:

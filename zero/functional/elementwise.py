@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from zero.functional.foreach import as_scalar_for, ops
+from zero.functional.foreach import as_scalar_for, ops, traced
 
 __all__ = ["abs_sq", "debias", "inv_root", "max_real", "moment", "moments", "nonzero", "plus_scaled", "same_dtypes",
            "sqrt", "times", "times_inv_root"]
@@ -61,10 +61,14 @@ def moments(gs, ms, decay, order):
     return out
 
 
-def plus_scaled(xs, ys, alpha):
+def plus_scaled(xs, ys, alpha, own=False):
     """``x + alpha y`` over lists, fresh: one pass when ``alpha`` is a number and each pair shares
-    a dtype, else the formula tensor by tensor (Optax's promotion)."""
+    a dtype, else the formula tensor by tensor (Optax's promotion). ``own``: ``xs`` are the rule's
+    temporaries, written in place when eager (under a transform ``ys`` may carry batch axes they lack)."""
     if isinstance(alpha, (int, float)) and same_dtypes(xs, ys):
+        if own and not traced():
+            ops.add_(xs, ys, alpha=alpha)
+            return xs
         return ops.add(xs, ys, alpha=alpha)
     return [x + alpha * y for x, y in zip(xs, ys)]
 

@@ -30,6 +30,7 @@ from zero.functional.base import (
     count_inc,
     count_zero,
     step_count,
+    unscaled,
 )
 from zero.functional.combine import chain
 from zero.functional.contrib import kronecker
@@ -281,7 +282,7 @@ def scale_by_shampoo(b1: float = 0.9, b2: float = 0.999, *, moving_average_for_m
     def update(updates, state, params=None):
         return step(updates, state, params, own=False)
 
-    def owned(updates, state, params=None):
+    def given_up(updates, state, params=None):
         return step(updates, state, params, own=not traced())
 
     def step(updates, state, params, own):
@@ -370,7 +371,7 @@ def scale_by_shampoo(b1: float = 0.9, b2: float = 0.999, *, moving_average_for_m
         "shape_interpretation": shape_interpretation, "graft_type": graft_type,
         "preconditioner_type": preconditioner_type, "nesterov": nesterov, "diagonal_eps": diagonal_eps,
         "matrix_eps": matrix_eps, "weight_dimension_numbers": weight_dimension_numbers})
-    return GradientTransformation(init, update, spec=spec, owned=owned)
+    return GradientTransformation(init, update, spec=spec, owned=unscaled(given_up))
 
 
 @alias

@@ -111,10 +111,15 @@ def _squared(fresh: torch.Tensor) -> torch.Tensor:
     return fresh.square() if traced() or torch.is_grad_enabled() else fresh.square_()
 
 
-def _adam_in_basis(g, mu, nu, q, b1, b2, eps, scale):
+def _first_moment(mu: torch.Tensor, g: torch.Tensor, b1: float, own: bool) -> torch.Tensor:
+    """Adam's first moment after ``g``; written into ``mu`` when the step owns it (the same bits)."""
+    return mu.lerp_(g, 1 - b1) if own else torch.lerp(mu, g, 1 - b1)
+
+
+def _adam_in_basis(g, mu, nu, q, b1, b2, eps, scale, own):
     """Adam's moments (the first in the params' coordinates, the second in the basis) and its
     direction rotated back, times ``scale`` (the bias corrections)."""
-    mu = torch.lerp(mu, g, 1 - b1)
+    mu = _first_moment(mu, g, b1, own)
     if traced() or torch.is_grad_enabled() or not any(b.numel() for b in q):
         nu = torch.lerp(nu, kronecker.rotate(g, q).square(), 1 - b2)
         direction = kronecker.rotate(kronecker.rotate(mu, q) / (nu.sqrt() + eps), q, back=True)
@@ -216,7 +221,15 @@ def scale_by_soap(b1: float = 0.95, b2: float = 0.95, shampoo_beta: float = -1, 
         zeros = lambda p, k, d: torch.zeros_like(p)  # noqa: E731
         return SoapState(count_zero(), like(zeros), like(zeros), like(factors), like(factors))
 
-    def update(updates, state, params=None):
+    def scaled(factor: float = 1.0, own: bool = False):
+        """The update, its directions times ``factor`` (a learning rate folded in by `chain`:
+        one scalar for the bias corrections and the rate, no pass of its own); ``own``: the first
+        moments written into their old tensors (`GradientTransformation.owned`)."""
+        def update(updates, state, params=None):
+            return step(updates, state, factor, own and not traced())
+        return update
+
+    def step(updates, state, factor, own):
         leaves, treedef = optree.tree_flatten(updates)
         # by default asked of each whole tensor's shape (a flat piece of a matrix is 1-D); by name, per leaf
         needs = (lambda shape: any(soap_axes(tuple(shape), max_precond_dim, precondition_1d))) \
@@ -226,34 +239,34 @@ def scale_by_soap(b1: float = 0.95, b2: float = 0.95, shampoo_beta: float = -1, 
         first, refresh = (c == 0, c > 0 and c % precondition_frequency == 0) if not traced() else (
             c == 0, (c > 0) & (torch.remainder(c, precondition_frequency) == 0))
         t = c if not traced() else torch.clamp(c, min=1)  # the discarded first-step branch stays finite
-        scale = 0.0 if first is True else (1 - b2**t) ** 0.5 / (1 - b1**t)
+        scale = 0.0 if first is True else (1 - b2**t) ** 0.5 / (1 - b1**t) * factor
         dims = named(updates, leaves)
         sharding.reads_heads(leaves, list(map(first_axis_heads, leaves, dims)))  # for a plan's costs
         states = [treedef.flatten_up_to(x) for x in (state.exp_avg, state.exp_avg_sq, state.gg, state.q)]
         out: list = [None] * len(leaves)
         for idx in () if traced() else _matrices(leaves, states[2], dims):  # eager: each shape's matrices at once
             for i, got in zip(idx, _batched(*([col[i] for i in idx] for col in (leaves, *states)), first, refresh,
-                                            scale)):
+                                            scale, own)):
                 out[i] = got
-        out = [got if got is not None else _heads(g, *st, d, first, refresh, scale)
+        out = [got if got is not None else _heads(g, *st, d, first, refresh, scale, own)
                for got, g, *st, d in zip(out, leaves, *states, dims)]
         if not out:  # no tensors here (a rank that steps none of this group's params)
             return updates, state._replace(count=count_inc(state.count))
         u, mu, nu, gg, q = (treedef.unflatten(list(col)) for col in zip(*out))
         return u, SoapState(count_inc(state.count), mu, nu, gg, q)
 
-    def _heads(g, mu, nu, gg, q, d, first, refresh, scale):
+    def _heads(g, mu, nu, gg, q, d, first, refresh, scale, own):
         """`_leaf`, or with heads `_leaf` on each head's block and its own factors."""
         if heads_of(d) == 1:
-            return _leaf(g, mu, nu, gg, q, first, refresh, scale)
+            return _leaf(g, mu, nu, gg, q, first, refresh, scale, own)
         per = [_leaf(gh, mh, nh, tuple(f[i] if f.numel() else f for f in gg),
-                     tuple(b[i] if b.numel() else b for b in q), first, refresh, scale)
+                     tuple(b[i] if b.numel() else b for b in q), first, refresh, scale, own)
                for i, (gh, mh, nh) in enumerate(zip(*(split_heads(x, d) for x in (g, mu, nu))))]
         u, mu, nu, gg, q = zip(*per)
         stacked = lambda fs: tuple(torch.stack(col) if col[0].numel() else col[0] for col in zip(*fs))  # noqa: E731
         return (*(join_heads(torch.stack(x), d) for x in (u, mu, nu)), stacked(gg), stacked(q))
 
-    def _batched(gs, mus, nus, ggs, qs, first, refresh, scale) -> list[tuple]:
+    def _batched(gs, mus, nus, ggs, qs, first, refresh, scale, own) -> list[tuple]:
         """`_leaf` on matrices of one shape with both factors, as one batch ``(B, m, n)``: the same
         maths (``Q_L^T G Q_R`` is what `kronecker.rotate` computes), one kernel call per product
         for all of them. Every such matrix steps here, alone or not, so that a matrix's numbers do
@@ -266,7 +279,7 @@ def scale_by_soap(b1: float = 0.95, b2: float = 0.95, shampoo_beta: float = -1, 
             u, ql, qr = torch.zeros_like(g), kronecker.eigenbasis(left), kronecker.eigenbasis(right)
         else:
             ql, qr = _stacked([b[0] for b in qs]), _stacked([b[1] for b in qs])
-            mu = torch.lerp(mu, g, 1 - b1)
+            mu = _first_moment(mu, g, b1, own)
             nu = _lerp(nu, _squared(ql.mT @ g @ qr), 1 - b2)
             u = (ql @ ((ql.mT @ mu @ qr) / (nu.sqrt() + eps)) @ qr.mT) * scale
             if refresh:
@@ -278,11 +291,11 @@ def scale_by_soap(b1: float = 0.95, b2: float = 0.95, shampoo_beta: float = -1, 
         u, mu, nu, left, right, ql, qr = (t.unbind() for t in (u, mu, nu, left, right, ql, qr))
         return [(u[k], mu[k], nu[k], (left[k], right[k]), (ql[k], qr[k])) for k in range(len(gs))]
 
-    def _leaf(g, mu, nu, gg, q, first, refresh, scale):
+    def _leaf(g, mu, nu, gg, q, first, refresh, scale, own):
         gg = _gathered(g, gg, beta)
         if isinstance(first, bool) and first:
             return torch.zeros_like(g), mu, nu, gg, tuple(kronecker.eigenbasis(f) if f.numel() else f for f in gg)
-        u, mu2, nu2 = _adam_in_basis(g, mu, nu, q, b1, b2, eps, scale)
+        u, mu2, nu2 = _adam_in_basis(g, mu, nu, q, b1, b2, eps, scale, own)
         if isinstance(refresh, bool) and not refresh:
             return u, mu2, nu2, gg, q
         q2, nu3 = _refreshed(gg, q, nu2)
@@ -297,7 +310,8 @@ def scale_by_soap(b1: float = 0.95, b2: float = 0.95, shampoo_beta: float = -1, 
                                   "precondition_frequency": precondition_frequency,
                                   "max_precond_dim": max_precond_dim, "precondition_1d": precondition_1d,
                                   "weight_dimension_numbers": weight_dimension_numbers})
-    return GradientTransformation(init, update, spec=spec)
+    return GradientTransformation(init, scaled(), spec=spec, scaled=scaled,
+                                  owned=lambda factor=1.0: scaled(factor, own=True))
 
 
 class DecayAfterUpdateState(NamedTuple):
@@ -323,7 +337,7 @@ def decay_after_update(learning_rate: ScalarOrSchedule, weight_decay: float) -> 
         elif int(state.count) == 0 or (isinstance(k, (int, float)) and k == 0):
             return updates, DecayAfterUpdateState(count)  # nothing decays (SOAP's first step gathers)
         if isinstance(k, (int, float)):  # two passes over the leaves (one foreach op each)
-            return foreach_map(lambda us, ps: plus_scaled(times(us, 1 - k, own=False), ps, -k), updates,
+            return foreach_map(lambda us, ps: plus_scaled(times(us, 1 - k, own=False), ps, -k, own=True), updates,
                                params), DecayAfterUpdateState(count)
         out = optree.tree_map(lambda u, p: u * (1 - k) - k * p, updates, params)
         return out, DecayAfterUpdateState(count)
