@@ -11,6 +11,7 @@ bases and roots refreshed every ``--every`` steps (their amortised cost in every
 not: a refresh step's time is its own row). State: tensor bytes per rank.
 Usage: python bench/kronecker_bench.py [--ranks 4] [--repeat 9] [--layers 4] [--width 256] [--every 10]
        python bench/kronecker_bench.py --matrices 200 --size 64   (one process: SOAP beside AdamW and Muon)
+       python bench/kronecker_bench.py --matrices 20 --size 256 --rules shampoo --turn 5   (five steps a turn)
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from torch import nn  # noqa: E402
 
 import zero  # noqa: E402
 import zero.functional as F  # noqa: E402
+
+RULES = ("soap", "shampoo", "adamw", "muon")  # the rules of the one-process bench (--matrices)
 
 
 def blocks(layers: int, width: int) -> nn.Module:
@@ -56,16 +59,19 @@ def with_grads(model: nn.Module, step: int = 0) -> nn.Module:
     return model
 
 
-def timed(pair: list, repeat: int, every: int, barrier) -> list[tuple[float, float]]:
+def timed(pair: list, repeat: int, every: int, barrier, turn: int = 1) -> list[tuple[float, float]]:
     """Per system of ``pair`` (step functions), the median plain step and the median refresh step
-    (ms), taking turns step by step; the first ``every`` steps warm up (the first gathers)."""
+    (ms), taking turns every ``turn`` steps (1: step by step); the first ``every`` steps warm up
+    (the first gathers)."""
     plain, refresh = [[] for _ in pair], [[] for _ in pair]
-    for k in range(1, every * repeat + 1):
+    last = every * repeat
+    for start in range(1, last + 1, turn):
         for i, step in enumerate(pair):
-            barrier()
-            t0 = time.perf_counter()
-            step()
-            (refresh if k % every == 0 else plain)[i].append(time.perf_counter() - t0)
+            for k in range(start, min(start + turn, last + 1)):
+                barrier()
+                t0 = time.perf_counter()
+                step()
+                (refresh if k % every == 0 else plain)[i].append(time.perf_counter() - t0)
     return [(statistics.median(p[every:]) * 1e3, statistics.median(r[1:] or r) * 1e3)
             for p, r in zip(plain, refresh)]
 
@@ -100,10 +106,10 @@ def one_process(name: str, layers: int, width: int, repeat: int, every: int) -> 
     return timed([ours.step, ref.step], repeat, every, lambda: None)
 
 
-def same_shape(matrices: int, size: int, repeat: int, every: int) -> dict[str, tuple]:
+def same_shape(matrices: int, size: int, repeat: int, every: int, rules: list[str], turn: int) -> dict[str, tuple]:
     """One process, ``matrices`` matrices of ``size`` x ``size`` (one thread): zero's SOAP and Shampoo
-    against pytorch_optimizer's, with zero's AdamW and Muon against torch's fastest beside them; per rule the
-    two (plain, refresh) medians."""
+    against pytorch_optimizer's, with zero's AdamW and Muon against torch's fastest beside them (those of
+    ``rules``); per rule the two (plain, refresh) medians."""
     from pytorch_optimizer import SOAP, ScalableShampoo
     from pytorch_optimizer.optimizer.utils.graft import LayerWiseGrafting
 
@@ -116,15 +122,18 @@ def same_shape(matrices: int, size: int, repeat: int, every: int) -> dict[str, t
             p.grad = torch.randn(p.shape, generator=gen)
         return ps
 
-    pairs = {"soap": (F.Optimizer(params(), F.contrib.soap(3e-3, weight_decay=0.01, precondition_frequency=every)),
-                      SOAP(params(), lr=3e-3, betas=(0.95, 0.95), weight_decay=0.01, precondition_frequency=every)),
-             "shampoo": (F.Optimizer(params(), rule("shampoo", every)),
-                         ScalableShampoo(params(), lr=1e-3, graft_type=LayerWiseGrafting.RMSPROP,
-                                         start_preconditioning_step=1, preconditioning_compute_steps=every,
-                                         block_size=512, use_svd=True)),
-             "adamw": (F.Optimizer(params(), F.adamw(1e-3)), torch.optim.AdamW(params(), lr=1e-3, fused=True)),
-             "muon": (F.Optimizer(params(), F.contrib.muon(1e-3)), torch.optim.Muon(params(), lr=1e-3))}
-    return {name: timed([a.step, b.step], repeat, every, lambda: None) for name, (a, b) in pairs.items()}
+    pairs = {"soap": lambda: (F.Optimizer(params(), F.contrib.soap(3e-3, weight_decay=0.01,
+                                                                   precondition_frequency=every)),
+                              SOAP(params(), lr=3e-3, betas=(0.95, 0.95), weight_decay=0.01,
+                                   precondition_frequency=every)),
+             "shampoo": lambda: (F.Optimizer(params(), rule("shampoo", every)),
+                                 ScalableShampoo(params(), lr=1e-3, graft_type=LayerWiseGrafting.RMSPROP,
+                                                 start_preconditioning_step=1, preconditioning_compute_steps=every,
+                                                 block_size=512, use_svd=True)),
+             "adamw": lambda: (F.Optimizer(params(), F.adamw(1e-3)), torch.optim.AdamW(params(), lr=1e-3, fused=True)),
+             "muon": lambda: (F.Optimizer(params(), F.contrib.muon(1e-3)), torch.optim.Muon(params(), lr=1e-3))}
+    return {name: timed([a.step, b.step], repeat, every, lambda: None, turn)
+            for name, (a, b) in ((name, pairs[name]()) for name in rules)}
 
 
 def main() -> int:
@@ -136,12 +145,15 @@ def main() -> int:
     parser.add_argument("--every", type=int, default=10)
     parser.add_argument("--matrices", type=int, help="only one process on this many same-shape square matrices")
     parser.add_argument("--size", type=int, default=64, help="their side (with --matrices)")
+    parser.add_argument("--rules", nargs="+", choices=RULES, default=list(RULES), help="(with --matrices)")
+    parser.add_argument("--turn", type=int, default=1,
+                        help="steps each system takes in a row (with --matrices; 1: turns step by step)")
     args = parser.parse_args()
     if args.matrices:
         print(f"{args.matrices} matrices of {args.size} x {args.size}, one process, one thread; bases and roots every "
               f"{args.every} steps; medians (ms) of the plain steps and of {args.repeat} refresh steps")
-        for name, ((ours, ours_r), (ref, ref_r)) in same_shape(args.matrices, args.size, args.repeat,
-                                                               args.every).items():
+        for name, ((ours, ours_r), (ref, ref_r)) in same_shape(args.matrices, args.size, args.repeat, args.every,
+                                                               args.rules, args.turn).items():
             peer = {"soap": "pytorch_optimizer SOAP", "shampoo": "pytorch_optimizer ScalableShampoo",
                     "adamw": "torch AdamW(fused=True)", "muon": "torch Muon"}[name]
             print(f"  {name:7s} zero {ours:7.2f} / {ours_r:7.2f}   {peer} {ref:7.2f} / {ref_r:7.2f}   "
