@@ -13,6 +13,7 @@ fused path on 200 tensors of 2M elements in all, where its per-step Python shows
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import sys
 import time
@@ -64,12 +65,16 @@ def timeit(fn, repeat: int) -> float:
 
 def interleaved(steps: dict, repeat: int) -> dict:
     """Median seconds per step of each path, the paths taking turns step by step (as
-    bench/zero_bench.py does), so that the machine's drift hits every path alike."""
+    bench/zero_bench.py does), so that the machine's drift hits every path alike, in an order
+    shuffled each round (seeded): a step runs slower or faster by which path touched memory just
+    before it (from_torch(SGD) read 1.03x torch's fused SGD in a fixed order, 1.11x shuffled)."""
     for step in steps.values():
         step()  # warm-up: state allocation, first-touch page faults
     times = {path: [] for path in steps}
+    order, rng = list(steps.items()), random.Random(0)
     for _ in range(repeat):
-        for path, step in steps.items():
+        rng.shuffle(order)
+        for path, step in order:
             t0 = time.perf_counter()
             step()
             times[path].append(time.perf_counter() - t0)

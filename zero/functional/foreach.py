@@ -83,6 +83,12 @@ def elementwise_map(fn: Callable[..., torch.Tensor], tree: Any, *rest: Any) -> A
     return foreach_map(lambda *lists: [fn(*xs) for xs in zip(*lists)], tree, *rest)
 
 
+# read once a call of every rule's every op: two attribute lookups fewer each (the compiler knows
+# these functions by identity, so it reads them as it reads ``torch.compiler.is_compiling()``)
+_compiling = torch.compiler.is_compiling
+_interpreter = torch._C._functorch.peek_interpreter_stack
+
+
 def traced() -> bool:
     """Whether ``torch.compile`` or a ``torch.func`` transform is tracing the caller.
 
@@ -90,12 +96,12 @@ def traced() -> bool:
     the compiler, and recompile at every step) and `map_lists` to step aside from packing. Eager
     calls, plain autograd included, are not traced.
     """
-    return torch.compiler.is_compiling() or functorch_active()
+    return _compiling() or _interpreter() is not None
 
 
 def functorch_active() -> bool:
     """Whether a ``torch.func`` transform (``grad``, ``vmap``, ``jacrev`` ...) is running."""
-    return torch._C._functorch.peek_interpreter_stack() is not None
+    return _interpreter() is not None
 
 
 def as_scalar_for(scalar: Any, t: torch.Tensor) -> Any:
@@ -152,6 +158,8 @@ def _foreach_op(name: str) -> Callable[..., Any]:
     native = getattr(torch, "_foreach_" + name)
 
     def op(*args: Any, **kwargs: Any) -> Any:
+        if not _compiling() and _interpreter() is None and not _tensor_in(args, kwargs):
+            return native(*args, **kwargs)  # eager, no tensor scalar: most calls, checked first
         scalars = [a for a in args[1:] if isinstance(a, torch.Tensor)] + \
             [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
         if torch.compiler.is_compiling():
@@ -167,6 +175,14 @@ def _foreach_op(name: str) -> Callable[..., Any]:
     op.__name__ = op.__qualname__ = name
     op.__doc__ = f"``torch._foreach_{name}``, tensor by tensor where it cannot run (see `ops`)."
     return op
+
+
+def _tensor_in(args: tuple, kwargs: dict) -> bool:
+    """Whether a foreach op's scalar arguments (all but its first list) hold a tensor."""
+    for a in args[1:]:
+        if isinstance(a, torch.Tensor):
+            return True
+    return bool(kwargs) and any(isinstance(v, torch.Tensor) for v in kwargs.values())
 
 
 _OPS = ("abs", "add", "add_", "addcmul", "addcmul_", "addcdiv", "addcdiv_", "clamp_max", "clamp_min", "clamp_min_",
