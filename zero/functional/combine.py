@@ -59,7 +59,7 @@ def chain(*transformations: GradientTransformation) -> GradientTransformation:
     owned = unscaled(given_up) if any(tx.owned is not None for tx in transformations) else None
     # traced (an inject_hyperparams update building its chain under torch.compile or torch.func):
     # no in-place kernel is wanted, and matching one would read the traced hyperparameters
-    inplace = None if traced() or not fusing() else fuse(transformations, owned and given_up)
+    inplace = None if traced() or not fusing() else fuse(transformations, None if owned is None else given_up)
     return GradientTransformation(init, update, inplace, Spec("chain", {}, links=transformations), owned=owned)
 
 

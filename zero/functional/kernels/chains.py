@@ -81,14 +81,15 @@ def described(inplace: Any, describe: Any) -> Any:
     return inplace
 
 
-def fuse(links: Sequence[GradientTransformation], owned: Any = None) -> Any:
+def fuse(links: Sequence[GradientTransformation], given_up: Any = None) -> Any:
     """The in-place step of a chain of ``links``, or ``None`` if it has none (see the module).
-    ``owned``: the chain's update that writes its links' new states into their old tensors (see
-    `GradientTransformation`), the step when no kernel or in-place link takes the chain."""
+    ``given_up``: the chain's update that writes its links' new states into their old tensors
+    (its ``owned(1.0)``, see `GradientTransformation`), the step when no kernel or in-place link
+    takes the chain."""
     flat = _flat_links(links, ())
     step = _kernel_or_link_step(flat)
-    if step is None and owned is not None:
-        return _owned_step(owned, [tx for _, tx in flat])
+    if step is None and given_up is not None:
+        return _owned_step(given_up, [tx for _, tx in flat])
     return step
 
 
@@ -176,12 +177,12 @@ def _link_step(path: tuple[int, ...], tx: GradientTransformation, clip: float | 
     return described(inplace, describe)
 
 
-def _owned_step(owned: Any, links: list[GradientTransformation]) -> Any:
+def _owned_step(given_up: Any, links: list[GradientTransformation]) -> Any:
     """A chain's links in turn, those that can write their new state into the old one's tensors
     doing so (the optimizer owns the state and drops the old one), then the updates added."""
     @without_grad
     def inplace(params: Any, grads: Any, state: tuple) -> tuple:
-        updates, new = owned(grads, state, params)
+        updates, new = given_up(grads, state, params)
         add_updates(params, updates)
         return new
 
