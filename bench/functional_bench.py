@@ -67,7 +67,7 @@ def interleaved(steps: dict, repeat: int) -> dict:
     """Median seconds per step of each path, the paths taking turns step by step (as
     bench/zero_bench.py does), so that the machine's drift hits every path alike, in an order
     shuffled each round (seeded): a step runs slower or faster by which path touched memory just
-    before it (from_torch(SGD) read 1.03x torch's fused SGD in a fixed order, 1.11x shuffled)."""
+    before it (BENCHMARKS, "eighth session")."""
     for step in steps.values():
         step()  # warm-up: state allocation, first-touch page faults
     times = {path: [] for path in steps}

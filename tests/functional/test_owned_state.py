@@ -150,3 +150,29 @@ def test_soaps_owned_step_writes_its_first_moments_into_their_tensors():
             assert step == 0 or not torch.equal(new[0].exp_avg[n], before[n])
             assert torch.equal(params[n], moved[n] + want[n])
         state = new
+
+
+def test_a_state_loaded_into_another_optimizer_is_its_own_copy():
+    """torch's habit: one optimizer's ``state_dict()`` (its live tensors) loaded into a second,
+    built beforehand. The second's owned steps write into its own copy: the first optimizer's
+    state, and so the dict, stay as they were, and both continue alike from there."""
+    first, second = model(), model()
+    opts = [F.Optimizer(net.named_parameters(), shampoo(graft_type="rmsprop")) for net in (first, second)]
+    for step in range(3):
+        for n, p in first.named_parameters():
+            p.grad = grads_at(first, step, None)[n]
+        opts[0].step()
+    second.load_state_dict(first.state_dict())
+    saved = opts[0].state_dict()
+    opts[1].load_state_dict(saved)
+    kept = [t.clone() for t in state_tensors(saved["state"])]
+    for step in range(3, 6):
+        for n, p in second.named_parameters():
+            p.grad = grads_at(second, step, None)[n]
+        opts[1].step()
+    assert all(torch.equal(a, b) for a, b in zip(state_tensors(saved["state"]), kept)), "the loaded dict was written"
+    for step in range(3, 6):
+        for n, p in first.named_parameters():
+            p.grad = grads_at(first, step, None)[n]
+        opts[0].step()
+    assert all(torch.equal(a, b) for a, b in zip(first.parameters(), second.parameters()))

@@ -54,7 +54,7 @@ class _Fields(NamedTuple):
     inplace: Callable[[list, list, Any], Any] | None = None
     spec: Spec | None = None
     scaled: Callable[[float], Callable[..., tuple[Any, Any]]] | None = None
-    owned: Callable[..., tuple[Any, Any]] | None = None
+    owned: Callable[[float], Callable[..., tuple[Any, Any]]] | None = None
 
 
 class GradientTransformation(_Fields):

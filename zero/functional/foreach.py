@@ -158,18 +158,14 @@ def _foreach_op(name: str) -> Callable[..., Any]:
     native = getattr(torch, "_foreach_" + name)
 
     def op(*args: Any, **kwargs: Any) -> Any:
-        if not _compiling() and _interpreter() is None and not _tensor_in(args, kwargs):
-            return native(*args, **kwargs)  # eager, no tensor scalar: most calls, checked first
-        scalars = [a for a in args[1:] if isinstance(a, torch.Tensor)] + \
-            [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
-        if torch.compiler.is_compiling():
-            if not scalars:
+        if not _compiling():  # eager: torch's op unless a transform runs or a scalar is a tensor
+            if _interpreter() is None and not _tensor_in(args, kwargs):
                 return native(*args, **kwargs)
-            dtypes = {t.dtype for t in args[0]}
-            if name in _TENSOR_SCALAR and not kwargs and len(dtypes) == 1:
-                return native(args[0], *(as_scalar_for(a, args[0][0]) for a in args[1:]))
-        elif not scalars and not functorch_active():
+            return _per_tensor(name, args, kwargs)
+        if not _tensor_in(args, kwargs):
             return native(*args, **kwargs)
+        if name in _TENSOR_SCALAR and not kwargs and len({t.dtype for t in args[0]}) == 1:
+            return native(args[0], *(as_scalar_for(a, args[0][0]) for a in args[1:]))
         return _per_tensor(name, args, kwargs)
 
     op.__name__ = op.__qualname__ = name

@@ -129,7 +129,9 @@ def _plus(t: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
 
 
 def _times(t: torch.Tensor, c: float, own: bool) -> torch.Tensor:
-    """``t * c``: into ``t`` when the step owns it (a state given up: the same bits, no fresh memory)."""
+    """``t * c``: into ``t`` when the step owns it (a state given up: the same bits, no fresh memory),
+    else always fresh, even for ``c = 1`` (``b2`` may be 1), where `elementwise.times` returns its
+    input: its callers then write into the result."""
     return t.mul_(c) if own else t * c
 
 
