@@ -18,7 +18,7 @@ import torch
 
 from zero.functional.foreach import traced
 
-__all__ = ["scalar", "counter", "value_of", "same_number"]
+__all__ = ["scalar", "counter", "step_tensor", "value_of", "same_number"]
 
 _KEPT = "_zero_number"  # the attribute a made tensor keeps (version, number) in
 
@@ -40,6 +40,13 @@ def counter(n: int) -> torch.Tensor:
     t = (torch.scalar_tensor if quick else torch.tensor)(n, dtype=torch.int32)
     setattr(t, _KEPT, (t._version, n))
     return t
+
+
+def step_tensor(n: int, device: torch.device) -> torch.Tensor:
+    """The step tensor torch's fused kernels take, ``torch.tensor(float(n), device=device)`` (a 0-d
+    tensor of the default dtype), made as `counter` makes its own: by ``scalar_tensor`` when eager."""
+    quick = not traced() and not torch._C._len_torch_dispatch_stack()
+    return (torch.scalar_tensor if quick else torch.tensor)(float(n), device=device)
 
 
 def _kept(t: torch.Tensor) -> Any:

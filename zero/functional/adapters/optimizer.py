@@ -42,7 +42,7 @@ from zero.functional.adapters.group_settings import (
 from zero.functional.adapters.nonfinite import NonFinite
 from zero.functional.adapters.rule_states import SetStates
 from zero.functional.adapters.state_tree import as_tree
-from zero.functional.base import GradientTransformation, tree_map
+from zero.functional.base import GradientTransformation, tree_map, without_grad
 from zero.functional.kernels.chains import Path, explain
 
 __all__ = ["Optimizer", "FunctionalOptimizer"]
@@ -138,7 +138,7 @@ class Optimizer(EvalMode, OptimizerFace):
     # its Python bookkeeping breaks the graph, and dynamo then mistakes the state's 0-d
     # hyperparameter tensors for data-dependent scalars. Compile `tx.update` for a compiled step.
     @eager_under_compile
-    @torch.no_grad()
+    @without_grad
     def step(self, closure=None, **extra_args):
         """One step of every group's rule (torch's ``step(closure)``). ``extra_args`` reach rules
         that take them (Optax's ``update(..., value=loss)``: MoMo, a line search); a closure's loss

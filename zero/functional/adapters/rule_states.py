@@ -12,7 +12,9 @@ The states read as torch's per-param entries (`entries`) and load from them (`lo
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Iterator
+from itertools import repeat
 from typing import Any
 
 import optree
@@ -53,6 +55,27 @@ def _max_errors(tx: Any) -> int:
     return next((m for m in map(_max_errors, inner) if m), 0)
 
 
+_LISTS = ("params", "param_names")  # a group's lists, which no setting or hyperparameter is read from
+_FIXED = (float, int, bool, str, type(None))
+
+
+def _frozen(value: Any) -> bool:
+    """Whether ``value`` changes only by being replaced: a number, a string, a tuple of them."""
+    kind = type(value)
+    return kind in _FIXED or (kind is tuple and all(type(x) in _FIXED for x in value))
+
+
+def _hyperparam_tensors(state: Any) -> tuple:
+    """An injected state's hyperparameter tensors' identities and versions (an in-place write
+    bumps one), and the tensors (held, so no other tensor takes an identity); empty for other
+    states."""
+    hyperparams = getattr(state, "hyperparams", None)
+    if not isinstance(hyperparams, dict):
+        return ()
+    tensors = tuple(hyperparams.values())
+    return tuple(map(id, tensors)), tuple(map(getattr, tensors, repeat("_version"), repeat(0))), tensors
+
+
 class SetStates:
     """One group's transformation states, keyed by the tuple of param positions stepped together."""
 
@@ -64,6 +87,8 @@ class SetStates:
         self.states: dict[tuple[int, ...], Any] = {}
         self._owner: dict[int, tuple[int, ...]] = {}
         self._fresh: set[tuple[int, ...]] = set()  # sets started (to be read or loaded into) but never stepped
+        self._seen: tuple = ()  # the group as the last step read it, when nothing in it can change in place
+        self._synced: dict[tuple[int, ...], tuple] = {}  # per set: its hyperparameter tensors and versions then
 
     def owns(self, i: int) -> bool:
         """Whether the param at position ``i`` has a state."""
@@ -71,7 +96,7 @@ class SetStates:
 
     def step(self, idx: tuple[int, ...], params: list, grads: list, group: dict | None = None,
              names: list[str] | None = None, extra_args: dict | None = None) -> None:
-        if group is not None and torch_class_of(self.tx) is not None:
+        if group is not None and not self._same_group(group) and torch_class_of(self.tx) is not None:
             self.tx = with_torch_settings(self.tx, group, self.index)
         if idx in self.states or not any(i in self._owner for i in idx):
             return self._step(idx, params, grads, group, names, extra_args)
@@ -111,7 +136,7 @@ class SetStates:
         state = self.states.get(idx)
         if state is None:
             state = self.start(idx, params, names)
-        if group is not None:
+        if group is not None and not self._in_sync(idx, state):
             state = sync_hyperparams(state, group)
         # the leaves reach the transformation in the tree's order (a dict's sorted by name)
         tree, grad_tree = as_tree(params, names), as_tree(grads, names)
@@ -123,6 +148,26 @@ class SetStates:
         self._fresh.discard(idx)
         if group is not None:
             show_scheduled(self.states[idx], group)
+            self._synced[idx] = _hyperparam_tensors(self.states[idx]) if self._seen else ()
+
+    def _same_group(self, group: dict) -> bool:
+        """Whether ``group`` holds the very keys and values the last step read, and those are
+        numbers, strings or tuples of them, which change only by being replaced (a scheduler's new
+        ``lr`` is a new float): the rule's settings and its state's hyperparameters then stand as
+        that step left them. A tensor or list anywhere (but the params) makes every step read all."""
+        seen, values = self._seen, (tuple(group), tuple(group.values()))
+        if seen and seen[0] == values[0] and all(map(operator.is_, seen[1], values[1])):
+            return True
+        self._seen = values if all(_frozen(v) for k, v in group.items() if k not in _LISTS) else ()
+        self._synced.clear()
+        return False
+
+    def _in_sync(self, idx: tuple[int, ...], state: Any) -> bool:
+        """Whether set ``idx``'s hyperparameters are the tensors its last step left, unwritten
+        since, under a group that did not change (`_same_group`): syncing them with the group
+        again would keep their numbers."""
+        synced = self._synced.get(idx)
+        return bool(synced) and self._seen != () and _hyperparam_tensors(state)[:2] == synced[:2]
 
     def start(self, idx: tuple[int, ...], leaves: list[torch.Tensor], names: list[str] | None) -> Any:
         """The state the params at ``idx`` start from (``leaves``: the tensors the rule steps for

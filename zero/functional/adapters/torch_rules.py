@@ -10,6 +10,7 @@ so `zero.functional.Optimizer` and torch's lr schedulers can change them between
 
 from __future__ import annotations
 
+import copy
 import inspect
 import math
 from typing import Any, NamedTuple
@@ -382,6 +383,9 @@ def with_torch_settings(tx: GradientTransformation, group: dict, index: int) -> 
     changed = {k: group[k] for k, v in args.items() if k not in hyper and k in group and not _same_setting(group[k], v)}
     if not changed:
         return tx
+    # the rule keeps a copy: a list it shared with the group (``betas``) would follow the group's
+    # later writes in place, and the next step would compare the list with itself and miss them
+    changed = copy.deepcopy(changed)
     rebuilt = from_torch(name, **{**args, **changed})
     meta = [torch.empty(2, 2, device="meta")]
     if optree.tree_structure(rebuilt.init(meta), none_is_leaf=True) != \

@@ -13,6 +13,7 @@ its pure ``update`` always does.
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -34,6 +35,20 @@ class _Build(NamedTuple):
     values: dict[str, Any]
 
 
+class _Chosen(NamedTuple):
+    """The build the last in-place step chose, and what it chose it for: the param list (its
+    first param's identity), the hyperparameter tensors and their versions (an in-place write,
+    a checkpoint loaded into one, bumps its version), and the values read from them."""
+    at: int
+    tensors: tuple
+    versions: list[int]
+    values: dict[str, Any]
+    build: _Build
+
+
+_VERSION = operator.attrgetter("_version")
+
+
 class Builds:
     """``factory(**fixed, **hyperparams)``: built for each set of values (``full``), and once
     for the in-place step (``step``)."""
@@ -45,6 +60,7 @@ class Builds:
         self.verified: set[str] = set()  # hyperparameters whose new values the specs were checked to follow
         self.off = False  # the factory derives numbers from its hyperparameters: build per value set
         self._cached = functools.lru_cache(maxsize=4)(self._plain)
+        self._chosen: _Chosen | None = None
 
     def full(self, hyperparams: dict[str, torch.Tensor]) -> GradientTransformation:
         """The inner transformation built for these values (cached for the last few)."""
@@ -69,14 +85,26 @@ class Builds:
     def step(self, params: Any, grads: Any, inner_state: Any, hyperparams: dict[str, torch.Tensor]) -> Any:
         """One in-place step of the inner transformation at these values; the new inner state."""
         if not self.off and not _unreadable(hyperparams):
-            values = {k: value_of(v) for k, v in hyperparams.items()}
-            build = self._build_for(values, _first_id(params))
+            values, build = self._choose(hyperparams, _first_id(params))
             if build is not None:
                 with reading(build.knobs, values):
                     new = build.tx.inplace(params, grads, inner_state)
                 if new is not None:
                     return new
         return step_in_place(self.full(hyperparams), params, grads, inner_state)
+
+    def _choose(self, hyperparams: dict[str, torch.Tensor], at: int) -> tuple[dict[str, Any], _Build | None]:
+        """The values of ``hyperparams`` and the build for them: the last step's choice while
+        the tensors are the same, unwritten (a step's state keeps them while the group's numbers
+        stay), else found again (a decision's outcomes, the build's specs checked)."""
+        tensors, chosen = tuple(hyperparams.values()), self._chosen
+        if chosen is not None and chosen.at == at and len(tensors) == len(chosen.tensors) and \
+                all(map(operator.is_, tensors, chosen.tensors)) and list(map(_VERSION, tensors)) == chosen.versions:
+            return chosen.values, chosen.build
+        values = {k: value_of(v) for k, v in hyperparams.items()}
+        build = self._build_for(values, at)
+        self._chosen = None if build is None else _Chosen(at, tensors, list(map(_VERSION, tensors)), values, build)
+        return values, build
 
     def _key(self, values: dict[str, Any], at: int) -> tuple:
         fixed_numbers = tuple(v for v in values.values() if not isinstance(v, float))

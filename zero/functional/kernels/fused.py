@@ -34,7 +34,7 @@ from zero.functional.kernels.lowbit import LOWBIT_KERNELS
 from zero.functional.kernels.matching import decayed_rule, maximize_and_decay, plain_adam, take, take_decay
 from zero.functional.kernels.multi_tensor import FOREACH_KERNELS
 from zero.functional.kernels.steps import KernelStep, Lists, advanced, by_decay, marked, picker, rate_of
-from zero.functional.scalars import value_of
+from zero.functional.scalars import step_tensor, value_of
 
 __all__ = ["match"]
 
@@ -73,7 +73,7 @@ def _adam_kernel(specs: list[tuple[int, Spec]]) -> KernelStep | None:
         for idx, weight_decay in by_decay(groups, lists.decays(decay)):
             pick = picker(idx, len(params))
             device = params[idx[0]].device
-            step = torch.tensor(float(count), device=device)
+            step = step_tensor(value_of(count), device)
             kernel(pick(params), pick(grads), pick(mu), pick(nu), pick(nu_max) if amsgrad else [],
                    [step] * len(idx), amsgrad=amsgrad, lr=rate, beta1=now(hyper["b1"]), beta2=now(hyper["b2"]),
                    weight_decay=weight_decay, eps=now(hyper["eps"]), maximize=maximize,
@@ -156,7 +156,7 @@ def _adagrad_kernel(specs: list[tuple[int, Spec]]) -> KernelStep | None:
         for idx in groups:
             pick = picker(idx, len(params))
             device = params[idx[0]].device
-            step = torch.tensor(float(count), device=device)
+            step = step_tensor(value_of(count), device)
             torch._fused_adagrad_(pick(params), pick(grads), pick(sums), [step] * len(idx), lr=now(hyper["lr"]),
                                   lr_decay=now(hyper["lr_decay"]), weight_decay=now(weight_decay), eps=now(eps),
                                   maximize=maximize,
