@@ -198,8 +198,9 @@ def run_python(repeat: int) -> None:
     params = make_params(int(2e6), 200)
     grads = [torch.randn_like(p) for p in params]
     steps, rows = {}, []
-    for label, rule, options in (("SGD", "sgd", {"lr": 1e-2}), ("SGD momentum 0.9", "sgd", {"lr": 1e-2, "momentum": 0.9}),
-                                 ("Adam", "adam", {"lr": 1e-3})):
+    cases = (("SGD", "sgd", {"lr": 1e-2}), ("SGD momentum 0.9", "sgd", {"lr": 1e-2, "momentum": 0.9}),
+             ("Adam", "adam", {"lr": 1e-3}))
+    for label, rule, options in cases:
         cls = RULES[rule][0]
         optax_rule = F.adam(options["lr"]) if rule == "adam" else F.sgd(options["lr"], momentum=options.get("momentum"))
         theirs = [(label, f"torch {cls.__name__}(fused=True)"), (label, f"torch {cls.__name__}(foreach=True)")]
