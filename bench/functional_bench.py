@@ -221,26 +221,36 @@ def run_python(repeat: int) -> None:
 def run_fixed(repeat: int) -> None:
     """A step's fixed cost: SGD (momentum 0.9) and AdamW on 2 and 20 tensors of 64 elements, where
     the kernel is negligible and caches stay warm; best of ``repeat`` rounds of 500 steps, zero's
-    ``from_torch`` against torch's fused class."""
+    ``from_torch`` against torch's fused class. Each also with ``lr`` set anew before every step
+    (a scheduler's new float), which a step must read."""
     for label, cls, options in (("SGD momentum 0.9", torch.optim.SGD, {"lr": 1e-2, "momentum": 0.9}),
                                 ("AdamW", torch.optim.AdamW, {"lr": 1e-3})):
-        for n in (2, 20):
+        for n, moved in ((2, False), (20, False), (2, True)):
             params = [torch.randn(64) for _ in range(n)]
             grads = [torch.randn(64) for _ in range(n)]
             steps = {"zero": ours_step(params, grads, F.from_torch(cls, **options)),
                      "torch": torch_step(params, grads, cls, fused=True, **options)}
-            best = {}
-            for path, step in steps.items():
-                step()
-                rounds = []
-                for _ in range(repeat):
-                    t0 = time.perf_counter()
-                    for _ in range(500):
-                        step()
-                    rounds.append((time.perf_counter() - t0) / 500)
-                best[path] = min(rounds)
-            Console().print(f"{label}, {n} tensors: zero {best['zero'] * 1e6:.1f} us/step, torch's fused "
-                            f"{best['torch'] * 1e6:.1f} us/step, {best['zero'] / best['torch']:.2f}x")
+            rates = [options["lr"] * (1 + 1e-4 * k) for k in range(500)] if moved else []
+            best = {path: _best_round(step, rates, repeat) for path, step in steps.items()}
+            what = f"{n} tensors" + (", lr anew each step" if moved else "")
+            Console().print(f"{label}, {what}: zero {best['zero'] * 1e6:.1f} us, torch's fused "
+                            f"{best['torch'] * 1e6:.1f} us, {best['zero'] / best['torch']:.2f}x")
+
+
+def _best_round(step, rates: list[float], repeat: int) -> float:
+    """The best of ``repeat`` rounds of 500 steps, in seconds a step; with ``rates``, each step's
+    group ``lr`` first set to the next of them (``step`` is a bound ``Optimizer.step``)."""
+    group = step.__self__.param_groups[0]
+    step()
+    rounds = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        for k in range(500):
+            if rates:
+                group["lr"] = rates[k]
+            step()
+        rounds.append((time.perf_counter() - t0) / 500)
+    return min(rounds)
 
 
 def main() -> None:

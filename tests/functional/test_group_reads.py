@@ -41,6 +41,18 @@ def test_an_lr_tensor_written_in_place_steps_at_the_next_step():
     beside_torch(torch.optim.SGD, {"lr": torch.tensor(0.1)}, between, lr=0.1, momentum=0.9)
 
 
+def test_an_lr_float_replaced_by_a_tensor_then_written_in_place_steps_with_each_value():
+    """``lr`` a float for a step, then a tensor (a moved value that can now change in place),
+    then that tensor filled in place at each step: each value is stepped with, as by torch's SGD."""
+    def between(k, opt):
+        if k == 1:
+            opt.param_groups[0]["lr"] = torch.tensor(0.05)
+        elif k > 1:
+            opt.param_groups[0]["lr"].fill_(0.05 / k)
+
+    beside_torch(torch.optim.SGD, {}, between, lr=0.1, momentum=0.9)
+
+
 def test_betas_held_as_a_list_and_written_in_place_step_at_the_next_step():
     """``betas`` as a list, its first item set in place between steps: torch's Adam reads the
     list at each step, and so does the step here."""

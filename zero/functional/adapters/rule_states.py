@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Iterator
-from itertools import repeat
+from itertools import compress, repeat
 from typing import Any
 
 import optree
@@ -22,7 +22,7 @@ import torch
 
 from zero.functional import sharding
 from zero.functional.adapters.closure_args import CLOSURE, with_closure_args
-from zero.functional.adapters.group_settings import show_scheduled, sync_hyperparams
+from zero.functional.adapters.group_settings import hyperparams_of, show_scheduled, sync_hyperparams
 from zero.functional.adapters.state_names import load_named, named_leaves, names_of
 from zero.functional.adapters.state_tree import as_tree, split_state
 from zero.functional.adapters.torch_rules import torch_class_of, with_torch_settings
@@ -55,7 +55,7 @@ def _max_errors(tx: Any) -> int:
     return next((m for m in map(_max_errors, inner) if m), 0)
 
 
-_LISTS = ("params", "param_names")  # a group's lists, which no setting or hyperparameter is read from
+_LISTS = frozenset({"params", "param_names"})  # a group's lists, no setting or hyperparameter read from them
 _FIXED = (float, int, bool, str, type(None))
 
 
@@ -88,7 +88,9 @@ class SetStates:
         self._owner: dict[int, tuple[int, ...]] = {}
         self._fresh: set[tuple[int, ...]] = set()  # sets started (to be read or loaded into) but never stepped
         self._seen: tuple = ()  # the group as the last step read it, when nothing in it can change in place
+        self._moved: set[str] | None = None  # this step's group keys whose values moved (`_moved_keys`)
         self._synced: dict[tuple[int, ...], tuple] = {}  # per set: its hyperparameter tensors and versions then
+        self._hyper: tuple = (None, frozenset())  # (tx, the group keys of the hyperparameters it keeps)
 
     def owns(self, i: int) -> bool:
         """Whether the param at position ``i`` has a state."""
@@ -96,8 +98,10 @@ class SetStates:
 
     def step(self, idx: tuple[int, ...], params: list, grads: list, group: dict | None = None,
              names: list[str] | None = None, extra_args: dict | None = None) -> None:
-        if group is not None and not self._same_group(group) and torch_class_of(self.tx) is not None:
-            self.tx = with_torch_settings(self.tx, group, self.index)
+        if group is not None:
+            self._moved = self._moved_keys(group)
+            if self._settings_moved() and torch_class_of(self.tx) is not None:
+                self.tx = with_torch_settings(self.tx, group, self.index)
         if idx in self.states or not any(i in self._owner for i in idx):
             return self._step(idx, params, grads, group, names, extra_args)
         clash = {self._owner[i] for i in idx if i in self._owner}
@@ -148,26 +152,48 @@ class SetStates:
         self._fresh.discard(idx)
         if group is not None:
             show_scheduled(self.states[idx], group)
-            self._synced[idx] = _hyperparam_tensors(self.states[idx]) if self._seen else ()
+            if self._moved == set():  # (a group that moves every step, by a scheduler, is synced every step)
+                self._synced[idx] = _hyperparam_tensors(self.states[idx])
 
-    def _same_group(self, group: dict) -> bool:
-        """Whether ``group`` holds the very keys and values the last step read, and those are
-        numbers, strings or tuples of them, which change only by being replaced (a scheduler's new
-        ``lr`` is a new float): the rule's settings and its state's hyperparameters then stand as
-        that step left them. A tensor or list anywhere (but the params) makes every step read all."""
-        seen, values = self._seen, (tuple(group), tuple(group.values()))
-        if seen and seen[0] == values[0] and all(map(operator.is_, seen[1], values[1])):
-            return True
-        self._seen = values if all(_frozen(v) for k, v in group.items() if k not in _LISTS) else ()
+    def _moved_keys(self, group: dict) -> set[str] | None:
+        """The group's keys whose values are not the very objects the last step read, or None
+        when every value must be read: the first step, a key added or removed, or a value that can
+        change without being replaced (a tensor, a list: anything but numbers, strings and tuples of
+        them; the params' lists aside). A scheduler's new ``lr`` is a new float: ``{"lr"}``."""
+        keys, values, seen = tuple(group), tuple(group.values()), self._seen
+        if seen and seen[0] == keys:
+            flags = list(map(operator.is_not, values, seen[1]))
+            if not any(flags):
+                return set()
+            moved = set(compress(keys, flags))
+            if all(_frozen(group[k]) for k in moved - _LISTS):
+                self._seen = (keys, values)
+                return moved
+        elif all(_frozen(v) for k, v in group.items() if k not in _LISTS):
+            self._seen = (keys, values)
+            self._synced.clear()
+            return None
+        self._seen = ()
         self._synced.clear()
-        return False
+        return None
+
+    def _settings_moved(self) -> bool:
+        """Whether this step's group may hold a setting the rule was not built with: a moved key
+        that is neither a hyperparameter kept in the state (synced apart) nor a params' list."""
+        if self._moved is None:
+            return True
+        if not self._moved:
+            return False
+        if self._hyper[0] is not self.tx:
+            self._hyper = (self.tx, frozenset(hyperparams_of(self.tx)))
+        return bool(self._moved - self._hyper[1] - _LISTS)
 
     def _in_sync(self, idx: tuple[int, ...], state: Any) -> bool:
         """Whether set ``idx``'s hyperparameters are the tensors its last step left, unwritten
-        since, under a group that did not change (`_same_group`): syncing them with the group
-        again would keep their numbers."""
+        since, under a group none of whose values moved (`_moved_keys`): syncing them with the
+        group again would keep their numbers."""
         synced = self._synced.get(idx)
-        return bool(synced) and self._seen != () and _hyperparam_tensors(state)[:2] == synced[:2]
+        return self._moved == set() and bool(synced) and _hyperparam_tensors(state)[:2] == synced[:2]
 
     def start(self, idx: tuple[int, ...], leaves: list[torch.Tensor], names: list[str] | None) -> Any:
         """The state the params at ``idx`` start from (``leaves``: the tensors the rule steps for
