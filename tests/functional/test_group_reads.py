@@ -53,6 +53,20 @@ def test_an_lr_float_replaced_by_a_tensor_then_written_in_place_steps_with_each_
     beside_torch(torch.optim.SGD, {}, between, lr=0.1, momentum=0.9)
 
 
+def test_torchs_step_lr_scheduler_steps_as_on_torchs_class():
+    """torch's ``StepLR`` (every 2 steps): between its boundaries it writes the group's very
+    ``lr`` back, at them a new one; each is stepped with, as by torch's SGD under the same scheduler."""
+    schedulers = {}
+
+    def between(k, opt):  # made before the first step, stepped after each (torch's order)
+        if k == 0:
+            schedulers[id(opt)] = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+        else:
+            schedulers[id(opt)].step()
+
+    beside_torch(torch.optim.SGD, {}, between, lr=0.1, momentum=0.9)
+
+
 def test_betas_held_as_a_list_and_written_in_place_step_at_the_next_step():
     """``betas`` as a list, its first item set in place between steps: torch's Adam reads the
     list at each step, and so does the step here."""

@@ -36,8 +36,7 @@ def counter(n: int) -> torch.Tensor:
     """A step counter, a 0-d int32 tensor (``torch.tensor(n, dtype=torch.int32)``), remembering ``n``.
     Eager, it is made by ``scalar_tensor`` at half the cost; traced, or under a dispatch mode (a
     simulation's fake tensors), by ``torch.tensor``, whose fake tensor keeps its value."""
-    quick = not traced() and not torch._C._len_torch_dispatch_stack()  # traced first: dynamo cannot read the stack
-    t = (torch.scalar_tensor if quick else torch.tensor)(n, dtype=torch.int32)
+    t = _maker()(n, dtype=torch.int32)
     setattr(t, _KEPT, (t._version, n))
     return t
 
@@ -45,8 +44,14 @@ def counter(n: int) -> torch.Tensor:
 def step_tensor(n: int, device: torch.device) -> torch.Tensor:
     """The step tensor torch's fused kernels take, ``torch.tensor(float(n), device=device)`` (a 0-d
     tensor of the default dtype), made as `counter` makes its own: by ``scalar_tensor`` when eager."""
-    quick = not traced() and not torch._C._len_torch_dispatch_stack()
-    return (torch.scalar_tensor if quick else torch.tensor)(float(n), device=device)
+    return _maker()(float(n), device=device)
+
+
+def _maker() -> Any:
+    """``torch.scalar_tensor`` when eager (half ``torch.tensor``'s cost), else ``torch.tensor``:
+    traced, or under a dispatch mode (a simulation's fake tensors), whose fake tensor keeps its
+    value. (``traced`` first: dynamo cannot read the dispatch stack.)"""
+    return torch.scalar_tensor if not traced() and not torch._C._len_torch_dispatch_stack() else torch.tensor
 
 
 def _kept(t: torch.Tensor) -> Any:

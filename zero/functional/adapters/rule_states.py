@@ -88,9 +88,8 @@ class SetStates:
         self._owner: dict[int, tuple[int, ...]] = {}
         self._fresh: set[tuple[int, ...]] = set()  # sets started (to be read or loaded into) but never stepped
         self._seen: tuple = ()  # the group as the last step read it, when nothing in it can change in place
-        self._moved: set[str] | None = None  # this step's group keys whose values moved (`_moved_keys`)
         self._synced: dict[tuple[int, ...], tuple] = {}  # per set: its hyperparameter tensors and versions then
-        self._hyper: tuple = (None, frozenset())  # (tx, the group keys of the hyperparameters it keeps)
+        self._hyper = frozenset(hyperparams_of(tx))  # group keys kept in the state (a rebuild keeps the same)
 
     def owns(self, i: int) -> bool:
         """Whether the param at position ``i`` has a state."""
@@ -98,17 +97,16 @@ class SetStates:
 
     def step(self, idx: tuple[int, ...], params: list, grads: list, group: dict | None = None,
              names: list[str] | None = None, extra_args: dict | None = None) -> None:
-        if group is not None:
-            self._moved = self._moved_keys(group)
-            if self._settings_moved() and torch_class_of(self.tx) is not None:
-                self.tx = with_torch_settings(self.tx, group, self.index)
+        moved = None if group is None else self._moved_keys(group)
+        if group is not None and self._settings_moved(moved) and torch_class_of(self.tx) is not None:
+            self.tx = with_torch_settings(self.tx, group, self.index)
         if idx in self.states or not any(i in self._owner for i in idx):
-            return self._step(idx, params, grads, group, names, extra_args)
+            return self._step(idx, params, grads, group, names, extra_args, moved)
         clash = {self._owner[i] for i in idx if i in self._owner}
         if clash <= self._fresh:  # started before any step (state read, or made at construction): the first
             for block in clash:   # step's set decides, as it does for a state not started yet
                 self.forget(block)
-            return self._step(idx, params, grads, group, names, extra_args)
+            return self._step(idx, params, grads, group, names, extra_args, moved)
         if not self.per_param:
             clash = sorted({self._owner[i] for i in idx if i in self._owner})
             raise ValueError(f"params {list(idx)} are stepped together, but some were stepped before with "
@@ -120,7 +118,7 @@ class SetStates:
         fresh = tuple(i for i in idx if i not in self._owner)
         for block in blocks + ([fresh] if fresh else []):
             self._step(block, [params[where[i]] for i in block], [grads[where[i]] for i in block], group, None,
-                       extra_args)
+                       extra_args, moved)
 
     def _split_along(self, stepping: set[int]) -> None:
         """Split every set that is partly stepping into its stepping and its resting params."""
@@ -136,11 +134,12 @@ class SetStates:
                 self._owner.update(dict.fromkeys(key, key))
 
     def _step(self, idx: tuple[int, ...], params: list, grads: list, group: dict | None,
-              names: list[str] | None, extra_args: dict | None = None) -> None:
+              names: list[str] | None, extra_args: dict | None = None, moved: set[str] | None = None) -> None:
+        """``moved``: the group's keys whose values moved since the last step (`_moved_keys`)."""
         state = self.states.get(idx)
         if state is None:
             state = self.start(idx, params, names)
-        if group is not None and not self._in_sync(idx, state):
+        if group is not None and not self._in_sync(idx, state, moved):
             state = sync_hyperparams(state, group)
         # the leaves reach the transformation in the tree's order (a dict's sorted by name)
         tree, grad_tree = as_tree(params, names), as_tree(grads, names)
@@ -152,7 +151,7 @@ class SetStates:
         self._fresh.discard(idx)
         if group is not None:
             show_scheduled(self.states[idx], group)
-            if self._moved == set():  # (a group that moves every step, by a scheduler, is synced every step)
+            if moved == set():  # (a group that moves every step, by a scheduler, is synced every step)
                 self._synced[idx] = _hyperparam_tensors(self.states[idx])
 
     def _moved_keys(self, group: dict) -> set[str] | None:
@@ -177,23 +176,17 @@ class SetStates:
         self._synced.clear()
         return None
 
-    def _settings_moved(self) -> bool:
+    def _settings_moved(self, moved: set[str] | None) -> bool:
         """Whether this step's group may hold a setting the rule was not built with: a moved key
         that is neither a hyperparameter kept in the state (synced apart) nor a params' list."""
-        if self._moved is None:
-            return True
-        if not self._moved:
-            return False
-        if self._hyper[0] is not self.tx:
-            self._hyper = (self.tx, frozenset(hyperparams_of(self.tx)))
-        return bool(self._moved - self._hyper[1] - _LISTS)
+        return moved is None or bool(moved - self._hyper - _LISTS)
 
-    def _in_sync(self, idx: tuple[int, ...], state: Any) -> bool:
+    def _in_sync(self, idx: tuple[int, ...], state: Any, moved: set[str] | None) -> bool:
         """Whether set ``idx``'s hyperparameters are the tensors its last step left, unwritten
         since, under a group none of whose values moved (`_moved_keys`): syncing them with the
         group again would keep their numbers."""
         synced = self._synced.get(idx)
-        return self._moved == set() and bool(synced) and _hyperparam_tensors(state)[:2] == synced[:2]
+        return moved == set() and bool(synced) and _hyperparam_tensors(state)[:2] == synced[:2]
 
     def start(self, idx: tuple[int, ...], leaves: list[torch.Tensor], names: list[str] | None) -> Any:
         """The state the params at ``idx`` start from (``leaves``: the tensors the rule steps for
