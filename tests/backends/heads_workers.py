@@ -16,28 +16,31 @@ from zero.functional.contrib import newton_schulz
 # (in, out, heads): 24 rows of 4 heads (rows at 2 ranks 12/12, at 4 ranks 6 each: whole heads);
 # 18 rows of 3 heads of 6 (9/9 and 5/5/5/3: never whole heads); 24 rows of 12 heads of 2; a plain 24 -> 5
 LAYERS = ((12, 24, 4), (24, 18, 3), (18, 24, 12), (24, 5, 0))
+# for plans that cut heads (split_heads): three weights of heads of 72 elements in other shapes (6 x 12,
+# 3 x 24, 6 x 12), so one head buffer holds all three, some of them at offsets inside a rank's shard
+SPLIT_LAYERS = ((12, 24, 4), (24, 12, 4), (12, 18, 3), (18, 5, 0))
 
 
-def make_model(dtype: torch.dtype = torch.float64) -> nn.Sequential:
+def make_model(dtype: torch.dtype = torch.float64, layers: tuple = LAYERS) -> nn.Sequential:
     torch.manual_seed(0)
-    layers = [nn.Linear(a, b, dtype=dtype) for a, b, _ in LAYERS]
+    layers = [nn.Linear(a, b, dtype=dtype) for a, b, _ in layers]
     return nn.Sequential(*[m for layer in layers for m in (layer, nn.Tanh())][:-1])
 
 
-def dims(tree: dict) -> dict:
+def dims(tree: dict, layers: tuple = LAYERS) -> dict:
     """Per name: the heads of each projection's rows (torch's (out, in) layout), the plain matrix
     whole, the biases on AdamW."""
     if not isinstance(tree, dict):  # a flat plan's shards: no names, none of them a matrix
         return [None] * len(tree)
-    heads = {f"{2 * i}.weight": h for i, (_, _, h) in enumerate(LAYERS)}
+    heads = {f"{2 * i}.weight": h for i, (_, _, h) in enumerate(layers)}
     return {n: (Dims(1, 0, heads=heads[n]) if heads[n] else Dims(1, 0)) if n in heads else None for n in tree}
 
 
-def rule(dims_as_dict: bool = False, **kwargs) -> F.GradientTransformation:
+def rule(dims_as_dict: bool = False, layers: tuple = LAYERS, **kwargs) -> F.GradientTransformation:
     """Per-head Muon, its dimension numbers a function of the params or (``dims_as_dict``) a dict
     by name (each rank's own params are picked from it by name)."""
-    names = [f"{2 * i}.{kind}" for i in range(len(LAYERS)) for kind in ("weight", "bias")]
-    by_name = dims(dict.fromkeys(names)) if dims_as_dict else dims
+    names = [f"{2 * i}.{kind}" for i in range(len(layers)) for kind in ("weight", "bias")]
+    by_name = dims(dict.fromkeys(names), layers) if dims_as_dict else (lambda tree: dims(tree, layers))
     return F.contrib.muon(0.02, muon_weight_dimension_numbers=by_name, adam_learning_rate=0.01, **kwargs)
 
 
@@ -57,6 +60,15 @@ def _grads(model: nn.Module, step: int) -> None:
     for p in model.parameters():
         g = torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype)
         p.grad = distribute_tensor(g, p.device_mesh, p.placements, src_data_rank=None) if isinstance(p, DTensor) else g
+
+
+def _backward(model: nn.Module, opt, step: int) -> None:
+    """Gradients by backward (of the same inputs on every rank), for a ZeRO that makes its own,
+    clipped by torch's ``clip_grad_norm_`` (the norm of the gradients a ZeRO-2 keeps in its shards)."""
+    gen = torch.Generator().manual_seed(700 + step)
+    opt.zero_grad()
+    model(torch.randn(4, LAYERS[0][0], generator=gen, dtype=torch.float64)).square().sum().backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # binds: the norms are 3 to 5
 
 
 def _full(p: torch.Tensor) -> torch.Tensor:
@@ -81,16 +93,7 @@ def against_one_process(rank: int, world_size: int, replicas: int = 1, kwargs: d
     kwargs = kwargs or {}
     opts = [F.Optimizer(list(one.named_parameters()), rule(**kwargs)),
             sharded_opt(list(two.named_parameters()), rule(**kwargs))]
-    for k in range(steps):
-        for model, opt in zip((one, two), opts):
-            _grads(model, k)
-            if model is two and k == steps - 1:
-                calls = _count_newton_schulz()
-                with comm.recording() as made:
-                    opt.step()
-                runs = calls.pop()
-            else:
-                opt.step()
+    runs, made = _beside(one, two, opts, steps, lambda model, opt, k: _grads(model, k))
     plan, me = opts[1].executor.plan, opts[1].executor.me
     sent = {"within": {}, "across": {}}
     for c in made:
@@ -103,6 +106,22 @@ def against_one_process(rank: int, world_size: int, replicas: int = 1, kwargs: d
     whole = sorted(plan.metas[i].name for i in plan.whole)
     by_heads = sorted(plan.metas[i].name for i in plan.by_heads)
     return {"worst": worst, "whole": whole, "by_heads": by_heads, "sent": sent, "planned": planned, "runs": runs}
+
+
+def _beside(one: nn.Module, two: nn.Module, opts: list, steps: int, give) -> tuple[dict, list]:
+    """``steps`` steps of both models (``opts``: theirs), each given its gradients by ``give(model,
+    opt, k)``; the Newton-Schulz runs (`_count_newton_schulz`) and the collectives of ``two``'s last."""
+    for k in range(steps):
+        for model, opt in zip((one, two), opts):
+            give(model, opt, k)
+            if model is two and k == steps - 1:
+                calls = _count_newton_schulz()
+                with comm.recording() as made:
+                    opt.step()
+                runs = calls.pop()
+            else:
+                opt.step()
+    return runs, made
 
 
 def _count_newton_schulz() -> list:
@@ -184,9 +203,9 @@ def save_then_resume(rank: int, world_size: int, path: str, save: bool, first: i
     return [_full(p) for p in model.parameters()]
 
 
-def one_process(rank: int, world_size: int, steps: int = 6) -> list[torch.Tensor]:
-    model = make_model()
-    opt = F.Optimizer(list(model.named_parameters()), rule())
+def one_process(rank: int, world_size: int, steps: int = 6, layers: tuple = LAYERS) -> list[torch.Tensor]:
+    model = make_model(layers=layers)
+    opt = F.Optimizer(list(model.named_parameters()), rule(layers=layers))
     for k in range(steps):
         _grads(model, k)
         opt.step()
@@ -198,15 +217,28 @@ def masters_against_one_process(rank: int, world_size: int, steps: int = 6) -> t
     rank steps, for the weight whose rows cut heads), against one process stepping fp32 params of
     the same bf16 gradients: the worst difference of the bf16 params, and the master elements held
     on this rank against the model's."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    one = make_model(torch.float32)
-    with torch.no_grad():  # both start from the bf16 params
-        for p in one.parameters():
-            p.copy_(p.to(torch.bfloat16))
-    two = _sharded(make_model(torch.float32).to(torch.bfloat16))
+    one, two = _fp32_of_bf16(), _sharded(make_model(torch.float32).to(torch.bfloat16))
     ref = F.Optimizer(list(one.named_parameters()), rule())
     opt = zero.ZeroRedundancyOptimizer(list(two.named_parameters()), rule(), master_dtype=torch.float32)
+    worst = _masters_beside(one, two, ref, opt, steps)
+    held = sum(m.numel() for m in opt.executor.masters.values())
+    return worst, held, sum(p.numel() for p in one.parameters())
+
+
+def _fp32_of_bf16(layers: tuple = LAYERS) -> nn.Module:
+    """The float32 model whose params are the bf16 model's, exactly."""
+    one = make_model(torch.float32, layers)
+    with torch.no_grad():
+        for p in one.parameters():
+            p.copy_(p.to(torch.bfloat16))
+    return one
+
+
+def _masters_beside(one: nn.Module, two: nn.Module, ref, opt, steps: int) -> float:
+    """``steps`` steps of float32 ``one`` (``ref``) and bf16 ``two`` (``opt``, with fp32 masters) on
+    the same bf16 gradients: the worst difference of ``two``'s params from ``one``'s rounded."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
     for k in range(steps):
         gen = torch.Generator().manual_seed(900 + k)
         grads = [torch.randn(p.shape, generator=gen).to(torch.bfloat16) for p in one.parameters()]
@@ -217,7 +249,103 @@ def masters_against_one_process(rank: int, world_size: int, steps: int = 6) -> t
                 if isinstance(p, DTensor) else g
         ref.step()
         opt.step()
-    worst = max(float((_full(b).float() - a.detach().to(torch.bfloat16).float()).abs().max())
-                for a, b in zip(one.parameters(), two.parameters()))
-    held = sum(m.numel() for m in opt.executor.masters.values())
-    return worst, held, sum(p.numel() for p in one.parameters())
+    return max(float((_full(b).float() - a.detach().to(torch.bfloat16).float()).abs().max())
+               for a, b in zip(one.parameters(), two.parameters()))
+
+
+def zero_split_heads(rank: int, world_size: int, kwargs: dict | None = None, options: dict | None = None,
+                     one_buffer: bool = False, steps: int = 8) -> dict:
+    """``zero.ZeroRedundancyOptimizer(..., strategy="flat", split_heads=True)`` (``options``: its
+    own, e.g. ZeRO-2's): a flat plan that cuts the matrices the rule steps by heads at head edges
+    (every rank stepping whole heads of them where they lie in its shards, the plain matrix whole
+    on an owner), against one process. ``one_buffer``: the plan given, its buffers uncapped, so
+    the three weights share one head buffer (the default plan's cap gives each its own here)."""
+    one, two = make_model(layers=SPLIT_LAYERS), make_model(layers=SPLIT_LAYERS)
+    named = list(two.named_parameters())
+    kwargs = {"layers": SPLIT_LAYERS, **(kwargs or {})}
+    plan = {"plan": _split_plan(named, world_size)} if one_buffer else {"strategy": "flat", "split_heads": True}
+    opts = [F.Optimizer(list(one.named_parameters()), rule(**kwargs)),
+            zero.ZeroRedundancyOptimizer(named, rule(**kwargs), **plan, **(options or {}))]
+    plan = opts[1].plan
+    runs, _ = _beside(one, two, opts, steps, _backward if options else lambda model, opt, k: _grads(model, k))
+    worst = max(float((a.detach() - b.detach()).abs().max()) for a, b in zip(two.parameters(), one.parameters()))
+    held = {plan.metas[t.piece].name: t.shape for t in opts[1].executor.state.holdings.tensors if t.piece is not None}
+    return {"worst": worst, "whole": [plan.metas[i].name for i in plan.whole], "held": held, "runs": runs,
+            "state": opts[1].rank_state.optim.state_nbytes(), "planned_state": plan.ranks[rank].state_bytes,
+            "cut": sorted(plan.metas[i].name for b in plan.flat.buffers if b.head for i in b.params),
+            "head_buffers": sum(1 for b in plan.flat.buffers if b.head)}
+
+
+def _split_plan(named: list, world_size: int, **extra):
+    heads = {f"{2 * i}.weight": h for i, (_, _, h) in enumerate(SPLIT_LAYERS) if h}
+    return zero.make_plan(zero.param_metas(named), world_size, "flat", optimizer=f"muon(heads={heads!r})",
+                          split_heads=True, **extra)
+
+
+def split_heads_resume(rank: int, world_size: int, path: str, save: bool, options: dict | None = None,
+                       first: int = 3, steps: int = 3) -> dict:
+    """Per-head Muon under a flat plan that cuts heads (``split_heads``): ``save``: ``first``
+    steps, then zero's DCP checkpoint at ``path`` and torch's consolidated state dict (returned
+    from rank 0); else both loaded at this world size (the consolidated one into a second
+    optimizer) and ``steps`` more steps with each. The params after."""
+    from zero.backends import checkpoint
+
+    def made():
+        model = make_model(layers=SPLIT_LAYERS)
+        named = list(model.named_parameters())
+        plan = _split_plan(named, world_size)
+        return model, zero.ZeroRedundancyOptimizer(named, rule(layers=SPLIT_LAYERS), plan=plan, **(options or {}))
+
+    model, opt = made()
+    if save:
+        for k in range(first):
+            _grads(model, k)
+            opt.step()
+        checkpoint.save(path, model, opt)
+        opt.consolidate_state_dict(to=0)
+        if rank == 0:
+            torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, f"{path}.pt")
+        return {}
+    checkpoint.load(path, model, opt)
+    other, opt2 = made()
+    saved = torch.load(f"{path}.pt", weights_only=False)
+    other.load_state_dict(saved["model"])
+    opt2.load_state_dict(saved["optim"])
+    for k in range(first, first + steps):
+        for m, o in ((model, opt), (other, opt2)):
+            _grads(m, k)
+            o.step()
+    return {"dcp": [p.detach().clone() for p in model.parameters()],
+            "torch": [p.detach().clone() for p in other.parameters()]}
+
+
+def split_heads_masters(rank: int, world_size: int, options: dict | None = None, steps: int = 6) -> float:
+    """bf16 params, ``zero.ZeroRedundancyOptimizer`` with fp32 masters under a ``split_heads``
+    plan (each rank's heads' masters the rows of its heads), against one process stepping fp32
+    params of the same bf16 gradients: the worst difference of the bf16 params."""
+    one, two = _fp32_of_bf16(SPLIT_LAYERS), make_model(torch.float32, SPLIT_LAYERS).to(torch.bfloat16)
+    named = list(two.named_parameters())
+    plan = _split_plan(named, world_size, master_dtype="float32")
+    ref = F.Optimizer(list(one.named_parameters()), rule(layers=SPLIT_LAYERS))
+    opt = zero.ZeroRedundancyOptimizer(named, rule(layers=SPLIT_LAYERS), plan=plan, master_dtype=torch.float32,
+                                       **(options or {}))
+    return _masters_beside(one, two, ref, opt, steps)
+
+
+def split_against_owners(rank: int, world_size: int, options: dict, steps: int = 5) -> float:
+    """bf16 params with fp32 masters under ZeRO-2 (``options``: e.g. float32 reductions), trained
+    by backward, under the plan that cuts heads (``split_heads``) and the one that keeps them whole
+    on owners: the worst difference of their params (the same sums, the same heads' blocks)."""
+    params = []
+    for split in (False, True):
+        model = make_model(torch.float32, SPLIT_LAYERS).to(torch.bfloat16)
+        opt = zero.ZeroRedundancyOptimizer(list(model.named_parameters()), rule(layers=SPLIT_LAYERS),
+                                           strategy="flat", split_heads=split, master_dtype=torch.float32, **options)
+        for k in range(steps):
+            gen = torch.Generator().manual_seed(700 + k)
+            opt.zero_grad()
+            x = torch.randn(4, SPLIT_LAYERS[0][0], generator=gen).to(torch.bfloat16)
+            model(x).float().square().sum().backward()
+            opt.step()
+        params.append([p.detach().float() for p in model.parameters()])
+    return max(float((a - b).abs().max()) for a, b in zip(*params))

@@ -164,6 +164,8 @@ def errors() -> dict[str, str]:
             optax.contrib.muon(1e-2, muon_weight_dimension_numbers={
                 k: optax.contrib.MuonDimensionNumbers() if v.ndim == 2 else None for k, v in params.items()}),
             params, zero.make_plan(metas, 8, "flat", optimizer="muon"), mesh),
+        "split_heads": lambda: jax_mesh.init(optax.contrib.muon(1e-2), params, zero.make_plan(
+            metas, 8, "flat", optimizer="muon(heads={'w1': 2})", split_heads=True), mesh),
         "hybrid_gather": lambda: jax_mesh.gather_state(None, optax.adam(1e-2), params,
                                                        zero.make_plan(metas, 8, "flat", optimizer="muon"), mesh),
         "grads_tree": lambda: jax_mesh.update(optax.adam(1e-2), plan, mesh)(

@@ -1,5 +1,6 @@
 """Random layouts (#66 item 4): a seeded draw of params (uneven matrices, a vector, an embedding),
-ranks, executor (ZeRO flat, hybrid or whole-param; FSDP2), rule and dtype (float64, or bf16 with
+ranks, executor (ZeRO flat, hybrid, flat with per-head matrices cut at head edges, or whole-param;
+FSDP2), rule and dtype (float64, or bf16 with
 float32 masters under ZeRO); each case stepped on the ranks and compared with one process, or
 refused by a ``ValueError`` naming a param. Shared by the suite's bounded draw and
 ``bench/random_layouts.py``'s thousand."""
@@ -45,7 +46,7 @@ def _heads(tree: dict) -> dict:
     return {n: of(p) for n, p in tree.items()}
 
 
-EXECUTORS = ("zero_flat", "zero_hybrid", "zero_whole", "fsdp2")
+EXECUTORS = ("zero_flat", "zero_hybrid", "zero_whole", "fsdp2", "zero_split")
 STEPS = 4
 
 
@@ -58,8 +59,10 @@ def draw(rng: random.Random, worlds: tuple[int, ...] = (1, 2, 3, 4)) -> dict:
     rng.shuffle(shapes)
     executor = rng.choice(EXECUTORS)
     dtype = "bf16_masters" if executor != "fsdp2" and rng.random() < 0.25 else "float64"
-    return {"shapes": shapes, "world": rng.choice(worlds), "executor": executor, "rule": rng.choice(sorted(RULES)),
-            "dtype": dtype}
+    rule = rng.choice(sorted(RULES))
+    if executor == "zero_split":  # a plan that cuts heads: the rule that reads them (the draw's numbers unchanged)
+        rule = "per-head gram muon"
+    return {"shapes": shapes, "world": rng.choice(worlds), "executor": executor, "rule": rule, "dtype": dtype}
 
 
 def draws(seed: int, n: int, worlds: tuple[int, ...] = (1, 2, 3, 4)) -> list[dict]:
@@ -110,12 +113,17 @@ def _sharded(case: dict, world: int) -> list[torch.Tensor]:
         metas = zero.param_metas(named)
         cost = cost if cost in COSTS else "adamw"
         extra = {"master_dtype": "float32"} if masters else {}
-        if case["executor"] == "zero_whole":
+        if case["executor"] == "zero_split" and any(_heads({"w": torch.empty(s)})["w"].heads > 1
+                                                    for s in case["shapes"] if len(s) == 2):
+            plan = None  # per-head matrices cut at head edges (the rule asked for its heads)
+        elif case["executor"] == "zero_whole":
             plan = zero.make_plan(metas, world, "sorted_greedy", optimizer=cost, **extra)
         else:
-            whole = [m.name for m in metas if len(m.shape) == 2] if case["executor"] == "zero_hybrid" else ()
+            whole = [m.name for m in metas if len(m.shape) == 2] if case["executor"] in ("zero_hybrid", "zero_split") \
+                else ()
             plan = zero.make_plan(metas, world, "flat", optimizer=cost, whole=whole, **extra)
-        opt = Zero(named, tx(), plan=plan, master_dtype=torch.float32 if masters else None)
+        split = {"strategy": "flat", "split_heads": True} if plan is None else {"plan": plan}
+        opt = Zero(named, tx(), master_dtype=torch.float32 if masters else None, **split)
     for k in range(STEPS):
         for p, g in zip(bag.parameters(), _grads(case["shapes"], k)):
             g = g.to(p.dtype)

@@ -112,6 +112,8 @@ ERRORS = {
     "hybrid_dims_by_name": r"(?s)ValueError: this transformation cannot step packed buffers .*\(Muon's dimension "
                            r"numbers or a mask as a dict by name\) cannot be read on the buffers: give it as a "
                            r"function of the tree",
+    "split_heads": r"ValueError: the plan cuts 'w1' \(1 params\) at head edges \(split_heads=True\), which "
+                   r"zero.ZeroRedundancyOptimizer executes",
     "hybrid_gather": r"ValueError: gather_state moves element-wise state .* a hybrid plan's whole params",
     "grads_tree": r"ValueError: the grads' tree .* is not the params'",
 }

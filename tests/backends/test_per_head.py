@@ -95,3 +95,76 @@ def test_fp32_masters_of_heads_stepped_by_whole_heads():
     out = run_ranks(w.masters_against_one_process, 2)
     assert all(worst == 0.0 for worst, _, _ in out), out
     assert sum(held for _, held, _ in out) == out[0][2], out
+
+
+@pytest.mark.parametrize("world_size, one_buffer", [(2, False), (3, True)])
+def test_a_flat_plan_cutting_heads_at_head_edges_steps_them_where_they_lie(world_size, one_buffer):
+    """``ZeroRedundancyOptimizer(..., strategy="flat", split_heads=True)`` (its buffers capped:
+    one head buffer a weight) and a plan given that puts the three per-head matrices (heads of 72
+    elements in three shapes) in one head buffer: shards of whole heads, each rank stepping its
+    heads where they lie, the plain matrix whole on an owner; bit for bit one process, each head
+    orthogonalised once, the state the plan's."""
+    out = run_ranks(w.zero_split_heads, world_size, None, None, one_buffer)
+    for o in out:
+        assert o["worst"] == 0.0, o
+        assert o["whole"] == ["6.weight"] and o["cut"] == ["0.weight", "2.weight", "4.weight"], o
+        # the heads' momenta (one slot, no padding), not AdamW's two slots of a padded shard; aside: the
+        # rule's three Newton-Schulz coefficients (24 bytes) beside the plan's 4-byte count per state set
+        assert abs(o["state"] - o["planned_state"]) < 32, o
+    assert sum(o["runs"]["matrices"] for o in out) == 4 + 4 + 3 + 1  # each head once in the mesh, the plain matrix
+    assert all(rows % 3 == 0 for rows in (o["held"]["2.weight"][0] for o in out if "2.weight" in o["held"]))
+
+
+def test_heads_cut_at_head_edges_under_zero2_and_with_fp32_masters():
+    """The same plan with gradients reduce-scattered (ZeRO-2, by backward) and clipped by torch's
+    ``clip_grad_norm_`` (over the heads' rows of the shards) equal to one process to 1e-12; bf16
+    params with fp32 masters of each rank's heads equal one process's fp32 params rounded."""
+    for o in run_ranks(w.zero_split_heads, 2, None, {"reduce_scatter_grads": True}, True):
+        assert o["worst"] < 1e-12, o  # the clip's norm summed over the ranks' shards: another order
+        assert o["head_buffers"] == 1, o
+    assert max(run_ranks(w.split_heads_masters, 2)) == 0.0
+
+
+def test_heads_cut_step_as_owners_do_under_zero2_with_fp32_masters_and_reductions():
+    """bf16 params trained by backward under ZeRO-2 with fp32 masters and fp32 reductions (the
+    wider gradients go straight to each rank's heads' masters): the plan that cuts heads and the
+    one that keeps them whole on owners give the same bits."""
+    options = {"reduce_scatter_grads": True, "reduce_dtype": torch.float32}
+    assert max(run_ranks(w.split_against_owners, 2, options)) == 0.0
+
+
+def test_heads_cut_by_a_flat_plan_resume_from_dcp_and_torchs_dict_at_other_world_sizes(tmp_path):
+    """Saved under a ``split_heads`` plan at 2 ranks (zero's DCP checkpoint and torch's
+    consolidated dict), resumed at 3 and 2; saved at 3, resumed at 2: each bit for bit one process."""
+    one = run_ranks(w.one_process, 1, 6, w.SPLIT_LAYERS)[0]
+    for saved_at, resumed_at in ((2, 3), (2, 2), (3, 2)):
+        path = str(tmp_path / f"at{saved_at}")
+        if (saved_at, resumed_at) != (2, 2):
+            run_ranks(w.split_heads_resume, saved_at, path, True)
+        got = run_ranks(w.split_heads_resume, resumed_at, path, False)[0]
+        for how in ("dcp", "torch"):
+            for j, (a, b) in enumerate(zip(got[how], one)):
+                assert torch.equal(a, b), f"{how}: saved at {saved_at}, resumed at {resumed_at}: param {j} differs"
+
+
+def test_split_heads_is_an_option_of_strategy_flat_only(one_rank):
+    """``split_heads`` without ``strategy="flat"``, beside a plan given, or not a bool: errors
+    naming it; over FSDP2's params (which step heads where they lie already) it is not taken."""
+    from zero.backends import ZeroRedundancyOptimizer as Zero
+
+    model = w.make_model()
+    with pytest.raises(ValueError, match=r"split_heads=True cuts strategy='flat''s .* strategy=None keeps every"):
+        Zero(model.parameters(), w.rule(), split_heads=True)
+    plan = Zero(model.parameters(), w.rule(), strategy="flat").plan
+    with pytest.raises(ValueError, match=r"a plan given decides its own: make it with zero.make_plan\(\.\.\., "
+                                         r"split_heads=True\)"):
+        Zero(model.parameters(), w.rule(), plan=plan, split_heads=True)
+    with pytest.raises(TypeError, match=r"split_heads must be True or False, got 'yes'"):
+        Zero(model.parameters(), w.rule(), strategy="flat", split_heads="yes")
+    one = Zero(list(model.named_parameters()), w.rule(), strategy="flat", split_heads=True).plan
+    assert one.split_heads and [one.metas[i].name for i in one.whole] == ["6.weight"]
+    from torch.distributed.fsdp import fully_shard
+
+    sharded = fully_shard(w.make_model())
+    with pytest.raises(ValueError, match=r"over FSDP2's DTensor params: split_heads=True is not taken"):
+        Zero(list(sharded.named_parameters()), w.rule(), split_heads=True)

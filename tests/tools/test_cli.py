@@ -193,3 +193,19 @@ def test_state_imbalance_is_said_over_its_limit_only():
     assert state_imbalance([150, 100, 50], [[0], [1], []], metas, "adamw") is None  # 1.5x the mean: not over
     said = state_imbalance([151, 100, 49], [[0], [1], []], metas, "adamw")
     assert said.startswith("warning: rank 0 holds 0.0 MiB of optimizer state, 1.51x the mean") and "'emb'" in said
+
+
+def test_plan_split_heads(tmp_path):
+    """``zero plan --strategy flat --split-heads``: the per-head matrices cut at head edges (each of
+    LLaMA-7B's 3,072 q, k, v heads once, 48 a rank at 64 ranks), saved and reloaded as such;
+    without a flat strategy it is an error naming the strategy."""
+    out = tmp_path / "plan.json"
+    heads = {f"layers.{i}.self_attn.{n}_proj.weight": 32 for i in range(32) for n in "qkv"}
+    res = zero("plan", "--preset", "llama-7b", "-w", "64", "--strategy", "flat", "--weight", "step_flops",
+               "--optimizer", f"muon(heads={heads!r})", "--split-heads", "--json", str(out))
+    assert "(96 params cut at head edges) on 64 ranks" in " ".join(res.stdout.split())
+    plan = Plan.from_json(out.read_text())
+    (buf,) = [b for b in plan.flat.buffers if b.head]
+    assert buf.shard_numel == 48 * buf.head and plan.max_over_bound <= 1.05
+    bad = zero("plan", "--preset", "gpt2", "--split-heads", check=False)
+    assert bad.returncode == 2 and "strategy 'sorted_greedy' keeps every param whole" in bad.stderr

@@ -79,7 +79,7 @@ def local_groups(param_groups: list[dict], held: Holdings, tensor_of: Callable[[
     Every rank gets every group, possibly empty, so group ``k`` means the same on all ranks.
     With ``named``, a group of named params keeps the names of what it holds (transformations
     step them by name): a whole param its own, this rank's shard of flat buffer ``k``
-    ``<flat shard k>``."""
+    ``<flat shard k>``, the heads of a param in a head buffer's shard the param's."""
     firsts = [0]
     for g in param_groups:
         firsts.append(firsts[-1] + len(g["params"]))
@@ -92,7 +92,8 @@ def local_groups(param_groups: list[dict], held: Holdings, tensor_of: Callable[[
         local["params"].append(tensor_of(t))
         if "param_names" in local:
             names = param_groups[t.group]["param_names"]
-            local["param_names"].append(names[t.param - firsts[t.group]] if t.whole else f"<flat shard {t.buffer}>")
+            of = t.param if t.whole else t.piece  # a whole param, or the heads of one in a head buffer's shard
+            local["param_names"].append(names[of - firsts[t.group]] if of is not None else f"<flat shard {t.buffer}>")
     return out
 
 

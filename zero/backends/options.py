@@ -22,12 +22,14 @@ __all__ = ["default_plan", "quantized_params", "low_bit_name", "rule_cost_name",
 
 def default_plan(metas: list[ParamMeta], world_size: int, strategy: str | None,
                  master_dtype: torch.dtype | None, optimizer_class: Any = None, defaults: dict | None = None,
-                 bucket_cap_mb: float | None = None) -> Plan:
+                 bucket_cap_mb: float | None = None, split_heads: bool = False) -> Plan:
     """The plan ``strategy=`` names. A flat plan keeps whole the params the rule itself needs whole
     (`zero.functional.sharding.needs_whole`: Muon's matrices, Adafactor's factored ones ...): a
     hybrid plan, which ``opt.plan`` shows (``flat + N whole``), instead of an error at the first step.
     Its buffers are sized from the model (`zero.plans.layout.default_bucket_numel`), at most
-    ``bucket_cap_mb`` MiB (DDP's 25 by default)."""
+    ``bucket_cap_mb`` MiB (DDP's 25 by default). ``split_heads``: the params the rule steps head by
+    head (per-head Muon) are cut at head edges into the flat shards instead of kept whole
+    (`zero.make_plan`'s ``split_heads``)."""
     master = None if master_dtype is None else str(master_dtype).removeprefix("torch.")
     optimizer = low_bit_name(quantized_params(metas, optimizer_class, defaults or {})) or \
         _cost_name(metas, optimizer_class, defaults or {}) or "adam"
@@ -35,7 +37,7 @@ def default_plan(metas: list[ParamMeta], world_size: int, strategy: str | None,
         whole = _needed_whole(metas, optimizer_class, defaults or {})
         bucket = default_bucket_numel(metas, world_size, DDP_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb)
         return make_plan(metas, world_size, "flat", bucket_numel=bucket, master_dtype=master,
-                         whole=whole or None, optimizer=optimizer)
+                         whole=whole or None, optimizer=optimizer, split_heads=split_heads)
     return make_plan(metas, world_size, strategy or "sorted_greedy", master_dtype=master, optimizer=optimizer)
 
 
@@ -151,7 +153,13 @@ def check_blocks(plan: Plan, metas: list[ParamMeta], optimizer_class: Any, defau
                              "whose shards end at block edges, or pass strategy='flat' and let the optimizer make it")
 
 
-def check_plan_arguments(plan: Any, strategy: Any, bucket_cap_mb: Any = None) -> None:
+def check_plan_arguments(plan: Any, strategy: Any, bucket_cap_mb: Any = None, split_heads: Any = False) -> None:
+    if not isinstance(split_heads, bool):
+        raise TypeError(f"split_heads must be True or False, got {split_heads!r}")
+    if split_heads and (strategy != "flat" or plan is not None):
+        raise ValueError("split_heads=True cuts strategy='flat''s per-head matrices at head edges; "
+                         + ("a plan given decides its own: make it with zero.make_plan(..., split_heads=True)"
+                            if plan is not None else f"strategy={strategy!r} keeps every param whole"))
     if bucket_cap_mb is not None and (strategy != "flat" or plan is not None):
         raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r} sizes the flat buffers of strategy='flat' (DDP's name); "
                          + ("a plan given decides its own: make it with zero.make_plan(..., bucket_numel=...)"

@@ -84,6 +84,10 @@ class ZeroRedundancyOptimizer(TorchNames, OptimizerFace, Joinable):
             more than ZeRO-1's whole gradients would).
         bucket_cap_mb: with ``strategy="flat"``: the flat buffers' (ZeRO-2's buckets') largest
             size in MiB (DDP's name and default, 25); the model's size may make them smaller.
+        split_heads: with ``strategy="flat"``: the matrices the rule steps head by head (per-head
+            Muon, ``MuonDimensionNumbers(heads=H)``) are cut at head edges into head buffers, each
+            rank stepping an equal share of their heads where they lie (`zero.make_plan`'s
+            ``split_heads``), instead of each kept whole on an owner.
         reduce_scatter_grads: average the gradients here, in place of DDP (flat plans only; ZeRO-2):
             each rank receives only its shards' gradients, by one reduce-scatter per flat buffer
             (the plan's ``bucket_numel``) that starts during backward, so an iteration moves 2x the
@@ -157,8 +161,8 @@ class ZeroRedundancyOptimizer(TorchNames, OptimizerFace, Joinable):
                  reduce_scatter_grads: bool = False, master_dtype: torch.dtype | str | None = None,
                  reduce_dtype: torch.dtype | str | None = None, find_unused_parameters: bool = False,
                  nonfinite: str = "warn", bucket_cap_mb: float | None = None, reducer: comm.Reducer | None = None,
-                 **defaults: Any):
-        check_plan_arguments(plan, strategy, bucket_cap_mb)
+                 split_heads: bool = False, **defaults: Any):
+        check_plan_arguments(plan, strategy, bucket_cap_mb, split_heads)
         self.nonfinite = NonFinite(nonfinite, overlap_with_ddp=bool(overlap_with_ddp))
         master_dtype = resolve_dtype(master_dtype, "master_dtype")
         reduce_dtype = resolve_dtype(reduce_dtype, "reduce_dtype")
@@ -178,7 +182,7 @@ class ZeroRedundancyOptimizer(TorchNames, OptimizerFace, Joinable):
         self.parameters_as_bucket_view = parameters_as_bucket_view
         metas = param_metas(self.param_groups)
         plan = plan if plan is not None else default_plan(metas, self.world_size, strategy, master_dtype,
-                                                          optimizer_class, defaults, bucket_cap_mb)
+                                                          optimizer_class, defaults, bucket_cap_mb, split_heads)
         check_plan(plan, metas, self.world_size)
         check_blocks(plan, metas, optimizer_class, defaults)
         self.master_dtype = planned_master_dtype(plan.master_dtype, master_dtype)

@@ -80,14 +80,30 @@ def flat_costs(metas, flat: FlatLayout, spec, master_dtype: str | None = None) -
             for s in segs:
                 pieces[s.rank] += 1
                 numel[s.rank] += s.end - s.start
-    # State tensors (and master copies) are shaped like the padded shard, one set per buffer, on every rank alike.
-    state = sum(spec.shard_state_bytes(b.shard_numel, state_itemsize(b.dtype, master_dtype), b.block)
-                for b in flat.buffers)
-    masters = sum(b.shard_numel * master_itemsize(b.dtype, master_dtype) for b in flat.buffers)
+    # State tensors (and master copies) are shaped like the padded shard, one set per buffer, on every rank alike;
+    # a head buffer's are shaped like each param's heads the rank holds (no padding): the matrix rule's state.
+    state = [sum(spec.shard_state_bytes(b.shard_numel, state_itemsize(b.dtype, master_dtype), b.block)
+                 for b in flat.buffers if not b.head)] * w
+    masters = [sum(b.shard_numel * master_itemsize(b.dtype, master_dtype) for b in flat.buffers if not b.head)] * w
+    for b in flat.buffers:
+        if b.head:
+            held = _held(b, w)
+            state = [s + spec.shard_state_bytes(n, state_itemsize(b.dtype, master_dtype), b.head) if n else s
+                     for s, n in zip(state, held)]
+            masters = [m + n * master_itemsize(b.dtype, master_dtype) for m, n in zip(masters, held)]
     grad_shard = sum(b.shard_numel * itemsize(b.dtype) for b in flat.buffers)
     padding = sum(b.padding * itemsize(b.dtype) for b in flat.buffers)
-    return tuple(RankCost(r, pieces[r], numel[r], flat.shard_numel, param_bytes, grad_bytes, state,
-                          padding, bcast[r], gather[r], masters, grad_shard) for r in range(w))
+    return tuple(RankCost(r, pieces[r], numel[r], flat.shard_numel, param_bytes, grad_bytes, state[r],
+                          padding, bcast[r], gather[r], masters[r], grad_shard) for r in range(w))
+
+
+def _held(buf, world_size: int) -> list[int]:
+    """The elements of params each rank holds in ``buf`` (its shard less padding)."""
+    out = [0] * world_size
+    for segs in buf.segments:
+        for s in segs:
+            out[s.rank] += s.end - s.start
+    return out
 
 
 # The ZeRO paper's rows (its Figure 1): what the busiest rank holds as more is sharded.

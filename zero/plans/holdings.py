@@ -29,12 +29,18 @@ __all__ = ["LocalTensor", "Holdings", "holdings"]
 @dataclass(frozen=True)
 class LocalTensor:
     """One tensor of a rank's local optimizer, in param group ``group``, of ``numel`` elements:
-    param ``param`` whole, or (``param`` None) this rank's shard of flat buffer ``buffer``."""
+    param ``param`` whole, or (``param`` None) this rank's shard of flat buffer ``buffer``, or of a
+    head buffer (`zero.plans.layout.FlatBuffer.head`) the whole heads of param ``piece`` in that
+    shard: a view of elements ``offset:offset + numel`` of the shard, in ``shape`` (the param's,
+    with only the rows of those heads)."""
 
     group: int
     numel: int
     param: int | None = None
     buffer: int | None = None
+    piece: int | None = None
+    offset: int = 0
+    shape: tuple[int, ...] = ()
 
     @property
     def whole(self) -> bool:
@@ -99,10 +105,19 @@ def holdings(plan: Plan, rank: int, n_groups: int | None = None) -> Holdings:
             held.append(Held(i, len(tensors), 0, 0, plan.metas[i].numel))
             tensors.append(LocalTensor(k, plan.metas[i].numel, param=i))
         for bi, buf in enumerate(plan.flat.buffers if plan.flat is not None else ()):
-            if buf.group == k:
-                held += [Held(p.param, len(tensors), p.offset, p.start, p.end)
-                         for p in buf.pieces(rank) if p.end > p.start]
+            if buf.group != k:
+                continue
+            pieces = [p for p in buf.pieces(rank) if p.end > p.start]
+            if not buf.head:
+                held += [Held(p.param, len(tensors), p.offset, p.start, p.end) for p in pieces]
                 tensors.append(LocalTensor(k, buf.shard_numel, buffer=bi))
+                continue
+            for p in pieces:  # a head buffer: each param's whole heads a tensor of its own rows
+                shape = plan.metas[p.param].shape
+                held.append(Held(p.param, len(tensors), 0, p.start, p.end))
+                tensors.append(LocalTensor(k, p.end - p.start, buffer=bi, piece=p.param, offset=p.offset,
+                                           shape=((p.end - p.start) * shape[0] // plan.metas[p.param].numel,
+                                                  *shape[1:])))
     return Holdings(plan, rank, n_groups, tuple(tensors), tuple(held))
 
 

@@ -22,7 +22,7 @@ from zero.plans.layout import FlatLayout, flat_layout
 from zero.plans.meta import ParamMeta
 from zero.plans.partition import Partition, partition
 
-__all__ = ["Whole", "resolve_whole", "hybrid_placement"]
+__all__ = ["Whole", "resolve_whole", "split_by_heads", "hybrid_placement", "flat_part"]
 
 Whole = Collection[str] | Callable[[ParamMeta], bool] | None
 
@@ -39,6 +39,16 @@ def resolve_whole(metas: Sequence[ParamMeta], whole: Whole, spec: RuleCost) -> t
     if callable(whole):
         return tuple(i for i, m in enumerate(metas) if m.requires_grad and _test(whole, m))
     return tuple(_named(metas, whole))
+
+
+def split_by_heads(metas: Sequence[ParamMeta], keep: tuple[int, ...], spec: RuleCost
+                   ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``keep`` parted into the params kept whole and those cut at head edges instead: the ones
+    the rule steps head by head along their first axis (`RuleCost.head_block`: per-head Muon;
+    8-bit Muon's codes lie in blocks of whole matrices, so it has none)."""
+    cut = tuple(i for i in keep if spec.head_block(metas[i]) and not spec.block_for(metas[i]))
+    taken = set(cut)
+    return tuple(i for i in keep if i not in taken), cut
 
 
 def _test(whole: Callable[[ParamMeta], bool], meta: ParamMeta) -> bool:
@@ -72,12 +82,14 @@ def _only(metas: Sequence[ParamMeta], indices: Collection[int], keep: bool) -> l
 
 
 def hybrid_placement(metas: Sequence[ParamMeta], keep: tuple[int, ...], world_size: int, weight: Weight,
-                     spec: RuleCost, alignment: int, bucket_numel: int | None,
-                     master_dtype: str | None) -> tuple[Partition, FlatLayout, tuple[RankCost, ...], float, float]:
+                     spec: RuleCost, alignment: int, bucket_numel: int | None, master_dtype: str | None,
+                     cut: tuple[int, ...] = ()) -> tuple[Partition, FlatLayout, tuple[RankCost, ...], float, float]:
     """The whole params' partition (``"balanced"`` by ``weight``; owner -1 for the others), the
     flat layout of the rest, each rank's costs summed over both, and the mean and best possible
     load (loads in ``weight``'s unit: a flat shard counts its elements, or its bytes for
-    ``"state_bytes"``)."""
+    ``"state_bytes"``). The params in ``cut`` go to head buffers (`zero.plans.layout.flat_layout`'s
+    ``head_of``), each rank holding whole heads of them; under ``"step_flops"`` a rank's load
+    counts its heads' share of their work."""
     chosen = set(keep)
     sub = [metas[i] for i in keep]
     part = partition(sub, world_size, "balanced", weight, spec, master_dtype=master_dtype)
@@ -86,12 +98,42 @@ def hybrid_placement(metas: Sequence[ParamMeta], keep: tuple[int, ...], world_si
         owner[i] = part.owner[k]
     order = tuple(tuple(keep[k] for k in o) for o in part.order)
     part = Partition(world_size, part.strategy, part.weight, tuple(owner), order, part.loads)
-    flat = flat_layout(_only(metas, chosen, keep=False), world_size, alignment, bucket_numel, spec.block_for)
-    flat_ranks = flat_costs(metas, flat, spec, master_dtype)
+    flat, flat_ranks, head_loads = flat_part(_only(metas, chosen, keep=False), world_size, weight, spec, alignment,
+                                             bucket_numel, master_dtype, cut, metas)
     whole_ranks = partition_costs(_only(metas, chosen, keep=True), part, spec, master_dtype)
-    ranks = tuple(_merged(f, w, w.load + _flat_load(f, weight)) for f, w in zip(flat_ranks, whole_ranks))
+    ranks = tuple(_merged(f, w, w.load + _flat_load(f, weight) + h)
+                  for f, w, h in zip(flat_ranks, whole_ranks, head_loads))
     mean = sum(r.load for r in ranks) / world_size
     return part, flat, ranks, mean, max(max(weights(sub, weight, spec, master_dtype)), mean)
+
+
+def flat_part(metas: Sequence[ParamMeta], world_size: int, weight: Weight, spec: RuleCost, alignment: int,
+              bucket_numel: int | None, master_dtype: str | None, cut: tuple[int, ...] = (),
+              every: Sequence[ParamMeta] | None = None) -> tuple[FlatLayout, tuple[RankCost, ...], list[int]]:
+    """The flat layout of ``metas``' trainable params (those in ``cut`` in head buffers), each
+    rank's costs of it (over ``every`` param, the frozen ones too) and what each rank's whole
+    heads add to its load (`_head_loads`)."""
+    heads = {id(metas[i]) for i in cut}
+    flat = flat_layout(metas, world_size, alignment, bucket_numel, spec.block_for,
+                       (lambda m: spec.head_block(m) if id(m) in heads else 0) if heads else None)
+    every = metas if every is None else every
+    return flat, flat_costs(every, flat, spec, master_dtype), _head_loads(every, flat, weight, spec, master_dtype)
+
+
+def _head_loads(metas: Sequence[ParamMeta], flat: FlatLayout, weight: Weight, spec: RuleCost,
+                master_dtype: str | None) -> list[int]:
+    """Under ``"step_flops"``, what each rank's whole heads add to its load beyond their elements
+    (a flat shard's load): their share of their params' work (each head of a param costs alike)."""
+    out = [0] * flat.world_size
+    if weight != "step_flops":
+        return out
+    for b in flat.buffers:
+        if b.head:
+            ws = weights([metas[i] for i in b.params], weight, spec, master_dtype)
+            for w, i, segs in zip(ws, b.params, b.segments):
+                for s in segs:
+                    out[s.rank] += w * (s.end - s.start) // metas[i].numel - (s.end - s.start)
+    return out
 
 
 def _flat_load(rank: RankCost, weight: Weight) -> int:

@@ -238,6 +238,10 @@ class FlatBuffer:
     # The quantization block every shard edge respects (0: none): each param's element range
     # is cut only at multiples of it, so each block of a low-bit moment lies on one rank.
     block: int = 0
+    # The elements of one head of its params (0: none): a *head buffer* holds params a rule steps
+    # head by head (per-head Muon), each cut only at its own head edges, so every rank holds whole
+    # heads of them, stepped where they lie (each param's piece a local tensor of its own rows).
+    head: int = 0
 
     @property
     def padding(self) -> int:
@@ -311,7 +315,8 @@ class FlatLayout:
 
 
 def flat_layout(metas: Sequence[ParamMeta], world_size: int, alignment: int = 1,
-                bucket_numel: int | None = None, block_of: Callable[[ParamMeta], int] | None = None) -> FlatLayout:
+                bucket_numel: int | None = None, block_of: Callable[[ParamMeta], int] | None = None,
+                head_of: Callable[[ParamMeta], int] | None = None) -> FlatLayout:
     """Pack trainable params per (group, device, dtype) into buffers padded to ``world_size * alignment``.
 
     ``alignment`` (elements) makes every shard boundary a multiple of it, e.g. 128 bytes / itemsize
@@ -323,6 +328,11 @@ def flat_layout(metas: Sequence[ParamMeta], world_size: int, alignment: int = 1,
     own (one per block size), whose shards are a multiple of the block: each param's numel is one
     too, so every param starts at a block edge of its buffer and is cut only at its own block
     edges, whatever the world size. The padding this costs is in ``padding``.
+
+    ``head_of(meta)``: the elements of one head of a param a rule steps head by head along its
+    first axis (`zero.plans.costs.RuleCost.head_block`), 0 for none. Such params get *head
+    buffers* of their own (one per head size) in the same way, their shards a multiple of the
+    head: every rank holds whole heads of them (`FlatBuffer.head`).
     """
     metas = check_metas(metas)
     check_world_size(world_size)
@@ -333,7 +343,11 @@ def flat_layout(metas: Sequence[ParamMeta], world_size: int, alignment: int = 1,
     for i, m in enumerate(metas):
         if m.requires_grad:
             block = check_int(f"block_of({m.name!r})", block_of(m), 0) if block_of is not None else 0
-            by_key.setdefault((m.group, *_key(m), block), []).append(i)
+            head = check_int(f"head_of({m.name!r})", head_of(m), 0) if head_of is not None else 0
+            if head and (block or m.numel % head):
+                raise ValueError(f"param {m.name!r} ({m.numel} elements) cannot be cut at head edges of {head} "
+                                 f"elements{' with a quantization block' if block else ''}: keep it whole")
+            by_key.setdefault((m.group, *_key(m), block, head), []).append(i)
     chunks = [(key, idx) for key, members in by_key.items() for idx in _cut(metas, members, bucket_numel)]
     chunks.sort(key=lambda chunk: -chunk[1][0])  # backward completes a buffer when its first param is ready
     buffers = tuple(_flat_buffer(metas, key, idx, world_size, alignment) for key, idx in chunks)
@@ -369,12 +383,14 @@ def _flat_buffer(metas, key, idx, world_size, alignment) -> FlatBuffer:
     numels = [metas[i].numel for i in idx]
     offsets = _offsets(numels)
     total = offsets[-1]
-    group, device, dtype, block = key
-    quantum = world_size * (math.lcm(alignment, block) if block else alignment)
+    group, device, dtype, block, head = key
+    unit = block or head  # never both (see flat_layout)
+    quantum = world_size * (math.lcm(alignment, unit) if unit else alignment)
     padded = max(quantum, math.ceil(total / quantum) * quantum)
     shard = padded // world_size
     segments = tuple(_segments(off, n, shard) for off, n in zip(offsets, numels))
-    return FlatBuffer(device, dtype, group, tuple(idx), tuple(offsets[:-1]), total, padded, shard, segments, block)
+    return FlatBuffer(device, dtype, group, tuple(idx), tuple(offsets[:-1]), total, padded, shard, segments, block,
+                      head)
 
 
 def _segments(offset: int, numel: int, shard: int) -> tuple[Segment, ...]:

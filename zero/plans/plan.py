@@ -16,10 +16,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from zero.plans.accounting import check_master_dtype, weights
-from zero.plans.cost import flat_costs, partition_costs, stage_bytes
+from zero.plans.cost import partition_costs, stage_bytes
 from zero.plans.costs import cost_of
-from zero.plans.hybrid import Whole, hybrid_placement, resolve_whole
-from zero.plans.layout import flat_layout
+from zero.plans.hybrid import Whole, flat_part, hybrid_placement, resolve_whole, split_by_heads
 from zero.plans.meta import ParamMeta, gc_paused
 from zero.plans.partition import STRATEGIES, Partition, check_metas, partition
 from zero.plans.plan_fields import PlanFields
@@ -76,7 +75,7 @@ class Plan(PlanFields):
         plan = make_plan([ParamMeta.from_dict(m) for m in inputs["metas"]], inputs["world_size"],
                          inputs["strategy"], inputs["weight"], inputs["optimizer"], inputs["alignment"],
                          inputs.get("bucket_numel"), master_dtype=inputs.get("master_dtype"),
-                         whole=inputs.get("whole"))
+                         whole=inputs.get("whole"), split_heads=inputs.get("split_heads", False))
         if plan.fingerprint != data["fingerprint"]:
             raise ValueError(f"plan fingerprint {data['fingerprint']} does not match the recomputed "
                              f"{plan.fingerprint}: the file was edited or zero's planner changed")
@@ -103,7 +102,8 @@ class Plan(PlanFields):
 @gc_paused()  # builds per-param lists for up to 100k params (see gc_paused)
 def make_plan(metas: Sequence[ParamMeta], world_size: int, strategy: str = "sorted_greedy",
               weight: str = "numel", optimizer: str = "adam", alignment: int = 1,
-              bucket_numel: int | None = None, *, master_dtype: str | None = None, whole: Whole = None) -> Plan:
+              bucket_numel: int | None = None, *, master_dtype: str | None = None, whole: Whole = None,
+              split_heads: bool = False) -> Plan:
     """Partition (or flat-shard) ``metas`` over ``world_size`` ranks and account for the result.
 
     ``strategy``: one of ``PLAN_STRATEGIES``; ``weight``: ``"numel"``, ``"state_bytes"`` or
@@ -123,6 +123,10 @@ def make_plan(metas: Sequence[ParamMeta], world_size: int, strategy: str = "sort
     by ``weight`` (``"balanced"``), and the rest are flat-sharded. For rules that need some tensors
     whole: Muon's matrices, Adafactor's factored matrices, SM3's covers. ``None``: what
     ``optimizer`` needs whole (``"muon"``: its matrices), else nothing (a plain flat plan).
+    ``split_heads`` (``"flat"`` only): of those, the ones the rule steps head by head along their
+    first axis (``"muon(heads=...)"``, per-head Muon) are cut at head edges instead, into head
+    buffers (`zero.plans.layout.FlatBuffer.head`) whose shards are whole heads: every rank steps
+    an equal share of their heads where they lie, and no rank owns a whole matrix of them.
 
     Balance is reported two ways, since they answer different questions: ``max_over_mean`` is
     the busiest rank's load over the mean (how far from an even split: what memory per rank
@@ -142,12 +146,21 @@ def make_plan(metas: Sequence[ParamMeta], world_size: int, strategy: str = "sort
                          "whole already: drop whole=, or use strategy='flat'")
     spec = cost_of(optimizer)
     master_dtype = check_master_dtype(master_dtype, metas)
+    if split_heads and strategy != "flat":
+        raise ValueError(f"split_heads cuts a flat plan's per-head matrices at head edges; strategy {strategy!r} "
+                         "keeps every param whole: use strategy='flat'")
     keep = resolve_whole(metas, whole, spec) if strategy == "flat" else ()
+    keep, cut = split_by_heads(metas, keep, spec) if split_heads else (keep, ())
+    if split_heads and not cut:
+        raise ValueError(f"split_heads=True, but optimizer {optimizer!r} steps none of the params it keeps whole "
+                         "head by head, so nothing would be cut: name each matrix's heads in it "
+                         "(\"muon(heads={'wq': 32})\", per-head Muon; not muon_8bit, whose codes' blocks lie in whole "
+                         "matrices), or drop split_heads")
     if callable(weight) and strategy == "flat" and not keep:
         raise ValueError("a flat plan splits elements evenly and takes no weight function (a hybrid plan, with "
                          "whole=, balances its whole params by one)")
     part, flat, ranks, mean, bound = _placement(metas, world_size, strategy, weight, spec, alignment, bucket_numel,
-                                                master_dtype, keep)
+                                                master_dtype, keep, cut)
     busiest = max(r.load for r in ranks)
     plan = Plan(metas=metas, world_size=world_size, strategy=strategy, weight="custom" if callable(weight) else weight,
                 optimizer=str(optimizer).lower(), alignment=alignment, bucket_numel=bucket_numel, partition=part,
@@ -158,13 +171,15 @@ def make_plan(metas: Sequence[ParamMeta], world_size: int, strategy: str = "sort
 
 
 def _placement(metas: tuple[ParamMeta, ...], world_size: int, strategy: str, weight, spec, alignment: int,
-               bucket_numel: int | None, master_dtype: str | None, keep: tuple[int, ...]) -> tuple:
+               bucket_numel: int | None, master_dtype: str | None, keep: tuple[int, ...],
+               cut: tuple[int, ...] = ()) -> tuple:
     """``(partition, flat layout, rank costs, mean load, best possible load)`` of a plan's kind."""
     if keep:
-        return hybrid_placement(metas, keep, world_size, weight, spec, alignment, bucket_numel, master_dtype)
+        return hybrid_placement(metas, keep, world_size, weight, spec, alignment, bucket_numel, master_dtype, cut)
     if strategy == "flat":
-        flat = flat_layout(metas, world_size, alignment, bucket_numel, spec.block_for)
-        ranks = flat_costs(metas, flat, spec, master_dtype)
+        flat, ranks, heads = flat_part(metas, world_size, weight, spec, alignment, bucket_numel, master_dtype, cut)
+        if cut:
+            ranks = tuple(dataclasses.replace(r, load=r.load + h) for r, h in zip(ranks, heads))
         mean = sum(r.load for r in ranks) / world_size
         return None, flat, ranks, mean, mean
     ws = weights(metas, weight, spec, master_dtype)
@@ -204,6 +219,8 @@ def _fingerprint(plan: Plan) -> str:
                  [(b.group, b.device, b.dtype, b.params, b.padded_numel) for b in plan.flat.buffers])
     if plan.hybrid:  # (plain plans keep their fingerprints)
         placement = [placement, plan.partition.order]
+    if plan.split_heads:  # (plans without head buffers keep theirs)
+        placement = [placement, [b.head for b in plan.flat.buffers]]
     h = hashlib.sha256("\0".join([m.name for m in plan.metas]).encode())
     h.update(_int64_bytes(rows))
     masters = [plan.master_dtype] if plan.master_dtype else []  # plans without masters keep their fingerprints
@@ -219,6 +236,15 @@ def _int64_bytes(values: list[int]) -> bytes:
     return data.tobytes()
 
 
+def _whole_names(plan: Plan) -> list[str] | None:
+    """The ``whole=`` that makes the plan again: its whole params, and those it cut at head edges
+    (which ``split_heads`` cuts again)."""
+    cut = [i for b in plan.flat.buffers if b.head for i in b.params] if plan.split_heads else []
+    if not plan.hybrid and not cut:
+        return None
+    return [plan.metas[i].name for i in sorted({*plan.whole, *cut})]
+
+
 def _payload(plan: Plan) -> dict:
     """Everything a plan says, as JSON-able data."""
     whole = {"owner": list(plan.partition.owner), "order": [list(o) for o in plan.partition.order]} \
@@ -227,7 +253,8 @@ def _payload(plan: Plan) -> dict:
         placement = whole
     else:
         flat = [{"group": b.group, "device": b.device, "dtype": b.dtype, "params": list(b.params),
-                 "offsets": list(b.offsets), "numel": b.numel, "padded_numel": b.padded_numel, "block": b.block}
+                 "offsets": list(b.offsets), "numel": b.numel, "padded_numel": b.padded_numel, "block": b.block,
+                 **({"head": b.head} if b.head else {})}
                 for b in plan.flat.buffers]
         placement = {"whole": whole, "flat": flat} if plan.hybrid else {"flat": flat}
     return {
@@ -236,7 +263,8 @@ def _payload(plan: Plan) -> dict:
                    "strategy": plan.strategy, "weight": plan.weight, "optimizer": plan.optimizer,
                    "alignment": plan.alignment, "bucket_numel": plan.bucket_numel,
                    "master_dtype": plan.master_dtype,
-                   "whole": [plan.metas[i].name for i in plan.whole] if plan.hybrid else None},
+                   "whole": _whole_names(plan),
+                   **({"split_heads": True} if plan.split_heads else {})},
         "placement": placement,
         "ranks": [{**r.__dict__, "total_bytes": r.total_bytes, "total_bytes_grads_sharded": r.total_bytes_grads_sharded}
                   for r in plan.ranks],

@@ -39,3 +39,9 @@ class PlanFields:
     def hybrid(self) -> bool:
         """A flat plan that keeps some params whole (`zero.plans.hybrid`)."""
         return bool(self.whole)
+
+    @property
+    def split_heads(self) -> bool:
+        """A flat plan with head buffers (``make_plan(..., split_heads=True)``): some params cut at
+        head edges, each rank stepping whole heads of them."""
+        return self.flat is not None and any(b.head for b in self.flat.buffers)

@@ -15,13 +15,15 @@ def mib(n: int) -> str:
 
 
 def strategy(plan) -> str:
-    """The plan's strategy, with a hybrid's whole params counted and the quantization blocks its
-    flat buffers are cut at (a low-bit optimizer's)."""
+    """The plan's strategy, with a hybrid's whole params counted, the quantization blocks its
+    flat buffers are cut at (a low-bit optimizer's) and the params cut at head edges."""
     name = f"{plan.strategy} + {len(plan.whole)} whole" if plan.hybrid else plan.strategy
     blocks = sorted({b.block for b in plan.flat.buffers if b.block}) if plan.flat is not None else []
     if blocks:
         cut = sum(len(b.params) for b in plan.flat.buffers if b.block)
         name += f" ({cut} params cut at blocks of {', '.join(map(str, blocks))})"
+    if plan.split_heads:
+        name += f" ({sum(len(b.params) for b in plan.flat.buffers if b.head)} params cut at head edges)"
     return name
 
 
@@ -51,7 +53,8 @@ def plan_table(plan, max_rows: int = 16):
     t.caption = ("ZeRO-1 / ZeRO-2: params, gradients (whole / sharded), masters and state; sent: the params' sync "
                  "in a step, bytes each rank sends (nccl-tests' count; DDP's all-reduce not included). Busiest "
                  "rank: " + ", ".join(f"{name} {mib(n)}" for name, n in plan.stage_bytes().items()))
-    if plan.flat is None or plan.hybrid:  # a mesh shards evenly: every device holds the busiest rank's rows
+    # a mesh shards evenly: every device holds the busiest rank's rows (a plan cutting heads it does not run)
+    if (plan.flat is None or plan.hybrid) and not plan.split_heads:
         t.caption += (f"; on a JAX mesh (zero.backends.jax_mesh) every device holds "
                       f"{mib(mesh_state_bytes(plan)[0])} of optimizer state, rows padded to the busiest rank's")
     return t

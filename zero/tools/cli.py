@@ -45,6 +45,9 @@ def _parsers() -> tuple[argparse.ArgumentParser, argparse.Action]:
                    help=f"whose state to count: {', '.join(sorted(OPTIMIZERS))}; a low-bit one with another "
                         "block size as adamw8bit/128")
     p.add_argument("--alignment", type=int, default=1, help="flat shard alignment (elements)")
+    p.add_argument("--split-heads", action="store_true",
+                   help="with --strategy flat: cut the matrices --optimizer steps by heads (muon(heads=...)) at "
+                        "head edges, every rank holding an equal share of their heads, instead of keeping them whole")
     p.add_argument("--master-dtype", help="the optimizer steps master copies in this dtype (e.g. float32 for a "
                                           "bf16 model): counts them and their state per rank")
     out = p.add_mutually_exclusive_group()
@@ -127,7 +130,8 @@ def _fsdp2_plan(args: argparse.Namespace, metas: list) -> int:
     given = [flag for flag, value, default in (("--strategy", args.strategy, "sorted_greedy"),
                                                 ("--weight", args.weight, "numel"), ("--alignment", args.alignment, 1),
                                                 ("--master-dtype", args.master_dtype, None),
-                                                ("--compare", args.compare, False), ("--json", args.json, None))
+                                                ("--compare", args.compare, False), ("--json", args.json, None),
+                                                ("--split-heads", args.split_heads, False))
              if value != default]
     if given:
         raise SystemExit(f"zero plan --engine fsdp2: {', '.join(given)} shape zero's own plans, not FSDP2's layout")
@@ -166,7 +170,7 @@ def _plan(args: argparse.Namespace) -> int:
         print(render(compare_table(plans)))
         return 0
     plan = make_plan(metas, args.world_size, args.strategy, args.weight, args.optimizer, args.alignment,
-                     master_dtype=args.master_dtype)
+                     master_dtype=args.master_dtype, split_heads=args.split_heads)
     print(render(plan.table(args.rows)))
     owned = [[] for _ in range(plan.world_size)]
     for i, r in enumerate(plan.partition.owner if plan.partition is not None else ()):

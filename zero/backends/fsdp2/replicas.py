@@ -26,7 +26,7 @@ __all__ = ["ReplicaShardedOptimizer", "named_groups"]
 # ZeroRedundancyOptimizer's keywords that place params or reduce gradients: FSDP2 does both here.
 _FSDP2_DECIDES = {"process_group": None, "parameters_as_bucket_view": None, "overlap_with_ddp": False, "plan": None,
                   "strategy": None, "sync_chunk_mb": None, "reduce_scatter_grads": False, "reduce_dtype": None,
-                  "find_unused_parameters": False, "bucket_cap_mb": None, "reducer": None}
+                  "find_unused_parameters": False, "bucket_cap_mb": None, "reducer": None, "split_heads": False}
 
 
 def named_groups(groups: list[dict]) -> list[dict]:

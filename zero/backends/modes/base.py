@@ -89,8 +89,12 @@ class Mode:
         if got is None:
             return None
         outputs, kept = got
-        shard = {t.buffer: self.tensor(t) for t in self.state.holdings.tensors if not t.whole}
-        return [*((shard[k], g) for k, g in enumerate(outputs)), *((self.params[i], g) for i, g in kept.items())]
+        held: dict[int, list] = {}  # per buffer: its shard, or a head buffer's views with their rows of it
+        for t in self.state.holdings.tensors:
+            if not t.whole:
+                held.setdefault(t.buffer, []).append((self.tensor(t), t.offset, t.numel if t.piece is not None else 0))
+        pairs = [(x, g[o:o + n].view_as(x) if n else g) for k, g in enumerate(outputs) for x, o, n in held.get(k, ())]
+        return [*pairs, *((self.params[i], g) for i, g in kept.items())]
 
     def join_hook(self, step: Callable[[], Any]) -> JoinHook:
         """What a rank that ran out of inputs does under ``Join``: by default it still steps the
@@ -103,7 +107,7 @@ def local_groups(state: RankState, tensor: Callable[[LocalTensor], torch.Tensor]
     """The local optimizer's groups: every global group's settings, with what this rank steps
     (``tensor``: the mode's live tensor of each holding). Named groups name what they hold, but
     under a plain flat plan, whose shards have no name."""
-    named = state.plan.flat is None or state.plan.hybrid
+    named = state.plan.flat is None or state.plan.hybrid or state.plan.split_heads
     return groups_of(state.param_groups, state.holdings, tensor, named)
 
 

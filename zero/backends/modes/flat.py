@@ -51,6 +51,7 @@ class FlatShards(Mode):
         self.flats = [_flatten(state.params, b) for b in self.layout.buffers]
         self.shards = [f[rank * b.shard_numel:(rank + 1) * b.shard_numel].detach()
                        for f, b in zip(self.flats, self.layout.buffers)]
+        self.heads = HeadViews(state.holdings.tensors, self.shards)
         made = (gradients or (lambda flats, shards: CopiedGradients(state, shards)))(self.flats, self.shards)
         super().__init__(state, made)
         self._pieces = [b.pieces(rank) for b in self.layout.buffers]
@@ -64,6 +65,8 @@ class FlatShards(Mode):
             clipping.register(self, [p for p, m in zip(self.params, metas) if m.requires_grad])
 
     def tensor(self, t: LocalTensor) -> torch.Tensor:
+        if t.piece is not None:
+            return self.heads.views[t.buffer, t.piece]
         return self.params[t.param] if t.whole else self.shards[t.buffer]  # whole: a hybrid plan's
 
     def step(self, closure: Callable[[], float] | None, kwargs: dict, begin: Begin) -> Any:
@@ -89,6 +92,7 @@ class FlatShards(Mode):
         if got is None:
             self.load_grads()
             self.wide = {}
+            self.heads.take_grads(self.wide)
             return
         self.gradients.end()
         outputs, kept = got
@@ -102,6 +106,7 @@ class FlatShards(Mode):
                 self.wide[id(p)] = grad
             else:
                 p.grad = grad.to(p.dtype)
+        self.heads.take_grads(self.wide)
 
     def retrain(self, metas: list[ParamMeta]) -> None:
         raise ValueError("params were frozen or unfrozen after building a flat plan's optimizer; a flat "
@@ -150,8 +155,8 @@ class FlatShards(Mode):
 
     def clear_grads(self) -> None:
         """After a step: the shards hold no gradient, and the wider ones kept for masters go."""
-        for shard in self.shards:
-            shard.grad = None
+        for t in (*self.shards, *self.heads.views.values()):
+            t.grad = None
         self.wide = {}
         if not self.gradients.scaler_sees_grads:  # reduced: whole params' means stay kept until zero_grad
             for i in self.plan.whole:
@@ -174,6 +179,27 @@ class FlatShards(Mode):
         """Start buffer ``k``'s all-gather; returns the works to wait on."""
         rows = self.flats[k].view(self.layout.world_size, self.layout.buffers[k].shard_numel)
         return comm.all_gather_rows(rows, self.state.rank, self.state.process_group, async_op)
+
+
+class HeadViews:
+    """A head buffer's shard (`zero.plans.layout.FlatBuffer.head`) as the local optimizer steps it:
+    a view of each param's whole heads in it, in the param's shape with only those rows (so the
+    rule reads them as heads of that param, by its name), given the rows of the shard's gradient."""
+
+    def __init__(self, tensors: tuple[LocalTensor, ...], shards: list[torch.Tensor]):
+        self.shards = shards
+        self.views = {(t.buffer, t.piece): shards[t.buffer][t.offset:t.offset + t.numel].view(t.shape)
+                      for t in tensors if t.piece is not None}
+        self.spans = {(t.buffer, t.piece): (t.offset, t.offset + t.numel) for t in tensors if t.piece is not None}
+
+    def take_grads(self, wide: dict[int, torch.Tensor]) -> None:
+        """Each view's gradient: the rows of its shard's (or, into ``wide``, of the wider one kept
+        by the shard's ``id`` for masters)."""
+        for key, view in self.views.items():
+            shard, (start, end) = self.shards[key[0]], self.spans[key]
+            view.grad = None if shard.grad is None else shard.grad[start:end].view_as(view)
+            if id(shard) in wide:
+                wide[id(view)] = wide[id(shard)][start:end].view_as(view)
 
 
 def _flatten(params: list[torch.Tensor], buf: FlatBuffer) -> torch.Tensor:
