@@ -2,7 +2,8 @@
 
 Under a whole-param plan a rank's local optimizer steps the params the rank owns, whole; under a
 flat plan one 1-D shard per flat buffer, each holding pieces of several params; under a hybrid
-plan both, in each param group its whole params first, then its shards. `holdings` says this
+plan both, in each param group its whole params first, then its shards. A head buffer's shard
+(``split_heads``) is stepped as one tensor per param it holds heads of: a view of those rows. `holdings` says this
 from the plan alone: the local optimizer's tensors in its order (`LocalTensor`), and where each
 piece of each param sits in them (`zero.plans.chunks.Held`). It is the seam between a plan and
 its executors: the sharded rules' pieces, torch's consolidated state dict and DCP's per-FQN
