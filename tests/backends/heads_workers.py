@@ -282,19 +282,21 @@ def _split_plan(named: list, world_size: int, **extra):
                           split_heads=True, **extra)
 
 
-def split_heads_resume(rank: int, world_size: int, path: str, save: bool, options: dict | None = None,
+def split_heads_resume(rank: int, world_size: int, path: str, save: bool, split: bool = True,
                        first: int = 3, steps: int = 3) -> dict:
-    """Per-head Muon under a flat plan that cuts heads (``split_heads``): ``save``: ``first``
-    steps, then zero's DCP checkpoint at ``path`` and torch's consolidated state dict (returned
-    from rank 0); else both loaded at this world size (the consolidated one into a second
-    optimizer) and ``steps`` more steps with each. The params after."""
+    """Per-head Muon under a flat plan that cuts heads (``split_heads``; ``split=False``: the
+    hybrid plan keeping them whole on owners): ``save``: ``first`` steps, then zero's DCP
+    checkpoint at ``path`` and torch's consolidated state dict (from rank 0); else both loaded at
+    this world size (the consolidated one into a second optimizer) and ``steps`` more steps with
+    each. The params after."""
     from zero.backends import checkpoint
 
     def made():
         model = make_model(layers=SPLIT_LAYERS)
         named = list(model.named_parameters())
-        plan = _split_plan(named, world_size)
-        return model, zero.ZeroRedundancyOptimizer(named, rule(layers=SPLIT_LAYERS), plan=plan, **(options or {}))
+        plan = _split_plan(named, world_size) if split else zero.make_plan(
+            zero.param_metas(named), world_size, "flat", optimizer=_split_plan(named, world_size).optimizer)
+        return model, zero.ZeroRedundancyOptimizer(named, rule(layers=SPLIT_LAYERS), plan=plan)
 
     model, opt = made()
     if save:

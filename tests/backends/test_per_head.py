@@ -135,16 +135,21 @@ def test_heads_cut_step_as_owners_do_under_zero2_with_fp32_masters_and_reduction
 
 def test_heads_cut_by_a_flat_plan_resume_from_dcp_and_torchs_dict_at_other_world_sizes(tmp_path):
     """Saved under a ``split_heads`` plan at 2 ranks (zero's DCP checkpoint and torch's
-    consolidated dict), resumed at 3 and 2; saved at 3, resumed at 2: each bit for bit one process."""
+    consolidated dict), resumed at 3 and 2; saved at 3, resumed at 2, and under the plan that
+    keeps the heads whole on owners; saved under that plan, resumed cut: each bit for bit one
+    process."""
     one = run_ranks(w.one_process, 1, 6, w.SPLIT_LAYERS)[0]
-    for saved_at, resumed_at in ((2, 3), (2, 2), (3, 2)):
-        path = str(tmp_path / f"at{saved_at}")
+    # (saved at, cut there, resumed at, cut there): the heads' state moves between cut and whole too
+    for saved_at, cut, resumed_at, cut_after in ((2, True, 3, True), (2, True, 2, True), (3, True, 2, True),
+                                                 (3, True, 2, False), (2, False, 3, True)):
+        path = str(tmp_path / f"at{saved_at}{cut}")
         if (saved_at, resumed_at) != (2, 2):
-            run_ranks(w.split_heads_resume, saved_at, path, True)
-        got = run_ranks(w.split_heads_resume, resumed_at, path, False)[0]
+            run_ranks(w.split_heads_resume, saved_at, path, True, cut)
+        got = run_ranks(w.split_heads_resume, resumed_at, path, False, cut_after)[0]
         for how in ("dcp", "torch"):
             for j, (a, b) in enumerate(zip(got[how], one)):
-                assert torch.equal(a, b), f"{how}: saved at {saved_at}, resumed at {resumed_at}: param {j} differs"
+                assert torch.equal(a, b), f"{how}: saved at {saved_at} (cut {cut}), resumed at {resumed_at} " \
+                                          f"(cut {cut_after}): param {j} differs"
 
 
 def test_split_heads_is_an_option_of_strategy_flat_only(one_rank):
