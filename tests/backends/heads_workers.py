@@ -272,7 +272,7 @@ def zero_split_heads(rank: int, world_size: int, kwargs: dict | None = None, opt
     held = {plan.metas[t.piece].name: t.shape for t in opts[1].executor.state.holdings.tensors if t.piece is not None}
     return {"worst": worst, "whole": [plan.metas[i].name for i in plan.whole], "held": held, "runs": runs,
             "state": opts[1].rank_state.optim.state_nbytes(), "planned_state": plan.ranks[rank].state_bytes,
-            "cut": sorted(plan.metas[i].name for b in plan.flat.buffers if b.head for i in b.params),
+            "cut": sorted(plan.metas[i].name for i in plan.cut_at_heads),
             "head_buffers": sum(1 for b in plan.flat.buffers if b.head)}
 
 
@@ -285,10 +285,14 @@ def _split_plan(named: list, world_size: int, **extra):
 def split_heads_resume(rank: int, world_size: int, path: str, save: bool, split: bool = True,
                        first: int = 3, steps: int = 3) -> dict:
     """Per-head Muon under a flat plan that cuts heads (``split_heads``; ``split=False``: the
-    hybrid plan keeping them whole on owners): ``save``: ``first`` steps, then zero's DCP
-    checkpoint at ``path`` and torch's consolidated state dict (from rank 0); else both loaded at
-    this world size (the consolidated one into a second optimizer) and ``steps`` more steps with
-    each. The params after."""
+    hybrid plan keeping them whole on owners): ``save``: ``first`` steps, then three checkpoints
+    of it: zero's DCP one at ``path``, torch's consolidated state dict (from rank 0) and torch's
+    own ``get_state_dict`` saved by DCP (torchtitan's checkpointer's path); else each loaded at
+    this world size into an optimizer of its own, and ``steps`` more steps with each. The params
+    after, by route."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
     from zero.backends import checkpoint
 
     def made():
@@ -298,27 +302,31 @@ def split_heads_resume(rank: int, world_size: int, path: str, save: bool, split:
             zero.param_metas(named), world_size, "flat", optimizer=_split_plan(named, world_size).optimizer)
         return model, zero.ZeroRedundancyOptimizer(named, rule(layers=SPLIT_LAYERS), plan=plan)
 
-    model, opt = made()
     if save:
+        model, opt = made()
         for k in range(first):
             _grads(model, k)
             opt.step()
         checkpoint.save(path, model, opt)
+        model_sd, optim_sd = get_state_dict(model, opt)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=f"{path}_torch_dcp")
         opt.consolidate_state_dict(to=0)
         if rank == 0:
             torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, f"{path}.pt")
         return {}
-    checkpoint.load(path, model, opt)
-    other, opt2 = made()
+    runs = {route: made() for route in ("dcp", "torch", "torch_dcp")}
+    checkpoint.load(path, *runs["dcp"])
     saved = torch.load(f"{path}.pt", weights_only=False)
-    other.load_state_dict(saved["model"])
-    opt2.load_state_dict(saved["optim"])
+    runs["torch"][0].load_state_dict(saved["model"])
+    runs["torch"][1].load_state_dict(saved["optim"])
+    model_sd, optim_sd = get_state_dict(*runs["torch_dcp"])
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=f"{path}_torch_dcp")
+    set_state_dict(*runs["torch_dcp"], model_state_dict=model_sd, optim_state_dict=optim_sd)
     for k in range(first, first + steps):
-        for m, o in ((model, opt), (other, opt2)):
+        for m, o in runs.values():
             _grads(m, k)
             o.step()
-    return {"dcp": [p.detach().clone() for p in model.parameters()],
-            "torch": [p.detach().clone() for p in other.parameters()]}
+    return {route: [p.detach().clone() for p in m.parameters()] for route, (m, _) in runs.items()}
 
 
 def split_heads_masters(rank: int, world_size: int, options: dict | None = None, steps: int = 6) -> float:

@@ -134,10 +134,10 @@ def test_heads_cut_step_as_owners_do_under_zero2_with_fp32_masters_and_reduction
 
 
 def test_heads_cut_by_a_flat_plan_resume_from_dcp_and_torchs_dict_at_other_world_sizes(tmp_path):
-    """Saved under a ``split_heads`` plan at 2 ranks (zero's DCP checkpoint and torch's
-    consolidated dict), resumed at 3 and 2; saved at 3, resumed at 2, and under the plan that
-    keeps the heads whole on owners; saved under that plan, resumed cut: each bit for bit one
-    process."""
+    """Saved under a ``split_heads`` plan at 2 ranks (zero's DCP checkpoint, torch's consolidated
+    dict, and torch's ``get_state_dict`` saved by DCP as torchtitan's checkpointer does), resumed
+    at 3 and 2; saved at 3, resumed at 2, and under the plan that keeps the heads whole on owners;
+    saved under that plan, resumed cut: each bit for bit one process."""
     one = run_ranks(w.one_process, 1, 6, w.SPLIT_LAYERS)[0]
     # (saved at, cut there, resumed at, cut there): the heads' state moves between cut and whole too
     for saved_at, cut, resumed_at, cut_after in ((2, True, 3, True), (2, True, 2, True), (3, True, 2, True),
@@ -146,7 +146,7 @@ def test_heads_cut_by_a_flat_plan_resume_from_dcp_and_torchs_dict_at_other_world
         if (saved_at, resumed_at) != (2, 2):
             run_ranks(w.split_heads_resume, saved_at, path, True, cut)
         got = run_ranks(w.split_heads_resume, resumed_at, path, False, cut_after)[0]
-        for how in ("dcp", "torch"):
+        for how in ("dcp", "torch", "torch_dcp"):
             for j, (a, b) in enumerate(zip(got[how], one)):
                 assert torch.equal(a, b), f"{how}: saved at {saved_at} (cut {cut}), resumed at {resumed_at} " \
                                           f"(cut {cut_after}): param {j} differs"
@@ -158,7 +158,8 @@ def test_split_heads_is_an_option_of_strategy_flat_only(one_rank):
     from zero.backends import ZeroRedundancyOptimizer as Zero
 
     model = w.make_model()
-    with pytest.raises(ValueError, match=r"split_heads=True cuts strategy='flat''s .* strategy=None keeps every"):
+    with pytest.raises(ValueError, match=r"split_heads=True cuts the per-head matrices of strategy='flat' at head "
+                                         r"edges; strategy=None keeps every"):
         Zero(model.parameters(), w.rule(), split_heads=True)
     plan = Zero(model.parameters(), w.rule(), strategy="flat").plan
     with pytest.raises(ValueError, match=r"a plan given decides its own: make it with zero.make_plan\(\.\.\., "
@@ -168,6 +169,11 @@ def test_split_heads_is_an_option_of_strategy_flat_only(one_rank):
         Zero(model.parameters(), w.rule(), strategy="flat", split_heads="yes")
     one = Zero(list(model.named_parameters()), w.rule(), strategy="flat", split_heads=True).plan
     assert one.split_heads and [one.metas[i].name for i in one.whole] == ["6.weight"]
+    import zero.functional as F  # the factory with its keywords asks the same rule for its heads
+
+    by_factory = Zero(list(model.named_parameters()), F.contrib.muon, strategy="flat", split_heads=True,
+                      learning_rate=0.02, muon_weight_dimension_numbers=w.dims, adam_learning_rate=0.01).plan
+    assert by_factory.fingerprint == one.fingerprint and len(one.cut_at_heads) == 3
     from torch.distributed.fsdp import fully_shard
 
     sharded = fully_shard(w.make_model())

@@ -25,6 +25,7 @@ def test_llama_7b_at_64_ranks_gives_every_rank_48_whole_heads_and_stays_within_t
     plan = zero.make_plan(metas, 64, "flat", "step_flops", _muon_by_heads(metas, 32), split_heads=True)
     (buf,) = [b for b in plan.flat.buffers if b.head]
     assert buf.head == 128 * 4096 and len(buf.params) == 96 and buf.padding == 0
+    assert plan.cut_at_heads == buf.params and all(plan.metas[i].name.endswith(QKV) for i in buf.params)
     assert buf.shard_numel == 48 * buf.head
     assert not any(plan.metas[i].name.endswith(QKV) for i in plan.whole)
     assert plan.max_over_bound <= 1.05

@@ -157,7 +157,7 @@ def check_plan_arguments(plan: Any, strategy: Any, bucket_cap_mb: Any = None, sp
     if not isinstance(split_heads, bool):
         raise TypeError(f"split_heads must be True or False, got {split_heads!r}")
     if split_heads and (strategy != "flat" or plan is not None):
-        raise ValueError("split_heads=True cuts strategy='flat''s per-head matrices at head edges; "
+        raise ValueError("split_heads=True cuts the per-head matrices of strategy='flat' at head edges; "
                          + ("a plan given decides its own: make it with zero.make_plan(..., split_heads=True)"
                             if plan is not None else f"strategy={strategy!r} keeps every param whole"))
     if bucket_cap_mb is not None and (strategy != "flat" or plan is not None):

@@ -74,36 +74,32 @@ def flat_costs(metas, flat: FlatLayout, spec, master_dtype: str | None = None) -
     w = flat.world_size
     per_key = [[b.shard_numel * itemsize(b.dtype)] * w for b in flat.buffers]
     bcast, gather = _sync(per_key, w)
-    pieces, numel = [0] * w, [0] * w
-    for b in flat.buffers:
-        for segs in b.segments:
-            for s in segs:
-                pieces[s.rank] += 1
-                numel[s.rank] += s.end - s.start
-    # State tensors (and master copies) are shaped like the padded shard, one set per buffer, on every rank alike;
-    # a head buffer's are shaped like each param's heads the rank holds (no padding): the matrix rule's state.
-    state = [sum(spec.shard_state_bytes(b.shard_numel, state_itemsize(b.dtype, master_dtype), b.block)
-                 for b in flat.buffers if not b.head)] * w
-    masters = [sum(b.shard_numel * master_itemsize(b.dtype, master_dtype) for b in flat.buffers if not b.head)] * w
-    for b in flat.buffers:
-        if b.head:
-            held = _held(b, w)
-            state = [s + spec.shard_state_bytes(n, state_itemsize(b.dtype, master_dtype), b.head) if n else s
-                     for s, n in zip(state, held)]
-            masters = [m + n * master_itemsize(b.dtype, master_dtype) for m, n in zip(masters, held)]
+    held = [_held(b, w) for b in flat.buffers]
+    pieces = [sum(p[r] for p, _ in held) for r in range(w)]
+    numel = [sum(n[r] for _, n in held) for r in range(w)]
+    state, masters = [0] * w, [0] * w
+    for b, (_, n) in zip(flat.buffers, held):
+        size, wide = state_itemsize(b.dtype, master_dtype), master_itemsize(b.dtype, master_dtype)
+        # State tensors (and master copies) are shaped like the padded shard, one set per buffer on every rank;
+        # a head buffer's like each param's heads a rank holds (no padding): the matrix rule's state.
+        counts = n if b.head else [b.shard_numel] * w
+        one = {c: spec.shard_state_bytes(c, size, b.block or b.head) if c or not b.head else 0 for c in set(counts)}
+        state = [s + one[c] for s, c in zip(state, counts)]
+        masters = [m + c * wide for m, c in zip(masters, counts)]
     grad_shard = sum(b.shard_numel * itemsize(b.dtype) for b in flat.buffers)
     padding = sum(b.padding * itemsize(b.dtype) for b in flat.buffers)
     return tuple(RankCost(r, pieces[r], numel[r], flat.shard_numel, param_bytes, grad_bytes, state[r],
                           padding, bcast[r], gather[r], masters[r], grad_shard) for r in range(w))
 
 
-def _held(buf, world_size: int) -> list[int]:
-    """The elements of params each rank holds in ``buf`` (its shard less padding)."""
-    out = [0] * world_size
+def _held(buf, world_size: int) -> tuple[list[int], list[int]]:
+    """Per rank, the pieces of params it holds in ``buf`` and their elements (its shard less padding)."""
+    pieces, elements = [0] * world_size, [0] * world_size
     for segs in buf.segments:
         for s in segs:
-            out[s.rank] += s.end - s.start
-    return out
+            pieces[s.rank] += 1
+            elements[s.rank] += s.end - s.start
+    return pieces, elements
 
 
 # The ZeRO paper's rows (its Figure 1): what the busiest rank holds as more is sharded.

@@ -239,10 +239,9 @@ def _int64_bytes(values: list[int]) -> bytes:
 def _whole_names(plan: Plan) -> list[str] | None:
     """The ``whole=`` that makes the plan again: its whole params, and those it cut at head edges
     (which ``split_heads`` cuts again)."""
-    cut = [i for b in plan.flat.buffers if b.head for i in b.params] if plan.split_heads else []
-    if not plan.hybrid and not cut:
+    if not plan.hybrid and not plan.split_heads:
         return None
-    return [plan.metas[i].name for i in sorted({*plan.whole, *cut})]
+    return [plan.metas[i].name for i in sorted({*plan.whole, *plan.cut_at_heads})]
 
 
 def _payload(plan: Plan) -> dict:

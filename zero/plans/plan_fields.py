@@ -41,7 +41,12 @@ class PlanFields:
         return bool(self.whole)
 
     @property
+    def cut_at_heads(self) -> tuple[int, ...]:
+        """The params in head buffers (``make_plan(..., split_heads=True)``), cut at head edges,
+        each rank stepping whole heads of them; in buffer order."""
+        return tuple(i for b in self.flat.buffers if b.head for i in b.params) if self.flat is not None else ()
+
+    @property
     def split_heads(self) -> bool:
-        """A flat plan with head buffers (``make_plan(..., split_heads=True)``): some params cut at
-        head edges, each rank stepping whole heads of them."""
-        return self.flat is not None and any(b.head for b in self.flat.buffers)
+        """A flat plan with head buffers: some params cut at head edges (`cut_at_heads`)."""
+        return bool(self.cut_at_heads)

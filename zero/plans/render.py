@@ -23,7 +23,7 @@ def strategy(plan) -> str:
         cut = sum(len(b.params) for b in plan.flat.buffers if b.block)
         name += f" ({cut} params cut at blocks of {', '.join(map(str, blocks))})"
     if plan.split_heads:
-        name += f" ({sum(len(b.params) for b in plan.flat.buffers if b.head)} params cut at head edges)"
+        name += f" ({len(plan.cut_at_heads)} params cut at head edges)"
     return name
 
 

@@ -40,7 +40,7 @@ class Placed:
             raise ValueError(f"the plan is for {plan.world_size} ranks but mesh axis {axis!r} has "
                              f"{mesh.shape[axis]} devices: make the plan for {mesh.shape[axis]}")
         if plan.split_heads:  # each rank's heads would be a piece of its buffer row, not a leaf of Optax's tree
-            cut = [plan.metas[i].name for b in plan.flat.buffers if b.head for i in b.params]
+            cut = [plan.metas[i].name for i in plan.cut_at_heads]
             raise ValueError(f"the plan cuts {cut[0]!r} ({len(cut)} params) at head edges (split_heads=True), which "
                              "zero.ZeroRedundancyOptimizer executes; a mesh steps per-head params whole on their "
                              "owners, each head one batched matrix: make the plan without split_heads")

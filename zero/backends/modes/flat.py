@@ -66,7 +66,7 @@ class FlatShards(Mode):
 
     def tensor(self, t: LocalTensor) -> torch.Tensor:
         if t.piece is not None:
-            return self.heads.views[t.buffer, t.piece]
+            return self.heads.view(t)
         return self.params[t.param] if t.whole else self.shards[t.buffer]  # whole: a hybrid plan's
 
     def step(self, closure: Callable[[], float] | None, kwargs: dict, begin: Begin) -> Any:
@@ -155,8 +155,9 @@ class FlatShards(Mode):
 
     def clear_grads(self) -> None:
         """After a step: the shards hold no gradient, and the wider ones kept for masters go."""
-        for t in (*self.shards, *self.heads.views.values()):
-            t.grad = None
+        for shard in self.shards:
+            shard.grad = None
+        self.heads.clear_grads()
         self.wide = {}
         if not self.gradients.scaler_sees_grads:  # reduced: whole params' means stay kept until zero_grad
             for i in self.plan.whole:
@@ -187,19 +188,25 @@ class HeadViews:
     rule reads them as heads of that param, by its name), given the rows of the shard's gradient."""
 
     def __init__(self, tensors: tuple[LocalTensor, ...], shards: list[torch.Tensor]):
-        self.shards = shards
-        self.views = {(t.buffer, t.piece): shards[t.buffer][t.offset:t.offset + t.numel].view(t.shape)
-                      for t in tensors if t.piece is not None}
-        self.spans = {(t.buffer, t.piece): (t.offset, t.offset + t.numel) for t in tensors if t.piece is not None}
+        # per (buffer, param): the view, its shard, and where it lies in the shard
+        self.held = {(t.buffer, t.piece): (shards[t.buffer][t.offset:t.offset + t.numel].view(t.shape),
+                                           shards[t.buffer], t.offset, t.offset + t.numel)
+                     for t in tensors if t.piece is not None}
+
+    def view(self, t: LocalTensor) -> torch.Tensor:
+        return self.held[t.buffer, t.piece][0]
 
     def take_grads(self, wide: dict[int, torch.Tensor]) -> None:
         """Each view's gradient: the rows of its shard's (or, into ``wide``, of the wider one kept
         by the shard's ``id`` for masters)."""
-        for key, view in self.views.items():
-            shard, (start, end) = self.shards[key[0]], self.spans[key]
+        for view, shard, start, end in self.held.values():
             view.grad = None if shard.grad is None else shard.grad[start:end].view_as(view)
             if id(shard) in wide:
                 wide[id(view)] = wide[id(shard)][start:end].view_as(view)
+
+    def clear_grads(self) -> None:
+        for view, *_ in self.held.values():
+            view.grad = None
 
 
 def _flatten(params: list[torch.Tensor], buf: FlatBuffer) -> torch.Tensor:
